@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Sets up a fresh Debian 12 machine to build, test, benchmark and demo tenantvm.
+# Idempotent: run it as often as you like. Needs root (or sudo) for apt.
+#
+# What it does:
+#   1. installs the Debian packages the build, tests and demo need;
+#   2. adds the Rust target the no_std test guests are built for;
+#   3. fetches the stock Debian kernel package (linux-image-amd64) into .cache/kernel/
+#      and extracts its ELF vmlinux next to the bzImage. Nothing fetched is committed.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cache="$root/.cache"
+mkdir -p "$cache"
+
+say() { printf '\033[1msetup:\033[0m %s\n' "$*"; }
+
+sudo_cmd=()
+if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
+
+packages=(
+    # QEMU: the compatibility backend, software emulation of Linux guests here, and
+    # the peer that scripts/bench.sh measures tenantvm-vmm against.
+    qemu-system-x86 qemu-utils
+    # Benchmarks.
+    hyperfine
+    # Kernel package handling.
+    xz-utils zstd cpio
+    # Build tools for -sys crates.
+    pkg-config build-essential
+)
+
+missing=()
+for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    say "installing ${missing[*]}"
+    "${sudo_cmd[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+else
+    say "Debian packages present"
+fi
+
+if command -v rustup >/dev/null 2>&1; then
+    rustup target list --installed | grep -qx x86_64-unknown-none || {
+        say "adding Rust target x86_64-unknown-none (test guests)"
+        rustup target add x86_64-unknown-none
+    }
+    for c in rustfmt clippy; do
+        rustup component list --installed | grep -q "^$c" || rustup component add "$c"
+    done
+fi
+
+# The stock Debian kernel, for the boot tests and benchmarks.
+kdir="$cache/kernel"
+if [ ! -f "$kdir/vmlinux" ] || [ ! -f "$kdir/vmlinuz" ]; then
+    say "fetching the stock Debian kernel (linux-image-amd64)"
+    "${sudo_cmd[@]}" apt-get update -qq
+    pkg="$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')"
+    [ -n "$pkg" ] || { echo "setup: cannot resolve linux-image-amd64 to a kernel package" >&2; exit 1; }
+    rm -rf "$kdir.tmp" && mkdir -p "$kdir.tmp"
+    (cd "$kdir.tmp" && apt-get download "$pkg" >/dev/null)
+    dpkg-deb -x "$kdir.tmp"/*.deb "$kdir.tmp/root"
+    mkdir -p "$kdir"
+    cp "$kdir.tmp"/root/boot/vmlinuz-* "$kdir/vmlinuz"
+    cp "$kdir.tmp"/root/boot/config-* "$kdir/config"
+    ver="$(basename "$kdir.tmp"/root/lib/modules/*)"
+    rm -rf "$kdir/modules" && mv "$kdir.tmp/root/lib/modules/$ver" "$kdir/modules"
+    echo "$ver" >"$kdir/version"
+    echo "$pkg" >"$kdir/package"
+    python3 "$root/scripts/extract-vmlinux.py" "$kdir/vmlinuz" "$kdir/vmlinux"
+    rm -rf "$kdir.tmp"
+fi
+say "kernel $(cat "$kdir/version"): $kdir/vmlinux (ELF), $kdir/vmlinuz (bzImage)"
+say "done"

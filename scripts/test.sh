@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs the whole test suite: unit tests, the VMM's tests against real KVM with the in-tree
+# test guests, and the orchestrator's end-to-end tests. Tests that need hardware this
+# machine lacks (a GPU, an IOMMU, /dev/kvm, root) skip with a printed reason.
+#
+# usage: scripts/test.sh [extra cargo test arguments]
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+# The no_std test guests are their own workspace (own target, own profiles).
+if [ -x scripts/build-test-guests.sh ]; then
+    scripts/build-test-guests.sh
+fi
+
+# Build the binaries the integration tests launch, then run everything.
+cargo build --workspace --bins
+cargo test --workspace "$@"
