@@ -1,1 +1,3 @@
-//! placeholder
+//! tenantvm-vmm: one tenant's virtual machine monitor.
+
+pub mod acpi;
