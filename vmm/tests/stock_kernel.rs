@@ -5,7 +5,7 @@
 mod common;
 
 use std::io::Read;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -26,7 +26,7 @@ fn stock_vmlinux(test: &str) -> Option<PathBuf> {
 
 /// Boots `kernel` with `--boot boot` and returns the serial output once it shows
 /// [`FIRST_LINE`], or everything seen when the timeout passed.
-fn boot_to_first_line(kernel: &PathBuf, boot: &str) -> (bool, String) {
+fn boot_to_first_line(kernel: &Path, boot: &str) -> (bool, String) {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("serial.log");
     let mut child = common::vmm()
