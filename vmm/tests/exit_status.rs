@@ -88,3 +88,66 @@ fn pvpanic_exits_5() {
     let (status, _) = run_guest(&[0x66, 0xba, 0x05, 0x05, 0xb0, 0x01, 0xee, 0xf4], &[]);
     assert_eq!(status, Some(5));
 }
+
+#[test]
+fn bzimage_64bit_entry_runs_and_powers_off() {
+    if !common::kvm_available("bzimage_64bit_entry_runs_and_powers_off") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = write_file(dir.path(), "bzImage", &common::tiny_bzimage(HELLO_POWEROFF));
+    let out = vmm()
+        .args(["--kernel", kernel.to_str().unwrap(), "--memory-mib", "32"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n");
+}
+
+#[test]
+fn serial_input_from_stdin_reaches_the_guest() {
+    if !common::kvm_available("serial_input_from_stdin_reaches_the_guest") {
+        return;
+    }
+    // Echo loop: wait for LSR.DR, read RBR, write it back to THR; power off on '!'.
+    #[rustfmt::skip]
+    let echo: &[u8] = &[
+        0x66, 0xba, 0xfd, 0x03,       // 0: mov dx, 0x3fd (LSR)
+        0xec,                         // 4: in al, dx
+        0xa8, 0x01,                   // 5: test al, 1
+        0x74, 0xf7,                   // 7: jz 0
+        0x66, 0xba, 0xf8, 0x03,       // 9: mov dx, 0x3f8
+        0xec,                         // 13: in al, dx
+        0xee,                         // 14: out dx, al
+        0x3c, b'!',                   // 15: cmp al, '!'
+        0x75, 0xed,                   // 17: jne 0
+        0x66, 0xba, 0x00, 0x06,       // 19: mov dx, 0x600
+        0xb0, 0x34, 0xee, 0xf4,       // 23: mov al, 0x34; out dx, al; hlt
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = write_file(dir.path(), "echo.elf", &tiny_elf(echo, 0));
+    let mut child = vmm()
+        .args(["--kernel", kernel.to_str().unwrap(), "--memory-mib", "32"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let input: Vec<u8> = (0..300)
+        .map(|i| b'a' + (i % 26) as u8)
+        .chain(*b"!")
+        .collect();
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(&input).unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(out.stdout, input, "every byte echoed back in order");
+}

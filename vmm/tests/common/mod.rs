@@ -86,3 +86,27 @@ pub fn status_and_stderr(out: &Output) -> (Option<i32>, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// A minimal bzImage: a boot sector plus one setup sector holding a Linux boot protocol
+/// 2.15 setup header that declares a 64-bit entry (XLF_KERNEL_64), then a protected-mode
+/// kernel whose 64-bit entry, at +0x200, is `code`.
+pub fn tiny_bzimage(code: &[u8]) -> Vec<u8> {
+    const SETUP_SECTS: u8 = 1;
+    let mut img = vec![0u8; (usize::from(SETUP_SECTS) + 1) * 512];
+    let mut put =
+        |offset: usize, bytes: &[u8]| img[offset..offset + bytes.len()].copy_from_slice(bytes);
+    put(0x1f1, &[SETUP_SECTS]);
+    put(0x1fe, &0xaa55u16.to_le_bytes()); // boot_flag
+    put(0x202, b"HdrS");
+    put(0x206, &0x020fu16.to_le_bytes()); // version 2.15
+    put(0x211, &[0x01]); // loadflags: LOADED_HIGH
+    put(0x214, &0x10_0000u32.to_le_bytes()); // code32_start
+    put(0x22c, &0x7fff_ffffu32.to_le_bytes()); // initrd_addr_max
+    put(0x236, &0x0001u16.to_le_bytes()); // xloadflags: XLF_KERNEL_64
+    put(0x238, &4096u32.to_le_bytes()); // cmdline_size
+    put(0x260, &0x10_0000u32.to_le_bytes()); // init_size: 1 MiB
+    let mut kernel = vec![0xf4u8; 0x200]; // hlt: the 32-bit entry is never used
+    kernel.extend_from_slice(code);
+    img.extend_from_slice(&kernel);
+    img
+}
