@@ -249,6 +249,28 @@ unsafe fn io_access_width(run: *const kvm_run) -> usize {
     usize::from(size).max(1)
 }
 
+/// The suberror of a KVM_EXIT_INTERNAL_ERROR.
+///
+/// # Safety
+/// `run` must point at the vCPU's mapped `kvm_run` and the last exit must be
+/// KVM_EXIT_INTERNAL_ERROR.
+unsafe fn internal_error_suberror(run: *const kvm_run) -> u32 {
+    // SAFETY: the caller guarantees the mapping is live and `internal` is the active member.
+    unsafe { (*run).__bindgen_anon_1.internal.suberror }
+}
+
+fn describe_internal_error(suberror: u32) -> &'static str {
+    match suberror {
+        // Seen on nested AMD hosts without NRIPS, where KVM emulates software interrupts
+        // (int3, int n): an `int` through an empty IDT ends here, not in a triple fault.
+        1 => "KVM could not emulate an instruction",
+        2 => "an exception occurred while KVM emulated an instruction",
+        3 => "an exception occurred while delivering an event",
+        4 => "unexpected exit reason from hardware",
+        _ => "unknown suberror",
+    }
+}
+
 fn vcpu_loop(mut fd: VcpuFd, buses: &Buses, control: &VcpuControl, exit: &ExitState) {
     // The kvm_run mapping lives as long as `fd`; it is read only for the I/O access width.
     let run: *const kvm_run = fd.get_kvm_run();
@@ -294,9 +316,14 @@ fn vcpu_loop(mut fd: VcpuFd, buses: &Buses, control: &VcpuControl, exit: &ExitSt
             Ok(VcpuExit::FailEntry(reason, cpu)) => Some(ExitReason::GuestUnrunnable(format!(
                 "VM entry failed (hardware reason {reason:#x}, cpu {cpu})"
             ))),
-            Ok(VcpuExit::InternalError) => Some(ExitReason::GuestUnrunnable(
-                "KVM internal error (often an instruction KVM cannot emulate)".into(),
-            )),
+            Ok(VcpuExit::InternalError) => {
+                // SAFETY: `run` is this vCPU's kvm_run and the exit is KVM_EXIT_INTERNAL_ERROR.
+                let suberror = unsafe { internal_error_suberror(run) };
+                Some(ExitReason::GuestUnrunnable(format!(
+                    "KVM internal error {suberror} ({})",
+                    describe_internal_error(suberror)
+                )))
+            }
             Ok(other) => Some(ExitReason::GuestUnrunnable(format!(
                 "unhandled vCPU exit {other:?}"
             ))),
