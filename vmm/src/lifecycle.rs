@@ -187,8 +187,9 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
                         handle_command(command, &vcpus, &mut paused, config, started, &exit)
                     });
                     if state == ConnectionState::Closed {
-                        // The fd is already closed, which removes it from the epoll set.
+                        // Failing to unwatch is harmless: closing the fd unwatches it too.
                         let _ = epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
+                        api.close(fd);
                     }
                 }
             }
