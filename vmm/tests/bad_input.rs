@@ -218,10 +218,11 @@ fn dev_kvm_that_is_not_kvm_exits_16() {
     let dir = tempfile::tempdir().unwrap();
     let kernel = tiny_kernel(dir.path());
     let fake = write_file(dir.path(), "not-kvm", b"");
-    let setup = format!(
-        "touch /dev/kvm 2>/dev/null; mount --bind {} /dev/kvm",
-        fake.display()
-    );
+    if !std::path::Path::new("/dev/kvm").exists() {
+        eprintln!("skipping dev_kvm_that_is_not_kvm_exits_16: no /dev/kvm to cover");
+        return;
+    }
+    let setup = format!("mount --bind {} /dev/kvm", fake.display());
     let Some((status, stderr)) = run_with_private_dev(&setup, &kernel) else {
         return;
     };
