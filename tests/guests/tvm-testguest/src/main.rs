@@ -76,14 +76,24 @@ fn crash() -> ! {
     triple_fault()
 }
 
-/// Loads an empty IDT and raises an exception: no handler, no double-fault handler, so
-/// the CPU shuts down (KVM_EXIT_SHUTDOWN).
+/// Loads an empty IDT and divides by zero: no #DE handler, no #GP or double-fault handler,
+/// so the CPU shuts down (KVM_EXIT_SHUTDOWN). #DE rather than int3 or ud2 because KVM
+/// intercepts #BP and #UD and may try to emulate around them.
 fn triple_fault() -> ! {
     let idtr = [0u16; 5];
-    // SAFETY: deliberately unrecoverable: the empty IDT turns the breakpoint into a triple
-    // fault, which ends this VM; nothing runs after it.
+    // SAFETY: deliberately unrecoverable: with the empty IDT the divide error becomes a
+    // triple fault, which ends this VM; nothing runs after it.
     unsafe {
-        core::arch::asm!("lidt [{0}]", "int3", in(reg) idtr.as_ptr(), options(nostack));
+        core::arch::asm!(
+            "lidt [{idtr}]",
+            "xor edx, edx",
+            "xor eax, eax",
+            "xor ecx, ecx",
+            "div ecx",
+            idtr = in(reg) idtr.as_ptr(),
+            out("eax") _, out("ecx") _, out("edx") _,
+            options(nostack)
+        );
     }
     io::halt_forever()
 }
