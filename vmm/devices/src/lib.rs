@@ -5,3 +5,6 @@
 //! error status and a counter, and never panic on guest input.
 
 pub mod bus;
+pub mod pci;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod test_utils;

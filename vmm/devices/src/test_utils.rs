@@ -1,0 +1,81 @@
+//! Fakes for tests: named as fakes, never used by the VMM.
+
+use std::sync::Mutex;
+
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::pci::{MsiInterruptSink, MsiMessage, MsiSinkError};
+
+/// A fake [`MsiInterruptSink`]: one EventFd per vector (as KVM irqfds would be), and a
+/// record of every route update and trigger.
+pub struct FakeMsiSink {
+    eventfds: Vec<EventFd>,
+    routes: Mutex<Vec<Option<(MsiMessage, bool)>>>,
+    triggered: Mutex<Vec<(u16, MsiMessage)>>,
+}
+
+impl FakeMsiSink {
+    /// A sink for `vectors` vectors.
+    pub fn new(vectors: u16) -> Self {
+        Self {
+            eventfds: (0..vectors)
+                .map(|_| EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"))
+                .collect(),
+            routes: Mutex::new(vec![None; usize::from(vectors)]),
+            triggered: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Every trigger so far, in order.
+    pub fn triggered(&self) -> Vec<(u16, MsiMessage)> {
+        self.triggered.lock().unwrap().clone()
+    }
+
+    /// The last route pushed for `vector`: message and masked state.
+    pub fn route(&self, vector: u16) -> Option<(MsiMessage, bool)> {
+        self.routes
+            .lock()
+            .unwrap()
+            .get(usize::from(vector))
+            .copied()
+            .flatten()
+    }
+
+    /// Reads (and resets) the EventFd counter of `vector`; 0 when nothing fired.
+    pub fn eventfd_count(&self, vector: u16) -> u64 {
+        self.eventfds
+            .get(usize::from(vector))
+            .and_then(|e| e.read().ok())
+            .unwrap_or(0)
+    }
+}
+
+impl MsiInterruptSink for FakeMsiSink {
+    fn update(&self, vector: u16, message: MsiMessage, masked: bool) -> Result<(), MsiSinkError> {
+        let mut routes = self.routes.lock().unwrap();
+        let slot = routes
+            .get_mut(usize::from(vector))
+            .ok_or(MsiSinkError::Route {
+                vector,
+                reason: "no such vector in the fake".into(),
+            })?;
+        *slot = Some((message, masked));
+        Ok(())
+    }
+
+    fn trigger(&self, vector: u16, message: MsiMessage) -> Result<(), MsiSinkError> {
+        let fd = self
+            .eventfds
+            .get(usize::from(vector))
+            .ok_or(MsiSinkError::Trigger {
+                vector,
+                reason: "no such vector in the fake".into(),
+            })?;
+        fd.write(1).map_err(|e| MsiSinkError::Trigger {
+            vector,
+            reason: e.to_string(),
+        })?;
+        self.triggered.lock().unwrap().push((vector, message));
+        Ok(())
+    }
+}
