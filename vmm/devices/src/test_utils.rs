@@ -79,3 +79,15 @@ impl MsiInterruptSink for FakeMsiSink {
         Ok(())
     }
 }
+
+/// Waits until `cond` holds, for at most 10 s (a failure guard, not a timing assertion).
+pub fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !cond() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}

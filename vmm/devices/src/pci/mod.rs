@@ -16,8 +16,8 @@ pub use allocator::{
 pub use config::{BarKind, BarMove, PciConfigError, PciConfiguration, PciHeader};
 pub use msix::{MsiInterruptSink, MsiMessage, MsiSinkError, MsixConfig, MsixMetrics};
 pub use root::{
-    BarRelocation, BarRelocationError, PciConfigIo, PciConfigMmio, PciDevice, PciRoot,
-    PciRootError, PciRootMetrics, SharedPciDevice,
+    BarRelocation, BarRelocationError, PciBarWindow, PciConfigIo, PciConfigMmio, PciDevice,
+    PciRoot, PciRootError, PciRootMetrics, SharedPciDevice,
 };
 
 /// Standard PCI capability IDs used here.

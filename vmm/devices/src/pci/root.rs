@@ -232,6 +232,30 @@ impl PciRoot {
     }
 }
 
+/// One BAR of a PCI device as a bus device: the VMM inserts it on the MMIO (or port I/O)
+/// bus at the BAR's address and moves it when the guest moves the BAR.
+pub struct PciBarWindow {
+    device: SharedPciDevice,
+    bar: usize,
+}
+
+impl PciBarWindow {
+    /// Routes accesses to BAR `bar` of `device`.
+    pub fn new(device: SharedPciDevice, bar: usize) -> Self {
+        Self { device, bar }
+    }
+}
+
+impl BusDevice for PciBarWindow {
+    fn read(&mut self, _base: u64, offset: u64, data: &mut [u8]) {
+        lock(&self.device).bar_read(self.bar, offset, data);
+    }
+
+    fn write(&mut self, _base: u64, offset: u64, data: &[u8]) {
+        lock(&self.device).bar_write(self.bar, offset, data);
+    }
+}
+
 fn lock_root(root: &Mutex<PciRoot>) -> MutexGuard<'_, PciRoot> {
     root.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
