@@ -91,3 +91,38 @@ pub fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
+
+/// A fake [`VirtioInterrupt`](crate::virtio::VirtioInterrupt) that records what the
+/// device raised.
+#[derive(Default)]
+pub struct FakeInterrupt {
+    raised: Mutex<Vec<crate::virtio::VirtioInterruptType>>,
+    needs_reset: std::sync::atomic::AtomicBool,
+}
+
+impl FakeInterrupt {
+    /// Everything raised so far.
+    pub fn raised(&self) -> Vec<crate::virtio::VirtioInterruptType> {
+        self.raised.lock().unwrap().clone()
+    }
+
+    /// Whether the device asked for a reset.
+    pub fn needs_reset(&self) -> bool {
+        self.needs_reset.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl crate::virtio::VirtioInterrupt for FakeInterrupt {
+    fn trigger(
+        &self,
+        kind: crate::virtio::VirtioInterruptType,
+    ) -> Result<(), crate::virtio::VirtioInterruptError> {
+        self.raised.lock().unwrap().push(kind);
+        Ok(())
+    }
+
+    fn signal_needs_reset(&self) {
+        self.needs_reset
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}

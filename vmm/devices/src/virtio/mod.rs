@@ -11,6 +11,7 @@
 //! - interrupts leave through [`VirtioInterrupt`], which the transport implements with
 //!   MSI-X and the VMM's [`crate::pci::MsiInterruptSink`].
 
+pub mod block;
 mod event_loop;
 pub mod transport;
 
