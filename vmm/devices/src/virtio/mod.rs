@@ -14,6 +14,7 @@
 pub mod block;
 mod event_loop;
 pub mod transport;
+pub mod vsock;
 
 use std::sync::{Arc, Mutex};
 

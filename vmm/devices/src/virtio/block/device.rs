@@ -156,3 +156,65 @@ impl VirtioDevice for Block {
 
     fn reset(&mut self) {}
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(path: PathBuf, read_only: bool) -> BlockConfig {
+        BlockConfig {
+            path,
+            read_only,
+            id: None,
+            rate_limit: None,
+        }
+    }
+
+    #[test]
+    fn missing_image_error_names_the_path() {
+        let err = Block::new(&config("/nonexistent/disk.img".into(), false))
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("/nonexistent/disk.img"), "{err}");
+    }
+
+    #[test]
+    fn tiny_image_and_long_id_are_refused() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), [0u8; 100]).unwrap();
+        assert!(matches!(
+            Block::new(&config(file.path().into(), false)),
+            Err(BlockError::Disk(DiskError::TooSmall(_)))
+        ));
+        std::fs::write(file.path(), [0u8; 4096]).unwrap();
+        let long = BlockConfig {
+            id: Some("x".repeat(21)),
+            ..config(file.path().into(), false)
+        };
+        assert!(matches!(Block::new(&long), Err(BlockError::IdTooLong(_))));
+    }
+
+    #[test]
+    fn read_only_disk_offers_ro_and_no_discard() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), [0u8; 8192]).unwrap();
+        let ro = Block::new(&config(file.path().into(), true)).unwrap();
+        assert_ne!(ro.avail_features() & features::RO, 0);
+        assert_eq!(
+            ro.avail_features() & (features::DISCARD | features::WRITE_ZEROES),
+            0
+        );
+        let rw = Block::new(&config(file.path().into(), false)).unwrap();
+        assert_eq!(rw.avail_features() & features::RO, 0);
+        let mut capacity = [0u8; 8];
+        rw.read_config(0, &mut capacity);
+        assert_eq!(u64::from_le_bytes(capacity), 16);
+    }
+
+    #[test]
+    fn config_rejects_unknown_fields() {
+        let err =
+            serde_json::from_str::<BlockConfig>(r#"{"path":"/x","readonly":true}"#).unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
+    }
+}
