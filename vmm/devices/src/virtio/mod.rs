@@ -12,7 +12,9 @@
 //!   MSI-X and the VMM's [`crate::pci::MsiInterruptSink`].
 
 pub mod block;
+pub mod chain;
 mod event_loop;
+pub mod rng;
 pub mod transport;
 pub mod vsock;
 

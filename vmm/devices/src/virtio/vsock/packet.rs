@@ -10,7 +10,9 @@
 use std::ops::Deref;
 
 use virtio_queue::DescriptorChain;
-use vm_memory::{Bytes, GuestAddress, GuestMemory, Permissions};
+use vm_memory::GuestMemory;
+
+use crate::virtio::chain::ChainError;
 
 use super::{op, HOST_CID, MAX_PKT_PAYLOAD, TYPE_STREAM};
 
@@ -160,17 +162,9 @@ pub fn validate_tx(
     Ok(())
 }
 
-/// One buffer of a chain.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Buffer {
-    /// Guest address.
-    pub addr: GuestAddress,
-    /// Length.
-    pub len: u32,
-}
+pub use crate::virtio::chain::{gather, scatter, total_len, Buffer};
 
-/// Reads the buffers of `chain`, which must all have direction `writable` and lie in
-/// guest memory, and number at most `queue_size`.
+/// Reads the buffers of a chain (see [`crate::virtio::chain::collect`]).
 pub fn collect<M, G>(
     chain: DescriptorChain<M>,
     mem: &G,
@@ -182,102 +176,11 @@ where
     M::Target: GuestMemory,
     G: GuestMemory + ?Sized,
 {
-    let mut out = Vec::new();
-    let mut last_has_next = false;
-    for desc in chain {
-        if out.len() >= usize::from(queue_size) {
-            return Err(VsockPacketError::BadChain);
-        }
-        if desc.is_write_only() != writable {
-            return Err(VsockPacketError::WrongDirection);
-        }
-        if !mem.check_range(desc.addr(), desc.len() as usize, Permissions::ReadWrite) {
-            return Err(VsockPacketError::OutsideMemory {
-                addr: desc.addr().0,
-                len: desc.len(),
-            });
-        }
-        last_has_next = desc.has_next();
-        out.push(Buffer {
-            addr: desc.addr(),
-            len: desc.len(),
-        });
-    }
-    if out.is_empty() || last_has_next {
-        return Err(VsockPacketError::BadChain);
-    }
-    Ok(out)
-}
-
-/// Total bytes of `bufs`.
-pub fn total_len(bufs: &[Buffer]) -> usize {
-    bufs.iter().map(|b| b.len as usize).sum()
-}
-
-/// Copies `out.len()` bytes starting at logical `offset` of `bufs` into `out`.
-pub fn gather<M: GuestMemory + ?Sized>(
-    mem: &M,
-    bufs: &[Buffer],
-    mut offset: usize,
-    out: &mut [u8],
-) -> bool {
-    let mut done = 0;
-    for b in bufs {
-        if done == out.len() {
-            break;
-        }
-        let len = b.len as usize;
-        if offset >= len {
-            offset -= len;
-            continue;
-        }
-        let n = (len - offset).min(out.len() - done);
-        if mem
-            .read_slice(
-                &mut out[done..done + n],
-                GuestAddress(b.addr.0 + offset as u64),
-            )
-            .is_err()
-        {
-            return false;
-        }
-        done += n;
-        offset = 0;
-    }
-    done == out.len()
-}
-
-/// Copies `data` into `bufs` at logical `offset`.
-pub fn scatter<M: GuestMemory + ?Sized>(
-    mem: &M,
-    bufs: &[Buffer],
-    mut offset: usize,
-    data: &[u8],
-) -> bool {
-    let mut done = 0;
-    for b in bufs {
-        if done == data.len() {
-            break;
-        }
-        let len = b.len as usize;
-        if offset >= len {
-            offset -= len;
-            continue;
-        }
-        let n = (len - offset).min(data.len() - done);
-        if mem
-            .write_slice(
-                &data[done..done + n],
-                GuestAddress(b.addr.0 + offset as u64),
-            )
-            .is_err()
-        {
-            return false;
-        }
-        done += n;
-        offset = 0;
-    }
-    done == data.len()
+    crate::virtio::chain::collect(chain, mem, queue_size, writable).map_err(|e| match e {
+        ChainError::BadChain => VsockPacketError::BadChain,
+        ChainError::WrongDirection => VsockPacketError::WrongDirection,
+        ChainError::OutsideMemory { addr, len } => VsockPacketError::OutsideMemory { addr, len },
+    })
 }
 
 #[cfg(test)]
