@@ -93,7 +93,9 @@ impl VirtioPciDevice {
             return Err(VirtioPciError::NotModern(kind));
         }
         let sizes = device.queue_max_sizes();
-        let max_queues = (NOTIFY_SIZE / u64::from(NOTIFY_OFF_MULTIPLIER)) as usize;
+        // The MSI-X table (queues + 1 vectors of 16 bytes) must fit below the PBA.
+        let max_queues = ((MSIX_PBA_OFFSET - MSIX_TABLE_OFFSET) / 16 - 1)
+            .min(NOTIFY_SIZE / u64::from(NOTIFY_OFF_MULTIPLIER)) as usize;
         if sizes.is_empty() || sizes.len() > max_queues {
             return Err(VirtioPciError::Queues(kind));
         }
