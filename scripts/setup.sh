@@ -28,6 +28,9 @@ packages=(
     xz-utils zstd cpio
     # Build tools for -sys crates.
     pkg-config build-essential
+    # Tenant disks: libcryptsetup-rs links libcryptsetup (bindgen needs libclang);
+    # the tests check images with the stock cryptsetup tool.
+    libcryptsetup-dev libclang-dev cryptsetup-bin
 )
 
 missing=()

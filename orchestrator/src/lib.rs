@@ -1,1 +1,3 @@
-//! placeholder
+//! tenantvm: one GPU host, several untrusted tenants, one KVM VM each.
+
+pub mod keys;

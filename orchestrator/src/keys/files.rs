@@ -1,0 +1,124 @@
+//! Private files: created 0600, written atomically (temporary file, fsync, rename, fsync of the
+//! directory), and checked to be root-only when read.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::Path;
+
+/// Why a private file was refused when read.
+#[derive(Debug, thiserror::Error)]
+pub enum PrivateFileError {
+    /// The file could not be read.
+    #[error("Cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: io::Error,
+    },
+    /// Group or others may access the file.
+    #[error("{path} has mode {mode:o}; it must be readable by its owner only (chmod 600 it, and check who else may have read it)")]
+    TooOpen {
+        /// The file.
+        path: String,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// The file belongs to another user.
+    #[error("{path} is owned by uid {uid}, not by this process's uid {euid}; chown it or run as its owner")]
+    WrongOwner {
+        /// The file.
+        path: String,
+        /// The owner.
+        uid: u32,
+        /// This process's effective uid.
+        euid: u32,
+    },
+}
+
+/// Writes `contents` to `path` with mode 0600, atomically: a crash leaves either the old file or
+/// the new one, never a torn one.
+pub(crate) fn write_private_atomic(path: &Path, contents: &[u8]) -> io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir)?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
+    let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
+    let _ = fs::remove_file(&tmp);
+    {
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        file.write_all(contents)?;
+        file.sync_all()?;
+    }
+    fs::rename(&tmp, path)?;
+    sync_dir(dir)
+}
+
+/// Makes a directory's entries (creations, renames, removals) durable.
+pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Reads a private file after checking that only its owner (this process's user) can read it.
+/// `limit` bounds how much is read, so a wrong path cannot exhaust memory.
+pub(crate) fn read_private(path: &Path, limit: u64) -> Result<Vec<u8>, PrivateFileError> {
+    let shown = path.display().to_string();
+    let read_err = |source| PrivateFileError::Read {
+        path: shown.clone(),
+        source,
+    };
+    let file = File::open(path).map_err(read_err)?;
+    let meta = file.metadata().map_err(read_err)?;
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(PrivateFileError::TooOpen { path: shown, mode });
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if meta.uid() != euid {
+        return Err(PrivateFileError::WrongOwner {
+            path: shown,
+            uid: meta.uid(),
+            euid,
+        });
+    }
+    let mut contents = Vec::new();
+    file.take(limit)
+        .read_to_end(&mut contents)
+        .map_err(read_err)?;
+    Ok(contents)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn written_file_is_owner_only_and_readable_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub").join("secret");
+        write_private_atomic(&path, b"abc").unwrap();
+        let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert_eq!(read_private(&path, 1024).unwrap(), b"abc");
+    }
+
+    #[test]
+    fn read_refuses_group_readable_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
+        write_private_atomic(&path, b"abc").unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o640)).unwrap();
+        let err = read_private(&path, 1024).unwrap_err();
+        assert!(
+            matches!(err, PrivateFileError::TooOpen { mode: 0o640, .. }),
+            "{err}"
+        );
+    }
+}
