@@ -1,3 +1,4 @@
 //! tenantvm: one GPU host, several untrusted tenants, one KVM VM each.
 
+pub mod disk;
 pub mod keys;

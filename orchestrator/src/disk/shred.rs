@@ -1,0 +1,218 @@
+//! Crypto-shred of a tenant's LUKS2 image.
+//!
+//! The data area is AES-XTS ciphertext under a volume key that exists only inside the header's
+//! keyslots. Destroying every keyslot and overwriting the whole header region (both binary
+//! headers, both JSON areas, the keyslot area: everything before the data offset) leaves no copy
+//! of the volume key, so the ciphertext is unrecoverable whoever holds the tenant key. The image
+//! is then discarded (hole punched) and deleted.
+
+use std::fs::{self, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use rand::RngCore;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::{active_keyslots, io_err, key_opens, load_luks2, DiskError, HEADER_BYTES};
+use crate::keys::{sync_dir, DiskKey};
+
+const CHUNK: usize = 1 << 20;
+const LUKS2_MAGIC_PRIMARY: &[u8; 6] = b"LUKS\xba\xbe";
+const LUKS2_MAGIC_SECONDARY: &[u8; 6] = b"SKUL\xba\xbe";
+
+/// What [`shred_image`] did and checked; the evidence for the departure receipt.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShredReport {
+    /// The image file.
+    pub image: String,
+    /// The image was already gone (an earlier run finished this step).
+    pub already_gone: bool,
+    /// Keyslots destroyed through libcryptsetup before the overwrite.
+    pub keyslots_destroyed: Vec<u32>,
+    /// Bytes of header region overwritten with random data.
+    pub header_bytes_overwritten: u64,
+    /// SHA-256 of the header region before the overwrite (identifies what was destroyed).
+    pub header_sha256_before: Option<String>,
+    /// SHA-256 of the random data written, which the read-back matched.
+    pub header_sha256_after: Option<String>,
+    /// The read-back of the header region found no LUKS2 magic and matched what was written.
+    pub header_overwrite_verified: bool,
+    /// The old tenant key was tried against the image after the overwrite and refused.
+    /// `None` when no key was supplied (it had been deleted by an earlier run).
+    pub old_key_rejected: Option<bool>,
+    /// Bytes deallocated with `FALLOC_FL_PUNCH_HOLE` (0 if the filesystem cannot punch holes).
+    pub bytes_discarded: u64,
+    /// The image file was unlinked and the directory synced.
+    pub deleted: bool,
+}
+
+/// Crypto-shreds the image at `path`: destroys every keyslot, overwrites the header region with
+/// random bytes and reads it back, checks that `old_key` (when given) no longer opens it,
+/// punches a hole over the whole file and unlinks it.
+///
+/// Idempotent: re-run after a crash at any point, it finishes the job; on an image that is
+/// already gone it reports `already_gone`. The tenant's wrapped key is deleted by the caller
+/// between this check and the receipt (see `crate::keys::KeyStore::delete`).
+pub fn shred_image(path: &Path, old_key: Option<&DiskKey>) -> Result<ShredReport, DiskError> {
+    let mut report = ShredReport {
+        image: path.display().to_string(),
+        already_gone: false,
+        keyslots_destroyed: Vec::new(),
+        header_bytes_overwritten: 0,
+        header_sha256_before: None,
+        header_sha256_after: None,
+        header_overwrite_verified: false,
+        old_key_rejected: None,
+        bytes_discarded: 0,
+        deleted: false,
+    };
+    if !path.exists() {
+        report.already_gone = true;
+        return Ok(report);
+    }
+
+    // 1. Destroy every keyslot through libcryptsetup (it wipes each keyslot's area and drops
+    //    it from both JSON copies), and learn the header's length.
+    let mut header_len = HEADER_BYTES;
+    if let Some(mut dev) = load_luks2(path)? {
+        let offset = dev.status_handle().get_data_offset() * 512;
+        if offset > 0 {
+            header_len = header_len.max(offset);
+        }
+        for slot in active_keyslots(&mut dev) {
+            dev.keyslot_handle()
+                .destroy(slot)
+                .map_err(super::crypt_err("destroy a keyslot of", path))?;
+            report.keyslots_destroyed.push(slot);
+        }
+    }
+
+    // 2. Overwrite the whole header region with random bytes, then read it back.
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(io_err("open", path))?;
+    let file_len = file.metadata().map_err(io_err("stat", path))?.len();
+    let header_len = header_len.min(file_len);
+    let before = hash_range(&file, header_len).map_err(io_err("read", path))?;
+    report.header_sha256_before = Some(hex::encode(before));
+    let written = overwrite_random(&file, header_len).map_err(io_err("overwrite", path))?;
+    file.sync_all().map_err(io_err("sync", path))?;
+    drop_page_cache(&file, header_len);
+    let (read_back, magic_found) =
+        hash_and_scan(&file, header_len).map_err(io_err("read back", path))?;
+    report.header_bytes_overwritten = header_len;
+    report.header_sha256_after = Some(hex::encode(written));
+    report.header_overwrite_verified = read_back == written && !magic_found;
+    if !report.header_overwrite_verified {
+        return Err(DiskError::Io {
+            action: "verify the overwrite of",
+            path: path.display().to_string(),
+            source: io::Error::other("read-back differs from what was written"),
+        });
+    }
+
+    // 3. The old key must no longer open anything.
+    if let Some(key) = old_key {
+        let opens = key_opens(path, key)?;
+        report.old_key_rejected = Some(!opens);
+        if opens {
+            return Err(DiskError::Io {
+                action: "shred",
+                path: path.display().to_string(),
+                source: io::Error::other("the old key still opens the image after the overwrite"),
+            });
+        }
+    }
+
+    // 4. Discard every block, then delete.
+    report.bytes_discarded = punch_hole(&file, file_len).map_err(io_err("discard", path))?;
+    file.sync_all().map_err(io_err("sync", path))?;
+    drop(file);
+    fs::remove_file(path).map_err(io_err("remove", path))?;
+    if let Some(dir) = path.parent() {
+        let dir = if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir
+        };
+        sync_dir(dir).map_err(io_err("sync the directory of", path))?;
+    }
+    report.deleted = true;
+    Ok(report)
+}
+
+fn hash_range(file: &fs::File, len: u64) -> io::Result<[u8; 32]> {
+    Ok(hash_and_scan(file, len)?.0)
+}
+
+/// SHA-256 of `[0, len)` and whether a LUKS2 magic appears anywhere in it.
+fn hash_and_scan(file: &fs::File, len: u64) -> io::Result<([u8; 32], bool)> {
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; CHUNK];
+    let mut found = false;
+    let mut offset = 0u64;
+    while offset < len {
+        let n = usize::try_from((len - offset).min(CHUNK as u64)).unwrap_or(CHUNK);
+        file.read_exact_at(&mut buf[..n], offset)?;
+        hasher.update(&buf[..n]);
+        // Headers start on 4 KiB boundaries; scan every offset anyway.
+        found |= buf[..n]
+            .windows(LUKS2_MAGIC_PRIMARY.len())
+            .any(|w| w == LUKS2_MAGIC_PRIMARY || w == LUKS2_MAGIC_SECONDARY);
+        offset += n as u64;
+    }
+    Ok((hasher.finalize().into(), found))
+}
+
+/// Writes fresh random bytes over `[0, len)`; returns their SHA-256.
+fn overwrite_random(file: &fs::File, len: u64) -> io::Result<[u8; 32]> {
+    let mut rng = rand::rng();
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; CHUNK];
+    let mut offset = 0u64;
+    while offset < len {
+        let n = usize::try_from((len - offset).min(CHUNK as u64)).unwrap_or(CHUNK);
+        rng.fill_bytes(&mut buf[..n]);
+        file.write_all_at(&buf[..n], offset)?;
+        hasher.update(&buf[..n]);
+        offset += n as u64;
+    }
+    Ok(hasher.finalize().into())
+}
+
+/// Asks the kernel to drop cached pages so the read-back comes from the disk (best effort).
+fn drop_page_cache(file: &fs::File, len: u64) {
+    let len = libc::off_t::try_from(len).unwrap_or(libc::off_t::MAX);
+    // SAFETY: posix_fadvise only reads its integer arguments; the fd is open for the call.
+    unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, len, libc::POSIX_FADV_DONTNEED) };
+}
+
+/// Deallocates `[0, len)` keeping the size; returns the bytes punched, 0 if unsupported.
+fn punch_hole(file: &fs::File, len: u64) -> io::Result<u64> {
+    let Ok(off_len) = libc::off_t::try_from(len) else {
+        return Err(io::Error::other("image larger than off_t"));
+    };
+    // SAFETY: fallocate only reads its integer arguments; the fd is open for writing.
+    let rc = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            0,
+            off_len,
+        )
+    };
+    if rc == 0 {
+        return Ok(len);
+    }
+    let err = io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::EOPNOTSUPP) {
+        Ok(0)
+    } else {
+        Err(err)
+    }
+}
