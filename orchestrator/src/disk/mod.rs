@@ -24,9 +24,11 @@ use libcryptsetup_rs::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::keys::DiskKey;
+use crate::keys::{DiskKey, KeyError};
 
-pub use shred::{shred_image, ShredReport};
+pub use shred::{
+    crypto_shred, destroy_header, discard_image, shred_image, CryptoShredReport, ShredReport,
+};
 
 /// Cipher of the data segment and of the keyslot.
 pub const CIPHER: &str = "aes";
@@ -84,9 +86,17 @@ pub enum DiskError {
     /// The image is not a LUKS2 disk.
     #[error("{0} is not a LUKS2 disk")]
     NotLuks(String),
-    /// The key does not open the disk.
-    #[error("The key does not open {0}")]
-    KeyRejected(String),
+    /// The shred could not prove its effect; the image is left for a re-run.
+    #[error("Crypto-shred of {path} not verified: {reason}; run destroy again")]
+    ShredUnverified {
+        /// The image.
+        path: String,
+        /// What failed to check out.
+        reason: &'static str,
+    },
+    /// The key store failed.
+    #[error("Key store: {0}")]
+    Key(#[from] KeyError),
 }
 
 /// The cost of the argon2id keyslot.

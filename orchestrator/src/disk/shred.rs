@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::{active_keyslots, io_err, key_opens, load_luks2, DiskError, HEADER_BYTES};
-use crate::keys::{sync_dir, DiskKey};
+use crate::keys::{sync_dir, DiskKey, KeyError, KeyStore};
 
 const CHUNK: usize = 1 << 20;
 const LUKS2_MAGIC_PRIMARY: &[u8; 6] = b"LUKS\xba\xbe";
@@ -49,14 +49,60 @@ pub struct ShredReport {
     pub deleted: bool,
 }
 
-/// Crypto-shreds the image at `path`: destroys every keyslot, overwrites the header region with
-/// random bytes and reads it back, checks that `old_key` (when given) no longer opens it,
-/// punches a hole over the whole file and unlinks it.
+/// What [`crypto_shred`] did: the header destruction, the wrapped key and the discard.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CryptoShredReport {
+    /// The tenant.
+    pub tenant: String,
+    /// Header destruction and image removal.
+    pub image: ShredReport,
+    /// The wrapped key file existed and was overwritten and removed by this run (false when an
+    /// earlier run had already removed it).
+    pub wrapped_key_deleted: bool,
+    /// No wrapped key is left for the tenant.
+    pub wrapped_key_absent: bool,
+}
+
+/// The departure's crypto-shred step: destroys the image's header (verifying that the tenant's
+/// key no longer opens it), deletes the wrapped key, then discards and deletes the image.
 ///
-/// Idempotent: re-run after a crash at any point, it finishes the job; on an image that is
-/// already gone it reports `already_gone`. The tenant's wrapped key is deleted by the caller
-/// between this check and the receipt (see `crate::keys::KeyStore::delete`).
+/// Idempotent and resumable: each part tolerates an earlier run having done it, so a daemon
+/// killed anywhere in here finishes the job when it calls this again.
+pub fn crypto_shred(
+    keys: &KeyStore,
+    tenant: &str,
+    image: &Path,
+) -> Result<CryptoShredReport, DiskError> {
+    let old_key = match keys.unwrap(tenant) {
+        Ok(key) => Some(key),
+        Err(KeyError::NotFound(_)) => None,
+        Err(e) => return Err(e.into()),
+    };
+    let mut report = destroy_header(image, old_key.as_ref())?;
+    drop(old_key);
+    let wrapped_key_deleted = keys.delete(tenant)?;
+    let wrapped_key_absent = !keys.exists(tenant)?;
+    discard_image(image, &mut report)?;
+    Ok(CryptoShredReport {
+        tenant: tenant.to_string(),
+        image: report,
+        wrapped_key_deleted,
+        wrapped_key_absent,
+    })
+}
+
+/// Destroys every keyslot, overwrites the header region with random bytes and reads it back,
+/// checks that `old_key` (when given) no longer opens the image, then discards and deletes the
+/// image. [`crypto_shred`] is this plus the wrapped key's deletion between the two halves.
 pub fn shred_image(path: &Path, old_key: Option<&DiskKey>) -> Result<ShredReport, DiskError> {
+    let mut report = destroy_header(path, old_key)?;
+    discard_image(path, &mut report)?;
+    Ok(report)
+}
+
+/// The first half of the shred: keyslots destroyed, header region overwritten and verified, the
+/// old key tried. Leaves the (now undecryptable) image in place.
+pub fn destroy_header(path: &Path, old_key: Option<&DiskKey>) -> Result<ShredReport, DiskError> {
     let mut report = ShredReport {
         image: path.display().to_string(),
         already_gone: false,
@@ -79,9 +125,7 @@ pub fn shred_image(path: &Path, old_key: Option<&DiskKey>) -> Result<ShredReport
     let mut header_len = HEADER_BYTES;
     if let Some(mut dev) = load_luks2(path)? {
         let offset = dev.status_handle().get_data_offset() * 512;
-        if offset > 0 {
-            header_len = header_len.max(offset);
-        }
+        header_len = header_len.max(offset);
         for slot in active_keyslots(&mut dev) {
             dev.keyslot_handle()
                 .destroy(slot)
@@ -109,41 +153,50 @@ pub fn shred_image(path: &Path, old_key: Option<&DiskKey>) -> Result<ShredReport
     report.header_sha256_after = Some(hex::encode(written));
     report.header_overwrite_verified = read_back == written && !magic_found;
     if !report.header_overwrite_verified {
-        return Err(DiskError::Io {
-            action: "verify the overwrite of",
+        return Err(DiskError::ShredUnverified {
             path: path.display().to_string(),
-            source: io::Error::other("read-back differs from what was written"),
+            reason: "the read-back of the header region differs from what was written",
         });
     }
+    drop(file);
 
     // 3. The old key must no longer open anything.
     if let Some(key) = old_key {
         let opens = key_opens(path, key)?;
         report.old_key_rejected = Some(!opens);
         if opens {
-            return Err(DiskError::Io {
-                action: "shred",
+            return Err(DiskError::ShredUnverified {
                 path: path.display().to_string(),
-                source: io::Error::other("the old key still opens the image after the overwrite"),
+                reason: "the old key still opens the image after the overwrite",
             });
         }
     }
+    Ok(report)
+}
 
-    // 4. Discard every block, then delete.
+/// The second half of the shred: punches a hole over the whole image, then unlinks it and
+/// syncs the directory. A missing image is fine (an earlier run removed it).
+pub fn discard_image(path: &Path, report: &mut ShredReport) -> Result<(), DiskError> {
+    let file = match OpenOptions::new().write(true).open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            report.already_gone |= !report.deleted;
+            return Ok(());
+        }
+        Err(e) => return Err(io_err("open", path)(e)),
+    };
+    let file_len = file.metadata().map_err(io_err("stat", path))?.len();
     report.bytes_discarded = punch_hole(&file, file_len).map_err(io_err("discard", path))?;
     file.sync_all().map_err(io_err("sync", path))?;
     drop(file);
     fs::remove_file(path).map_err(io_err("remove", path))?;
-    if let Some(dir) = path.parent() {
-        let dir = if dir.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            dir
-        };
-        sync_dir(dir).map_err(io_err("sync the directory of", path))?;
-    }
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    sync_dir(dir).map_err(io_err("sync the directory of", path))?;
     report.deleted = true;
-    Ok(report)
+    Ok(())
 }
 
 fn hash_range(file: &fs::File, len: u64) -> io::Result<[u8; 32]> {
@@ -160,10 +213,11 @@ fn hash_and_scan(file: &fs::File, len: u64) -> io::Result<([u8; 32], bool)> {
         let n = usize::try_from((len - offset).min(CHUNK as u64)).unwrap_or(CHUNK);
         file.read_exact_at(&mut buf[..n], offset)?;
         hasher.update(&buf[..n]);
-        // Headers start on 4 KiB boundaries; scan every offset anyway.
-        found |= buf[..n]
-            .windows(LUKS2_MAGIC_PRIMARY.len())
-            .any(|w| w == LUKS2_MAGIC_PRIMARY || w == LUKS2_MAGIC_SECONDARY);
+        // LUKS2 binary headers start on 4 KiB boundaries (the secondary at 16 KiB to 4 MiB);
+        // check every 512-byte boundary.
+        found |= buf[..n].chunks(512).any(|sector| {
+            sector.starts_with(LUKS2_MAGIC_PRIMARY) || sector.starts_with(LUKS2_MAGIC_SECONDARY)
+        });
         offset += n as u64;
     }
     Ok((hasher.finalize().into(), found))

@@ -211,3 +211,48 @@ fn shred_resumes_after_a_crash_after_the_overwrite() {
     assert_eq!(report.old_key_rejected, None);
     assert!(report.deleted && !witness.exists());
 }
+
+fn key_store(dir: &Path) -> crate::keys::KeyStore {
+    use crate::keys::{HostKek, KekSource, KeyStore};
+    let kek = HostKek::load(&KekSource::File(dir.join("kek"))).unwrap();
+    KeyStore::new(&dir.join("keys"), kek).unwrap()
+}
+
+#[test]
+fn crypto_shred_removes_header_wrapped_key_and_image() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = key_store(dir.path());
+    let image = dir.path().join("alice.img");
+    let key = keys.create("alice").unwrap();
+    create_image(&image, SIZE, &key, KeyslotCost::TEST).unwrap();
+    let witness = dir.path().join("witness");
+    fs::hard_link(&image, &witness).unwrap();
+
+    let report = crypto_shred(&keys, "alice", &image).unwrap();
+
+    assert_eq!(report.image.old_key_rejected, Some(true));
+    assert!(report.wrapped_key_deleted && report.wrapped_key_absent);
+    assert!(report.image.deleted && !image.exists());
+    assert!(!keys.exists("alice").unwrap());
+    assert!(!key_opens(&witness, &key).unwrap());
+}
+
+#[test]
+fn crypto_shred_resumes_after_the_wrapped_key_was_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = key_store(dir.path());
+    let image = dir.path().join("alice.img");
+    let key = keys.create("alice").unwrap();
+    create_image(&image, SIZE, &key, KeyslotCost::TEST).unwrap();
+    // A crash after the header was destroyed and the key deleted, before the discard.
+    destroy_header(&image, Some(&key)).unwrap();
+    keys.delete("alice").unwrap();
+
+    let report = crypto_shred(&keys, "alice", &image).unwrap();
+    assert_eq!(report.image.old_key_rejected, None);
+    assert!(!report.wrapped_key_deleted && report.wrapped_key_absent);
+    assert!(report.image.deleted && !image.exists());
+
+    let again = crypto_shred(&keys, "alice", &image).unwrap();
+    assert!(again.image.already_gone);
+}
