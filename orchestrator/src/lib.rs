@@ -2,3 +2,4 @@
 
 pub mod disk;
 pub mod keys;
+pub mod receipt;
