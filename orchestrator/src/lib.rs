@@ -3,3 +3,4 @@
 pub mod disk;
 pub mod keys;
 pub mod receipt;
+pub mod scrub;
