@@ -60,6 +60,44 @@ pub(crate) fn write_private_atomic(path: &Path, contents: &[u8]) -> io::Result<(
     sync_dir(dir)
 }
 
+/// Creates `path` with `contents` and mode 0600 only if it does not exist yet, atomically
+/// (the file appears complete or not at all). Returns false, writing nothing, if it existed:
+/// of two racing creators exactly one wins.
+pub(crate) fn create_private_new(path: &Path, contents: &[u8]) -> io::Result<bool> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir)?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
+    let mut suffix = [0u8; 8];
+    rand::RngCore::fill_bytes(&mut rand::rng(), &mut suffix);
+    let tmp = dir.join(format!(
+        ".{}.{}.new",
+        name.to_string_lossy(),
+        hex::encode(suffix)
+    ));
+    {
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        file.write_all(contents)?;
+        file.sync_all()?;
+    }
+    // link(2) fails with EEXIST instead of replacing, unlike rename(2).
+    let linked = fs::hard_link(&tmp, path);
+    let _ = fs::remove_file(&tmp);
+    match linked {
+        Ok(()) => {
+            sync_dir(dir)?;
+            Ok(true)
+        }
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// Makes a directory's entries (creations, renames, removals) durable.
 pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
@@ -107,6 +145,20 @@ mod tests {
         let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
         assert_eq!(read_private(&path, 1024).unwrap(), b"abc");
+    }
+
+    #[test]
+    fn create_new_never_replaces_an_existing_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("k");
+        assert!(create_private_new(&path, b"first").unwrap());
+        assert!(!create_private_new(&path, b"second").unwrap());
+        assert_eq!(fs::read(&path).unwrap(), b"first");
+        assert_eq!(
+            fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "temporary file left behind"
+        );
     }
 
     #[test]

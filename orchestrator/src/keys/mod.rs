@@ -21,7 +21,7 @@ use sha2::{Digest, Sha256};
 use zeroize::Zeroize;
 
 pub use files::PrivateFileError;
-pub(crate) use files::{read_private, sync_dir, write_private_atomic};
+pub(crate) use files::{create_private_new, read_private, sync_dir, write_private_atomic};
 pub use secret::Secret;
 
 /// Bytes in a tenant disk key (512 bits: the LUKS2 keyslot passphrase the guest opens with).
@@ -344,12 +344,17 @@ impl KeyStore {
         let key = DiskKey::random().map_err(random_error)?;
         let blob = self.kek.wrap(tenant, &key)?;
         let path = self.path(tenant)?;
-        write_private_atomic(&path, &blob).map_err(|source| KeyError::Io {
+        let created = create_private_new(&path, &blob).map_err(|source| KeyError::Io {
             action: "write",
             path: path.display().to_string(),
             source,
         })?;
-        Ok(key)
+        if created {
+            Ok(key)
+        } else {
+            // Another create for this tenant won the race: use its key, never replace it.
+            self.unwrap(tenant)
+        }
     }
 
     /// Unwraps the tenant's stored disk key.
@@ -412,6 +417,19 @@ mod tests {
         assert_eq!(created.expose(), again.expose());
         // Re-running create (crash recovery) must not replace the key.
         assert_eq!(store.create("alice").unwrap().expose(), created.expose());
+    }
+
+    #[test]
+    fn concurrent_creates_agree_on_one_key() {
+        let (_dir, store) = store();
+        let keys: Vec<[u8; DISK_KEY_BYTES]> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| s.spawn(|| *store.create("racer").unwrap().expose()))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(keys.windows(2).all(|w| w[0] == w[1]));
+        assert_eq!(store.unwrap("racer").unwrap().expose(), &keys[0]);
     }
 
     #[test]
