@@ -28,6 +28,7 @@ use crate::keys::{DiskKey, KeyError};
 
 pub use shred::{
     crypto_shred, destroy_header, discard_image, shred_image, CryptoShredReport, ShredReport,
+    SHRED_METHOD,
 };
 
 /// Cipher of the data segment and of the keyslot.

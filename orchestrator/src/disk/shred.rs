@@ -18,6 +18,7 @@ use sha2::{Digest, Sha256};
 
 use super::{active_keyslots, io_err, key_opens, load_luks2, DiskError, HEADER_BYTES};
 use crate::keys::{sync_dir, DiskKey, KeyError, KeyStore};
+use crate::receipt::{Assurance, DepartureStep, StepRecord, StepResult};
 
 const CHUNK: usize = 1 << 20;
 const LUKS2_MAGIC_PRIMARY: &[u8; 6] = b"LUKS\xba\xbe";
@@ -61,6 +62,78 @@ pub struct CryptoShredReport {
     pub wrapped_key_deleted: bool,
     /// No wrapped key is left for the tenant.
     pub wrapped_key_absent: bool,
+}
+
+/// How the crypto-shred is done, as the receipt states it.
+pub const SHRED_METHOD: &str = "LUKS2 keyslots destroyed (libcryptsetup); header region (both binary headers, JSON areas, keyslot area) overwritten with random bytes and read back; old key tried; wrapped key overwritten and unlinked; image hole-punched and unlinked";
+
+impl CryptoShredReport {
+    /// Whether every part of the shred was checked: header overwrite read back, old key
+    /// refused (when it was still there to try), wrapped key gone, image gone.
+    pub fn verified(&self) -> bool {
+        let header_ok = self.image.header_overwrite_verified || self.image.already_gone;
+        header_ok
+            && self.image.old_key_rejected != Some(false)
+            && self.wrapped_key_absent
+            && (self.image.deleted || self.image.already_gone)
+    }
+
+    /// The receipt's record of this step.
+    pub fn step_record(&self, started_at: String, finished_at: String) -> StepRecord {
+        let i = &self.image;
+        let mut e = std::collections::BTreeMap::new();
+        e.insert("image".to_string(), i.image.clone());
+        let slots: Vec<String> = i.keyslots_destroyed.iter().map(u32::to_string).collect();
+        e.insert("keyslots_destroyed".to_string(), slots.join(","));
+        e.insert(
+            "header_bytes_overwritten".to_string(),
+            i.header_bytes_overwritten.to_string(),
+        );
+        if let Some(h) = &i.header_sha256_before {
+            e.insert("header_sha256_before".to_string(), h.clone());
+        }
+        if let Some(h) = &i.header_sha256_after {
+            e.insert("header_sha256_after".to_string(), h.clone());
+        }
+        let rejected = i
+            .old_key_rejected
+            .map_or("not tried (key already deleted)".to_string(), |r| {
+                r.to_string()
+            });
+        e.insert("old_key_rejected".to_string(), rejected);
+        e.insert(
+            "wrapped_key_deleted".to_string(),
+            self.wrapped_key_deleted.to_string(),
+        );
+        e.insert(
+            "wrapped_key_absent".to_string(),
+            self.wrapped_key_absent.to_string(),
+        );
+        e.insert("bytes_discarded".to_string(), i.bytes_discarded.to_string());
+        e.insert(
+            "image_deleted".to_string(),
+            (i.deleted || i.already_gone).to_string(),
+        );
+        let verified = self.verified();
+        StepRecord {
+            step: DepartureStep::CryptoShred,
+            method: SHRED_METHOD.to_string(),
+            result: if verified {
+                StepResult::Ok
+            } else {
+                StepResult::Failed
+            },
+            assurance: if verified {
+                Assurance::Verified
+            } else {
+                Assurance::Unverified
+            },
+            started_at,
+            finished_at,
+            evidence: e,
+            error: (!verified).then(|| "the shred could not be fully verified".to_string()),
+        }
+    }
 }
 
 /// The departure's crypto-shred step: destroys the image's header (verifying that the tenant's

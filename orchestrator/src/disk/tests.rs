@@ -235,6 +235,15 @@ fn crypto_shred_removes_header_wrapped_key_and_image() {
     assert!(report.image.deleted && !image.exists());
     assert!(!keys.exists("alice").unwrap());
     assert!(!key_opens(&witness, &key).unwrap());
+
+    let record = report.step_record("t0".into(), "t1".into());
+    assert_eq!(record.assurance, crate::receipt::Assurance::Verified);
+    assert_eq!(record.evidence["old_key_rejected"], "true");
+    assert_eq!(record.evidence["keyslots_destroyed"], "0");
+    assert_eq!(
+        record.evidence["header_bytes_overwritten"],
+        HEADER_BYTES.to_string()
+    );
 }
 
 #[test]

@@ -20,7 +20,7 @@ use std::io;
 
 use serde::{Deserialize, Serialize};
 
-use crate::receipt::Assurance;
+use crate::receipt::{Assurance, DepartureStep, StepRecord, StepResult};
 
 pub use cli::{run_scrub, scrub_in_child, ScrubArgs};
 pub use gpu::{scrub_gpu, DeviceSelector, ScrubOptions};
@@ -144,6 +144,34 @@ impl ScrubOutcome {
         }
     }
 
+    /// The receipt's record of this scrub. A scrub that did not pass is a failed step (and its
+    /// slice must stay quarantined until a later scrub passes).
+    pub fn step_record(&self, started_at: String, finished_at: String) -> StepRecord {
+        let error = (!self.passed).then(|| match self.assurance {
+            Assurance::Simulated => "simulated scrub failure".to_string(),
+            _ => format!(
+                "{} non-zero bytes read back after zeroing (first at byte {})",
+                self.nonzero_bytes,
+                self.first_nonzero_at
+                    .map_or_else(|| "-".to_string(), |o| o.to_string())
+            ),
+        });
+        StepRecord {
+            step: DepartureStep::GpuScrub,
+            method: self.method.clone(),
+            result: if self.passed {
+                StepResult::Ok
+            } else {
+                StepResult::Failed
+            },
+            assurance: self.assurance,
+            started_at,
+            finished_at,
+            evidence: self.evidence(),
+            error,
+        }
+    }
+
     /// The outcome as receipt evidence (named strings).
     pub fn evidence(&self) -> BTreeMap<String, String> {
         let mut e = BTreeMap::new();
@@ -210,6 +238,18 @@ mod tests {
         let failed = simulate_scrub("sim-gpu0-mig1", 10 << 30, true);
         assert!(!failed.passed);
         assert_eq!(failed.assurance, Assurance::Simulated);
+    }
+
+    #[test]
+    fn failed_scrub_is_a_failed_step() {
+        let rec = simulate_scrub("sim0", 1024, true).step_record("a".into(), "b".into());
+        assert_eq!(rec.step, DepartureStep::GpuScrub);
+        assert_eq!(rec.result, StepResult::Failed);
+        assert_eq!(rec.assurance, Assurance::Simulated);
+        assert!(rec.error.unwrap().contains("simulated"));
+        let ok = simulate_scrub("sim0", 1024, false).step_record("a".into(), "b".into());
+        assert_eq!(ok.result, StepResult::Ok);
+        assert!(ok.error.is_none());
     }
 
     #[test]
