@@ -28,6 +28,11 @@ pub use secret::Secret;
 pub const DISK_KEY_BYTES: usize = 64;
 /// Bytes in the host key-encryption key (AES-256).
 pub const KEK_BYTES: usize = 32;
+/// Default host KEK file: outside the state directory, so a backup of the state (wrapped
+/// keys) does not carry the key that opens it.
+pub const DEFAULT_KEK_FILE: &str = "/etc/tenantvm/host-kek";
+/// Default directory of the wrapped tenant keys.
+pub const DEFAULT_KEY_DIR: &str = "/var/lib/tenantvm/keys";
 /// The systemd credential name the daemon looks for in `$CREDENTIALS_DIRECTORY`.
 pub const KEK_CREDENTIAL: &str = "tenantvm-kek";
 
