@@ -31,6 +31,8 @@ packages=(
     # Tenant disks: libcryptsetup-rs links libcryptsetup (bindgen needs libclang);
     # the tests check images with the stock cryptsetup tool.
     libcryptsetup-dev libclang-dev cryptsetup-bin
+    # The disk guest test's initramfs: busybox, and modinfo for module dependencies.
+    busybox-static kmod
 )
 
 missing=()
