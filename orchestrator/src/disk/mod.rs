@@ -72,7 +72,7 @@ pub enum DiskError {
         source: io::Error,
     },
     /// libcryptsetup refused an operation.
-    #[error("libcryptsetup failed to {action} {path}: {source}")]
+    #[error("Cannot {action} {path} with libcryptsetup: {source}")]
     Crypt {
         /// What was being done.
         action: &'static str,
@@ -82,10 +82,10 @@ pub enum DiskError {
         source: LibcryptErr,
     },
     /// The image exists with a keyslot that the given key does not open; it is left untouched.
-    #[error("{0} is an existing LUKS2 disk that this tenant's key does not open; refusing to reformat it (move it away if it is stale)")]
+    #[error("Image {0} is an existing LUKS2 disk that this tenant's key does not open; refusing to reformat it (move it away if it is stale)")]
     ForeignImage(String),
     /// The image is not a LUKS2 disk.
-    #[error("{0} is not a LUKS2 disk")]
+    #[error("Image {0} is not a LUKS2 disk")]
     NotLuks(String),
     /// The shred could not prove its effect; the image is left for a re-run.
     #[error("Crypto-shred of {path} not verified: {reason}; run destroy again")]

@@ -18,7 +18,7 @@ pub enum PrivateFileError {
         source: io::Error,
     },
     /// Group or others may access the file.
-    #[error("{path} has mode {mode:o}; it must be readable by its owner only (chmod 600 it, and check who else may have read it)")]
+    #[error("File {path} has mode {mode:o}; it must be readable by its owner only (chmod 600 it, and check who else may have read it)")]
     TooOpen {
         /// The file.
         path: String,
@@ -26,7 +26,7 @@ pub enum PrivateFileError {
         mode: u32,
     },
     /// The file belongs to another user.
-    #[error("{path} is owned by uid {uid}, not by this process's uid {euid}; chown it or run as its owner")]
+    #[error("File {path} is owned by uid {uid}, not by this process's uid {euid}; chown it or run as its owner")]
     WrongOwner {
         /// The file.
         path: String,

@@ -76,6 +76,9 @@ pub enum KeyError {
     /// The operating system's random number generator failed.
     #[error("The system random number generator failed: {0}")]
     Random(String),
+    /// AES-GCM refused to seal (it only does so for inputs far larger than a key).
+    #[error("Sealing the disk key of tenant {0} failed")]
+    Seal(String),
     /// A key file could not be read, written or removed.
     #[error("Cannot {action} {path}: {source}")]
     Io {
@@ -257,7 +260,7 @@ impl HostKek {
                     aad: &aad,
                 },
             )
-            .map_err(|_| KeyError::Random("AES-GCM refused to seal".to_string()))?;
+            .map_err(|_| KeyError::Seal(tenant.to_string()))?;
         let mut blob = Vec::with_capacity(WRAPPED_BYTES);
         blob.extend_from_slice(WRAP_MAGIC);
         blob.extend_from_slice(&self.id);

@@ -44,7 +44,7 @@ pub enum ReceiptError {
     #[error("Receipt signing key refused: {0}")]
     KeyFile(#[from] crate::keys::PrivateFileError),
     /// A key file holds something other than a key.
-    #[error("{path} is not an ed25519 {what}: {reason}; restore it from backup")]
+    #[error("File {path} is not an ed25519 {what}: {reason}; restore it from backup")]
     BadKey {
         /// The file.
         path: String,

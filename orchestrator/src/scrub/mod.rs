@@ -52,7 +52,7 @@ pub enum ScrubError {
         reason: String,
     },
     /// A driver call failed.
-    #[error("{call} failed with {name} ({code})")]
+    #[error("CUDA call {call} failed with {name} ({code})")]
     Cuda {
         /// The function called.
         call: &'static str,
