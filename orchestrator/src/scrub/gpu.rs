@@ -155,7 +155,7 @@ fn allocate(driver: &CudaDriver, budget: usize) -> Result<Chunks<'_>, ScrubError
                 chunks.list.push((ptr, want));
                 allocated += want;
             }
-            None if chunk > MIN_CHUNK => chunk /= 2,
+            None if chunk > MIN_CHUNK => chunk = (chunk / 2).max(MIN_CHUNK),
             None => break,
         }
     }
