@@ -164,7 +164,76 @@ pub struct Receipt {
     pub steps: Vec<StepRecord>,
 }
 
+impl StepRecord {
+    /// A record without evidence, for steps whose outcome is a plain fact (route removed,
+    /// agent stopped); add evidence with [`StepRecord::with_evidence`].
+    pub fn new(
+        step: DepartureStep,
+        method: &str,
+        result: StepResult,
+        assurance: Assurance,
+        started_at: String,
+        finished_at: String,
+    ) -> Self {
+        StepRecord {
+            step,
+            method: method.to_string(),
+            result,
+            assurance,
+            started_at,
+            finished_at,
+            evidence: BTreeMap::new(),
+            error: None,
+        }
+    }
+
+    /// Adds one piece of evidence.
+    pub fn with_evidence(mut self, key: &str, value: impl ToString) -> Self {
+        self.evidence.insert(key.to_string(), value.to_string());
+        self
+    }
+
+    /// Marks the step failed with `error`.
+    pub fn failed(mut self, error: impl ToString) -> Self {
+        self.result = StepResult::Failed;
+        self.error = Some(error.to_string());
+        self
+    }
+}
+
+/// A fresh departure id: the tenant, the start time in milliseconds, and a random suffix.
+pub fn new_departure_id(tenant: &str) -> String {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis();
+    let suffix: u32 = rand::random();
+    format!("{tenant}-{ms}-{suffix:08x}")
+}
+
 impl Receipt {
+    /// A receipt for a departure that starts now, with no steps yet.
+    pub fn begin(departure_id: &str, tenant: &str) -> Self {
+        let now = now_rfc3339();
+        Receipt {
+            version: RECEIPT_VERSION,
+            departure_id: departure_id.to_string(),
+            tenant: tenant.to_string(),
+            started_at: now.clone(),
+            finished_at: now,
+            steps: Vec::new(),
+        }
+    }
+
+    /// Appends a step record (replacing an earlier record of the same step, which a resumed
+    /// departure produces when it re-runs a step) and moves `finished_at` to its end.
+    pub fn record(&mut self, step: StepRecord) {
+        self.finished_at.clone_from(&step.finished_at);
+        self.steps.retain(|s| s.step != step.step);
+        self.steps.push(step);
+        self.steps.sort_by_key(|s| s.step);
+    }
+
     /// Whether every step ended `ok` or `skipped`.
     pub fn succeeded(&self) -> bool {
         self.steps.iter().all(|s| s.result != StepResult::Failed)
@@ -175,6 +244,59 @@ impl Receipt {
         self.steps
             .iter()
             .any(|s| s.assurance == Assurance::Simulated)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_replaces_a_re_run_step_and_keeps_departure_order() {
+        let mut r = Receipt::begin(&new_departure_id("alice"), "alice");
+        let t = |s: &str| s.to_string();
+        r.record(StepRecord::new(
+            DepartureStep::CryptoShred,
+            "m",
+            StepResult::Ok,
+            Assurance::Verified,
+            t("1"),
+            t("2"),
+        ));
+        r.record(
+            StepRecord::new(
+                DepartureStep::GpuScrub,
+                "m",
+                StepResult::Ok,
+                Assurance::Simulated,
+                t("0"),
+                t("1"),
+            )
+            .failed("first try failed"),
+        );
+        r.record(
+            StepRecord::new(
+                DepartureStep::GpuScrub,
+                "m",
+                StepResult::Ok,
+                Assurance::Simulated,
+                t("3"),
+                t("4"),
+            )
+            .with_evidence("passed", true),
+        );
+        let steps: Vec<_> = r.steps.iter().map(|s| s.step).collect();
+        assert_eq!(steps, [DepartureStep::GpuScrub, DepartureStep::CryptoShred]);
+        assert!(r.succeeded() && r.simulated());
+        assert_eq!(r.finished_at, "4");
+        assert_eq!(r.steps[0].evidence["passed"], "true");
+    }
+
+    #[test]
+    fn departure_ids_are_unique_and_name_the_tenant() {
+        let a = new_departure_id("bob");
+        assert!(a.starts_with("bob-"));
+        assert_ne!(a, new_departure_id("bob"));
     }
 }
 
