@@ -37,11 +37,21 @@ pub enum PrivateFileError {
     },
 }
 
+/// Creates `dir` and any missing parents with mode 0700 (existing ones are left as they are):
+/// file names in key and audit directories (tenant ids) are nobody else's business either.
+pub(crate) fn create_private_dir(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
 /// Writes `contents` to `path` with mode 0600, atomically: a crash leaves either the old file or
 /// the new one, never a torn one.
 pub(crate) fn write_private_atomic(path: &Path, contents: &[u8]) -> io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    fs::create_dir_all(dir)?;
+    create_private_dir(dir)?;
     let name = path
         .file_name()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
@@ -65,7 +75,7 @@ pub(crate) fn write_private_atomic(path: &Path, contents: &[u8]) -> io::Result<(
 /// of two racing creators exactly one wins.
 pub(crate) fn create_private_new(path: &Path, contents: &[u8]) -> io::Result<bool> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    fs::create_dir_all(dir)?;
+    create_private_dir(dir)?;
     let name = path
         .file_name()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
@@ -145,6 +155,19 @@ mod tests {
         let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
         assert_eq!(read_private(&path, 1024).unwrap(), b"abc");
+    }
+
+    #[test]
+    fn missing_directories_are_created_owner_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a").join("b").join("secret");
+        write_private_atomic(&path, b"x").unwrap();
+        for d in [dir.path().join("a"), dir.path().join("a").join("b")] {
+            assert_eq!(
+                fs::metadata(&d).unwrap().permissions().mode() & 0o777,
+                0o700
+            );
+        }
     }
 
     #[test]

@@ -21,7 +21,9 @@ use sha2::{Digest, Sha256};
 use zeroize::Zeroize;
 
 pub use files::PrivateFileError;
-pub(crate) use files::{create_private_new, read_private, sync_dir, write_private_atomic};
+pub(crate) use files::{
+    create_private_dir, create_private_new, read_private, sync_dir, write_private_atomic,
+};
 pub use secret::Secret;
 
 /// Bytes in a tenant disk key (512 bits: the LUKS2 keyslot passphrase the guest opens with).
@@ -195,7 +197,7 @@ impl HostKek {
             path: path.display().to_string(),
             source,
         };
-        fs::create_dir_all(dir).map_err(|e| io_err("create the directory of", e))?;
+        create_private_dir(dir).map_err(|e| io_err("create the directory of", e))?;
         // create_new: two daemons initialising at once must not end up with different KEKs.
         match OpenOptions::new()
             .write(true)
@@ -321,7 +323,7 @@ pub struct KeyStore {
 impl KeyStore {
     /// A store in `dir` (created if absent) sealing under `kek`.
     pub fn new(dir: &Path, kek: HostKek) -> Result<Self, KeyError> {
-        fs::create_dir_all(dir).map_err(|source| KeyError::Io {
+        create_private_dir(dir).map_err(|source| KeyError::Io {
             action: "create",
             path: dir.display().to_string(),
             source,

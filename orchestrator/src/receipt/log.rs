@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 use zeroize::Zeroize;
 
 use super::{now_rfc3339, Receipt, ReceiptError};
-use crate::keys::{read_private, write_private_atomic};
+use crate::keys::{create_private_dir, read_private, write_private_atomic};
 
 const ENTRY_DOMAIN: &[u8] = b"tenantvm audit entry v1\n";
 const HEAD_DOMAIN: &[u8] = b"tenantvm audit head v1\n";
@@ -452,7 +452,7 @@ impl AuditLog {
         receipt: &Receipt,
     ) -> Result<LogEntry, ReceiptError> {
         if let Some(dir) = self.path.parent() {
-            fs::create_dir_all(dir).map_err(self.io_err("create the directory of"))?;
+            create_private_dir(dir).map_err(self.io_err("create the directory of"))?;
         }
         let file = OpenOptions::new()
             .read(true)
