@@ -8,6 +8,7 @@
 //! bytes.
 
 mod files;
+mod rotate;
 mod secret;
 
 use std::fs::{self, OpenOptions};
@@ -24,6 +25,7 @@ pub use files::PrivateFileError;
 pub(crate) use files::{
     create_private_dir, create_private_new, read_private, sync_dir, write_private_atomic,
 };
+pub use rotate::{next_kek_path, rotate_kek, RotationReport};
 pub use secret::Secret;
 
 /// Bytes in a tenant disk key (512 bits: the LUKS2 keyslot passphrase the guest opens with).
@@ -78,6 +80,9 @@ pub enum KeyError {
     /// The operating system's random number generator failed.
     #[error("The system random number generator failed: {0}")]
     Random(String),
+    /// A KEK rotation was interrupted; starting with either KEK alone would strand keys.
+    #[error("A rotation of the host key-encryption key {0} was interrupted; finish it (run the rotation again) before starting the daemon")]
+    RotationInterrupted(String),
     /// AES-GCM refused to seal (it only does so for inputs far larger than a key).
     #[error("Sealing the disk key of tenant {0} failed")]
     Seal(String),
@@ -187,6 +192,14 @@ impl HostKek {
     }
 
     fn load_or_create_file(path: &Path) -> Result<Self, KeyError> {
+        if next_kek_path(path).exists() {
+            return Err(KeyError::RotationInterrupted(path.display().to_string()));
+        }
+        Self::create_or_read_file(path)
+    }
+
+    /// Reads the KEK file at `path`, creating it with fresh random bytes if absent.
+    fn create_or_read_file(path: &Path) -> Result<Self, KeyError> {
         if path.exists() {
             return Self::read(path);
         }
