@@ -219,6 +219,11 @@ pub(crate) fn active_keyslots(dev: &mut CryptDevice) -> Vec<u32> {
 }
 
 /// Whether `key` opens the LUKS2 image at `path` (checks the keyslot only; maps nothing).
+///
+/// This parses the header with libcryptsetup and runs the keyslot's KDF with the parameters the
+/// header declares. Use it only on images no guest has written to (creation, tests) or whose
+/// header we have just overwritten ourselves (the shred's check). A guest-written header is
+/// hostile input that could declare a ruinous KDF cost.
 pub fn key_opens(path: &Path, key: &DiskKey) -> Result<bool, DiskError> {
     let Some(mut dev) = load_luks2(path)? else {
         return Ok(false);
@@ -276,7 +281,8 @@ pub fn info(path: &Path) -> Result<DiskInfo, DiskError> {
 ///
 /// Idempotent for the create flow: an image that `key` already opens is kept as it is; a file
 /// left without a usable header by a crash during an earlier attempt is formatted again. An
-/// image with a keyslot that `key` does not open is never overwritten.
+/// image with a keyslot that `key` does not open is never overwritten. Call it only before the
+/// tenant's guest first runs (see [`key_opens`]).
 pub fn create_image(
     path: &Path,
     size: u64,

@@ -1,10 +1,17 @@
 //! Crypto-shred of a tenant's LUKS2 image.
 //!
 //! The data area is AES-XTS ciphertext under a volume key that exists only inside the header's
-//! keyslots. Destroying every keyslot and overwriting the whole header region (both binary
-//! headers, both JSON areas, the keyslot area: everything before the data offset) leaves no copy
-//! of the volume key, so the ciphertext is unrecoverable whoever holds the tenant key. The image
-//! is then discarded (hole punched) and deleted.
+//! keyslots. Overwriting the whole header region we laid out (both binary headers, both JSON
+//! areas, the keyslot area: the first [`HEADER_BYTES`]) leaves no copy of the volume key, so
+//! the ciphertext is unrecoverable whoever holds the tenant key. The image is then discarded
+//! (hole punched) and deleted.
+//!
+//! The header is *not* parsed before it is destroyed: the guest has had the whole image, so its
+//! header is hostile input, and libcryptsetup would run as root over guest-written JSON (and a
+//! guest could declare a huge data offset to make us overwrite gigabytes). Our fixed layout
+//! tells where the keyslots are. A keyslot the guest added beyond it can hold only the volume
+//! key the guest already knows, under a passphrase of its own, and it is discarded with the
+//! rest of the image.
 
 use std::fs::{self, OpenOptions};
 use std::io;
@@ -16,7 +23,7 @@ use rand::RngCore;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::{active_keyslots, io_err, key_opens, load_luks2, DiskError, HEADER_BYTES};
+use super::{io_err, key_opens, DiskError, HEADER_BYTES};
 use crate::keys::{sync_dir, DiskKey, KeyError, KeyStore};
 use crate::receipt::{Assurance, DepartureStep, StepRecord, StepResult};
 
@@ -31,9 +38,7 @@ pub struct ShredReport {
     pub image: String,
     /// The image was already gone (an earlier run finished this step).
     pub already_gone: bool,
-    /// Keyslots destroyed through libcryptsetup before the overwrite.
-    pub keyslots_destroyed: Vec<u32>,
-    /// Bytes of header region overwritten with random data.
+    /// Bytes of header region (from offset 0) overwritten with random data.
     pub header_bytes_overwritten: u64,
     /// SHA-256 of the header region before the overwrite (identifies what was destroyed).
     pub header_sha256_before: Option<String>,
@@ -65,7 +70,7 @@ pub struct CryptoShredReport {
 }
 
 /// How the crypto-shred is done, as the receipt states it.
-pub const SHRED_METHOD: &str = "LUKS2 keyslots destroyed (libcryptsetup); header region (both binary headers, JSON areas, keyslot area) overwritten with random bytes and read back; old key tried; wrapped key overwritten and unlinked; image hole-punched and unlinked";
+pub const SHRED_METHOD: &str = "LUKS2 header region (both binary headers, JSON areas, every keyslot) overwritten with random bytes and read back; old key tried; wrapped key overwritten and unlinked; image hole-punched and unlinked";
 
 impl CryptoShredReport {
     /// Whether every part of the shred was checked: header overwrite read back, old key
@@ -83,8 +88,6 @@ impl CryptoShredReport {
         let i = &self.image;
         let mut e = std::collections::BTreeMap::new();
         e.insert("image".to_string(), i.image.clone());
-        let slots: Vec<String> = i.keyslots_destroyed.iter().map(u32::to_string).collect();
-        e.insert("keyslots_destroyed".to_string(), slots.join(","));
         e.insert(
             "header_bytes_overwritten".to_string(),
             i.header_bytes_overwritten.to_string(),
@@ -164,7 +167,7 @@ pub fn crypto_shred(
     })
 }
 
-/// Destroys every keyslot, overwrites the header region with random bytes and reads it back,
+/// Overwrites the header region (every keyslot included) with random bytes and reads it back,
 /// checks that `old_key` (when given) no longer opens the image, then discards and deletes the
 /// image. [`crypto_shred`] is this plus the wrapped key's deletion between the two halves.
 pub fn shred_image(path: &Path, old_key: Option<&DiskKey>) -> Result<ShredReport, DiskError> {
@@ -173,13 +176,12 @@ pub fn shred_image(path: &Path, old_key: Option<&DiskKey>) -> Result<ShredReport
     Ok(report)
 }
 
-/// The first half of the shred: keyslots destroyed, header region overwritten and verified, the
-/// old key tried. Leaves the (now undecryptable) image in place.
+/// The first half of the shred: header region (every keyslot included) overwritten with random
+/// bytes and verified, the old key tried. Leaves the (now undecryptable) image in place.
 pub fn destroy_header(path: &Path, old_key: Option<&DiskKey>) -> Result<ShredReport, DiskError> {
     let mut report = ShredReport {
         image: path.display().to_string(),
         already_gone: false,
-        keyslots_destroyed: Vec::new(),
         header_bytes_overwritten: 0,
         header_sha256_before: None,
         header_sha256_after: None,
@@ -193,28 +195,14 @@ pub fn destroy_header(path: &Path, old_key: Option<&DiskKey>) -> Result<ShredRep
         return Ok(report);
     }
 
-    // 1. Destroy every keyslot through libcryptsetup (it wipes each keyslot's area and drops
-    //    it from both JSON copies), and learn the header's length.
-    let mut header_len = HEADER_BYTES;
-    if let Some(mut dev) = load_luks2(path)? {
-        let offset = dev.status_handle().get_data_offset() * 512;
-        header_len = header_len.max(offset);
-        for slot in active_keyslots(&mut dev) {
-            dev.keyslot_handle()
-                .destroy(slot)
-                .map_err(super::crypt_err("destroy a keyslot of", path))?;
-            report.keyslots_destroyed.push(slot);
-        }
-    }
-
-    // 2. Overwrite the whole header region with random bytes, then read it back.
+    // 1. Overwrite the whole header region with random bytes, then read it back.
     let file = OpenOptions::new()
         .read(true)
         .write(true)
         .open(path)
         .map_err(io_err("open", path))?;
     let file_len = file.metadata().map_err(io_err("stat", path))?.len();
-    let header_len = header_len.min(file_len);
+    let header_len = HEADER_BYTES.min(file_len);
     let before = hash_range(&file, header_len).map_err(io_err("read", path))?;
     report.header_sha256_before = Some(hex::encode(before));
     let written = overwrite_random(&file, header_len).map_err(io_err("overwrite", path))?;
@@ -233,7 +221,7 @@ pub fn destroy_header(path: &Path, old_key: Option<&DiskKey>) -> Result<ShredRep
     }
     drop(file);
 
-    // 3. The old key must no longer open anything.
+    // 2. The old key must no longer open anything (the header parsed now is our random bytes).
     if let Some(key) = old_key {
         let opens = key_opens(path, key)?;
         report.old_key_rejected = Some(!opens);
