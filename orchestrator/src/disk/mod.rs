@@ -119,9 +119,9 @@ pub struct KeyslotCost {
 impl KeyslotCost {
     /// The production cost: 256 MiB, 4 passes, 4 lanes. A real argon2id cost (not the
     /// minimum), bounded so that a guest needs only 256 MiB free to open its disk; an open
-    /// measured 3 to 4 s on the loaded 2-core build VM. 1 GiB (cryptsetup's ceiling) measured 18 s
-    /// there, for no gain: the passphrase is a random 512-bit key, beyond brute force at any
-    /// KDF cost.
+    /// measured 3 to 4 s on the loaded 2-core build VM. 1 GiB (cryptsetup's ceiling) measured
+    /// 18 s there, for no gain: the passphrase is a random 512-bit key, beyond brute force at
+    /// any KDF cost.
     pub const PRODUCTION: KeyslotCost = KeyslotCost {
         memory_kib: 256 << 10,
         iterations: 4,
