@@ -3,5 +3,6 @@
 //! mig-parted config format, host device binding through sysfs (VFIO, SR-IOV, vGPU, mdev) and
 //! the `tenantvm host check` preflight.
 
+pub mod backend;
 pub mod mig;
 pub mod plan;
