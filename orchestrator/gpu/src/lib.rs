@@ -4,5 +4,7 @@
 //! the `tenantvm host check` preflight.
 
 pub mod backend;
+pub mod host;
 pub mod mig;
+pub mod migparted;
 pub mod plan;
