@@ -144,7 +144,8 @@ pub fn plan(
                     .iter()
                     .flat_map(|g| g.model.profiles.iter().map(|p| p.name))
                     .collect();
-                names.dedup();
+                let mut seen = std::collections::HashSet::new();
+                names.retain(|n| seen.insert(*n));
                 return Err(PlanError::UnknownProfile {
                     tenant: t.name.clone(),
                     profile: p.clone(),

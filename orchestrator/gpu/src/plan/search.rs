@@ -130,6 +130,14 @@ fn candidates(demand: &Demand, model: &GpuModel) -> (Vec<usize>, bool) {
     }
 }
 
+/// The placement units an option covers.
+fn opt_mask(model: &GpuModel, opt: Opt) -> u32 {
+    match opt {
+        Opt::Mig { profile, start } => model.profiles[profile].mask_at(start),
+        Opt::Whole => (1u32 << model.placement_units) - 1,
+    }
+}
+
 fn profile_cost(model: &GpuModel, p: &MigProfile) -> u32 {
     p.size * WHOLE / model.placement_units
 }
@@ -151,6 +159,10 @@ struct Search<'a> {
     /// Per request, per GPU: (options in order, their costs).
     opts: Vec<OptsPerGpu>,
     suffix_min: Vec<u32>,
+    /// Per request `i`, per GPU: the units any option of requests `i..` could cover.
+    suffix_reach: Vec<Vec<u32>>,
+    /// Per request `i`, per GPU: the distinct option masks of requests `i..`, by end slot.
+    suffix_masks: Vec<Vec<Vec<u32>>>,
     memo: HashMap<(usize, Vec<u64>), Option<u32>>,
     nodes: u64,
     budget: u64,
@@ -216,12 +228,39 @@ impl<'a> Search<'a> {
         for i in (0..opts.len()).rev() {
             suffix_min[i] = suffix_min[i + 1].saturating_add(min_cost(&opts[i]));
         }
+        let mut suffix_reach = vec![vec![0u32; gpus.len()]; opts.len() + 1];
+        for i in (0..opts.len()).rev() {
+            for g in 0..gpus.len() {
+                let reach = opts[i][g]
+                    .iter()
+                    .fold(0u32, |m, (o, _)| m | opt_mask(gpus[g].model, *o));
+                suffix_reach[i][g] = suffix_reach[i + 1][g] | reach;
+            }
+        }
+        let mut suffix_masks = vec![vec![Vec::new(); gpus.len()]; opts.len() + 1];
+        for i in (0..opts.len()).rev() {
+            for g in 0..gpus.len() {
+                let mut m: Vec<u32> = suffix_masks[i + 1][g].clone();
+                m.extend(opts[i][g].iter().map(|(o, _)| opt_mask(gpus[g].model, *o)));
+                // Earliest end first (then latest start), as interval scheduling wants.
+                m.sort_by_key(|x| {
+                    (
+                        32 - x.leading_zeros(),
+                        std::cmp::Reverse(x.trailing_zeros()),
+                    )
+                });
+                m.dedup();
+                suffix_masks[i][g] = m;
+            }
+        }
         Search {
             gpus,
             model_idx,
             reqs,
             opts,
             suffix_min,
+            suffix_reach,
+            suffix_masks,
             memo: HashMap::new(),
             nodes: 0,
             budget,
@@ -276,15 +315,43 @@ impl<'a> Search<'a> {
         if self.nodes > self.budget {
             return Err(SearchError::Budget(self.budget));
         }
+        // Capacity bound: only free units that some remaining option can cover count (a 1g
+        // never covers slot 7 of an 8-slice GPU, so 57 1g requests on 8 GPUs fail here).
         let free: u32 = layouts
             .iter()
             .enumerate()
             .map(|(g, l)| {
-                l.free_units(self.gpus[g].model) * WHOLE / self.gpus[g].model.placement_units
+                let model = self.gpus[g].model;
+                let usable = if l.whole {
+                    0
+                } else {
+                    (!l.used & self.suffix_reach[i][g]).count_ones()
+                };
+                usable * WHOLE / model.placement_units
+            })
+            .sum();
+        // Count bound: each request needs its own instance; on each GPU, the most disjoint
+        // free option intervals (earliest-end greedy is exact for intervals) caps how many
+        // more instances fit.
+        let slots: usize = layouts
+            .iter()
+            .enumerate()
+            .map(|(g, l)| {
+                if l.whole {
+                    return 0;
+                }
+                let (mut last_end, mut n) = (0u32, 0usize);
+                for &m in &self.suffix_masks[i][g] {
+                    if m & l.used == 0 && m.trailing_zeros() >= last_end {
+                        last_end = 32 - m.leading_zeros();
+                        n += 1;
+                    }
+                }
+                n
             })
             .sum();
         let mut best: Option<u32> = None;
-        if free >= self.suffix_min[i] {
+        if free >= self.suffix_min[i] && slots >= self.reqs.len() - i {
             let mut tried: Vec<u64> = Vec::new();
             'gpus: for g in 0..self.gpus.len() {
                 let packed = pack(self.model_idx[g], self.gpus[g].model, &layouts[g]);
