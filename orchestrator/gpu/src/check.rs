@@ -308,6 +308,18 @@ pub fn host_check(s: &Sysfs) -> Vec<CheckResult> {
     for d in gpus {
         out.extend(check_gpu(s, d, driver.as_ref().map(|(_, m)| *m)));
     }
+    let nvswitches = devices
+        .iter()
+        .filter(|d| d.vendor == NVIDIA_VENDOR_ID && d.class >> 8 == 0x0680)
+        .count();
+    if nvswitches > 0 {
+        out.push(result(
+            "nvswitch",
+            Status::Warn,
+            format!("{nvswitches} NVSwitches: SXM GPUs share an NVLink fabric"),
+            Some("for whole-GPU passthrough run NVIDIA Fabric Manager in the shared NVSwitch virtualization model and give one VM only GPUs of one fabric partition (`fmpm -l`)"),
+        ));
+    }
     out.push(check_cgroup(s));
     out.push(check_hugepages(s));
     out
@@ -358,6 +370,13 @@ mod tests {
             8,
             "NVSwitches are not GPUs"
         );
+        let fabric = by_name(&r, "nvswitch");
+        assert_eq!(fabric.status, Status::Warn);
+        assert!(
+            fabric.detail.starts_with("4 NVSwitches"),
+            "{}",
+            fabric.detail
+        );
     }
 
     #[test]
@@ -394,6 +413,10 @@ mod tests {
             by_name(&r, "gpu 0000:05:00.0 vgpu").status,
             Status::Pass,
             "mdev types"
+        );
+        assert!(
+            r.iter().all(|c| c.name != "nvswitch"),
+            "no NVSwitch on this host"
         );
         let text = to_text(&r);
         assert!(text.contains("WARN  gpu 0000:03:00.0 group"), "{text}");

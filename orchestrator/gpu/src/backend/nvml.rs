@@ -66,6 +66,17 @@ fn ci_profile_for(slices: u32) -> Option<u32> {
     })
 }
 
+/// NVML's bus id (`00000000:18:00.0`, 32-bit domain) as sysfs writes it (`0000:18:00.0`).
+fn sysfs_address(bus_id: &str) -> String {
+    let lower = bus_id.trim().to_ascii_lowercase();
+    match lower.split_once(':') {
+        Some((domain, rest)) if domain.len() > 4 => {
+            format!("{}:{rest}", &domain[domain.len() - 4..])
+        }
+        _ => lower,
+    }
+}
+
 impl NvmlBackend {
     /// Loads NVML.
     pub fn new() -> Result<Self, BackendError> {
@@ -206,11 +217,7 @@ impl GpuBackend for NvmlBackend {
                 index,
                 name: dev.name().unwrap_or_default(),
                 model: model.map(|m| m.key),
-                pci_address: pci
-                    .bus_id
-                    .to_ascii_lowercase()
-                    .trim_start_matches("0000")
-                    .to_string(),
+                pci_address: sysfs_address(&pci.bus_id),
                 pci_device_id: device_id,
                 memory_mib: dev
                     .memory_info()
@@ -421,6 +428,8 @@ mod tests {
             Some(sys::NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE)
         );
         assert_eq!(ci_profile_for(5), None);
+        assert_eq!(sysfs_address("00000000:18:00.0"), "0000:18:00.0");
+        assert_eq!(sysfs_address("0000:DB:00.0"), "0000:db:00.0");
     }
 
     /// Runs against a real GPU only when TENANTVM_TEST_GPU names one (an index); reads the
