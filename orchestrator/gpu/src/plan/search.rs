@@ -573,18 +573,27 @@ mod tests {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
         let models = ["h100-80gb", "a100-40gb", "rtx-pro-6000"];
         let mut feasible = 0;
-        for case in 0..300 {
+        for case in 0..400 {
+            // Every fourth host mixes models; the rest have one model.
             let model = model_by_key(models[case % models.len()]).unwrap();
-            let n_gpus = 1 + rng.below(2) as u32;
+            let n_gpus = 1 + rng.below(if case % 4 == 3 { 3 } else { 2 }) as u32;
             let mut gpus: Vec<HostGpu> = (0..n_gpus)
-                .map(|index| HostGpu {
-                    index,
-                    model,
-                    layout: Layout::empty(),
+                .map(|index| {
+                    let model = if case % 4 == 3 {
+                        model_by_key(models[rng.below(models.len() as u64) as usize]).unwrap()
+                    } else {
+                        model
+                    };
+                    HostGpu {
+                        index,
+                        model,
+                        layout: Layout::empty(),
+                    }
                 })
                 .collect();
             // Existing instances, placed at random where they fit.
             for g in &mut gpus {
+                let model = g.model;
                 for _ in 0..rng.below(3) {
                     let p = &model.profiles[rng.below(model.profiles.len() as u64) as usize];
                     let s = p.starts[rng.below(p.starts.len() as u64) as usize];
