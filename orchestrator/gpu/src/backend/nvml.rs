@@ -12,6 +12,7 @@ use nvml_wrapper::Nvml;
 use nvml_wrapper_sys::bindings as sys;
 
 use super::{BackendError, GpuBackend, GpuInfo, GpuInstance};
+use crate::host::{PciAddress, Sysfs};
 use crate::mig::{self, ReportedProfile};
 
 /// The live-host backend.
@@ -213,11 +214,12 @@ impl GpuBackend for NvmlBackend {
             } else {
                 Vec::new()
             };
+            let address = sysfs_address(&pci.bus_id);
             out.push(GpuInfo {
                 index,
                 name: dev.name().unwrap_or_default(),
                 model: model.map(|m| m.key),
-                pci_address: sysfs_address(&pci.bus_id),
+                pci_address: address.clone(),
                 pci_device_id: device_id,
                 memory_mib: dev
                     .memory_info()
@@ -225,6 +227,10 @@ impl GpuBackend for NvmlBackend {
                     .unwrap_or(0),
                 mig_enabled,
                 assigned_whole: false,
+                iommu_group: PciAddress::parse(&address)
+                    .ok()
+                    .and_then(|a| Sysfs::new("/").device(&a).ok())
+                    .and_then(|d| d.iommu_group),
                 instances,
             });
         }

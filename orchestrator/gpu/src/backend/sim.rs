@@ -48,6 +48,9 @@ pub struct SimGpu {
     /// Whether the GPU is passed through whole.
     #[serde(default)]
     pub assigned_whole: bool,
+    /// IOMMU group.
+    #[serde(default)]
+    pub iommu_group: Option<u32>,
     /// Existing GPU instances.
     #[serde(default)]
     pub instances: Vec<SimInstance>,
@@ -300,6 +303,7 @@ impl GpuBackend for SimBackend {
                     memory_mib: model.memory_mib,
                     mig_enabled: g.mig_enabled,
                     assigned_whole: g.assigned_whole,
+                    iommu_group: g.iommu_group,
                     instances,
                 });
             }

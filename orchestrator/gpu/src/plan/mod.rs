@@ -262,7 +262,9 @@ fn share_text(s: &Share) -> String {
                 gib(memory_mib * 1024 * 1024)
             )
         }
-        Share::WholeGpu { memory_mib } => format!("whole GPU, {}", gib(memory_mib * 1024 * 1024)),
+        Share::WholeGpu { memory_mib } => {
+            format!("whole GPU (MIG off), {}", gib(memory_mib * 1024 * 1024))
+        }
     }
 }
 
