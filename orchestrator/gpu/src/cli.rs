@@ -188,3 +188,79 @@ pub fn run_host_check(
 pub fn host_ok(results: &[CheckResult]) -> bool {
     results.iter().all(|r| r.status != Status::Fail)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Plan {
+        #[command(flatten)]
+        args: PlanArgs,
+    }
+
+    #[derive(Parser)]
+    struct Check {
+        #[command(flatten)]
+        args: HostCheckArgs,
+    }
+
+    #[test]
+    fn plan_flags_parse_and_conflict_as_documented() {
+        let p = Plan::try_parse_from([
+            "plan",
+            "-t",
+            "t.toml",
+            "--gpu",
+            "h100-80gb",
+            "--count",
+            "8",
+            "--json",
+        ])
+        .unwrap();
+        assert_eq!(
+            (p.args.gpu.as_deref(), p.args.count, p.args.json),
+            (Some("h100-80gb"), 8, true)
+        );
+        assert_eq!(p.args.mig_config_label, "tenantvm");
+        let p =
+            Plan::try_parse_from(["plan", "--tenants", "t.toml", "--gpu-backend", "sim:h.json"])
+                .unwrap();
+        assert_eq!(p.args.gpu_backend.as_deref(), Some("sim:h.json"));
+        assert!(Plan::try_parse_from([
+            "plan",
+            "-t",
+            "t",
+            "--gpu",
+            "h200",
+            "--gpu-backend",
+            "nvml"
+        ])
+        .is_err());
+        assert!(
+            Plan::try_parse_from(["plan", "-t", "t", "--count", "2"]).is_err(),
+            "--count needs --gpu"
+        );
+        assert!(
+            Plan::try_parse_from(["plan"]).is_err(),
+            "--tenants is required"
+        );
+    }
+
+    #[test]
+    fn host_check_flags_parse() {
+        let c = Check::try_parse_from(["check", "--json"]).unwrap();
+        assert_eq!(c.args.root, PathBuf::from("/"));
+        assert!(Check::try_parse_from(["check", "--root", "/x", "--fake-host", "f.json"]).is_err());
+    }
+
+    #[test]
+    fn zero_gpus_is_a_usage_error() {
+        let p =
+            Plan::try_parse_from(["plan", "-t", "t.toml", "--gpu", "h100-80gb", "--count", "0"])
+                .unwrap();
+        let e = plan_host(&p.args).unwrap_err();
+        assert!(e.to_string().contains("--count"), "{e}");
+    }
+}
