@@ -93,7 +93,7 @@ pub struct PlanReport {
 
 fn describe(demand: &Demand) -> String {
     match demand {
-        Demand::Memory(b) => format!("a MIG instance with at least {}", gib(*b)),
+        Demand::Memory(b) => format!("a MIG instance (or whole GPU) with at least {}", gib(*b)),
         Demand::Profile(p) => format!("MIG profile {p}"),
         Demand::WholeGpu(0) => "a whole GPU".to_string(),
         Demand::WholeGpu(b) => format!("a whole GPU with at least {}", gib(*b)),

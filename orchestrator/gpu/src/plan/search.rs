@@ -44,7 +44,7 @@ pub struct HostGpu {
 /// What a request asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Demand {
-    /// Any MIG profile with at least this many bytes.
+    /// Any MIG profile, or else a whole GPU, with at least this many bytes.
     Memory(u64),
     /// A named MIG profile (on GPU models that have it).
     Profile(String),
@@ -118,7 +118,9 @@ fn candidates(demand: &Demand, model: &GpuModel) -> (Vec<usize>, bool) {
                 let p = &model.profiles[*i];
                 (p.size, p.compute_slices, p.max_count == 1 && p.size == 1)
             });
-            (c, false)
+            // A whole GPU (tried after every profile) serves a need between the largest
+            // profile and the GPU's full memory.
+            (c, model.memory_bytes() >= *bytes)
         }
         Demand::Profile(name) => (
             (0..model.profiles.len())
@@ -660,6 +662,44 @@ mod tests {
         let sol = place(&gpus, &r, DEFAULT_NODE_BUDGET).unwrap().unwrap();
         assert!(
             matches!(&sol.assignments[0].share, Share::Mig { profile, .. } if profile == "3g.40gb")
+        );
+    }
+
+    #[test]
+    fn a_need_between_the_7g_profile_and_the_whole_gpu_gets_the_whole_gpu() {
+        let gpus = host("h100-80gb", 1);
+        let m = gpus[0].model;
+        let between = m.profile("7g.80gb").unwrap().memory_bytes() + GIB / 8;
+        assert!(between <= m.memory_bytes());
+        let sol = place(
+            &gpus,
+            &[req("a", Demand::Memory(between))],
+            DEFAULT_NODE_BUDGET,
+        )
+        .unwrap()
+        .unwrap();
+        assert!(matches!(sol.assignments[0].share, Share::WholeGpu { .. }));
+        let at_7g = m.profile("7g.80gb").unwrap().memory_bytes();
+        let sol = place(
+            &gpus,
+            &[req("a", Demand::Memory(at_7g))],
+            DEFAULT_NODE_BUDGET,
+        )
+        .unwrap()
+        .unwrap();
+        assert!(
+            matches!(sol.assignments[0].share, Share::Mig { .. }),
+            "7g first at equal cost"
+        );
+        let beyond = m.memory_bytes() + 1;
+        assert_eq!(
+            place(
+                &gpus,
+                &[req("a", Demand::Memory(beyond))],
+                DEFAULT_NODE_BUDGET
+            )
+            .unwrap(),
+            None
         );
     }
 
