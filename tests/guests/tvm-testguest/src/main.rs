@@ -215,6 +215,8 @@ extern "C" fn rust_main(entry: u32, info: u64) -> ! {
         println!("TVMTEST boot FAIL unknown entry kind {entry}");
         crash()
     };
+    // First output as early as possible: benchmarks time the first serial byte.
+    println!("tvm-testguest: entry={}", entry.name());
     let bi = match BootInfo::read(entry, info, &phys::Phys) {
         Ok(bi) => bi,
         Err(e) => {
@@ -225,8 +227,7 @@ extern "C" fn rust_main(entry: u32, info: u64) -> ! {
     let calibrated = timer::calibrate();
     let wanted = bootinfo::cmdline_param(bi.cmdline(), "tvm.test");
     println!(
-        "tvm-testguest: entry={} test={} tsc_khz={}{}",
-        entry.name(),
+        "tvm-testguest: test={} tsc_khz={}{}",
         wanted.unwrap_or("(none)"),
         timer::tsc_per_ms(),
         if calibrated { "" } else { " (no PIT: guessed)" }

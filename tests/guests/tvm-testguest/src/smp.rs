@@ -39,6 +39,8 @@ static LAPIC_BASE: AtomicU64 = AtomicU64::new(0);
 
 #[repr(C, align(16))]
 struct ApStacks([[u8; AP_STACK_SIZE]; MAX_CPUS]);
+/// Not zeroed at boot (see linker.ld): a stack needs no initial contents.
+#[link_section = ".noinit.ap_stacks"]
 static mut AP_STACKS: ApStacks = ApStacks([[0; AP_STACK_SIZE]; MAX_CPUS]);
 
 #[cfg(target_os = "none")]
