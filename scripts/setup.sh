@@ -28,6 +28,8 @@ packages=(
     xz-utils zstd cpio
     # Build tools for -sys crates.
     pkg-config build-essential
+    # tests/guests/pack.py (bzImage packaging of the test guests) and scripts/bench.sh.
+    python3
 )
 
 missing=()

@@ -182,7 +182,7 @@ fn find_mp_config() -> Result<MpConfig, Detail> {
     let mut areas: [(u64, u64); 3] = [(0x9fc00, 0x400), (0xf0000, 0x10000), (0, 0)];
     if mem.read(0x40e, &mut ebda_seg).is_ok() {
         let ebda = u64::from(u16::from_le_bytes(ebda_seg)) << 4;
-        if ebda >= 0x1000 && ebda < 0xa0000 && ebda != 0x9fc00 {
+        if (0x1000..0xa0000).contains(&ebda) && ebda != 0x9fc00 {
             areas[2] = (ebda, 0x400);
         }
     }
