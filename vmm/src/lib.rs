@@ -4,11 +4,13 @@
 //! memory through vm-memory, one thread per vCPU, legacy devices on the port bus, and a
 //! control socket served from the main thread's epoll loop. docs/vmm.md is the contract.
 
+pub mod acpi;
 pub mod api;
 pub mod boot;
 pub mod device_manager;
 pub mod exit;
 pub mod lifecycle;
+pub mod terminal;
 pub mod vstate;
 
 pub use exit::ExitReason;
