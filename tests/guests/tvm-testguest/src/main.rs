@@ -14,6 +14,7 @@ extern crate std;
 
 mod boot;
 mod bootinfo;
+mod idt;
 #[macro_use]
 mod io;
 mod memtest;
@@ -60,6 +61,7 @@ const TESTS: &[&str] = &[
     "reset",
     "panic",
     "triple-fault",
+    "page-fault",
     "idle",
 ];
 
@@ -154,6 +156,16 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
             );
             triple_fault()
         }
+        "page-fault" => {
+            let unmapped = paging::MAP_LIMIT;
+            println!("TVMTEST page-fault READY reading unmapped address {unmapped:#x}");
+            // SAFETY: deliberately faulting: nothing maps this address, so the read raises
+            // #PF, whose handler reports and ends the VM; the value is never used.
+            let _ = unsafe { core::ptr::read_volatile(unmapped as *const u64) };
+            Err(Detail::fmt(format_args!(
+                "Reading unmapped address {unmapped:#x} did not fault"
+            )))
+        }
         "idle" => idle(),
         _ => unreachable!("dispatch only sees names from TESTS"),
     };
@@ -230,6 +242,7 @@ fn image_range() -> (u64, u64) {
 #[no_mangle]
 extern "C" fn rust_main(entry: u32, info: u64) -> ! {
     io::serial_init();
+    idt::init();
     let Some(entry) = EntryKind::from_raw(entry) else {
         println!("TVMTEST boot FAIL unknown entry kind {entry}");
         crash()

@@ -169,6 +169,7 @@ impl Lapic {
 
 /// Where the AP lands in long mode, on its own stack.
 extern "C" fn ap_entry() -> ! {
+    crate::idt::load();
     let id = Lapic::current().id();
     let slot = AP_SLOT.load(Ordering::Acquire);
     REPORTED[slot].store(id, Ordering::Release);
