@@ -56,6 +56,7 @@ const TESTS: &[&str] = &[
     "boot",
     "smp",
     "memory",
+    "memory-sparse",
     "serial-echo",
     "poweroff",
     "reset",
@@ -132,6 +133,10 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "memory" => {
             let (start, end) = image_range();
             memtest::run(bi, memtest::Span { start, end })
+        }
+        "memory-sparse" => {
+            let (start, end) = image_range();
+            memtest::run_sparse(bi, memtest::Span { start, end })
         }
         "serial-echo" => serial_echo(),
         "poweroff" => Ok(Detail::fmt(format_args!(
