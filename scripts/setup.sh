@@ -35,6 +35,8 @@ packages=(
     libcryptsetup-dev libclang-dev cryptsetup-bin
     # The disk guest test's initramfs: busybox, and modinfo for module dependencies.
     busybox-static kmod
+    # tests/guests/pack.py (bzImage packaging of the test guests) and scripts/bench.sh.
+    python3
 )
 
 missing=()
