@@ -79,7 +79,7 @@ impl BlockHandler {
 
     fn mark_broken(&mut self, what: &str) {
         inc(&self.metrics.queue_errors);
-        tracing::warn!("virtio-blk: {what}; the device needs a reset");
+        warn_limited!("virtio-blk: {what}; the device needs a reset");
         self.broken = true;
         self.interrupt.signal_needs_reset();
     }
@@ -241,7 +241,7 @@ impl BlockHandler {
             Ok(written) => (status::OK, written),
             Err(e) => {
                 inc(&m.io_errors);
-                tracing::warn!("virtio-blk: I/O error: {e}");
+                warn_limited!("virtio-blk: I/O error: {e}");
                 (status::IOERR, 0)
             }
         }

@@ -273,7 +273,7 @@ impl VirtioPciDevice {
         let mut queues = Vec::with_capacity(self.common.queues.len());
         for q in &self.common.queues {
             if !q.is_valid(&self.mem) {
-                tracing::warn!("virtio-pci: a queue is not ready or outside guest memory");
+                warn_limited!("virtio-pci: a queue is not ready or outside guest memory");
                 self.needs_reset();
                 return;
             }
@@ -308,7 +308,7 @@ impl VirtioPciDevice {
         let subscriber = match self.device.activate(ctx) {
             Ok(subscriber) => subscriber,
             Err(e) => {
-                tracing::warn!("virtio-pci: activation refused: {e}");
+                warn_limited!("virtio-pci: activation refused: {e}");
                 self.needs_reset();
                 return;
             }
