@@ -70,6 +70,7 @@ macro_rules! debug_limited {
 }
 
 pub mod bus;
+pub mod legacy;
 pub mod pci;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod test_utils;
