@@ -194,8 +194,9 @@ impl VsockHandler {
                 Err((e, hdr)) => {
                     inc(&self.metrics.bad_packets);
                     debug_limited!("virtio-vsock: {e}");
+                    // A protocol error resets the connection it names (if any).
                     if let Some(h) = hdr.filter(|h| h.op != op::RST) {
-                        self.push_control(op::RST, h.dst_port, h.src_port, 0);
+                        self.close((h.dst_port, h.src_port), ops, true);
                     }
                 }
             }
