@@ -1,1 +1,6 @@
-//! placeholder
+//! tenantvm: one GPU host, several untrusted tenants, one KVM VM each.
+//!
+//! The library behind the `tenantvm` CLI and the `tenantvmd` daemon.
+
+pub mod backend;
+pub mod jail;
