@@ -4,3 +4,4 @@
 
 pub mod backend;
 pub mod jail;
+pub mod logs;
