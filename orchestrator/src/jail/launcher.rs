@@ -336,7 +336,7 @@ fn enter_and_exec(plan: &JailPlan, cap_last: u32) -> JailError {
             ("RLIMIT_MEMLOCK", Resource::RLIMIT_MEMLOCK, rl.memlock_bytes),
             ("RLIMIT_CORE", Resource::RLIMIT_CORE, rl.core_bytes),
         ] {
-            setup(name, setrlimit(resource, value, value).map_err(nix_io))?;
+            setup(name, set_rlimit(name, resource, value))?;
         }
         setup("drop supplementary groups", setgroups(&[]).map_err(nix_io))?;
         let gid = Gid::from_raw(plan.gid);
@@ -377,6 +377,24 @@ fn enter_and_exec(plan: &JailPlan, cap_last: u32) -> JailError {
     match run() {
         Ok(never) => match never {},
         Err(e) => e,
+    }
+}
+
+/// Sets soft and hard limit to `value`. Raising a hard limit needs CAP_SYS_RESOURCE, which
+/// some hosts (containers) do not grant even to root: then the limit stays at the current
+/// hard limit, and vmm.log says so.
+fn set_rlimit(name: &str, resource: Resource, value: u64) -> std::io::Result<()> {
+    match setrlimit(resource, value, value) {
+        Ok(()) => Ok(()),
+        Err(nix::Error::EPERM) => {
+            let (_, hard) = nix::sys::resource::getrlimit(resource).map_err(nix_io)?;
+            let _ = writeln!(
+                std::io::stderr(),
+                "tenantvm-jail: cannot raise {name} to {value} without CAP_SYS_RESOURCE; keeping {hard}"
+            );
+            setrlimit(resource, value.min(hard), value.min(hard)).map_err(nix_io)
+        }
+        Err(e) => Err(nix_io(e)),
     }
 }
 

@@ -116,7 +116,7 @@ pub fn list_tenant_cgroups(cgroups: &Cgroups) -> Result<Vec<String>, JailError> 
 /// daemon started and then killed), without blocking, so they do not linger as zombies.
 /// Pids that are not our children are left alone (waitpid answers ECHILD); other children
 /// of the daemon are never touched.
-pub(crate) fn reap_exited(pids: &[i32]) {
+pub fn reap_exited(pids: &[i32]) {
     for &pid in pids {
         let mut status = 0;
         // SAFETY: waitpid on one positive pid with a valid out-pointer to a local and WNOHANG.
