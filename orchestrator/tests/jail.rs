@@ -46,8 +46,7 @@ fn run_jailed(tag: &str, limits: ResourceLimits, script: &str) -> Run {
         RLIMITS,
     )
     .unwrap();
-    plan.bind(Path::new("/dev/null"), Path::new("/dev/null"), true)
-        .unwrap();
+    plan.device(Path::new("/dev/null")).unwrap();
     let log_path = dir.join("vmm.log");
     let log = OpenOptions::new()
         .create(true)

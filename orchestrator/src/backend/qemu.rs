@@ -160,7 +160,7 @@ impl VmBackend for QemuBackend {
             Self::qemu_args(spec, self.accel),
         )?;
         if self.accel == QemuAccel::Kvm {
-            plan.bind(Path::new("/dev/kvm"), Path::new("/dev/kvm"), true)?;
+            plan.device(Path::new("/dev/kvm"))?;
         }
         for dir in QEMU_DATA_DIRS {
             let dir = Path::new(dir);

@@ -227,8 +227,8 @@ pub(crate) fn base_plan(
     for (i, disk) in spec.disks.iter().enumerate() {
         plan.bind(&disk.path, &vm.join(format!("disk{i}")), !disk.read_only)?;
     }
-    plan.bind(Path::new("/dev/null"), Path::new("/dev/null"), true)?;
-    plan.bind(Path::new("/dev/urandom"), Path::new("/dev/urandom"), false)?;
+    plan.device(Path::new("/dev/null"))?;
+    plan.device(Path::new("/dev/urandom"))?;
     plan.bind(&prepared.run_dir, Path::new("/run"), true)?;
     plan.bind(&prepared.serial_log, Path::new(JAIL_SERIAL_LOG), true)?;
     Ok(plan)

@@ -91,7 +91,7 @@ impl VmBackend for VmmBackend {
             &self.vmm_binary,
             Self::vmm_args(spec),
         )?;
-        plan.bind(Path::new("/dev/kvm"), Path::new("/dev/kvm"), true)?;
+        plan.device(Path::new("/dev/kvm"))?;
         plan.env.push(("RUST_BACKTRACE".into(), "1".into()));
         let timeout = self.config.control_timeout;
         let ready = move |sock: &Path| {
