@@ -173,6 +173,25 @@ fn vmm_guest_launches_reports_state_and_stops_through_the_socket() {
 }
 
 #[test]
+fn vmm_recycled_pid_is_not_mistaken_for_the_vm() {
+    require!();
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = spec(&tmp, "vpid", HELLO_SPIN);
+    let backend = backend();
+    let vm = backend.launch(&spec, &jail(9)).unwrap();
+    // Same pid, another start time: what a recycled pid looks like after a host reboot
+    // or a long daemon outage.
+    let impostor = tenantvm::backend::RunningVm {
+        start_time_ticks: vm.start_time_ticks + 1,
+        ..vm.clone()
+    };
+    assert_eq!(backend.state(&impostor).unwrap(), VmState::Gone);
+    assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
+    backend.kill(&vm).unwrap();
+    cleanup(&spec);
+}
+
+#[test]
 fn vmm_kill_is_final_and_idempotent() {
     require!();
     let tmp = tempfile::tempdir().unwrap();

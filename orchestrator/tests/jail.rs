@@ -243,8 +243,11 @@ fn cgroup_limits_read_back_and_cleanup_is_idempotent() {
         .members()
         .unwrap()
         .contains(&i32::try_from(child.id()).unwrap()));
+    let pid = i32::try_from(child.id()).unwrap();
     cleanup_tenant(&cgroups, &tenant, &dir).unwrap();
-    assert!(child.try_wait().unwrap().is_some() || child.wait().is_ok());
+    // Killed, and reaped by cleanup since it is our child: no zombie is left behind.
+    assert_eq!(process::start_time_ticks(pid).unwrap(), None);
+    assert!(child.try_wait().is_err());
     for d in handle.dirs() {
         assert!(!d.exists(), "{} removed", d.display());
     }
