@@ -152,6 +152,7 @@ fn vmm_guest_launches_reports_state_and_stops_through_the_socket() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "vmm", HELLO_SPIN);
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let backend = backend();
     let vm = backend.launch(&spec, &jail(4)).unwrap();
     assert_eq!(vm.api_sock, spec.tenant_dir.join("run/api.sock"));
@@ -177,6 +178,7 @@ fn vmm_recycled_pid_is_not_mistaken_for_the_vm() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "vpid", HELLO_SPIN);
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let backend = backend();
     let vm = backend.launch(&spec, &jail(9)).unwrap();
     // Same pid, another start time: what a recycled pid looks like after a host reboot
@@ -192,10 +194,113 @@ fn vmm_recycled_pid_is_not_mistaken_for_the_vm() {
 }
 
 #[test]
+fn vmm_paused_guest_reads_as_paused() {
+    require!();
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = spec(&tmp, "vpause", HELLO_SPIN);
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let backend = backend();
+    let vm = backend.launch(&spec, &jail(10)).unwrap();
+    let mut conn = std::os::unix::net::UnixStream::connect(&vm.api_sock).unwrap();
+    std::io::Write::write_all(&mut conn, b"{\"command\":\"pause\"}\n").unwrap();
+    let mut answer = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(&conn), &mut answer).unwrap();
+    assert!(answer.contains("\"ok\":true"), "{answer}");
+    assert_eq!(backend.state(&vm).unwrap(), VmState::Paused);
+    assert_eq!(
+        backend.stop(&vm, Duration::from_secs(10)).unwrap(),
+        ExitReason::Stopped
+    );
+    cleanup(&spec);
+}
+
+/// Environment variable naming the tenant dir root for the adoption helper below.
+const ADOPT_ENV: &str = "TENANTVM_TEST_ADOPT_DIR";
+
+/// Helper run in a separate process by `vmm_adopted_after_daemon_restart_is_managed`: it
+/// plays a daemon that launches a VM, prints the RunningVm and dies without waiting.
+#[test]
+#[ignore = "run by vmm_adopted_after_daemon_restart_is_managed in a child process"]
+fn adopt_helper_launch_and_exit() {
+    let Ok(root) = std::env::var(ADOPT_ENV) else {
+        eprintln!("skipping: only meaningful when {ADOPT_ENV} is set by the adoption test");
+        return;
+    };
+    let root = PathBuf::from(root);
+    let tenant = common::tenant("vadopt");
+    let kernel = root.join("adopt.elf");
+    fs::write(&kernel, tiny_elf(HELLO_SPIN)).unwrap();
+    let dir = root.join(&tenant);
+    fs::create_dir_all(&dir).unwrap();
+    let spec = VmSpec {
+        tenant_dir: dir,
+        tenant,
+        kernel,
+        initramfs: None,
+        cmdline: String::new(),
+        vcpus: 1,
+        memory_mib: 32,
+        disks: vec![],
+    };
+    let vm = backend().launch(&spec, &jail(11)).unwrap();
+    println!("RUNNING_VM={}", serde_json::to_string(&vm).unwrap());
+}
+
+#[test]
+fn vmm_adopted_after_daemon_restart_is_managed() {
+    require!();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "adopt_helper_launch_and_exit",
+            "--nocapture",
+        ])
+        .env(ADOPT_ENV, tmp.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("RUNNING_VM="))
+        .unwrap_or_else(|| {
+            panic!(
+                "helper printed no RunningVm: {stdout}{}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    let vm: tenantvm::backend::RunningVm = serde_json::from_str(json).unwrap();
+    let _cleanup = common::CleanupOnDrop::new(&vm.tenant, &vm.tenant_dir);
+    // The "old daemon" is gone; this process is not the launcher's parent.
+    assert!(tenantvm::jail::process::wait_nohang(vm.pid).is_none());
+    let backend = backend();
+    assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
+    assert_eq!(
+        backend.stop(&vm, Duration::from_secs(10)).unwrap(),
+        ExitReason::Stopped
+    );
+    // The status comes from vmm.exit, not from waitpid.
+    assert_eq!(
+        backend.state(&vm).unwrap(),
+        VmState::Exited {
+            status: ExitReason::Stopped
+        }
+    );
+    cleanup_tenant(
+        &RuntimeConfig::detect().unwrap().cgroups,
+        &vm.tenant,
+        &vm.tenant_dir,
+    )
+    .unwrap();
+}
+
+#[test]
 fn vmm_kill_is_final_and_idempotent() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "vkill", HELLO_SPIN);
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let backend = backend();
     let vm = backend.launch(&spec, &jail(5)).unwrap();
     backend.kill(&vm).unwrap();
@@ -222,6 +327,7 @@ fn vmm_guest_power_off_is_reported() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "voff", BYE_POWEROFF);
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let backend = backend();
     // The guest may power off before the socket answers: both paths carry the reason.
     match backend.launch(&spec, &jail(6)) {
@@ -252,6 +358,7 @@ fn vmm_bad_kernel_fails_launch_with_reason_and_log() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "vbad", HELLO_SPIN);
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     fs::write(&spec.kernel, b"this is not a kernel").unwrap();
     let err = backend().launch(&spec, &jail(7)).unwrap_err();
     match err {
@@ -269,6 +376,7 @@ fn vmm_refuses_disks_until_it_has_virtio_blk() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let mut spec = spec(&tmp, "vdisk", HELLO_SPIN);
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     spec.disks.push(tenantvm::backend::DiskAttachment {
         path: spec.kernel.clone(),
         read_only: true,

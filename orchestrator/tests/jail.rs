@@ -32,6 +32,7 @@ fn run_jailed(tag: &str, limits: ResourceLimits, script: &str) -> Run {
     let tmp = tempfile::tempdir().unwrap();
     let tenant = common::tenant(tag);
     let dir = common::tenant_dir(&tmp, &tenant);
+    let _cleanup = common::CleanupOnDrop::new(&tenant, &dir);
     let cgroups = Cgroups::detect().unwrap();
     let handle = cgroups.create(&tenant, &limits).unwrap();
     let uid = common::test_uid(0);
