@@ -26,6 +26,11 @@ const QEMU_DATA_DIRS: [&str; 3] = [
     "/usr/lib/x86_64-linux-gnu/qemu",
 ];
 
+/// The CPU model under KVM: the host's, without IA32_ARCH_CAPABILITIES (MSR 0x10a), which
+/// nested hypervisors (this CI machine) refuse to set, aborting QEMU. Guests then assume
+/// they need every speculative-execution mitigation: slower at worst, never less safe.
+pub const KVM_CPU: &str = "host,-arch-capabilities";
+
 /// Runs VMs with QEMU.
 #[derive(Debug, Clone)]
 pub struct QemuBackend {
@@ -59,7 +64,7 @@ impl QemuBackend {
             },
             "-cpu",
             match accel {
-                QemuAccel::Kvm => "host",
+                QemuAccel::Kvm => KVM_CPU,
                 QemuAccel::Tcg => "max",
             },
             "-smp",
@@ -298,6 +303,6 @@ mod tests {
         assert!(!args.contains("/host/"));
         assert!(QemuBackend::qemu_args(&spec, QemuAccel::Kvm)
             .join(" ")
-            .contains("-accel kvm -cpu host"));
+            .contains("-accel kvm -cpu host,-arch-capabilities"));
     }
 }
