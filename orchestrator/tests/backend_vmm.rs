@@ -194,6 +194,40 @@ fn vmm_recycled_pid_is_not_mistaken_for_the_vm() {
 }
 
 #[test]
+fn vmm_socket_swapped_for_another_tenants_is_refused() {
+    require!();
+    let tmp = tempfile::tempdir().unwrap();
+    let a = spec(&tmp, "vswapa", HELLO_SPIN);
+    let _cleanup_a = common::CleanupOnDrop::new(&a.tenant, &a.tenant_dir);
+    let b = spec(&tmp, "vswapb", HELLO_SPIN);
+    let _cleanup_b = common::CleanupOnDrop::new(&b.tenant, &b.tenant_dir);
+    let backend = backend();
+    let vm_a = backend.launch(&a, &jail(12)).unwrap();
+    let vm_b = backend.launch(&b, &jail(13)).unwrap();
+    // A compromised VMM of tenant A replaces its socket (in its writable /run) with a
+    // symlink to B's, hoping the daemon stops B when it stops A.
+    fs::remove_file(&vm_a.api_sock).unwrap();
+    std::os::unix::fs::symlink(&vm_b.api_sock, &vm_a.api_sock).unwrap();
+    let err = backend.state(&vm_a).unwrap_err();
+    assert!(err.to_string().contains("refusing"), "{err}");
+    assert_eq!(
+        backend.stop(&vm_a, Duration::from_secs(1)).unwrap(),
+        ExitReason::Signaled {
+            signal: libc::SIGKILL
+        }
+    );
+    assert_eq!(
+        backend.state(&vm_b).unwrap(),
+        VmState::Running,
+        "B is untouched"
+    );
+    assert_eq!(
+        backend.stop(&vm_b, Duration::from_secs(10)).unwrap(),
+        ExitReason::Stopped
+    );
+}
+
+#[test]
 fn vmm_paused_guest_reads_as_paused() {
     require!();
     let tmp = tempfile::tempdir().unwrap();

@@ -111,9 +111,9 @@ impl QemuBackend {
         args
     }
 
-    /// Opens a QMP session (greeting read, capabilities negotiated).
-    fn qmp(&self, sock: &Path) -> Result<JsonLines, BackendError> {
-        let mut conn = JsonLines::connect(sock, self.config.control_timeout)?;
+    /// Opens a QMP session (served by `uid`; greeting read, capabilities negotiated).
+    fn qmp(&self, sock: &Path, uid: u32) -> Result<JsonLines, BackendError> {
+        let mut conn = JsonLines::connect(sock, self.config.control_timeout, uid)?;
         let greeting = conn.receive()?;
         if greeting.get("QMP").is_none() {
             return Err(BackendError::Control {
@@ -188,7 +188,8 @@ impl VmBackend for QemuBackend {
             }
         }
         let this = self.clone();
-        let ready = move |sock: &Path| this.qmp(sock).is_ok();
+        let uid = jail.uid;
+        let ready = move |sock: &Path| this.qmp(sock, uid).is_ok();
         runner::start(
             &self.config,
             self.kind(),
@@ -213,7 +214,7 @@ impl VmBackend for QemuBackend {
             ProcessStatus::Alive => {}
         }
         let answer = self
-            .qmp(&vm.api_sock)
+            .qmp(&vm.api_sock, vm.uid)
             .and_then(|mut c| execute(&mut c, "query-status"));
         match answer {
             Ok(status) => match status["status"].as_str() {
@@ -241,7 +242,7 @@ impl VmBackend for QemuBackend {
             return Ok(ExitReason::from_qemu(record));
         }
         // Half the grace period for the guest to power off through ACPI...
-        if let Ok(mut conn) = self.qmp(&vm.api_sock) {
+        if let Ok(mut conn) = self.qmp(&vm.api_sock, vm.uid) {
             if execute(&mut conn, "system_powerdown").is_ok() {
                 if let ProcessStatus::Exited(record) = runner::wait_exit(vm, grace / 2)? {
                     return Ok(ExitReason::from_qemu(record));
@@ -249,7 +250,7 @@ impl VmBackend for QemuBackend {
             }
         }
         // ...then QEMU is told to quit, and killed if it does not.
-        if let Ok(mut conn) = self.qmp(&vm.api_sock) {
+        if let Ok(mut conn) = self.qmp(&vm.api_sock, vm.uid) {
             if execute(&mut conn, "quit").is_ok() {
                 match runner::wait_exit(vm, grace / 2)? {
                     ProcessStatus::Exited(crate::jail::ExitRecord::Code(0)) => {

@@ -56,7 +56,7 @@ impl VmmBackend {
     }
 
     fn request(&self, vm: &RunningVm, command: &str) -> Result<serde_json::Value, BackendError> {
-        let mut conn = JsonLines::connect(&vm.api_sock, self.config.control_timeout)?;
+        let mut conn = JsonLines::connect(&vm.api_sock, self.config.control_timeout, vm.uid)?;
         let answer = conn.call(&json!({ "command": command }))?;
         if answer["ok"] != json!(true) {
             let message = answer["error"]
@@ -96,8 +96,9 @@ impl VmBackend for VmmBackend {
         plan.device(Path::new("/dev/kvm"))?;
         plan.env.push(("RUST_BACKTRACE".into(), "1".into()));
         let timeout = self.config.control_timeout;
+        let uid = jail.uid;
         let ready = move |sock: &Path| {
-            JsonLines::connect(sock, timeout)
+            JsonLines::connect(sock, timeout, uid)
                 .and_then(|mut c| c.call(&json!({"command": "status"})))
                 .is_ok()
         };
