@@ -402,6 +402,13 @@ fn vmm_bad_kernel_fails_launch_with_reason_and_log() {
         }
         other => panic!("{other}"),
     }
+    // Nothing of the failed launch is left: no process, no cgroup.
+    let cgroup = RuntimeConfig::detect()
+        .unwrap()
+        .cgroups
+        .handle(&spec.tenant)
+        .unwrap();
+    assert!(cgroup.dirs().iter().all(|d| !d.exists()));
     cleanup(&spec);
 }
 

@@ -301,9 +301,34 @@ pub(crate) fn vmm_log_tail(spec: &VmSpec) -> String {
 
 /// Starts the launcher with `plan` and waits until `ready` says the VMM answers, the
 /// process ends (an error carrying its exit reason and vmm.log), or the timeout passes
-/// (the VM is killed).
+/// (the VM is killed). On any failure the cgroup is emptied and removed.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn start(
+    cfg: &RuntimeConfig,
+    kind: BackendKind,
+    spec: &VmSpec,
+    jail: &JailConfig,
+    prepared: &Prepared,
+    plan: &JailPlan,
+    api_sock: PathBuf,
+    decode: fn(ExitRecord) -> ExitReason,
+    ready: &dyn Fn(&Path) -> bool,
+) -> Result<RunningVm, BackendError> {
+    let result = start_and_wait(
+        cfg, kind, spec, jail, prepared, plan, api_sock, decode, ready,
+    );
+    if result.is_err() {
+        // Nothing of a failed launch is left running or accounted: kill whatever got
+        // started and remove the cgroup (cleanup_tenant stays idempotent after this).
+        if let Err(e) = prepared.cgroup.destroy(reap_exited) {
+            tracing::warn!(tenant = %spec.tenant, error = %e, "cannot remove the cgroup of a failed launch");
+        }
+    }
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+fn start_and_wait(
     cfg: &RuntimeConfig,
     kind: BackendKind,
     spec: &VmSpec,
