@@ -469,3 +469,71 @@ fn cstring(bytes: &[u8]) -> Result<CString, JailError> {
     CString::new(bytes)
         .map_err(|_| JailError::InvalidPlan("an argument or variable contains a NUL byte".into()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::jail::{CgroupHandle, JailRlimits};
+
+    #[test]
+    fn launcher_without_plan_prints_usage_and_fails() {
+        assert_eq!(main_with_args(&[]), JAIL_SETUP_FAILED);
+        assert_eq!(
+            main_with_args(&["--other".into(), "x".into()]),
+            JAIL_SETUP_FAILED
+        );
+    }
+
+    #[test]
+    fn launcher_rejects_malformed_plan_json() {
+        assert_eq!(
+            main_with_args(&["--plan".into(), "{not json".into()]),
+            JAIL_SETUP_FAILED
+        );
+        assert_eq!(
+            main_with_args(&["--plan".into(), "{\"tenant\":\"t\",\"bogus\":1}".into()]),
+            JAIL_SETUP_FAILED
+        );
+    }
+
+    #[test]
+    fn launcher_refuses_root_identity_and_records_the_failure() {
+        let dir = tempfile::tempdir().unwrap();
+        let plan = JailPlan {
+            tenant: "t".into(),
+            uid: 0,
+            gid: 0,
+            cgroup: CgroupHandle::V2 {
+                path: dir.path().join("cg"),
+            },
+            root: dir.path().join("root"),
+            exit_file: dir.path().join("vmm.exit"),
+            mounts: vec![],
+            devices: vec![],
+            mount_proc: true,
+            program: "/bin/true".into(),
+            args: vec![],
+            env: vec![],
+            rlimits: JailRlimits {
+                nofile: 64,
+                nproc: 8,
+                memlock_bytes: 0,
+                core_bytes: 0,
+            },
+        };
+        let json = serde_json::to_string(&plan).unwrap();
+        assert_eq!(main_with_args(&["--plan".into(), json]), JAIL_SETUP_FAILED);
+        assert_eq!(
+            ExitRecord::read(&plan.exit_file).unwrap(),
+            Some(ExitRecord::Code(JAIL_SETUP_FAILED))
+        );
+        // Nothing was joined or mounted.
+        assert!(!dir.path().join("cg").exists() && !plan.root.exists());
+    }
+
+    #[test]
+    fn exit_code_encodes_signals_like_a_shell() {
+        assert_eq!(exit_code(ExitRecord::Code(6)), 6);
+        assert_eq!(exit_code(ExitRecord::Signal(9)), 137);
+    }
+}
