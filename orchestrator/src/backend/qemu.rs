@@ -15,6 +15,7 @@ use super::{
     BackendError, BackendKind, ExitReason, JailConfig, QemuAccel, RunningVm, VmBackend, VmSpec,
     VmState,
 };
+use crate::jail::Seal;
 
 /// Name of the QMP socket in the tenant's `run/` directory.
 pub const QMP_SOCK: &str = "qmp.sock";
@@ -169,6 +170,11 @@ impl VmBackend for QemuBackend {
         if self.accel == QemuAccel::Kvm {
             plan.device(Path::new("/dev/kvm"))?;
         }
+        // Once the socket exists, /run turns read-only inside the jail.
+        plan.seal = Some(Seal {
+            when_exists: PathBuf::from(format!("/run/{QMP_SOCK}")),
+            mount: PathBuf::from("/run"),
+        });
         for dir in QEMU_DATA_DIRS {
             let dir = Path::new(dir);
             if dir.is_dir() {

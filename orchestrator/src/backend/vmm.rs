@@ -13,6 +13,7 @@ use super::runner::{
 use super::{
     BackendError, BackendKind, ExitReason, JailConfig, RunningVm, VmBackend, VmSpec, VmState,
 };
+use crate::jail::Seal;
 
 /// Name of the control socket in the tenant's `run/` directory.
 pub const API_SOCK: &str = "api.sock";
@@ -94,6 +95,11 @@ impl VmBackend for VmmBackend {
             Self::vmm_args(spec),
         )?;
         plan.device(Path::new("/dev/kvm"))?;
+        // Once the socket exists, /run turns read-only inside the jail.
+        plan.seal = Some(Seal {
+            when_exists: PathBuf::from(format!("/run/{API_SOCK}")),
+            mount: PathBuf::from("/run"),
+        });
         plan.env.push(("RUST_BACKTRACE".into(), "1".into()));
         let timeout = self.config.control_timeout;
         let uid = jail.uid;

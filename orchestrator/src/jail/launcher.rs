@@ -16,6 +16,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
 
 use nix::mount::{mount, MsFlags};
 use nix::sched::{unshare, CloneFlags};
@@ -194,12 +195,40 @@ fn init(plan: &JailPlan, cap_last: u32) -> Result<i32, JailError> {
         }
         ForkResult::Parent { child } => {
             install_forwarding(child.as_raw());
+            let mut seal = plan.seal.clone();
+            let seal_deadline = Instant::now() + SEAL_WAIT;
             // As pid 1, reap every orphan; stop when the program itself exits. Leaving then
             // makes the kernel SIGKILL whatever else is left in the namespace.
             loop {
+                // Poll while a seal is pending, block once it is done (or given up).
+                if let Some(s) = &seal {
+                    let present = jail_path(&plan.root, &s.when_exists).exists();
+                    if present && seal_mount(plan, &s.mount)? {
+                        seal = None;
+                    } else if Instant::now() > seal_deadline {
+                        if present {
+                            return Err(JailError::Setup {
+                                step: "seal a writable mount read-only (kept busy by the program)",
+                                source: std::io::Error::from_raw_os_error(libc::EBUSY),
+                            });
+                        }
+                        let _ = writeln!(
+                            std::io::stderr(),
+                            "tenantvm-jail: {} did not appear; {} stays writable",
+                            s.when_exists.display(),
+                            s.mount.display()
+                        );
+                        seal = None;
+                    }
+                }
+                let flags = if seal.is_some() { libc::WNOHANG } else { 0 };
                 let mut status = 0;
                 // SAFETY: waitpid with a valid out-pointer to a local.
-                let r = unsafe { libc::waitpid(-1, &mut status, 0) };
+                let r = unsafe { libc::waitpid(-1, &mut status, flags) };
+                if r == 0 {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                }
                 if r == child.as_raw() {
                     let record = ExitRecord::from_wait_status(status);
                     record.write(&plan.exit_file)?;
@@ -210,6 +239,30 @@ fn init(plan: &JailPlan, cap_last: u32) -> Result<i32, JailError> {
                 }
             }
         }
+    }
+}
+
+/// How long the init watches for the seal's file before leaving the mount writable.
+const SEAL_WAIT: Duration = Duration::from_secs(60);
+
+/// Remounts the jail's bind mount at `mount_point` read-only (the host's view is
+/// unaffected). Returns false while a file is open for writing through it (EBUSY): the
+/// caller retries until its deadline, after which a VMM that keeps it busy ends the jail.
+fn seal_mount(plan: &JailPlan, mount_point: &Path) -> Result<bool, JailError> {
+    let none: Option<&str> = None;
+    let target = jail_path(&plan.root, mount_point);
+    let flags = MsFlags::MS_REMOUNT
+        | MsFlags::MS_BIND
+        | MsFlags::MS_RDONLY
+        | MsFlags::MS_NOSUID
+        | MsFlags::MS_NODEV;
+    match mount(none, &target, none, flags, none) {
+        Ok(()) => Ok(true),
+        Err(nix::Error::EBUSY) => Ok(false),
+        Err(e) => Err(JailError::Setup {
+            step: "seal a writable mount read-only",
+            source: nix_io(e),
+        }),
     }
 }
 
@@ -510,6 +563,7 @@ mod tests {
             exit_file: dir.path().join("vmm.exit"),
             mounts: vec![],
             devices: vec![],
+            seal: None,
             mount_proc: true,
             program: "/bin/true".into(),
             args: vec![],
