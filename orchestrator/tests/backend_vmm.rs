@@ -157,6 +157,12 @@ fn vmm_guest_launches_reports_state_and_stops_through_the_socket() {
     let vm = backend.launch(&spec, &jail(4)).unwrap();
     assert_eq!(vm.api_sock, spec.tenant_dir.join("run/api.sock"));
     assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
+    // A second launch for the same tenant is refused and leaves the first VM alone.
+    assert!(matches!(
+        backend.launch(&spec, &jail(4)),
+        Err(BackendError::AlreadyRunning { .. })
+    ));
+    assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
     common::wait_until(Duration::from_secs(30), "hello on serial", || {
         serial(&spec).contains("hello\n").then_some(())
     });

@@ -144,6 +144,15 @@ pub(crate) fn prepare(
             spec.tenant
         )));
     }
+    // One VM per tenant: kill and stop act on the whole cgroup, so a second VM in it would
+    // share the first one's fate. Checked before anything (sockets, limits) is touched.
+    let members = cfg.cgroups.handle(&spec.tenant)?.members()?;
+    if !members.is_empty() {
+        return Err(BackendError::AlreadyRunning {
+            tenant: spec.tenant.clone(),
+            pids: members,
+        });
+    }
     let parent = dir.parent().unwrap_or(Path::new("/"));
     let logs = TenantLogs::open(parent, &spec.tenant, LogPolicy::default())
         .map_err(|e| invalid(e.to_string()))?;
