@@ -3,5 +3,9 @@
 //! The library behind the `tenantvm` CLI and the `tenantvmd` daemon.
 
 pub mod backend;
+pub mod disk;
 pub mod jail;
+pub mod keys;
 pub mod logs;
+pub mod receipt;
+pub mod scrub;
