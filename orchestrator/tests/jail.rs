@@ -194,6 +194,24 @@ fn writable_mount_is_sealed_once_the_trigger_file_appears() {
 }
 
 #[test]
+fn jailed_program_has_no_network_but_its_own_loopback() {
+    require_root!();
+    let run = run_jailed(
+        "net",
+        common::roomy_limits(),
+        "while read name rest; do echo \"if $name\"; done < /proc/self/net/dev",
+    );
+    assert_eq!(run.exit, ExitRecord::Code(0), "{}", run.output);
+    let interfaces: Vec<&str> = run
+        .output
+        .lines()
+        .filter_map(|l| l.strip_prefix("if "))
+        .filter(|n| n.ends_with(':'))
+        .collect();
+    assert_eq!(interfaces, vec!["lo:"], "{}", run.output);
+}
+
+#[test]
 fn exit_status_of_the_program_reaches_the_daemon() {
     require_root!();
     let run = run_jailed("status", common::roomy_limits(), "exit 7");

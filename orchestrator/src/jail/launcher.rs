@@ -131,8 +131,18 @@ fn launch(plan: &JailPlan) -> Result<i32, JailError> {
         .parse()
         .map_err(|_| JailError::InvalidPlan("bad /proc/sys/kernel/cap_last_cap".into()))?;
     setup(
-        "unshare mount+pid namespaces",
-        unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWPID).map_err(nix_io),
+        "unshare the namespaces",
+        // Mount and pid namespaces for the chroot and the process view; network, IPC and
+        // UTS namespaces so a compromised VMM reaches no network (not even the host's
+        // loopback or abstract Unix sockets), no host SysV IPC, and cannot rename the host.
+        unshare(
+            CloneFlags::CLONE_NEWNS
+                | CloneFlags::CLONE_NEWPID
+                | CloneFlags::CLONE_NEWNET
+                | CloneFlags::CLONE_NEWIPC
+                | CloneFlags::CLONE_NEWUTS,
+        )
+        .map_err(nix_io),
     )?;
     // SAFETY: this process is single-threaded (a fresh tenantvm-jail), so the child may
     // run arbitrary code after fork.
