@@ -179,6 +179,39 @@ fn vmm_guest_launches_reports_state_and_stops_through_the_socket() {
     cleanup(&spec);
 }
 
+/// `nr_throttled` from the cgroup's cpu.stat (v1 cpu hierarchy or v2 directory).
+fn nr_throttled(cgroup: &tenantvm::jail::CgroupHandle) -> u64 {
+    let dir = match cgroup {
+        tenantvm::jail::CgroupHandle::V1 { cpu, .. } => cpu,
+        tenantvm::jail::CgroupHandle::V2 { path } => path,
+    };
+    let stat = fs::read_to_string(dir.join("cpu.stat")).unwrap();
+    stat.lines()
+        .find_map(|l| l.strip_prefix("nr_throttled "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn vmm_spinning_guest_is_throttled_by_the_cpu_quota() {
+    require!();
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = spec(&tmp, "vcpu", HELLO_SPIN);
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let backend = backend();
+    // 10 ms of CPU per 100 ms for a guest that spins forever.
+    let mut jail = jail(14);
+    jail.limits.cpu_quota_us = 10_000;
+    let vm = backend.launch(&spec, &jail).unwrap();
+    common::wait_until(
+        Duration::from_secs(60),
+        "the cgroup to throttle the guest",
+        || (nr_throttled(&vm.cgroup) > 0).then_some(()),
+    );
+    assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
+    backend.kill(&vm).unwrap();
+}
+
 #[test]
 fn vmm_recycled_pid_is_not_mistaken_for_the_vm() {
     require!();
