@@ -168,9 +168,18 @@ pub fn insert_module(path: &Path, name: &str) -> Result<bool, ModuleLoadError> {
     })
 }
 
-/// Loads `wanted` and their dependencies from `dir` (`/lib/modules/<release>`). Returns
-/// the names actually inserted.
-pub fn load_modules(dir: &Path, wanted: &[String]) -> Result<Vec<String>, ModuleLoadError> {
+/// What [`load_modules`] did.
+#[derive(Debug, Default)]
+pub struct LoadReport {
+    /// Modules inserted, in order.
+    pub inserted: Vec<String>,
+    /// Requested modules that could not be loaded (one failure does not stop the rest:
+    /// e.g. aesni_intel is refused on a CPU without AES-NI, and aes_generic serves).
+    pub failed: Vec<(String, ModuleLoadError)>,
+}
+
+/// Loads `wanted` and their dependencies from `dir` (`/lib/modules/<release>`).
+pub fn load_modules(dir: &Path, wanted: &[String]) -> Result<LoadReport, ModuleLoadError> {
     let dep_path = dir.join("modules.dep");
     let text = std::fs::read_to_string(&dep_path).map_err(|source| ModuleLoadError::ReadDep {
         path: dep_path,
@@ -180,14 +189,36 @@ pub fn load_modules(dir: &Path, wanted: &[String]) -> Result<Vec<String>, Module
     let builtin = std::fs::read_to_string(dir.join("modules.builtin"))
         .map(|t| parse_builtin(&t))
         .unwrap_or_default();
-    let mut inserted = Vec::new();
-    for entry in load_order(wanted, &dep, &builtin)? {
-        let name = module_name(&entry.path);
-        if insert_module(&dir.join(&entry.path), &name)? {
-            inserted.push(name);
+    let mut report = LoadReport::default();
+    let mut done: BTreeSet<String> = BTreeSet::new();
+    for want in wanted {
+        let order = match load_order(std::slice::from_ref(want), &dep, &builtin) {
+            Ok(o) => o,
+            Err(e) => {
+                report.failed.push((want.clone(), e));
+                continue;
+            }
+        };
+        for entry in order {
+            let name = module_name(&entry.path);
+            if done.contains(&name) {
+                continue;
+            }
+            match insert_module(&dir.join(&entry.path), &name) {
+                Ok(inserted) => {
+                    if inserted {
+                        report.inserted.push(name.clone());
+                    }
+                    done.insert(name);
+                }
+                Err(e) => {
+                    report.failed.push((want.clone(), e));
+                    break;
+                }
+            }
         }
     }
-    Ok(inserted)
+    Ok(report)
 }
 
 #[cfg(test)]

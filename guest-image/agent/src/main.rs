@@ -93,7 +93,12 @@ fn main() {
     }
     let modules_dir = Path::new("/lib/modules").join(kernel_release());
     match kmod::load_modules(&modules_dir, &cfg.modules) {
-        Ok(loaded) => agent.log(&format!("loaded {} kernel modules", loaded.len())),
+        Ok(report) => {
+            agent.log(&format!("loaded {} kernel modules", report.inserted.len()));
+            for (name, e) in &report.failed {
+                agent.log(&format!("kernel module {name} not loaded: {e}"));
+            }
+        }
         Err(e) => agent.log(&format!("module loading stopped: {e}")),
     }
     if let Err(e) = server::serve(&agent, Path::new("/sys"), PORT_WAIT) {

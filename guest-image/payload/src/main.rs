@@ -84,6 +84,11 @@ fn serve(mut args: impl Iterator<Item = String>) -> Result<()> {
         serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", path.display()))?;
     model.validate()?;
     let listener = TcpListener::bind(&listen).with_context(|| format!("listening on {listen}"))?;
+    if let Some(dir) = &data_dir {
+        let recorded =
+            std::fs::read_to_string(dir.join("completions.jsonl")).map_or(0, |t| t.lines().count());
+        eprintln!("history: {recorded} completions on record");
+    }
     eprintln!(
         "serving {name} ({} words) on http://{listen}",
         model.vocab.len()

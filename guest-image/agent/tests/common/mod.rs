@@ -1,0 +1,140 @@
+//! Shared fixtures for the image tests: locating tools, building the image set, and a
+//! QEMU guest that is killed when dropped.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Whether `tool` is on PATH.
+pub fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// The reason the image cannot be built here, if any.
+pub fn image_build_blocker() -> Option<String> {
+    let kernel = repo_root().join(".cache/kernel/vmlinuz");
+    if !kernel.exists() {
+        return Some(format!(
+            "{} is missing (run scripts/setup.sh)",
+            kernel.display()
+        ));
+    }
+    for tool in [
+        "cpio",
+        "depmod",
+        "busybox",
+        "cryptsetup",
+        "mke2fs",
+        "python3",
+    ] {
+        if !have(tool) {
+            return Some(format!("{tool} is not installed (run scripts/setup.sh)"));
+        }
+    }
+    None
+}
+
+/// Runs guest-image/build.sh into `out` with a fixed SOURCE_DATE_EPOCH; returns the
+/// wall-clock time it took.
+pub fn build_image(out: &Path, epoch: &str) -> Duration {
+    let start = Instant::now();
+    let status = Command::new(repo_root().join("guest-image/build.sh"))
+        .arg(out)
+        .env("SOURCE_DATE_EPOCH", epoch)
+        .status()
+        .expect("running guest-image/build.sh");
+    assert!(status.success(), "guest-image/build.sh failed: {status}");
+    start.elapsed()
+}
+
+/// The image set the end-to-end tests boot: `TENANTVM_GUEST_IMAGE` if set, else built
+/// into target/guest-image-test.
+pub fn image_set() -> PathBuf {
+    if let Some(dir) = std::env::var_os("TENANTVM_GUEST_IMAGE") {
+        return PathBuf::from(dir);
+    }
+    let out = repo_root().join("target/guest-image-test");
+    let took = build_image(&out, "1700000000");
+    eprintln!("image build took {:.1} s", took.as_secs_f64());
+    out
+}
+
+/// A QEMU process, killed on drop.
+pub struct Qemu {
+    /// The process.
+    pub child: Child,
+}
+
+impl Qemu {
+    /// Waits up to `timeout` for QEMU to exit; returns its success.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<bool> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status.success());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        None
+    }
+}
+
+impl Drop for Qemu {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Boots the image set under TCG with the agent's virtio-serial port on `sock` and
+/// `disk` as the first virtio-blk device; the serial console goes to `console`.
+pub fn boot_tcg(image: &Path, disk: &Path, sock: &Path, console: &Path) -> Qemu {
+    let cmdline = std::fs::read_to_string(image.join("cmdline")).expect("image cmdline");
+    let child = Command::new("qemu-system-x86_64")
+        .args(["-accel", "tcg", "-cpu", "max", "-m", "512", "-smp", "1"])
+        .args([
+            "-nodefaults",
+            "-no-reboot",
+            "-display",
+            "none",
+            "-monitor",
+            "none",
+        ])
+        .arg("-kernel")
+        .arg(image.join("vmlinuz"))
+        .arg("-initrd")
+        .arg(image.join("initramfs.cpio.gz"))
+        .args(["-append", cmdline.trim()])
+        .arg("-serial")
+        .arg(format!("file:{}", console.display()))
+        .args(["-device", "virtio-serial-pci,id=vser0"])
+        .arg("-chardev")
+        .arg(format!(
+            "socket,id=agent,path={},server=on,wait=off",
+            sock.display()
+        ))
+        .args([
+            "-device",
+            "virtserialport,bus=vser0.0,chardev=agent,name=org.tenantvm.agent.0",
+        ])
+        .arg("-drive")
+        .arg(format!(
+            "file={},format=raw,if=none,id=data,cache=writeback",
+            disk.display()
+        ))
+        .args(["-device", "virtio-blk-pci,drive=data"])
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("starting qemu-system-x86_64");
+    Qemu { child }
+}
