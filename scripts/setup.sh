@@ -28,6 +28,9 @@ packages=(
     xz-utils zstd cpio
     # Build tools for -sys crates.
     pkg-config build-essential
+    # Guest image (guest-image/build.sh): busybox, cryptsetup and mke2fs copied into the
+    # initramfs (cryptsetup also formats the test disks on the host), depmod/modinfo.
+    busybox-static cryptsetup-bin e2fsprogs kmod
 )
 
 missing=()
