@@ -217,8 +217,14 @@ impl AgentClient {
                 Ok(mut client) => {
                     let mut sent = Vec::new();
                     while Instant::now() < deadline {
-                        let id = client.send(&Request::Status)?;
-                        sent.push(id);
+                        match client.send(&Request::Status) {
+                            Ok(id) => sent.push(id),
+                            Err(e) => {
+                                // The socket may accept before the far end is up; reconnect.
+                                last_err = Some(e);
+                                break;
+                            }
+                        }
                         let left = deadline.saturating_duration_since(Instant::now());
                         match client.receive_any(&sent, left.min(Duration::from_secs(1))) {
                             Ok(ResponseFrame {

@@ -108,7 +108,10 @@ pub fn parse_header(header: &[u8; HEADER_LEN]) -> Result<FrameHeader, FrameError
 
 /// Serialises `msg` into one complete frame (header and body).
 pub fn encode_frame<T: Serialize>(msg: &T) -> Result<Zeroizing<Vec<u8>>, FrameError> {
-    let mut out = Zeroizing::new(vec![0u8; HEADER_LEN]);
+    // Room up front so that small frames (the key-bearing ones) are never reallocated,
+    // which would leave an unzeroized copy behind.
+    let mut out = Zeroizing::new(Vec::with_capacity(HEADER_LEN + 4096));
+    out.resize(HEADER_LEN, 0);
     serde_json::to_writer(&mut *out, msg)?;
     let body_len = out.len() - HEADER_LEN;
     let len = u32::try_from(body_len)

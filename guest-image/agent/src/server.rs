@@ -4,7 +4,7 @@
 //! resynchronised; nothing the host sends can stop the loop except `shutdown`.
 
 use std::fs::{File, OpenOptions};
-use std::io::{BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -69,8 +69,10 @@ fn send(w: &mut impl Write, resp: &ResponseFrame) -> bool {
 }
 
 /// Serves one stream until the host closes it or shutdown is answered.
-pub fn serve_stream(agent: &Agent, reader: impl Read, mut writer: impl Write) -> StreamEnd {
-    let mut r = BufReader::new(reader);
+///
+/// Reads go straight to the stream, without a userspace buffer, so that the bytes of a
+/// key-bearing frame exist only in the frame's zeroized buffer.
+pub fn serve_stream(agent: &Agent, mut r: impl Read, mut writer: impl Write) -> StreamEnd {
     let mut lost_sync = false;
     loop {
         let frame = if lost_sync {

@@ -99,9 +99,19 @@ impl Drop for Qemu {
 /// Boots the image set under TCG with the agent's virtio-serial port on `sock` and
 /// `disk` as the first virtio-blk device; the serial console goes to `console`.
 pub fn boot_tcg(image: &Path, disk: &Path, sock: &Path, console: &Path) -> Qemu {
+    boot(image, disk, sock, console, false)
+}
+
+/// [`boot_tcg`], or under KVM with the host CPU model when `kvm` is set.
+pub fn boot(image: &Path, disk: &Path, sock: &Path, console: &Path, kvm: bool) -> Qemu {
     let cmdline = std::fs::read_to_string(image.join("cmdline")).expect("image cmdline");
+    let accel: &[&str] = if kvm {
+        &["-accel", "kvm", "-cpu", "host", "-m", "1024", "-smp", "2"]
+    } else {
+        &["-accel", "tcg", "-cpu", "max", "-m", "512", "-smp", "1"]
+    };
     let child = Command::new("qemu-system-x86_64")
-        .args(["-accel", "tcg", "-cpu", "max", "-m", "512", "-smp", "1"])
+        .args(accel)
         .args([
             "-nodefaults",
             "-no-reboot",
