@@ -26,6 +26,8 @@ packages=(
     hyperfine
     # Kernel package handling.
     xz-utils zstd cpio
+    # ACPI table checks (iasl disassembles the DSDT the VMM builds).
+    acpica-tools
     # Build tools for -sys crates.
     pkg-config build-essential
     # Guest image (guest-image/build.sh): busybox, cryptsetup and mke2fs copied into the
