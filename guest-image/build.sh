@@ -14,7 +14,11 @@
 # every mtime set to SOURCE_DATE_EPOCH, gzip -n. The same inputs give the same hashes
 # (guest-image/agent/tests/image_reproducible.rs checks it).
 #
-# usage: guest-image/build.sh [OUT_DIR]     (default: .cache/guest-image)
+# usage: guest-image/build.sh [--payload-dir DIR --payload-config FILE] [OUT_DIR]
+#        OUT_DIR defaults to .cache/guest-image. With --payload-dir, DIR (a root file system
+#        directory, e.g. an OCI image unpacked with `umoci unpack`) becomes /payload instead of
+#        the CI payload, and FILE (JSON: the agent config's "payload" object) says how to run
+#        it; see docs/guest-image.md.
 # env:   SOURCE_DATE_EPOCH (default: the last commit time of guest-image/, else 0)
 #        TENANTVM_KERNEL_DIR (default: .cache/kernel)
 set -euo pipefail
@@ -23,7 +27,20 @@ export LC_ALL=C TZ=UTC
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
-out="${1:-$root/.cache/guest-image}"
+payload_dir="" payload_config="" out=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --payload-dir) payload_dir="${2:?--payload-dir needs a directory}"; shift 2 ;;
+        --payload-config) payload_config="${2:?--payload-config needs a file}"; shift 2 ;;
+        -*) echo "guest-image: unknown option $1" >&2; exit 2 ;;
+        *) out="$1"; shift ;;
+    esac
+done
+out="${out:-$root/.cache/guest-image}"
+if [ -n "$payload_dir" ] || [ -n "$payload_config" ]; then
+    [ -d "$payload_dir" ] || { echo "guest-image: --payload-dir must name a directory" >&2; exit 2; }
+    [ -f "$payload_config" ] || { echo "guest-image: --payload-config must name a JSON file" >&2; exit 2; }
+fi
 kdir="${TENANTVM_KERNEL_DIR:-$root/.cache/kernel}"
 target=x86_64-unknown-linux-gnu
 
@@ -58,11 +75,17 @@ mkdir -p "$stage"/{bin,sbin,etc/tenantvm,lib64,lib/x86_64-linux-gnu,proc,sys,dev
 
 # 2. PID 1 and the payload.
 install -m 0755 "$bin/tenantvm-agent" "$stage/init"
-install -m 0755 "$bin/tenantvm-ngram" "$stage/payload/bin/tenantvm-ngram"
-strip --strip-all "$stage/init" "$stage/payload/bin/tenantvm-ngram"
-say "training the CI payload's model from guest-image/corpus"
-mapfile -t corpus < <(find "$here/corpus" -name '*.txt' | sort)
-"$bin/tenantvm-ngram" train --order 3 --out "$stage/payload/model.json" "${corpus[@]}" 2>/dev/null
+strip --strip-all "$stage/init"
+if [ -n "$payload_dir" ]; then
+    say "payload: $payload_dir"
+    cp -a "$payload_dir/." "$stage/payload/"
+else
+    install -m 0755 "$bin/tenantvm-ngram" "$stage/payload/bin/tenantvm-ngram"
+    strip --strip-all "$stage/payload/bin/tenantvm-ngram"
+    say "training the CI payload's model from guest-image/corpus"
+    mapfile -t corpus < <(find "$here/corpus" -name '*.txt' | sort)
+    "$bin/tenantvm-ngram" train --order 3 --out "$stage/payload/model.json" "${corpus[@]}" 2>/dev/null
+fi
 
 # 3. busybox-static, for a shell and modprobe when the kernel asks for one.
 install -m 0755 "$(command -v busybox)" "$stage/bin/busybox"
@@ -134,6 +157,16 @@ find "$mdir" -maxdepth 1 -name 'modules.*' ! -name modules.dep ! -name modules.b
 
 # 6. The agent's config.
 module_json="$(printf '"%s",' "${modules[@]}")"
+ci_payload='{
+    "command": ["/payload/bin/tenantvm-ngram", "serve", "--model", "/payload/model.json",
+                "--listen", "127.0.0.1:8000", "--data-dir", "/data", "--name", "tenantvm-ngram"],
+    "env": {"HOME": "/data"},
+    "workdir": "/data",
+    "port": 8000,
+    "health_path": "/health"
+  }'
+payload_json="$ci_payload"
+if [ -n "$payload_config" ]; then payload_json="$(cat "$payload_config")"; fi
 cat >"$stage/etc/tenantvm/agent.json" <<EOF
 {
   "modules": [${module_json%,}],
@@ -144,17 +177,11 @@ cat >"$stage/etc/tenantvm/agent.json" <<EOF
     "cryptsetup": "/sbin/cryptsetup",
     "mkfs": "/sbin/mke2fs"
   },
-  "payload": {
-    "command": ["/payload/bin/tenantvm-ngram", "serve", "--model", "/payload/model.json",
-                "--listen", "127.0.0.1:8000", "--data-dir", "/data", "--name", "tenantvm-ngram"],
-    "env": {"HOME": "/data"},
-    "workdir": "/data",
-    "port": 8000,
-    "health_path": "/health"
-  }
+  "payload": $payload_json
 }
 EOF
-"$bin/tenantvm-agent" --config "$stage/etc/tenantvm/agent.json" --check >/dev/null
+"$bin/tenantvm-agent" --config "$stage/etc/tenantvm/agent.json" --check >/dev/null ||
+    die "the agent config is invalid (see above); check --payload-config"
 
 # 7. The archive: sorted, fixed owners and times, no gzip name or timestamp.
 say "packing initramfs.cpio.gz"
