@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 
 use crate::protocol::{
-    decode_body, encode_frame, AgentFailure, DiskKey, FrameDecoder, FrameError, HttpRequest,
-    HttpResponse, LogLine, Outcome, PayloadState, Reply, Request, RequestFrame, ResponseFrame,
-    ShutdownReport, StatusReply, AGENT_VSOCK_PORT,
+    decode_body, encode_frame, AgentFailure, DiskKey, DiskState, FrameDecoder, FrameError,
+    HttpRequest, HttpResponse, LogLine, Outcome, PayloadState, Reply, Request, RequestFrame,
+    ResponseFrame, ShutdownReport, StatusReply, AGENT_VSOCK_PORT,
 };
 
 /// Most unrelated responses skipped while waiting for one id.
@@ -128,6 +128,19 @@ pub enum AgentClientError {
         /// Last observed state.
         last: PayloadState,
     },
+}
+
+/// What [`AgentClient::bring_up`] had to do.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BringUp {
+    /// The key was delivered (the disk was locked).
+    pub unlocked: bool,
+    /// The disk was mounted by this call.
+    pub mounted: bool,
+    /// A new file system was created (first use).
+    pub formatted: bool,
+    /// The payload was started by this call.
+    pub started: bool,
 }
 
 /// A connection to one guest agent.
@@ -418,6 +431,39 @@ impl AgentClient {
         Err(AgentClientError::PayloadNotReady { timeout, last })
     }
 
+    /// Brings the guest from whatever state it is in to "payload ready": delivers the key
+    /// if the disk is locked, mounts it (creating ext4 on first use), starts the payload if
+    /// it is not running, and waits for readiness. Idempotent, so an orchestrator resuming
+    /// an interrupted create can call it again.
+    pub fn bring_up(
+        &mut self,
+        key: &DiskKey,
+        timeout: Duration,
+    ) -> Result<BringUp, AgentClientError> {
+        let deadline = Instant::now() + timeout;
+        let left = || {
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1))
+        };
+        let status = self.status(left())?;
+        let mut done = BringUp::default();
+        if status.disk == DiskState::Locked {
+            self.unlock_disk(key, left())?;
+            done.unlocked = true;
+        }
+        if status.disk != DiskState::Mounted {
+            done.formatted = self.mount(true, left())?;
+            done.mounted = true;
+        }
+        if !matches!(status.payload, PayloadState::Running { .. }) {
+            self.start_payload(left())?;
+            done.started = true;
+        }
+        self.wait_payload_ready(left())?;
+        Ok(done)
+    }
+
     /// Log lines after `after`.
     pub fn logs(
         &mut self,
@@ -637,6 +683,107 @@ mod tests {
         });
         let (_c, s) = AgentClient::wait_for_ready(&ep, Duration::from_secs(20)).unwrap();
         assert_eq!(s.channel, "virtio-serial");
+    }
+
+    /// A FAKE agent for client tests: a state machine that answers like the real one,
+    /// with no disk or payload behind it.
+    fn fake_agent(
+        mut s: UnixStream,
+        mut disk: DiskState,
+        mut payload: PayloadState,
+    ) -> Vec<String> {
+        let mut seen = Vec::new();
+        while let Ok(body) = read_frame(&mut s) {
+            let req: RequestFrame = decode_body(&body).unwrap();
+            let outcome = match req.request {
+                Request::Status => Outcome::Ok(Reply::Status(StatusReply {
+                    agent_version: "fake".into(),
+                    protocol: PROTOCOL_VERSION,
+                    channel: "virtio-serial".into(),
+                    uptime_ms: 1,
+                    disk,
+                    payload: payload.clone(),
+                })),
+                Request::UnlockDisk { .. } => {
+                    disk = DiskState::Unlocked;
+                    Outcome::Ok(Reply::Unlocked)
+                }
+                Request::Mount { .. } => {
+                    disk = DiskState::Mounted;
+                    Outcome::Ok(Reply::Mounted { formatted: true })
+                }
+                Request::StartPayload => {
+                    payload = PayloadState::Running {
+                        pid: 9,
+                        ready: true,
+                    };
+                    Outcome::Ok(Reply::PayloadStarted { pid: 9 })
+                }
+                Request::Health => Outcome::Ok(Reply::Health {
+                    payload: payload.clone(),
+                }),
+                _ => Outcome::Ok(Reply::Unlocked),
+            };
+            seen.push(what(&req.request).to_string());
+            answer(&mut s, req.id, outcome);
+        }
+        seen
+    }
+
+    #[test]
+    fn bring_up_runs_every_step_from_a_fresh_guest() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let guest = thread::spawn(move || {
+            let (s, _) = listener.accept().unwrap();
+            fake_agent(s, DiskState::Locked, PayloadState::NotStarted)
+        });
+        let mut c =
+            AgentClient::connect(&AgentEndpoint::Serial(path), Duration::from_secs(5)).unwrap();
+        let key = DiskKey::new(&[1; 32]).unwrap();
+        let done = c.bring_up(&key, Duration::from_secs(10)).unwrap();
+        assert_eq!(
+            done,
+            BringUp {
+                unlocked: true,
+                mounted: true,
+                formatted: true,
+                started: true
+            }
+        );
+        drop(c);
+        assert_eq!(
+            guest.join().unwrap(),
+            vec!["status", "unlock-disk", "mount", "start-payload", "health"]
+        );
+    }
+
+    #[test]
+    fn bring_up_resumes_without_repeating_done_steps() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let guest = thread::spawn(move || {
+            let (s, _) = listener.accept().unwrap();
+            fake_agent(
+                s,
+                DiskState::Mounted,
+                PayloadState::Running {
+                    pid: 3,
+                    ready: true,
+                },
+            )
+        });
+        let mut c =
+            AgentClient::connect(&AgentEndpoint::Serial(path), Duration::from_secs(5)).unwrap();
+        let key = DiskKey::new(&[1; 32]).unwrap();
+        assert_eq!(
+            c.bring_up(&key, Duration::from_secs(10)).unwrap(),
+            BringUp::default()
+        );
+        drop(c);
+        assert_eq!(guest.join().unwrap(), vec!["status", "health"]);
     }
 
     #[test]

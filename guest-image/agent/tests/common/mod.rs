@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tenantvm_agent::image::{Accel, ImageSet, QemuGuest};
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -102,47 +104,25 @@ pub fn boot_tcg(image: &Path, disk: &Path, sock: &Path, console: &Path) -> Qemu 
     boot(image, disk, sock, console, false)
 }
 
-/// [`boot_tcg`], or under KVM with the host CPU model when `kvm` is set.
+/// [`boot_tcg`], or under KVM with the host CPU model when `kvm` is set. The image set is
+/// verified against its manifest first.
 pub fn boot(image: &Path, disk: &Path, sock: &Path, console: &Path, kvm: bool) -> Qemu {
-    let cmdline = std::fs::read_to_string(image.join("cmdline")).expect("image cmdline");
-    let accel: &[&str] = if kvm {
-        &["-accel", "kvm", "-cpu", "host", "-m", "1024", "-smp", "2"]
+    let set = ImageSet::open(image).unwrap_or_else(|e| panic!("{e}"));
+    let (accel, memory_mib, vcpus) = if kvm {
+        (Accel::Kvm, 1024, 2)
     } else {
-        &["-accel", "tcg", "-cpu", "max", "-m", "512", "-smp", "1"]
+        (Accel::Tcg, 512, 1)
     };
+    let args = set.qemu_args(&QemuGuest {
+        disk,
+        agent_socket: sock,
+        console,
+        accel,
+        memory_mib,
+        vcpus,
+    });
     let child = Command::new("qemu-system-x86_64")
-        .args(accel)
-        .args([
-            "-nodefaults",
-            "-no-reboot",
-            "-display",
-            "none",
-            "-monitor",
-            "none",
-        ])
-        .arg("-kernel")
-        .arg(image.join("vmlinuz"))
-        .arg("-initrd")
-        .arg(image.join("initramfs.cpio.gz"))
-        .args(["-append", cmdline.trim()])
-        .arg("-serial")
-        .arg(format!("file:{}", console.display()))
-        .args(["-device", "virtio-serial-pci,id=vser0"])
-        .arg("-chardev")
-        .arg(format!(
-            "socket,id=agent,path={},server=on,wait=off",
-            sock.display()
-        ))
-        .args([
-            "-device",
-            "virtserialport,bus=vser0.0,chardev=agent,name=org.tenantvm.agent.0",
-        ])
-        .arg("-drive")
-        .arg(format!(
-            "file={},format=raw,if=none,id=data,cache=writeback",
-            disk.display()
-        ))
-        .args(["-device", "virtio-blk-pci,drive=data"])
+        .args(args)
         .stdin(Stdio::null())
         .spawn()
         .expect("starting qemu-system-x86_64");
