@@ -35,7 +35,7 @@ pub enum DiskError {
     #[error("The key does not open {0}; deliver the tenant's key for this disk")]
     BadKey(PathBuf),
     /// A helper program failed.
-    #[error("{program} failed with exit code {code}: {stderr}")]
+    #[error("Helper {program} failed with exit code {code}: {stderr}")]
     Tool {
         /// Program.
         program: String,
@@ -45,13 +45,13 @@ pub enum DiskError {
         stderr: String,
     },
     /// A helper program did not finish in time.
-    #[error("{0} did not finish in time and was killed")]
+    #[error("Helper {0} did not finish in time and was killed")]
     ToolTimeout(String),
     /// The unlocked device holds no file system and formatting was not allowed.
     #[error("The unlocked disk holds no ext4 file system; pass format_if_missing on first use")]
     NoFileSystem,
     /// Mount or unmount failed.
-    #[error("{op} {path} failed: {source}")]
+    #[error("Cannot {op} {path}: {source}")]
     Mount {
         /// mount or umount.
         op: &'static str,

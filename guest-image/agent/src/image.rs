@@ -27,7 +27,7 @@ pub enum ImageSetError {
         source: std::io::Error,
     },
     /// manifest.json is not valid.
-    #[error("{path} is not a valid image manifest: {source}")]
+    #[error("Image manifest {path} is not valid: {source}; rebuild with guest-image/build.sh")]
     Manifest {
         /// Path.
         path: PathBuf,
@@ -38,7 +38,7 @@ pub enum ImageSetError {
     #[error("The image manifest does not list {0}; rebuild with guest-image/build.sh")]
     Unlisted(&'static str),
     /// A file's hash differs from the manifest.
-    #[error("{file} does not match the image manifest (sha256 {actual}, expected {expected}); the image set was modified or is incomplete")]
+    #[error("Image file {file} does not match the manifest (sha256 {actual}, expected {expected}); the image set was modified or is incomplete")]
     HashMismatch {
         /// File name.
         file: &'static str,

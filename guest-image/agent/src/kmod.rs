@@ -20,7 +20,7 @@ pub enum ModuleLoadError {
         source: std::io::Error,
     },
     /// A line of modules.dep is malformed.
-    #[error("modules.dep line {line} is malformed (expected `path.ko: dep.ko ...`)")]
+    #[error("Line {line} of modules.dep is malformed (expected `path.ko: dep.ko ...`); regenerate it with depmod")]
     BadDepLine {
         /// 1-based line number.
         line: usize,

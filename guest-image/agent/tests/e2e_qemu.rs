@@ -185,13 +185,9 @@ fn guest_unlocks_serves_inference_and_keeps_data_encrypted() {
     let mut vm = boot_tcg(&image, &disk, &sock, &console);
     let (mut agent, _) =
         AgentClient::wait_for_ready(&AgentEndpoint::Serial(sock), READY_TIMEOUT).unwrap();
-    agent.unlock_disk(&key, STEP_TIMEOUT).unwrap();
-    assert!(
-        !agent.mount(true, STEP_TIMEOUT).unwrap(),
-        "the file system must persist"
-    );
-    agent.start_payload(STEP_TIMEOUT).unwrap();
-    agent.wait_payload_ready(STEP_TIMEOUT).unwrap();
+    let done = agent.bring_up(&key, STEP_TIMEOUT).unwrap();
+    assert!(done.unlocked && done.mounted && done.started, "{done:?}");
+    assert!(!done.formatted, "the file system must persist");
     let (lines, _) = agent.logs(0, 1000, STEP_TIMEOUT).unwrap();
     assert!(
         lines
