@@ -792,6 +792,64 @@ mod tests {
         assert!(matches!(bad.next_frame(), Err(FrameError::BadMagic(_))));
     }
 
+    /// SplitMix64, for reproducible random inputs.
+    fn rng(seed: &mut u64) -> u64 {
+        *seed = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = *seed;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    #[test]
+    fn random_and_mutated_input_never_panics_the_decoders() {
+        let good = encode_frame(&RequestFrame {
+            id: 3,
+            request: Request::UnlockDisk {
+                key: DiskKey::new(&[0x5a; 32]).unwrap(),
+            },
+        })
+        .unwrap();
+        let mut seed = 42u64;
+        for round in 0..3000 {
+            let mut bytes = if round % 2 == 0 {
+                // Pure noise, sometimes behind a valid header prefix.
+                let n = (rng(&mut seed) % 200) as usize;
+                let mut v: Vec<u8> = (0..n).map(|_| rng(&mut seed) as u8).collect();
+                if round % 4 == 0 {
+                    let mut h = good[..HEADER_LEN].to_vec();
+                    h[8..12].copy_from_slice(&(v.len() as u32).to_be_bytes());
+                    h.append(&mut v);
+                    v = h;
+                }
+                v
+            } else {
+                // A valid frame with a few bytes flipped.
+                let mut v = good.to_vec();
+                for _ in 0..1 + rng(&mut seed) % 4 {
+                    let i = (rng(&mut seed) as usize) % v.len();
+                    v[i] ^= (rng(&mut seed) as u8) | 1;
+                }
+                v
+            };
+            let _ = read_frame(&mut &bytes[..])
+                .and_then(|b| decode_body::<RequestFrame>(&b).map(|_| ()));
+            let _ = resync(&mut &bytes[..], 64);
+            let mut dec = FrameDecoder::default();
+            for chunk in bytes.chunks(7) {
+                dec.push(chunk);
+                match dec.next_frame() {
+                    Ok(Some(body)) => {
+                        let _ = decode_body::<ResponseFrame>(&body);
+                    }
+                    Ok(None) => {}
+                    Err(_) => break,
+                }
+            }
+            bytes.clear();
+        }
+    }
+
     #[test]
     fn encoding_refuses_oversized_messages() {
         let req = RequestFrame {

@@ -344,6 +344,37 @@ mod tests {
     }
 
     #[test]
+    fn random_streams_end_cleanly_without_panicking() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = agent(dir.path());
+        let mut seed = 7u64;
+        for _ in 0..200 {
+            let n = (seed % 300) as usize;
+            let mut input = Vec::with_capacity(n + HEADER_LEN);
+            for _ in 0..n {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                input.push((seed >> 33) as u8);
+            }
+            // Sometimes a valid-looking header announcing a body that never comes.
+            if seed % 3 == 0 {
+                input.extend_from_slice(&MAGIC);
+                input.extend_from_slice(&PROTOCOL_VERSION.to_be_bytes());
+                input.extend_from_slice(&[0, 0, 0, 0, 1, 0]);
+            }
+            let mut out = Vec::new();
+            assert_eq!(serve_stream(&a, &input[..], &mut out), StreamEnd::Closed);
+            // Whatever came back is well-formed frames.
+            let mut r = &out[..];
+            while !r.is_empty() {
+                let body = read_frame(&mut r).unwrap();
+                decode_body::<ResponseFrame>(&body).unwrap();
+            }
+        }
+    }
+
+    #[test]
     fn commands_out_of_order_are_refused_with_wrong_state() {
         let dir = tempfile::tempdir().unwrap();
         let (mut host, _h) = serve_pair(agent(dir.path()));
