@@ -22,6 +22,8 @@ use crate::reaper::Reaper;
 
 /// Most log lines returned by one `logs` request.
 const MAX_LOG_LINES: u32 = 1000;
+/// Longest a `logs` request may wait for new lines.
+const MAX_LOG_WAIT_MS: u32 = 30_000;
 /// How long the payload gets to exit after SIGTERM.
 const PAYLOAD_STOP_GRACE: Duration = Duration::from_secs(10);
 /// How long one forwarded request may take (generation under emulation is slow).
@@ -130,8 +132,15 @@ impl Agent {
                 }),
                 After::Continue,
             ),
-            Request::Logs { after, max } => {
-                let (lines, next) = self.logs.since(after, max.min(MAX_LOG_LINES) as usize);
+            Request::Logs {
+                after,
+                max,
+                wait_ms,
+            } => {
+                let wait = Duration::from_millis(u64::from(wait_ms.min(MAX_LOG_WAIT_MS)));
+                let (lines, next) =
+                    self.logs
+                        .wait_since(after, max.min(MAX_LOG_LINES) as usize, wait);
                 (Outcome::Ok(Reply::Logs { lines, next }), After::Continue)
             }
             Request::Infer(http) => (self.infer(&http), After::Continue),

@@ -464,14 +464,24 @@ impl AgentClient {
         Ok(done)
     }
 
-    /// Log lines after `after`.
+    /// Log lines after `after`, waiting up to `wait` (≤ 30 s) for a first new one; pass
+    /// the returned cursor back to follow the log. `timeout` must exceed `wait`.
     pub fn logs(
         &mut self,
         after: u64,
         max: u32,
+        wait: Duration,
         timeout: Duration,
     ) -> Result<(Vec<LogLine>, u64), AgentClientError> {
-        match self.call(&Request::Logs { after, max }, timeout)? {
+        let wait_ms = u32::try_from(wait.as_millis()).unwrap_or(u32::MAX);
+        match self.call(
+            &Request::Logs {
+                after,
+                max,
+                wait_ms,
+            },
+            timeout,
+        )? {
             Reply::Logs { lines, next } => Ok((lines, next)),
             _ => Err(AgentClientError::UnexpectedReply { what: "logs" }),
         }

@@ -1,7 +1,8 @@
 //! A bounded in-memory log of agent and payload lines, read by the host with a cursor.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::protocol::LogLine;
 
@@ -11,6 +12,7 @@ pub const MAX_LINE_LEN: usize = 4096;
 /// A ring of the most recent lines with monotonically increasing sequence numbers.
 pub struct LogBuffer {
     inner: Mutex<Ring>,
+    grew: Condvar,
 }
 
 struct Ring {
@@ -28,6 +30,7 @@ impl LogBuffer {
                 capacity: capacity.max(1),
                 next_seq: 1,
             }),
+            grew: Condvar::new(),
         }
     }
 
@@ -48,6 +51,26 @@ impl LogBuffer {
             source: source.to_string(),
             line: line[..cut].to_string(),
         });
+        self.grew.notify_all();
+    }
+
+    /// [`since`](Self::since), but waits up to `wait` while there is nothing after `after`.
+    pub fn wait_since(&self, after: u64, max: usize, wait: Duration) -> (Vec<LogLine>, u64) {
+        let deadline = Instant::now() + wait;
+        let mut ring = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        while ring.next_seq <= after + 1 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            ring = self
+                .grew
+                .wait_timeout(ring, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        drop(ring);
+        self.since(after, max)
     }
 
     /// Up to `max` lines with a sequence number above `after`, and the cursor to pass next.
@@ -86,6 +109,26 @@ mod tests {
         assert_eq!(next, 5);
         assert_eq!(b.since(5, 10), (vec![], 5));
         assert_eq!(b.since(0, 1).0.len(), 1);
+    }
+
+    #[test]
+    fn wait_since_returns_when_a_line_arrives_or_the_wait_ends() {
+        let b = std::sync::Arc::new(LogBuffer::new(10));
+        b.push("agent", "first");
+        // Nothing new: returns empty once the wait is over.
+        assert_eq!(b.wait_since(1, 10, Duration::from_millis(50)), (vec![], 1));
+        let writer = {
+            let b = std::sync::Arc::clone(&b);
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(100));
+                b.push("payload-stdout", "second");
+            })
+        };
+        let (lines, next) = b.wait_since(1, 10, Duration::from_secs(60));
+        writer.join().unwrap();
+        assert_eq!(lines.len(), 1);
+        assert_eq!(lines[0].line, "second");
+        assert_eq!(next, 2);
     }
 
     #[test]

@@ -399,12 +399,17 @@ pub enum Request {
     StartPayload,
     /// Report the payload's readiness.
     Health,
-    /// Return payload and agent log lines with a sequence number above `after`.
+    /// Return payload and agent log lines with a sequence number above `after`; with
+    /// `wait_ms`, wait up to that long (at most 30 s) for a first new line (long poll:
+    /// call again with `next` to follow the log as a stream).
     Logs {
         /// Last sequence number already seen (0 for all).
         after: u64,
         /// Most lines to return.
         max: u32,
+        /// How long to wait when there is nothing new (0, the default: answer at once).
+        #[serde(default)]
+        wait_ms: u32,
     },
     /// Forward an HTTP request to the payload.
     Infer(HttpRequest),

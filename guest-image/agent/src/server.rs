@@ -5,10 +5,13 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{
     accept, bind, listen, socket, AddressFamily, Backlog, SockFlag, SockType, VsockAddr,
 };
@@ -20,6 +23,8 @@ use crate::protocol::{
     FrameError, Outcome, RequestFrame, ResponseFrame, AGENT_VSOCK_PORT, VIRTIO_SERIAL_PORT_NAME,
 };
 
+/// Most connections served at once on a socket channel.
+pub const MAX_CONNECTIONS: usize = 4;
 /// Most garbage bytes skipped while looking for the next frame.
 const MAX_RESYNC: usize = 1 << 20;
 /// The virtio device id of vsock.
@@ -168,27 +173,78 @@ pub fn serve_vsock(agent: &Agent) -> Result<(), ChannelError> {
     )
     .map_err(|e| setup(e.into()))?;
     bind(
-        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        fd.as_raw_fd(),
         &VsockAddr::new(libc::VMADDR_CID_ANY, AGENT_VSOCK_PORT),
     )
     .map_err(|e| setup(e.into()))?;
     listen(&fd, Backlog::new(4).map_err(|e| setup(e.into()))?).map_err(|e| setup(e.into()))?;
     agent.set_channel("vsock");
     agent.log(&format!("serving vsock port {AGENT_VSOCK_PORT}"));
-    loop {
-        let conn: OwnedFd = match accept(&fd) {
-            Ok(conn) => conn,
-            Err(e) => {
-                agent.log(&format!("vsock accept failed: {e}"));
-                std::thread::sleep(Duration::from_millis(100));
-                continue;
+    serve_connections(agent, &fd);
+    Ok(())
+}
+
+fn lock_fds(m: &Mutex<Vec<RawFd>>) -> std::sync::MutexGuard<'_, Vec<RawFd>> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Accepts connections on a listening stream socket (vsock in the guest) and serves each
+/// on its own thread, at most [`MAX_CONNECTIONS`] at once, until one of them answers
+/// `shutdown`; the others are then cut off so the agent can power off.
+pub fn serve_connections(agent: &Agent, listener: &OwnedFd) {
+    let stop = AtomicBool::new(false);
+    // Open connections; an fd is removed (under the lock) before it is closed.
+    let active: Mutex<Vec<RawFd>> = Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        while !stop.load(Ordering::SeqCst) {
+            let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+            match poll(&mut fds, PollTimeout::from(200u16)) {
+                Ok(0) => continue,
+                Ok(_) => {}
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
             }
-        };
-        let conn = File::from(conn);
-        if serve_stream(agent, &conn, &conn) == StreamEnd::PowerOff {
-            return Ok(());
+            let conn: OwnedFd = match accept(listener) {
+                Ok(conn) => conn,
+                Err(e) => {
+                    agent.log(&format!("accept failed: {e}"));
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+            };
+            let raw = conn.as_raw_fd();
+            {
+                let mut open = lock_fds(&active);
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                if open.len() >= MAX_CONNECTIONS {
+                    agent.log("refusing a connection: too many open");
+                    continue;
+                }
+                open.push(raw);
+            }
+            let (stop, active) = (&stop, &active);
+            scope.spawn(move || {
+                let file = File::from(conn);
+                let end = serve_stream(agent, &file, &file);
+                let mut open = lock_fds(active);
+                open.retain(|fd| *fd != raw);
+                if end == StreamEnd::PowerOff {
+                    stop.store(true, Ordering::SeqCst);
+                    for fd in open.iter() {
+                        // SAFETY: shutdown(2) on a descriptor that is still open (it is
+                        // removed from the list, under this lock, before it is closed).
+                        unsafe { libc::shutdown(*fd, libc::SHUT_RDWR) };
+                    }
+                }
+                drop(open);
+                drop(file);
+            });
         }
-    }
+    });
 }
 
 /// Serves the virtio-serial port at `dev` until shutdown. The port reads EOF while no
@@ -375,6 +431,45 @@ mod tests {
     }
 
     #[test]
+    fn socket_channel_serves_connections_concurrently_and_stops_on_shutdown() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = agent(dir.path());
+        let path = dir.path().join("agent.sock");
+        let listener = OwnedFd::from(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        let server = {
+            let a = Arc::clone(&a);
+            std::thread::spawn(move || serve_connections(&a, &listener))
+        };
+        let connect = || {
+            let s = UnixStream::connect(&path).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            s
+        };
+        let mut idle = connect();
+        let mut busy = connect();
+        // Both are served, in any order.
+        assert!(matches!(
+            ask(&mut idle, 1, Request::Status).outcome,
+            Outcome::Ok(Reply::Status(_))
+        ));
+        assert!(matches!(
+            ask(&mut busy, 2, Request::Status).outcome,
+            Outcome::Ok(Reply::Status(_))
+        ));
+        // Beyond the limit, a connection is closed at once.
+        let extra: Vec<UnixStream> = (0..MAX_CONNECTIONS - 2).map(|_| connect()).collect();
+        let mut refused = connect();
+        let mut buf = [0u8; 1];
+        assert_eq!(refused.read(&mut buf).unwrap(), 0);
+        drop(extra);
+        // Shutdown on one connection ends the loop and cuts the idle one off.
+        let resp = ask(&mut busy, 3, Request::Shutdown);
+        assert!(matches!(resp.outcome, Outcome::Ok(Reply::ShuttingDown(_))));
+        server.join().unwrap();
+        assert_eq!(idle.read(&mut buf).unwrap(), 0);
+    }
+
+    #[test]
     fn commands_out_of_order_are_refused_with_wrong_state() {
         let dir = tempfile::tempdir().unwrap();
         let (mut host, _h) = serve_pair(agent(dir.path()));
@@ -435,7 +530,15 @@ mod tests {
             a.log(&format!("line {i}"));
         }
         let (mut host, _h) = serve_pair(a);
-        let resp = ask(&mut host, 1, Request::Logs { after: 2, max: 2 });
+        let resp = ask(
+            &mut host,
+            1,
+            Request::Logs {
+                after: 2,
+                max: 2,
+                wait_ms: 0,
+            },
+        );
         let Outcome::Ok(Reply::Logs { lines, next }) = resp.outcome else {
             panic!()
         };

@@ -155,7 +155,7 @@ fn guest_unlocks_serves_inference_and_keeps_data_encrypted() {
     );
     assert_eq!(v["usage"]["completion_tokens"], 8);
 
-    let (lines, _) = agent.logs(0, 1000, STEP_TIMEOUT).unwrap();
+    let (lines, _) = agent.logs(0, 1000, Duration::ZERO, STEP_TIMEOUT).unwrap();
     assert!(lines
         .iter()
         .any(|l| l.source == "payload-stderr" && l.line.contains("serving")));
@@ -188,7 +188,7 @@ fn guest_unlocks_serves_inference_and_keeps_data_encrypted() {
     let done = agent.bring_up(&key, STEP_TIMEOUT).unwrap();
     assert!(done.unlocked && done.mounted && done.started, "{done:?}");
     assert!(!done.formatted, "the file system must persist");
-    let (lines, _) = agent.logs(0, 1000, STEP_TIMEOUT).unwrap();
+    let (lines, _) = agent.logs(0, 1000, Duration::ZERO, STEP_TIMEOUT).unwrap();
     assert!(
         lines
             .iter()
