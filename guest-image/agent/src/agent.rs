@@ -113,7 +113,7 @@ impl Agent {
 
     /// Answers one request.
     pub fn handle(&self, req: Request) -> (Outcome, After) {
-        if self.state().shutting_down && req != Request::Status {
+        if self.state().shutting_down && !matches!(req, Request::Status) {
             return (
                 failure(ErrorCode::WrongState, "The guest is shutting down"),
                 After::Continue,
@@ -385,5 +385,74 @@ impl Agent {
             unmounted,
             disk_closed,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{DiskConfig, PayloadConfig};
+
+    fn agent(dir: &std::path::Path) -> Agent {
+        let cfg = AgentConfig {
+            modules: vec![],
+            disk: DiskConfig {
+                device: dir.join("disk.img"),
+                mapper_name: "t".into(),
+                mount_point: dir.join("data"),
+                cryptsetup: "/bin/false".into(),
+                mkfs: "/bin/false".into(),
+            },
+            payload: PayloadConfig {
+                command: vec!["/bin/true".into()],
+                env: Default::default(),
+                workdir: dir.to_path_buf(),
+                port: 1,
+                health_path: "/health".into(),
+            },
+        };
+        Agent::new(cfg, Reaper::start().unwrap(), Arc::new(LogBuffer::new(100)))
+    }
+
+    #[test]
+    fn after_shutdown_only_status_is_answered() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = agent(dir.path());
+        let (outcome, after) = a.handle(Request::Shutdown);
+        assert_eq!(after, After::PowerOff);
+        assert_eq!(
+            outcome,
+            Outcome::Ok(Reply::ShuttingDown(ShutdownReport {
+                payload_stopped: false,
+                unmounted: false,
+                disk_closed: false,
+            }))
+        );
+        let (outcome, _) = a.handle(Request::Health);
+        assert!(matches!(
+            outcome,
+            Outcome::Err(AgentFailure {
+                code: ErrorCode::WrongState,
+                ..
+            })
+        ));
+        assert!(matches!(
+            a.handle(Request::Status).0,
+            Outcome::Ok(Reply::Status(_))
+        ));
+    }
+
+    #[test]
+    fn status_reports_the_channel_and_a_locked_disk_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = agent(dir.path());
+        a.set_channel("vsock");
+        let Outcome::Ok(Reply::Status(s)) = a.handle(Request::Status).0 else {
+            panic!("status failed")
+        };
+        assert_eq!(s.channel, "vsock");
+        assert_eq!(s.disk, DiskState::Locked);
+        assert_eq!(s.payload, PayloadState::NotStarted);
+        assert_eq!(s.protocol, PROTOCOL_VERSION);
     }
 }

@@ -48,8 +48,20 @@ fn code_of(status: WaitStatus) -> Option<(i32, i32)> {
 }
 
 impl Reaper {
-    /// Starts the reaping thread. Only one per process: it collects every child.
+    /// The process's reaper, starting its thread on first use. There is only ever one
+    /// per process: two threads calling `waitpid(-1)` would steal each other's children.
     pub fn start() -> io::Result<Self> {
+        static PROCESS_REAPER: Mutex<Option<Reaper>> = Mutex::new(None);
+        let mut slot = PROCESS_REAPER.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = slot.as_ref() {
+            return Ok(r.clone());
+        }
+        let r = Self::spawn_thread()?;
+        *slot = Some(r.clone());
+        Ok(r)
+    }
+
+    fn spawn_thread() -> io::Result<Self> {
         let shared = Arc::new((Mutex::new(Table::default()), Condvar::new()));
         let s = Arc::clone(&shared);
         std::thread::Builder::new()

@@ -297,11 +297,10 @@ mod tests {
     };
     use crate::reaper::Reaper;
     use std::os::unix::net::UnixStream;
-    use std::sync::{Arc, OnceLock};
+    use std::sync::Arc;
 
     fn reaper() -> Reaper {
-        static R: OnceLock<Reaper> = OnceLock::new();
-        R.get_or_init(|| Reaper::start().unwrap()).clone()
+        Reaper::start().unwrap()
     }
 
     fn agent(dir: &Path) -> Arc<Agent> {

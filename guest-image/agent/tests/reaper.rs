@@ -24,6 +24,13 @@ fn reaper_reports_exit_codes_signals_and_reaps_orphans() {
     unsafe { libc::kill(child.pid as i32, libc::SIGKILL) };
     assert_eq!(reaper.wait(child.pid, Duration::from_secs(30)), Some(137));
 
+    // A second start() is the same reaper: children spawned through either are seen by both.
+    let again = Reaper::start().unwrap();
+    let child = again
+        .spawn(Command::new("sh").args(["-c", "exit 3"]))
+        .unwrap();
+    assert_eq!(reaper.wait(child.pid, Duration::from_secs(30)), Some(3));
+
     // A child the agent does not watch is reaped all the same (no zombie left).
     #[allow(clippy::zombie_processes)] // The point: nobody but the reaper waits for it.
     let pid = Command::new("true").spawn().unwrap().id();
