@@ -37,6 +37,9 @@ packages=(
     busybox-static kmod
     # tests/guests/pack.py (bzImage packaging of the test guests) and scripts/bench.sh.
     python3
+    # Guest image (guest-image/build.sh): busybox, cryptsetup and mke2fs copied into the
+    # initramfs (cryptsetup also formats the test disks on the host), depmod/modinfo.
+    busybox-static cryptsetup-bin e2fsprogs kmod
 )
 
 missing=()
