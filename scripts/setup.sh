@@ -30,6 +30,11 @@ packages=(
     acpica-tools
     # Build tools for -sys crates.
     pkg-config build-essential
+    # Tenant disks: libcryptsetup-rs links libcryptsetup (bindgen needs libclang);
+    # the tests check images with the stock cryptsetup tool.
+    libcryptsetup-dev libclang-dev cryptsetup-bin
+    # The disk guest test's initramfs: busybox, and modinfo for module dependencies.
+    busybox-static kmod
     # tests/guests/pack.py (bzImage packaging of the test guests) and scripts/bench.sh.
     python3
 )

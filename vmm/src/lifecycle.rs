@@ -230,7 +230,9 @@ fn handle_command(
         },
         VmCommand::Pause => {
             if !*paused {
-                vcpus.pause();
+                if let Err(e) = vcpus.pause() {
+                    return VmResponse::error(e.to_string());
+                }
                 *paused = true;
             }
             VmResponse::Done {
