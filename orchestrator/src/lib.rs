@@ -1,7 +1,10 @@
 //! tenantvm: one GPU host, several mutually untrusted tenants, one KVM VM each.
 //!
-//! This crate holds the control plane (`tenantvmd` and the `tenantvm` CLI): the HTTP API,
-//! authentication, the tenant spec and lifecycle, the durable store and reconciliation.
+//! The library behind the `tenantvm` CLI and the `tenantvmd` daemon: the HTTP API,
+//! authentication, the tenant spec and lifecycle, the durable store and reconciliation
+//! (control plane), and how VMs are run and jailed (runtime).
 
+pub mod backend;
+pub mod jail;
 pub mod store;
 pub mod tenant;
