@@ -4,7 +4,10 @@
 //! authentication, the tenant spec and lifecycle, the durable store and reconciliation
 //! (control plane), and how VMs are run and jailed (runtime).
 
+pub mod api;
+pub mod auth;
 pub mod backend;
 pub mod jail;
+pub mod reconcile;
 pub mod store;
 pub mod tenant;
