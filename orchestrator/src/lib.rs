@@ -8,6 +8,7 @@ pub mod api;
 pub mod auth;
 pub mod backend;
 pub mod jail;
+pub mod logs;
 pub mod reconcile;
 pub mod store;
 pub mod tenant;

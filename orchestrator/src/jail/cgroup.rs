@@ -464,3 +464,215 @@ fn read_trimmed(path: &Path) -> Result<String, JailError> {
             source,
         })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: ResourceLimits = ResourceLimits {
+        memory_bytes: 256 << 20,
+        cpu_quota_us: 200_000,
+        cpu_period_us: 100_000,
+        pids_max: 64,
+    };
+
+    /// A fake cgroup v2 filesystem in a tempdir: plain files where the kernel has control files.
+    fn fake_v2_tree() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(
+            dir.path().join("cgroup.controllers"),
+            "cpuset cpu io memory hugetlb pids rdma misc\n",
+        )
+        .unwrap();
+        fs::write(dir.path().join("cgroup.subtree_control"), "\n").unwrap();
+        // The kernel gives every new cgroup directory its control files; the fake
+        // pre-creates the one the code reads from the parent.
+        fs::create_dir(dir.path().join(PARENT)).unwrap();
+        fs::write(dir.path().join(PARENT).join("cgroup.subtree_control"), "\n").unwrap();
+        dir
+    }
+
+    /// A fake cgroup v1 layout in a tempdir: one directory per controller.
+    fn fake_v1_tree() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for (ctl, file) in [
+            ("memory", "memory.limit_in_bytes"),
+            ("cpu", "cpu.cfs_quota_us"),
+            ("pids", "pids.max"),
+        ] {
+            fs::create_dir(dir.path().join(ctl)).unwrap();
+            fs::write(dir.path().join(ctl).join(file), "max\n").unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn detect_prefers_v2_when_unified_hierarchy_has_controllers() {
+        let tree = fake_v2_tree();
+        let cgroups = Cgroups::detect_at(tree.path()).unwrap();
+        assert_eq!(
+            cgroups.layout(),
+            &CgroupLayout::V2 {
+                root: tree.path().to_path_buf()
+            }
+        );
+    }
+
+    #[test]
+    fn detect_rejects_v2_without_pids_controller() {
+        let tree = fake_v2_tree();
+        fs::write(tree.path().join("cgroup.controllers"), "cpu memory\n").unwrap();
+        let err = Cgroups::detect_at(tree.path()).unwrap_err();
+        assert!(err.to_string().contains("pids"), "{err}");
+    }
+
+    #[test]
+    fn detect_falls_back_to_v1_controllers() {
+        let tree = fake_v1_tree();
+        let cgroups = Cgroups::detect_at(tree.path()).unwrap();
+        assert!(matches!(cgroups.layout(), CgroupLayout::V1 { .. }));
+    }
+
+    #[test]
+    fn detect_explains_when_nothing_is_mounted() {
+        let empty = tempfile::tempdir().unwrap();
+        let err = Cgroups::detect_at(empty.path()).unwrap_err();
+        assert!(matches!(err, JailError::CgroupUnavailable(_)));
+    }
+
+    #[test]
+    fn v2_create_enables_controllers_and_writes_limits() {
+        let tree = fake_v2_tree();
+        let cgroups = Cgroups::detect_at(tree.path()).unwrap();
+        let handle = cgroups.create("alpha", &LIMITS).unwrap();
+        let dir = tree.path().join("tenantvm/alpha");
+        assert_eq!(handle, CgroupHandle::V2 { path: dir.clone() });
+        assert_eq!(
+            fs::read_to_string(tree.path().join("cgroup.subtree_control")).unwrap(),
+            "+memory +cpu +pids"
+        );
+        assert_eq!(
+            fs::read_to_string(dir.join("memory.max")).unwrap(),
+            "268435456"
+        );
+        assert_eq!(
+            fs::read_to_string(dir.join("cpu.max")).unwrap(),
+            "200000 100000"
+        );
+        assert_eq!(fs::read_to_string(dir.join("pids.max")).unwrap(), "64");
+        assert_eq!(handle.read_limits().unwrap(), LIMITS);
+    }
+
+    #[test]
+    fn v2_disables_swap_when_the_host_accounts_it() {
+        let tree = fake_v2_tree();
+        let cgroups = Cgroups::detect_at(tree.path()).unwrap();
+        let dir = tree.path().join("tenantvm/alpha");
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("memory.swap.max"), "max").unwrap();
+        cgroups.create("alpha", &LIMITS).unwrap();
+        assert_eq!(
+            fs::read_to_string(dir.join("memory.swap.max")).unwrap(),
+            "0"
+        );
+    }
+
+    #[test]
+    fn v2_read_limits_understands_max() {
+        let tree = fake_v2_tree();
+        let handle = Cgroups::detect_at(tree.path())
+            .unwrap()
+            .create("alpha", &LIMITS)
+            .unwrap();
+        let CgroupHandle::V2 { path } = &handle else {
+            unreachable!()
+        };
+        fs::write(path.join("cpu.max"), "max 100000\n").unwrap();
+        assert_eq!(handle.read_limits().unwrap().cpu_quota_us, u64::MAX);
+    }
+
+    #[test]
+    fn v1_create_writes_each_controller() {
+        let tree = fake_v1_tree();
+        let handle = Cgroups::detect_at(tree.path())
+            .unwrap()
+            .create("beta", &LIMITS)
+            .unwrap();
+        let base = tree.path();
+        assert_eq!(
+            fs::read_to_string(base.join("memory/tenantvm/beta/memory.limit_in_bytes")).unwrap(),
+            "268435456"
+        );
+        assert_eq!(
+            fs::read_to_string(base.join("cpu/tenantvm/beta/cpu.cfs_quota_us")).unwrap(),
+            "200000"
+        );
+        assert_eq!(
+            fs::read_to_string(base.join("cpu/tenantvm/beta/cpu.cfs_period_us")).unwrap(),
+            "100000"
+        );
+        assert_eq!(
+            fs::read_to_string(base.join("pids/tenantvm/beta/pids.max")).unwrap(),
+            "64"
+        );
+        assert_eq!(handle.read_limits().unwrap(), LIMITS);
+    }
+
+    #[test]
+    fn create_rejects_bad_names_and_limits() {
+        let tree = fake_v2_tree();
+        let cgroups = Cgroups::detect_at(tree.path()).unwrap();
+        assert!(matches!(
+            cgroups.create("../x", &LIMITS),
+            Err(JailError::InvalidTenantName(_))
+        ));
+        for bad in [
+            ResourceLimits {
+                memory_bytes: 1024,
+                ..LIMITS
+            },
+            ResourceLimits {
+                cpu_period_us: 10,
+                ..LIMITS
+            },
+            ResourceLimits {
+                cpu_quota_us: 0,
+                ..LIMITS
+            },
+            ResourceLimits {
+                pids_max: 0,
+                ..LIMITS
+            },
+        ] {
+            assert!(
+                matches!(cgroups.create("ok", &bad), Err(JailError::InvalidLimits(_))),
+                "{bad:?}"
+            );
+        }
+        assert!(!tree.path().join("tenantvm/ok").exists());
+    }
+
+    #[test]
+    fn list_tenants_ignores_foreign_entries() {
+        let tree = fake_v1_tree();
+        let cgroups = Cgroups::detect_at(tree.path()).unwrap();
+        cgroups.create("b", &LIMITS).unwrap();
+        cgroups.create("a", &LIMITS).unwrap();
+        fs::create_dir(tree.path().join("pids/tenantvm/c")).unwrap();
+        fs::create_dir(tree.path().join("pids/tenantvm/Not_A_Tenant")).unwrap();
+        fs::write(tree.path().join("memory/tenantvm/file"), "").unwrap();
+        assert_eq!(cgroups.list_tenants().unwrap(), vec!["a", "b", "c"]);
+    }
+
+    #[test]
+    fn members_of_missing_cgroup_is_empty_and_kill_is_idempotent() {
+        let tree = fake_v2_tree();
+        let handle = Cgroups::detect_at(tree.path())
+            .unwrap()
+            .handle("gone")
+            .unwrap();
+        assert!(handle.members().unwrap().is_empty());
+        handle.destroy(|_| {}).unwrap();
+        handle.destroy(|_| {}).unwrap();
+    }
+}
