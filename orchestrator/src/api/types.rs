@@ -73,10 +73,25 @@ pub struct LogQuery {
     /// Which log.
     #[serde(default)]
     pub stream: LogStream,
-    /// Byte offset (serial, vmm) or event id (events) to read after; absent = the tail.
+    /// Continue from this cursor (`next` of the previous chunk): rotation generation...
+    pub generation: Option<u64>,
+    /// ...and byte offset (for `events`: the last event id seen). Without a cursor the
+    /// last `tail` lines (or events) are returned.
     pub offset: Option<u64>,
-    /// Most bytes (or events) to return; capped at 1 MiB.
-    pub limit: Option<u64>,
+    /// Lines (or events) to return when no cursor is given (default 100, at most 10,000).
+    pub tail: Option<u64>,
+    /// Most bytes to return when following (default 64 KiB, at most 1 MiB).
+    pub max_bytes: Option<u64>,
+}
+
+/// Where a log reader is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct LogPosition {
+    /// Rotation generation (0 for events).
+    pub generation: u64,
+    /// Byte offset in that generation (for events: the last event id).
+    pub offset: u64,
 }
 
 /// A piece of a log.
@@ -85,13 +100,12 @@ pub struct LogQuery {
 pub struct LogChunk {
     /// Which log.
     pub stream: LogStream,
-    /// Where this chunk starts.
-    pub offset: u64,
-    /// Pass as `offset` to continue (follow).
-    pub next_offset: u64,
-    /// The text (guest output decoded as UTF-8, invalid bytes replaced). Guest-controlled:
-    /// clients must not pass it raw to a terminal.
-    pub data: String,
+    /// Text, whole lines, control characters replaced (guest output is hostile).
+    pub text: String,
+    /// Pass as `generation`/`offset` to continue (follow).
+    pub next: LogPosition,
+    /// True when output was lost to rotation since the given cursor.
+    pub skipped: bool,
     /// Events, for the `events` stream.
     pub events: Vec<EventRecord>,
 }

@@ -1,28 +1,16 @@
-//! Reading a tenant's logs for the API: the serial console and VMM log files in the tenant
-//! directory (written by the runtime), and lifecycle events from the store.
+//! Reading a tenant's logs for the API: the serial console and VMM log through the
+//! runtime's [`crate::logs::TenantLogs`] (capped, rotated, sanitised), and lifecycle events
+//! from the store.
 
-use std::fs::File;
-use std::io::{ErrorKind, Read, Seek, SeekFrom};
-
-use crate::api::types::{LogChunk, LogQuery, LogStream};
+use crate::api::types::{LogChunk, LogPosition, LogQuery, LogStream};
+use crate::logs::{LogCursor, LogKind, LogPolicy, TenantLogs, MAX_CHUNK_BYTES, MAX_TAIL_LINES};
 use crate::store::TenantRecord;
 use crate::tenant::service::{TenantService, TenantServiceError};
 
-/// Most bytes (or events) one read returns.
-pub const MAX_CHUNK: u64 = 1 << 20;
-/// Bytes (or events) returned when no limit is given.
-pub const DEFAULT_CHUNK: u64 = 64 << 10;
-/// How much of the end of a file a read without an offset returns.
-pub const DEFAULT_TAIL: u64 = 16 << 10;
-
-/// File name of a stream in the tenant directory.
-pub fn file_name(stream: LogStream) -> Option<&'static str> {
-    match stream {
-        LogStream::Serial => Some("serial.log"),
-        LogStream::Vmm => Some("vmm.log"),
-        LogStream::Events => None,
-    }
-}
+/// Lines (or events) returned when no cursor and no `tail` is given.
+pub const DEFAULT_TAIL: u64 = 100;
+/// Bytes returned per follow read when no `max_bytes` is given.
+pub const DEFAULT_MAX_BYTES: u64 = 64 << 10;
 
 /// Reads a chunk of one of a tenant's logs.
 pub fn read(
@@ -30,57 +18,109 @@ pub fn read(
     t: &TenantRecord,
     q: &LogQuery,
 ) -> Result<LogChunk, TenantServiceError> {
-    let limit = q.limit.unwrap_or(DEFAULT_CHUNK).clamp(1, MAX_CHUNK);
-    let Some(name) = file_name(q.stream) else {
-        let after = q.offset.unwrap_or(0);
-        let events = svc.store().events(
-            t.id,
-            i64::try_from(after).unwrap_or(i64::MAX),
-            u32::try_from(limit).unwrap_or(u32::MAX),
-        )?;
-        let next = events.last().map(|e| e.id as u64).unwrap_or(after);
+    let tail = q
+        .tail
+        .unwrap_or(DEFAULT_TAIL)
+        .clamp(1, MAX_TAIL_LINES as u64);
+    let kind = match q.stream {
+        LogStream::Serial => LogKind::Serial,
+        LogStream::Vmm => LogKind::Vmm,
+        LogStream::Events => return read_events(svc, t, q, tail),
+    };
+    let root = svc.config().state_dir.join("tenants");
+    if !root.join(&t.name).is_dir() {
+        // Nothing provisioned yet (or already removed): an empty log, not an error.
         return Ok(LogChunk {
             stream: q.stream,
-            offset: after,
-            next_offset: next,
-            data: String::new(),
-            events,
+            text: String::new(),
+            next: LogPosition::default(),
+            skipped: false,
+            events: Vec::new(),
         });
-    };
-    let path = svc.config().tenant_dir(&t.name).join(name);
-    let io_err = |source| TenantServiceError::Log {
-        path: path.clone(),
-        source,
-    };
-    let mut file = match File::open(&path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == ErrorKind::NotFound => {
-            let offset = q.offset.unwrap_or(0);
-            return Ok(LogChunk {
+    }
+    let logs = TenantLogs::open(&root, &t.name, LogPolicy::default()).map_err(log_err)?;
+    match (q.generation, q.offset) {
+        (None, None) => {
+            let lines = logs.tail(kind, tail as usize).map_err(log_err)?;
+            let end = logs.end(kind).map_err(log_err)?;
+            let mut text = lines.join("\n");
+            if !text.is_empty() {
+                text.push('\n');
+            }
+            Ok(LogChunk {
                 stream: q.stream,
-                offset,
-                next_offset: offset,
-                data: String::new(),
+                text,
+                next: LogPosition {
+                    generation: end.generation,
+                    offset: end.offset,
+                },
+                skipped: false,
                 events: Vec::new(),
-            });
+            })
         }
-        Err(e) => return Err(io_err(e)),
+        (generation, offset) => {
+            let max = q
+                .max_bytes
+                .unwrap_or(DEFAULT_MAX_BYTES)
+                .clamp(1, MAX_CHUNK_BYTES as u64) as usize;
+            let cursor = LogCursor {
+                generation: generation.unwrap_or(0),
+                offset: offset.unwrap_or(0),
+            };
+            let chunk = logs.read_from(kind, cursor, max).map_err(log_err)?;
+            Ok(LogChunk {
+                stream: q.stream,
+                text: chunk.text,
+                next: LogPosition {
+                    generation: chunk.next.generation,
+                    offset: chunk.next.offset,
+                },
+                skipped: chunk.skipped,
+                events: Vec::new(),
+            })
+        }
+    }
+}
+
+fn read_events(
+    svc: &TenantService,
+    t: &TenantRecord,
+    q: &LogQuery,
+    tail: u64,
+) -> Result<LogChunk, TenantServiceError> {
+    let store = svc.store();
+    let events = match q.offset {
+        Some(after) => store.events(t.id, i64::try_from(after).unwrap_or(i64::MAX), 1000)?,
+        None => {
+            let mut all = store.events(t.id, 0, u32::MAX)?;
+            let skip = all.len().saturating_sub(tail as usize);
+            all.drain(..skip);
+            all
+        }
     };
-    let size = file.metadata().map_err(io_err)?.len();
-    let start = match q.offset {
-        // Past the end means the file was rotated or truncated: start over.
-        Some(o) if o > size => 0,
-        Some(o) => o,
-        None => size.saturating_sub(DEFAULT_TAIL.min(limit)),
-    };
-    file.seek(SeekFrom::Start(start)).map_err(io_err)?;
-    let mut buf = Vec::new();
-    file.take(limit).read_to_end(&mut buf).map_err(io_err)?;
+    let last = events
+        .last()
+        .map(|e| e.id as u64)
+        .unwrap_or(q.offset.unwrap_or(0));
+    let text = events
+        .iter()
+        .map(|e| format!("{} {} {}\n", e.at_ms, e.kind, e.message))
+        .collect();
     Ok(LogChunk {
         stream: q.stream,
-        offset: start,
-        next_offset: start + buf.len() as u64,
-        data: String::from_utf8_lossy(&buf).into_owned(),
-        events: Vec::new(),
+        text,
+        next: LogPosition {
+            generation: 0,
+            offset: last,
+        },
+        skipped: false,
+        events,
     })
+}
+
+fn log_err(e: crate::logs::LogError) -> TenantServiceError {
+    match e {
+        crate::logs::LogError::InvalidRequest(m) => TenantServiceError::BadRequest(m),
+        other => TenantServiceError::Log(crate::tenant::steps::error_chain(&other)),
+    }
 }

@@ -58,13 +58,11 @@ pub enum TenantServiceError {
     #[error(transparent)]
     Fault(#[from] FaultError),
     /// Reading a log failed.
-    #[error("Cannot read log {path}: {source}")]
-    Log {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
+    #[error("Cannot read the log: {0}")]
+    Log(String),
+    /// A request parameter is out of range.
+    #[error("Bad request: {0}")]
+    BadRequest(String),
 }
 
 /// What the API asks the service to do.
