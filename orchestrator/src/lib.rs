@@ -7,6 +7,8 @@
 pub mod api;
 pub mod auth;
 pub mod backend;
+pub mod cli;
+pub mod client;
 pub mod jail;
 pub mod logs;
 pub mod reconcile;
