@@ -8,12 +8,21 @@
 //! Two backends exist: `tenantvm-vmm` (the default, [`BackendKind::TenantvmVmm`]) and QEMU
 //! ([`BackendKind::Qemu`], with KVM or TCG software emulation).
 
+pub mod control;
+pub mod qemu;
+pub mod runner;
+pub mod vmm;
+
 use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::jail::{CgroupHandle, JailError};
+use crate::jail::{CgroupHandle, ExitRecord, JailError};
+
+pub use qemu::QemuBackend;
+pub use runner::RuntimeConfig;
+pub use vmm::VmmBackend;
 
 /// Which program runs a tenant's VM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -214,6 +223,22 @@ pub enum BackendError {
         /// What went wrong.
         message: String,
     },
+    /// The VM ended while starting.
+    #[error("The VM ended while starting ({reason:?}); last lines of vmm.log:\n{log_tail}")]
+    LaunchFailed {
+        /// How it ended.
+        reason: ExitReason,
+        /// The end of vmm.log.
+        log_tail: String,
+    },
+    /// The VM did not answer on its socket in time (it was killed).
+    #[error("The VM did not answer on its control socket within {timeout:?} and was killed; last lines of vmm.log:\n{log_tail}")]
+    NotReady {
+        /// The wait.
+        timeout: Duration,
+        /// The end of vmm.log.
+        log_tail: String,
+    },
     /// The VM already exited.
     #[error("The VM is not running (it exited: {0:?})")]
     NotRunning(ExitReason),
@@ -243,4 +268,146 @@ pub trait VmBackend: Send + Sync {
     fn stop(&self, vm: &RunningVm, grace: Duration) -> Result<ExitReason, BackendError>;
     /// Kills every process of the VM (SIGKILL to the whole cgroup). Idempotent.
     fn kill(&self, vm: &RunningVm) -> Result<(), BackendError>;
+}
+
+impl ExitReason {
+    /// Decodes how a `tenantvm-vmm` jail ended (statuses of docs/vmm.md).
+    pub fn from_vmm(record: ExitRecord) -> Self {
+        match record {
+            ExitRecord::Signal(signal) => ExitReason::Signaled { signal },
+            ExitRecord::Code(code) => match code {
+                0 => ExitReason::PowerOff,
+                1 => ExitReason::VmmError,
+                2 => ExitReason::ConfigError,
+                3 => ExitReason::Reset,
+                4 => ExitReason::TripleFault,
+                5 => ExitReason::GuestPanic,
+                6 => ExitReason::Stopped,
+                7 => ExitReason::GuestRunFailure,
+                10..=17 => ExitReason::StartFailure { code },
+                crate::jail::process::JAIL_SETUP_FAILED => ExitReason::JailFailure,
+                _ => ExitReason::OtherStatus { code },
+            },
+        }
+    }
+
+    /// Decodes how a QEMU jail ended. QEMU exits 0 both when the guest powers off and on
+    /// `quit` (the backend's `stop` reports [`ExitReason::Stopped`] itself), and 1 on errors.
+    pub fn from_qemu(record: ExitRecord) -> Self {
+        match record {
+            ExitRecord::Signal(signal) => ExitReason::Signaled { signal },
+            ExitRecord::Code(0) => ExitReason::PowerOff,
+            ExitRecord::Code(1) => ExitReason::VmmError,
+            ExitRecord::Code(crate::jail::process::JAIL_SETUP_FAILED) => ExitReason::JailFailure,
+            ExitRecord::Code(code) => ExitReason::OtherStatus { code },
+        }
+    }
+
+    /// A one-line description for people.
+    pub fn describe(&self) -> String {
+        match self {
+            ExitReason::PowerOff => "the guest powered off".into(),
+            ExitReason::VmmError => "VMM runtime error (see vmm.log)".into(),
+            ExitReason::ConfigError => "VMM usage or config error (see vmm.log)".into(),
+            ExitReason::Reset => "the guest asked for a reset".into(),
+            ExitReason::TripleFault => "the guest triple-faulted".into(),
+            ExitReason::GuestPanic => "the guest reported a crash".into(),
+            ExitReason::Stopped => "stopped on request".into(),
+            ExitReason::GuestRunFailure => "KVM could not run the guest".into(),
+            ExitReason::StartFailure { code } => format!(
+                "the VM could not start: {}",
+                match code {
+                    10 => "kernel missing or unreadable",
+                    11 => "kernel is not a loadable ELF vmlinux or bzImage",
+                    12 => "initramfs missing, unreadable or too large",
+                    13 => "guest memory too small for the kernel",
+                    14 => "vCPU count not allowed on this host",
+                    15 => "control socket path busy or not writable",
+                    16 => "/dev/kvm missing or not usable",
+                    _ => "serial output file cannot be opened",
+                }
+            ),
+            ExitReason::JailFailure => "the jail could not be set up (see vmm.log)".into(),
+            ExitReason::OtherStatus { code } => format!("exited with status {code}"),
+            ExitReason::Signaled { signal } => format!("killed by signal {signal}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vmm_statuses_map_to_reasons() {
+        let cases = [
+            (0, ExitReason::PowerOff),
+            (1, ExitReason::VmmError),
+            (2, ExitReason::ConfigError),
+            (3, ExitReason::Reset),
+            (4, ExitReason::TripleFault),
+            (5, ExitReason::GuestPanic),
+            (6, ExitReason::Stopped),
+            (7, ExitReason::GuestRunFailure),
+            (10, ExitReason::StartFailure { code: 10 }),
+            (17, ExitReason::StartFailure { code: 17 }),
+            (120, ExitReason::JailFailure),
+            (42, ExitReason::OtherStatus { code: 42 }),
+        ];
+        for (code, reason) in cases {
+            assert_eq!(
+                ExitReason::from_vmm(ExitRecord::Code(code)),
+                reason,
+                "status {code}"
+            );
+        }
+        assert_eq!(
+            ExitReason::from_vmm(ExitRecord::Signal(9)),
+            ExitReason::Signaled { signal: 9 }
+        );
+    }
+
+    #[test]
+    fn qemu_statuses_map_to_reasons() {
+        assert_eq!(
+            ExitReason::from_qemu(ExitRecord::Code(0)),
+            ExitReason::PowerOff
+        );
+        assert_eq!(
+            ExitReason::from_qemu(ExitRecord::Code(1)),
+            ExitReason::VmmError
+        );
+        assert_eq!(
+            ExitReason::from_qemu(ExitRecord::Code(120)),
+            ExitReason::JailFailure
+        );
+        assert_eq!(
+            ExitReason::from_qemu(ExitRecord::Signal(15)),
+            ExitReason::Signaled { signal: 15 }
+        );
+    }
+
+    #[test]
+    fn running_vm_round_trips_through_json() {
+        let vm = RunningVm {
+            backend: BackendKind::Qemu {
+                accel: QemuAccel::Tcg,
+            },
+            tenant: "t".into(),
+            pid: 42,
+            start_time_ticks: 7,
+            api_sock: "/x/t/run/qmp.sock".into(),
+            tenant_dir: "/x/t".into(),
+            cgroup: CgroupHandle::V2 {
+                path: "/sys/fs/cgroup/tenantvm/t".into(),
+            },
+            uid: 1000,
+        };
+        let json = serde_json::to_string(&vm).unwrap();
+        assert_eq!(serde_json::from_str::<RunningVm>(&json).unwrap(), vm);
+        assert!(
+            serde_json::from_str::<RunningVm>(&json.replace("\"uid\"", "\"bogus\":1,\"uid\""))
+                .is_err()
+        );
+    }
 }

@@ -98,12 +98,13 @@ impl Cgroups {
         let memory = root.join("memory");
         let cpu = root.join("cpu");
         let pids = root.join("pids");
+        // The root of a v1 pids hierarchy has no pids.* files: accept a cgroup mount there.
         for (dir, file) in [
             (&memory, "memory.limit_in_bytes"),
             (&cpu, "cpu.cfs_quota_us"),
             (&pids, "pids.max"),
         ] {
-            if !dir.join(file).exists() {
+            if !dir.join(file).exists() && !is_cgroup_v1_mount(dir) {
                 return Err(JailError::CgroupUnavailable(format!(
                     "neither cgroup v2 ({}) nor a cgroup v1 hierarchy with {file} at {} is mounted; mount the memory, cpu and pids controllers",
                     controllers.display(),
@@ -426,6 +427,19 @@ fn enable_v2_controllers(dir: &Path) -> Result<(), JailError> {
         return Ok(());
     }
     write_file(&file, &missing.join(" "))
+}
+
+/// Whether `dir` is the root of a cgroup v1 hierarchy (statfs type CGROUP_SUPER_MAGIC).
+fn is_cgroup_v1_mount(dir: &Path) -> bool {
+    const CGROUP_SUPER_MAGIC: libc::c_long = 0x0027_e0eb;
+    let Ok(path) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: a zeroed statfs is a valid out-buffer.
+    let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: path is NUL-terminated and buf a valid statfs; statfs writes only into buf.
+    let r = unsafe { libc::statfs(path.as_ptr(), &mut buf) };
+    r == 0 && buf.f_type == CGROUP_SUPER_MAGIC && dir.join("cgroup.procs").exists()
 }
 
 fn parse_limit(path: &Path, text: &str) -> Result<u64, JailError> {

@@ -3,12 +3,17 @@
 //! a per-tenant cgroup. See docs/jail.md.
 
 pub mod cgroup;
+pub mod launcher;
+pub mod plan;
+pub mod process;
 
 use std::fs;
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 
 pub use cgroup::{CgroupHandle, CgroupLayout, Cgroups};
+pub use plan::{BindMount, JailPlan, JailRlimits};
+pub use process::{ExitRecord, Launched};
 
 /// Name of the jail root directory inside a tenant directory.
 pub const JAIL_ROOT_DIR: &str = "root";
@@ -25,6 +30,18 @@ pub enum JailError {
     /// The identity cannot be used.
     #[error("Invalid jail identity: {0}")]
     InvalidIdentity(String),
+    /// The jail plan cannot be carried out as given.
+    #[error("Invalid jail plan: {0}")]
+    InvalidPlan(String),
+    /// A step of building the jail failed (in the launcher; the message lands in vmm.log).
+    #[error("Jail setup step '{step}' failed")]
+    Setup {
+        /// The step.
+        step: &'static str,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// The host has no usable cgroup hierarchy.
     #[error("No usable cgroup hierarchy: {0}")]
     CgroupUnavailable(String),
@@ -99,7 +116,7 @@ pub fn list_tenant_cgroups(cgroups: &Cgroups) -> Result<Vec<String>, JailError> 
 /// daemon started and then killed), without blocking, so they do not linger as zombies.
 /// Pids that are not our children are left alone (waitpid answers ECHILD); other children
 /// of the daemon are never touched.
-pub(crate) fn reap_exited(pids: &[i32]) {
+pub fn reap_exited(pids: &[i32]) {
     for &pid in pids {
         let mut status = 0;
         // SAFETY: waitpid on one positive pid with a valid out-pointer to a local and WNOHANG.

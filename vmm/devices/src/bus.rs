@@ -175,16 +175,28 @@ mod tests {
         bus.insert(recorder(), 0x100, 0x10).unwrap();
         assert_eq!(
             bus.insert(recorder(), 0x108, 0x10),
-            Err(BusError::Overlap { base: 0x108, len: 0x10 })
+            Err(BusError::Overlap {
+                base: 0x108,
+                len: 0x10
+            })
         );
         assert_eq!(
             bus.insert(recorder(), 0xf8, 0x10),
-            Err(BusError::Overlap { base: 0xf8, len: 0x10 })
+            Err(BusError::Overlap {
+                base: 0xf8,
+                len: 0x10
+            })
         );
-        assert_eq!(bus.insert(recorder(), 0x200, 0), Err(BusError::ZeroLength { base: 0x200 }));
+        assert_eq!(
+            bus.insert(recorder(), 0x200, 0),
+            Err(BusError::ZeroLength { base: 0x200 })
+        );
         assert_eq!(
             bus.insert(recorder(), u64::MAX, 2),
-            Err(BusError::Overflow { base: u64::MAX, len: 2 })
+            Err(BusError::Overflow {
+                base: u64::MAX,
+                len: 2
+            })
         );
         // Adjacent ranges are fine.
         bus.insert(recorder(), 0x110, 0x10).unwrap();

@@ -5,3 +5,4 @@
 //! error status and a counter, and never panic on guest input.
 
 pub mod bus;
+pub mod legacy;

@@ -1,0 +1,254 @@
+//! The VM's life: build it from a validated config, run it, carry out control-socket
+//! commands, and stop every vCPU when it ends.
+
+use std::fs::OpenOptions;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tenantvm_devices::legacy::{spawn_input_thread, SerialOutput};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+
+use crate::api::server::ConnectionState;
+use crate::api::{ApiError, ApiServer, SerialConfig, VmCommand, VmConfig, VmResponse, VmState};
+use crate::boot::{self, BootConfig, BootError};
+use crate::device_manager::{attach_legacy_devices, DeviceManagerError};
+use crate::exit::{ExitReason, ExitState};
+use crate::vstate::vcpu::{self, Buses, VcpuSet};
+use crate::vstate::vm::{create_guest_memory, Vm};
+use crate::vstate::VstateError;
+
+/// Why the VM could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// Loading the kernel, initramfs or boot structures failed.
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    /// KVM could not be set up.
+    #[error(transparent)]
+    Vstate(#[from] VstateError),
+    /// The control socket could not be set up.
+    #[error(transparent)]
+    Api(#[from] ApiError),
+    /// Devices could not be attached.
+    #[error(transparent)]
+    Devices(#[from] DeviceManagerError),
+    /// The serial output file cannot be opened.
+    #[error("Cannot open serial output file {}: {source}; check the path and its permissions", path.display())]
+    SerialFile {
+        /// The path given.
+        path: PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// A host resource (eventfd, epoll, thread) could not be created.
+    #[error("Host resource unavailable: {0}")]
+    Host(#[source] std::io::Error),
+}
+
+impl StartError {
+    /// The process exit status documented in docs/vmm.md.
+    pub fn exit_status(&self) -> i32 {
+        match self {
+            StartError::Boot(e) => match e {
+                BootError::KernelOpen { .. } => 10,
+                BootError::KernelFormat(_) => 11,
+                BootError::InitramfsOpen { .. } | BootError::InitramfsTooLarge { .. } => 12,
+                BootError::MemoryTooSmall { .. } => 13,
+                BootError::TooManyCpus { .. } => 14,
+                BootError::Cmdline(_) => 2,
+                BootError::Internal(_) => 1,
+            },
+            StartError::Vstate(e) => match e {
+                VstateError::KvmUnavailable(_) => 16,
+                VstateError::TooManyVcpus { .. } => 14,
+                _ => 1,
+            },
+            StartError::Api(_) => 15,
+            StartError::SerialFile { .. } => 17,
+            StartError::Devices(_) | StartError::Host(_) => 1,
+        }
+    }
+}
+
+const EXIT_TOKEN: u64 = u64::MAX;
+const LISTENER_TOKEN: u64 = u64::MAX - 1;
+
+/// Builds the VM described by `config`, runs it until it ends, and returns why it ended.
+pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
+    let serial_output = match &config.serial {
+        SerialConfig::Stdout => SerialOutput::Stdout,
+        SerialConfig::None => SerialOutput::Sink,
+        SerialConfig::File(path) => SerialOutput::File(
+            OpenOptions::new()
+                .append(true)
+                .create(true)
+                .open(path)
+                .map_err(|source| StartError::SerialFile {
+                    path: path.clone(),
+                    source,
+                })?,
+        ),
+    };
+    let mut api = config
+        .api_sock
+        .as_deref()
+        .map(ApiServer::bind)
+        .transpose()?;
+
+    let mem_size = config.memory_mib << 20;
+    let mem = create_guest_memory(mem_size)?;
+    let entry = boot::load(
+        &mem,
+        &BootConfig {
+            kernel: &config.kernel,
+            initramfs: config.initramfs.as_deref(),
+            cmdline: &config.cmdline,
+            protocol: config.boot,
+            vcpus: config.vcpus,
+            mem_size,
+        },
+    )?;
+
+    let vm = Vm::new()?;
+    if config.vcpus > vm.max_vcpus() {
+        return Err(VstateError::TooManyVcpus {
+            requested: config.vcpus,
+            max: vm.max_vcpus(),
+        }
+        .into());
+    }
+    vm.register_memory(&mem)?;
+    let exit = Arc::new(ExitState::new().map_err(StartError::Host)?);
+    let mut buses = Buses::default();
+    let serial = attach_legacy_devices(&vm, &mut buses.pio, serial_output, exit.clone())?;
+    let mut fds = Vec::with_capacity(config.vcpus as usize);
+    for id in 0..config.vcpus {
+        let fd = vm.create_vcpu(id)?;
+        vcpu::configure(&fd, id, config.vcpus, vm.supported_cpuid(), &mem, entry)?;
+        fds.push(fd);
+    }
+    if config.serial == SerialConfig::Stdout {
+        spawn_input_thread(serial, Box::new(std::io::stdin()))
+            .map_err(|e| StartError::Devices(e.into()))?;
+    }
+
+    let epoll = Epoll::new().map_err(StartError::Host)?;
+    epoll
+        .ctl(
+            ControlOperation::Add,
+            exit.event().as_raw_fd(),
+            EpollEvent::new(EventSet::IN, EXIT_TOKEN),
+        )
+        .map_err(StartError::Host)?;
+    if let Some(api) = &api {
+        epoll
+            .ctl(
+                ControlOperation::Add,
+                api.listener_fd(),
+                EpollEvent::new(EventSet::IN, LISTENER_TOKEN),
+            )
+            .map_err(StartError::Host)?;
+    }
+
+    vcpu::install_kick_handler()?;
+    let started = Instant::now();
+    let vcpus = VcpuSet::start(fds, Arc::new(buses), exit.clone())?;
+    let mut paused = false;
+    let mut events = vec![EpollEvent::default(); 32];
+    let reason = loop {
+        if let Some(reason) = exit.reason() {
+            break reason;
+        }
+        let n = match epoll.wait(-1, &mut events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => break ExitReason::VmmError(format!("epoll_wait failed: {e}")),
+        };
+        for event in &events[..n] {
+            match event.data() {
+                EXIT_TOKEN => {}
+                LISTENER_TOKEN => {
+                    let Some(api) = api.as_mut() else { continue };
+                    for fd in api.accept() {
+                        // A connection we cannot watch is simply never served.
+                        let _ = epoll.ctl(
+                            ControlOperation::Add,
+                            fd,
+                            EpollEvent::new(EventSet::IN, fd as u64),
+                        );
+                    }
+                }
+                token => {
+                    let Some(api) = api.as_mut() else { continue };
+                    let fd = token as i32;
+                    let state = api.handle_readable(fd, |command| {
+                        handle_command(command, &vcpus, &mut paused, config, started, &exit)
+                    });
+                    if state == ConnectionState::Closed {
+                        // The fd is already closed, which removes it from the epoll set.
+                        let _ = epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
+                    }
+                }
+            }
+        }
+    };
+    vcpus.stop();
+    drop(api);
+    Ok(reason)
+}
+
+fn handle_command(
+    command: VmCommand,
+    vcpus: &VcpuSet,
+    paused: &mut bool,
+    config: &VmConfig,
+    started: Instant,
+    exit: &ExitState,
+) -> VmResponse {
+    let state = |paused: bool| {
+        if paused {
+            VmState::Paused
+        } else {
+            VmState::Running
+        }
+    };
+    match command {
+        VmCommand::Status => VmResponse::Status {
+            ok: true,
+            state: state(*paused),
+            vcpus: config.vcpus,
+            memory_mib: config.memory_mib,
+            uptime_ms: started.elapsed().as_millis() as u64,
+            pid: std::process::id(),
+        },
+        VmCommand::Pause => {
+            if !*paused {
+                vcpus.pause();
+                *paused = true;
+            }
+            VmResponse::Done {
+                ok: true,
+                state: VmState::Paused,
+            }
+        }
+        VmCommand::Resume => {
+            if *paused {
+                vcpus.resume();
+                *paused = false;
+            }
+            VmResponse::Done {
+                ok: true,
+                state: VmState::Running,
+            }
+        }
+        VmCommand::Shutdown => {
+            exit.stop(ExitReason::ApiShutdown);
+            VmResponse::Done {
+                ok: true,
+                state: state(*paused),
+            }
+        }
+    }
+}

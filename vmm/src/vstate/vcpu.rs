@@ -1,0 +1,277 @@
+//! vCPUs: configuration, and the run loop each runs on its own thread.
+//!
+//! Only vCPU 0 (the BSP) starts running; the others wait in KVM's wait-for-SIPI state until
+//! the guest starts them with INIT-SIPI-SIPI through its local APIC, as on real hardware.
+//! The VMM's main thread pauses, resumes and stops vCPUs through [`VcpuControl`], kicking
+//! them out of KVM_RUN with a signal.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::{kvm_mp_state, KVM_MP_STATE_RUNNABLE, KVM_MP_STATE_UNINITIALIZED};
+use kvm_bindings::{KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use tenantvm_devices::bus::Bus;
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+
+use super::{cpuid, kvm_err, regs, VstateError};
+use crate::boot::EntryPoint;
+use crate::exit::{ExitReason, ExitState};
+
+/// The port and memory buses a vCPU dispatches its exits to.
+#[derive(Debug, Default)]
+pub struct Buses {
+    /// Port I/O.
+    pub pio: Bus,
+    /// MMIO.
+    pub mmio: Bus,
+}
+
+/// Sets up vCPU `id` of `count`: CPUID, MSRs, FPU, LAPIC, and for the BSP the registers
+/// to enter `entry`; APs are left waiting for SIPI.
+pub fn configure(
+    fd: &VcpuFd,
+    id: u32,
+    count: u32,
+    supported: &kvm_bindings::CpuId,
+    mem: &GuestMemoryMmap,
+    entry: EntryPoint,
+) -> Result<(), VstateError> {
+    fd.set_cpuid2(&cpuid::filter(supported, id, count))
+        .map_err(kvm_err("set CPUID"))?;
+    let msrs = regs::boot_msrs().map_err(|e| VstateError::Memory(format!("MSR list: {e:?}")))?;
+    let written = fd.set_msrs(&msrs).map_err(kvm_err("set MSRs"))?;
+    if written != msrs.as_slice().len() {
+        return Err(VstateError::Kvm {
+            what: "set all boot MSRs",
+            source: kvm_ioctls::Error::new(libc::EINVAL),
+        });
+    }
+    fd.set_fpu(&regs::boot_fpu())
+        .map_err(kvm_err("set the FPU"))?;
+    let mut lapic = fd.get_lapic().map_err(kvm_err("read the LAPIC"))?;
+    regs::set_lint(&mut lapic);
+    fd.set_lapic(&lapic).map_err(kvm_err("set the LAPIC"))?;
+    if id == 0 {
+        let sregs = fd.get_sregs().map_err(kvm_err("read special registers"))?;
+        let sregs =
+            regs::setup_sregs(mem, entry, sregs).map_err(|e| VstateError::Memory(e.to_string()))?;
+        fd.set_sregs(&sregs)
+            .map_err(kvm_err("set special registers"))?;
+        fd.set_regs(&regs::boot_regs(entry))
+            .map_err(kvm_err("set registers"))?;
+        fd.set_mp_state(kvm_mp_state {
+            mp_state: KVM_MP_STATE_RUNNABLE,
+        })
+        .map_err(kvm_err("make the BSP runnable"))?;
+    } else {
+        fd.set_mp_state(kvm_mp_state {
+            mp_state: KVM_MP_STATE_UNINITIALIZED,
+        })
+        .map_err(kvm_err("put an AP in wait-for-SIPI"))?;
+    }
+    Ok(())
+}
+
+#[derive(Debug, Default)]
+struct ControlState {
+    paused: bool,
+    stop: bool,
+    parked: usize,
+}
+
+/// Pause/resume/stop requests from the main thread to every vCPU thread.
+#[derive(Debug, Default)]
+pub struct VcpuControl {
+    state: Mutex<ControlState>,
+    changed: Condvar,
+}
+
+impl VcpuControl {
+    fn lock(&self) -> MutexGuard<'_, ControlState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether the vCPU should stop for good.
+    fn should_stop(&self) -> bool {
+        self.lock().stop
+    }
+
+    /// Parks the calling vCPU while paused; returns false when it should stop instead.
+    fn park_while_paused(&self) -> bool {
+        let mut state = self.lock();
+        if !state.paused {
+            return !state.stop;
+        }
+        state.parked += 1;
+        self.changed.notify_all();
+        while state.paused && !state.stop {
+            state = self
+                .changed
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        state.parked -= 1;
+        !state.stop
+    }
+}
+
+/// Signal used to kick vCPU threads out of KVM_RUN.
+fn kick_signal() -> libc::c_int {
+    SIGRTMIN()
+}
+
+extern "C" fn handle_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+/// Installs the (empty) handler for the kick signal, so that it interrupts KVM_RUN with
+/// EINTR instead of killing the process. Call once before starting vCPUs.
+pub fn install_kick_handler() -> Result<(), VstateError> {
+    register_signal_handler(kick_signal(), handle_kick).map_err(|e| VstateError::Kvm {
+        what: "install the vCPU kick signal handler",
+        source: kvm_ioctls::Error::new(e.errno()),
+    })
+}
+
+/// The running vCPU threads.
+pub struct VcpuSet {
+    threads: Vec<JoinHandle<()>>,
+    control: Arc<VcpuControl>,
+}
+
+/// How often the main thread re-kicks vCPUs that have not yet reacted (a kick sent just
+/// before a vCPU enters KVM_RUN is lost, so kicks repeat).
+const KICK_INTERVAL: Duration = Duration::from_millis(5);
+/// How long `stop` waits for vCPU threads before giving up on joining them.
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl VcpuSet {
+    /// Starts one thread per vCPU.
+    pub fn start(
+        vcpus: Vec<VcpuFd>,
+        buses: Arc<Buses>,
+        exit: Arc<ExitState>,
+    ) -> Result<Self, VstateError> {
+        let control = Arc::new(VcpuControl::default());
+        let mut threads = Vec::with_capacity(vcpus.len());
+        for (id, fd) in vcpus.into_iter().enumerate() {
+            let (buses, exit, control) = (buses.clone(), exit.clone(), control.clone());
+            let thread = std::thread::Builder::new()
+                .name(format!("vcpu{id}"))
+                .spawn(move || run_vcpu(fd, &buses, &control, &exit))
+                .map_err(|e| VstateError::Kvm {
+                    what: "start a vCPU thread",
+                    source: kvm_ioctls::Error::new(e.raw_os_error().unwrap_or(libc::EAGAIN)),
+                })?;
+            threads.push(thread);
+        }
+        Ok(Self { threads, control })
+    }
+
+    /// Number of vCPUs.
+    pub fn len(&self) -> usize {
+        self.threads.len()
+    }
+
+    /// Whether there are no vCPUs.
+    pub fn is_empty(&self) -> bool {
+        self.threads.is_empty()
+    }
+
+    fn kick_all(&self) {
+        for t in &self.threads {
+            if !t.is_finished() {
+                // A thread that exits between the check and the kill is harmless.
+                let _ = t.kill(kick_signal());
+            }
+        }
+    }
+
+    /// Stops every vCPU at its next exit and waits until all are parked.
+    pub fn pause(&self) {
+        self.control.lock().paused = true;
+        loop {
+            self.kick_all();
+            let state = self.control.lock();
+            let running = self.threads.iter().filter(|t| !t.is_finished()).count();
+            if state.parked >= running || state.stop {
+                return;
+            }
+            let _ = self.control.changed.wait_timeout(state, KICK_INTERVAL);
+        }
+    }
+
+    /// Lets paused vCPUs run again.
+    pub fn resume(&self) {
+        self.control.lock().paused = false;
+        self.control.changed.notify_all();
+    }
+
+    /// Stops every vCPU thread and joins them.
+    pub fn stop(self) {
+        self.control.lock().stop = true;
+        self.control.changed.notify_all();
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while self.threads.iter().any(|t| !t.is_finished()) && Instant::now() < deadline {
+            self.kick_all();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        for t in self.threads {
+            if t.is_finished() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+fn run_vcpu(mut fd: VcpuFd, buses: &Buses, control: &VcpuControl, exit: &ExitState) {
+    loop {
+        if !control.park_while_paused() || control.should_stop() {
+            return;
+        }
+        let outcome = match fd.run() {
+            Ok(VcpuExit::IoIn(port, data)) => {
+                buses.pio.read(u64::from(port), data);
+                None
+            }
+            Ok(VcpuExit::IoOut(port, data)) => {
+                buses.pio.write(u64::from(port), data);
+                None
+            }
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                buses.mmio.read(addr, data);
+                None
+            }
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                buses.mmio.write(addr, data);
+                None
+            }
+            Ok(VcpuExit::Hlt | VcpuExit::Intr | VcpuExit::IrqWindowOpen) => None,
+            Ok(VcpuExit::Shutdown) => Some(ExitReason::TripleFault),
+            Ok(VcpuExit::SystemEvent(kind, _)) => match kind {
+                KVM_SYSTEM_EVENT_SHUTDOWN => Some(ExitReason::PowerOff),
+                KVM_SYSTEM_EVENT_RESET => Some(ExitReason::Reset),
+                KVM_SYSTEM_EVENT_CRASH => Some(ExitReason::GuestPanic),
+                other => Some(ExitReason::GuestUnrunnable(format!(
+                    "unhandled KVM system event {other}"
+                ))),
+            },
+            Ok(VcpuExit::FailEntry(reason, cpu)) => Some(ExitReason::GuestUnrunnable(format!(
+                "VM entry failed (hardware reason {reason:#x}, cpu {cpu})"
+            ))),
+            Ok(VcpuExit::InternalError) => Some(ExitReason::GuestUnrunnable(
+                "KVM internal error (often an instruction KVM cannot emulate)".into(),
+            )),
+            Ok(other) => Some(ExitReason::GuestUnrunnable(format!(
+                "unhandled vCPU exit {other:?}"
+            ))),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => None,
+            Err(e) => Some(ExitReason::VmmError(format!("KVM_RUN failed: {e}"))),
+        };
+        if let Some(reason) = outcome {
+            exit.stop(reason);
+            return;
+        }
+    }
+}

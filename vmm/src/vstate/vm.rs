@@ -1,0 +1,109 @@
+//! The KVM VM: in-kernel irqchip (PIC + IOAPIC + LAPICs) and PIT, guest memory slots,
+//! irqfds.
+
+use kvm_bindings::{
+    kvm_pit_config, kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES,
+    KVM_PIT_SPEAKER_DUMMY,
+};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{kvm_err, VstateError};
+use crate::boot::layout::{KVM_IDENTITY_MAP_ADDRESS, KVM_TSS_ADDRESS};
+use crate::boot::mptable::MAX_SUPPORTED_CPUS;
+
+/// Creates the guest's RAM: `size` bytes, split around the 32-bit hole.
+pub fn create_guest_memory(size: u64) -> Result<GuestMemoryMmap, VstateError> {
+    let ranges: Vec<_> = crate::boot::layout::ram_ranges(size)
+        .into_iter()
+        .map(|(start, len)| (vm_memory::GuestAddress(start), len as usize))
+        .collect();
+    GuestMemoryMmap::from_ranges(&ranges).map_err(|e| VstateError::Memory(e.to_string()))
+}
+
+/// A KVM VM with its platform devices in the kernel.
+pub struct Vm {
+    fd: VmFd,
+    supported_cpuid: CpuId,
+    max_vcpus: u32,
+}
+
+impl Vm {
+    /// Opens /dev/kvm and creates a VM with the in-kernel irqchip and PIT.
+    pub fn new() -> Result<Self, VstateError> {
+        let kvm = Kvm::new().map_err(VstateError::KvmUnavailable)?;
+        let supported_cpuid = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(kvm_err("report its supported CPUID"))?;
+        let max_vcpus = (kvm.get_max_vcpus() as u32).min(MAX_SUPPORTED_CPUS);
+        let fd = kvm.create_vm().map_err(kvm_err("create a VM"))?;
+        fd.set_tss_address(KVM_TSS_ADDRESS as usize)
+            .map_err(kvm_err("set the TSS address"))?;
+        fd.set_identity_map_address(KVM_IDENTITY_MAP_ADDRESS)
+            .map_err(kvm_err("set the identity map address"))?;
+        fd.create_irq_chip()
+            .map_err(kvm_err("create the in-kernel irqchip"))?;
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        fd.create_pit2(pit)
+            .map_err(kvm_err("create the in-kernel PIT"))?;
+        Ok(Self {
+            fd,
+            supported_cpuid,
+            max_vcpus,
+        })
+    }
+
+    /// The most vCPUs this VM can have (KVM's limit, capped by the MP table's).
+    pub fn max_vcpus(&self) -> u32 {
+        self.max_vcpus
+    }
+
+    /// KVM's supported CPUID, the base of every vCPU's table.
+    pub fn supported_cpuid(&self) -> &CpuId {
+        &self.supported_cpuid
+    }
+
+    /// Registers every region of `mem` as a KVM memory slot.
+    pub fn register_memory(&self, mem: &GuestMemoryMmap) -> Result<(), VstateError> {
+        for (slot, region) in mem.iter().enumerate() {
+            let host = region
+                .get_host_address(vm_memory::MemoryRegionAddress(0))
+                .map_err(|e| VstateError::Memory(e.to_string()))?;
+            let region_desc = kvm_userspace_memory_region {
+                slot: slot as u32,
+                guest_phys_addr: region.start_addr().0,
+                memory_size: region.len(),
+                userspace_addr: host as u64,
+                flags: 0,
+            };
+            // SAFETY: the host range is a live mmap owned by `mem`, which the caller keeps
+            // alive for as long as the VM exists (the VMM holds it until exit).
+            unsafe { self.fd.set_user_memory_region(region_desc) }
+                .map_err(kvm_err("register guest memory"))?;
+        }
+        Ok(())
+    }
+
+    /// Wires `event` to interrupt line `gsi`.
+    pub fn register_irqfd(&self, event: &EventFd, gsi: u32) -> Result<(), VstateError> {
+        self.fd
+            .register_irqfd(event, gsi)
+            .map_err(kvm_err("register an irqfd"))
+    }
+
+    /// Creates vCPU `id` (its APIC id too).
+    pub fn create_vcpu(&self, id: u32) -> Result<VcpuFd, VstateError> {
+        self.fd
+            .create_vcpu(u64::from(id))
+            .map_err(kvm_err("create a vCPU"))
+    }
+
+    /// The VM file descriptor, for device code that needs more ioctls.
+    pub fn fd(&self) -> &VmFd {
+        &self.fd
+    }
+}
