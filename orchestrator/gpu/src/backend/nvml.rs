@@ -1,0 +1,458 @@
+//! The NVML backend: the live host. nvml-wrapper for inventory and MIG mode; the raw
+//! nvml-wrapper-sys functions (through `Nvml::lib()`) for what the wrapper lacks or gets
+//! wrong: GPU/compute-instance create and destroy, possible placements (the wrapper's
+//! `possible_placements` never sets the vector's length) and remaining capacity.
+//!
+//! libnvidia-ml.so.1 is loaded at run time, so this builds and links without a driver; on a
+//! host without one [`NvmlBackend::new`] returns `NvmlUnavailable`.
+
+use std::mem::MaybeUninit;
+
+use nvml_wrapper::Nvml;
+use nvml_wrapper_sys::bindings as sys;
+
+use super::{BackendError, GpuBackend, GpuInfo, GpuInstance};
+use crate::mig::{self, ReportedProfile};
+
+/// The live-host backend.
+pub struct NvmlBackend {
+    nvml: Nvml,
+}
+
+/// Turns an NVML return code into a backend error for GPU `gpu`.
+fn check(call: &'static str, gpu: u32, code: sys::nvmlReturn_t) -> Result<(), BackendError> {
+    match code {
+        sys::nvmlReturn_enum_NVML_SUCCESS => Ok(()),
+        sys::nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES => Err(BackendError::InsufficientResources {
+            gpu,
+            detail: format!("{call}: the slots overlap an existing instance or the profile is at its maximum"),
+        }),
+        sys::nvmlReturn_enum_NVML_ERROR_IN_USE => Err(BackendError::InUse { gpu, detail: call.to_string() }),
+        sys::nvmlReturn_enum_NVML_ERROR_NO_PERMISSION => Err(BackendError::NoPermission),
+        sys::nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT => {
+            Err(BackendError::InvalidPlacement { gpu, detail: format!("{call}: invalid argument") })
+        }
+        other => Err(BackendError::Nvml { call, detail: format!("return code {other}") }),
+    }
+}
+
+fn wrapper_error(call: &'static str, gpu: u32, e: nvml_wrapper::error::NvmlError) -> BackendError {
+    use nvml_wrapper::error::NvmlError as E;
+    match e {
+        E::InUse => BackendError::InUse {
+            gpu,
+            detail: call.to_string(),
+        },
+        E::NoPermission => BackendError::NoPermission,
+        E::NotSupported => BackendError::MigUnsupported(gpu),
+        other => BackendError::Nvml {
+            call,
+            detail: other.to_string(),
+        },
+    }
+}
+
+/// Compute-instance profile enum that spans a GPU instance of `slices` compute slices.
+fn ci_profile_for(slices: u32) -> Option<u32> {
+    Some(match slices {
+        1 => sys::NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE,
+        2 => sys::NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE,
+        3 => sys::NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE,
+        4 => sys::NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE,
+        6 => sys::NVML_COMPUTE_INSTANCE_PROFILE_6_SLICE,
+        7 => sys::NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE,
+        8 => sys::NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE,
+        _ => return None,
+    })
+}
+
+impl NvmlBackend {
+    /// Loads NVML.
+    pub fn new() -> Result<Self, BackendError> {
+        let nvml = Nvml::init().map_err(|e| BackendError::NvmlUnavailable(e.to_string()))?;
+        Ok(NvmlBackend { nvml })
+    }
+
+    fn handle(&self, gpu: u32) -> Result<sys::nvmlDevice_t, BackendError> {
+        let dev = self
+            .nvml
+            .device_by_index(gpu)
+            .map_err(|_| BackendError::NoSuchGpu(gpu))?;
+        // SAFETY: the handle stays valid while `self.nvml` is initialised; we only pass it
+        // back to NVML functions of the same library instance.
+        Ok(unsafe { dev.handle() })
+    }
+
+    /// Every GPU-instance profile the GPU reports, with its possible placements.
+    pub fn profiles(&self, gpu: u32) -> Result<Vec<ReportedProfile>, BackendError> {
+        let dev = self
+            .nvml
+            .device_by_index(gpu)
+            .map_err(|_| BackendError::NoSuchGpu(gpu))?;
+        let mut out = Vec::new();
+        for e in 0..sys::NVML_GPU_INSTANCE_PROFILE_COUNT {
+            let Ok(info) = dev.profile_info(e) else {
+                continue;
+            };
+            let placements = self.possible_placements(gpu, info.id)?;
+            out.push(ReportedProfile {
+                id: info.id,
+                name: format!(
+                    "{}g.{}gb",
+                    info.slice_count,
+                    info.memory_size_mb.div_ceil(1024)
+                ),
+                compute_slices: info.slice_count,
+                memory_mib: info.memory_size_mb,
+                placements,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The raw profile info for a profile id (searching the profile enums).
+    fn profile_info(
+        &self,
+        gpu: u32,
+        profile_id: u32,
+    ) -> Result<nvml_wrapper::struct_wrappers::device::ProfileInfo, BackendError> {
+        let dev = self
+            .nvml
+            .device_by_index(gpu)
+            .map_err(|_| BackendError::NoSuchGpu(gpu))?;
+        (0..sys::NVML_GPU_INSTANCE_PROFILE_COUNT)
+            .filter_map(|e| dev.profile_info(e).ok())
+            .find(|i| i.id == profile_id)
+            .ok_or(BackendError::UnknownProfile {
+                gpu,
+                profile: profile_id,
+            })
+    }
+
+    fn instances(
+        &self,
+        gpu: u32,
+    ) -> Result<Vec<(sys::nvmlGpuInstance_t, GpuInstance)>, BackendError> {
+        let lib = self.nvml.lib();
+        let device = self.handle(gpu)?;
+        let mut out = Vec::new();
+        let dev = self
+            .nvml
+            .device_by_index(gpu)
+            .map_err(|_| BackendError::NoSuchGpu(gpu))?;
+        for e in 0..sys::NVML_GPU_INSTANCE_PROFILE_COUNT {
+            let Ok(info) = dev.profile_info(e) else {
+                continue;
+            };
+            let mut handles: Vec<sys::nvmlGpuInstance_t> =
+                vec![std::ptr::null_mut(); info.instance_count.max(1) as usize];
+            let mut count: u32 = 0;
+            // SAFETY: `handles` has room for `instance_count` handles, the most NVML returns
+            // for this profile; `count` receives how many it wrote.
+            let code = unsafe {
+                lib.nvmlDeviceGetGpuInstances(device, info.id, handles.as_mut_ptr(), &mut count)
+            };
+            check("nvmlDeviceGetGpuInstances", gpu, code)?;
+            for h in handles.into_iter().take(count as usize) {
+                let mut gi = MaybeUninit::<sys::nvmlGpuInstanceInfo_t>::zeroed();
+                // SAFETY: `h` came from NVML just now; `gi` is a properly sized out-struct.
+                let code = unsafe { lib.nvmlGpuInstanceGetInfo(h, gi.as_mut_ptr()) };
+                check("nvmlGpuInstanceGetInfo", gpu, code)?;
+                // SAFETY: NVML filled the struct on success (and it was zeroed before).
+                let gi = unsafe { gi.assume_init() };
+                out.push((
+                    h,
+                    GpuInstance {
+                        gi_id: gi.id,
+                        profile_id: gi.profileId,
+                        start: gi.placement.start,
+                        size: gi.placement.size,
+                    },
+                ));
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl GpuBackend for NvmlBackend {
+    fn kind(&self) -> &'static str {
+        "nvml"
+    }
+
+    fn gpus(&self) -> Result<Vec<GpuInfo>, BackendError> {
+        let n = self
+            .nvml
+            .device_count()
+            .map_err(|e| wrapper_error("nvmlDeviceGetCount", 0, e))?;
+        let mut out = Vec::new();
+        for index in 0..n {
+            let dev = self
+                .nvml
+                .device_by_index(index)
+                .map_err(|e| wrapper_error("nvmlDeviceGetHandleByIndex", index, e))?;
+            let pci = dev
+                .pci_info()
+                .map_err(|e| wrapper_error("nvmlDeviceGetPciInfo", index, e))?;
+            let device_id = (pci.pci_device_id >> 16) as u16;
+            let model = mig::model_by_pci_device(device_id);
+            let mig_enabled = dev.mig_mode().map(|m| m.current == 1).unwrap_or(false);
+            let instances = if mig_enabled {
+                self.instances(index)?.into_iter().map(|(_, i)| i).collect()
+            } else {
+                Vec::new()
+            };
+            out.push(GpuInfo {
+                index,
+                name: dev.name().unwrap_or_default(),
+                model: model.map(|m| m.key),
+                pci_address: pci
+                    .bus_id
+                    .to_ascii_lowercase()
+                    .trim_start_matches("0000")
+                    .to_string(),
+                pci_device_id: device_id,
+                memory_mib: dev
+                    .memory_info()
+                    .map(|m| m.total / (1024 * 1024))
+                    .unwrap_or(0),
+                mig_enabled,
+                assigned_whole: false,
+                instances,
+            });
+        }
+        Ok(out)
+    }
+
+    fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<(), BackendError> {
+        let dev = self
+            .nvml
+            .device_by_index(gpu)
+            .map_err(|_| BackendError::NoSuchGpu(gpu))?;
+        dev.set_mig_mode(enabled)
+            .map(|_| ())
+            .map_err(|e| wrapper_error("nvmlDeviceSetMigMode", gpu, e))
+    }
+
+    fn possible_placements(
+        &self,
+        gpu: u32,
+        profile_id: u32,
+    ) -> Result<Vec<(u32, u32)>, BackendError> {
+        let lib = self.nvml.lib();
+        if lib.nvmlDeviceGetGpuInstancePossiblePlacements_v2.is_err() {
+            return Err(BackendError::Nvml {
+                call: "nvmlDeviceGetGpuInstancePossiblePlacements_v2",
+                detail: "missing from this driver".into(),
+            });
+        }
+        let device = self.handle(gpu)?;
+        let mut count: u32 = 0;
+        // SAFETY: a null placements pointer asks NVML only for the count.
+        let code = unsafe {
+            lib.nvmlDeviceGetGpuInstancePossiblePlacements_v2(
+                device,
+                profile_id,
+                std::ptr::null_mut(),
+                &mut count,
+            )
+        };
+        check("nvmlDeviceGetGpuInstancePossiblePlacements_v2", gpu, code)?;
+        let mut buf = vec![sys::nvmlGpuInstancePlacement_t { start: 0, size: 0 }; count as usize];
+        // SAFETY: `buf` holds `count` placements, the number NVML just reported.
+        let code = unsafe {
+            lib.nvmlDeviceGetGpuInstancePossiblePlacements_v2(
+                device,
+                profile_id,
+                buf.as_mut_ptr(),
+                &mut count,
+            )
+        };
+        check("nvmlDeviceGetGpuInstancePossiblePlacements_v2", gpu, code)?;
+        buf.truncate(count as usize);
+        Ok(buf.into_iter().map(|p| (p.start, p.size)).collect())
+    }
+
+    fn remaining_capacity(&self, gpu: u32, profile_id: u32) -> Result<u32, BackendError> {
+        let lib = self.nvml.lib();
+        let device = self.handle(gpu)?;
+        let mut count: u32 = 0;
+        // SAFETY: `count` is a valid out-pointer; the device handle is live.
+        let code = unsafe {
+            lib.nvmlDeviceGetGpuInstanceRemainingCapacity(device, profile_id, &mut count)
+        };
+        check("nvmlDeviceGetGpuInstanceRemainingCapacity", gpu, code)?;
+        Ok(count)
+    }
+
+    fn create_instance(
+        &self,
+        gpu: u32,
+        profile_id: u32,
+        start: u32,
+    ) -> Result<GpuInstance, BackendError> {
+        let lib = self.nvml.lib();
+        let info = self.profile_info(gpu, profile_id)?;
+        let device = self.handle(gpu)?;
+        let placement = sys::nvmlGpuInstancePlacement_t { start, size: 0 };
+        let mut gi: sys::nvmlGpuInstance_t = std::ptr::null_mut();
+        // SAFETY: `placement` and `gi` are valid for the call; NVML reads the first and writes
+        // the handle into the second.
+        let code = unsafe {
+            lib.nvmlDeviceCreateGpuInstanceWithPlacement(device, profile_id, &placement, &mut gi)
+        };
+        check("nvmlDeviceCreateGpuInstanceWithPlacement", gpu, code)?;
+        let created = (|| {
+            let ci_enum = ci_profile_for(info.slice_count).ok_or(BackendError::UnknownProfile {
+                gpu,
+                profile: profile_id,
+            })?;
+            let mut ci_info = MaybeUninit::<sys::nvmlComputeInstanceProfileInfo_t>::zeroed();
+            // SAFETY: `gi` is the instance just created; `ci_info` is a sized out-struct.
+            let code = unsafe {
+                lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                    gi,
+                    ci_enum,
+                    sys::NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                    ci_info.as_mut_ptr(),
+                )
+            };
+            check("nvmlGpuInstanceGetComputeInstanceProfileInfo", gpu, code)?;
+            // SAFETY: filled by NVML on success.
+            let ci_info = unsafe { ci_info.assume_init() };
+            let mut ci: sys::nvmlComputeInstance_t = std::ptr::null_mut();
+            // SAFETY: valid GPU instance and out-pointer.
+            let code = unsafe { lib.nvmlGpuInstanceCreateComputeInstance(gi, ci_info.id, &mut ci) };
+            check("nvmlGpuInstanceCreateComputeInstance", gpu, code)?;
+            let mut gi_info = MaybeUninit::<sys::nvmlGpuInstanceInfo_t>::zeroed();
+            // SAFETY: valid GPU instance and out-struct.
+            let code = unsafe { lib.nvmlGpuInstanceGetInfo(gi, gi_info.as_mut_ptr()) };
+            check("nvmlGpuInstanceGetInfo", gpu, code)?;
+            // SAFETY: filled by NVML on success.
+            let gi_info = unsafe { gi_info.assume_init() };
+            Ok(GpuInstance {
+                gi_id: gi_info.id,
+                profile_id,
+                start: gi_info.placement.start,
+                size: gi_info.placement.size,
+            })
+        })();
+        if created.is_err() {
+            // Roll back the GPU instance so a failed create leaves nothing behind.
+            // SAFETY: `gi` is the instance created above and not yet destroyed.
+            let _ = unsafe { lib.nvmlGpuInstanceDestroy(gi) };
+        }
+        created
+    }
+
+    fn destroy_instance(&self, gpu: u32, gi_id: u32) -> Result<(), BackendError> {
+        let lib = self.nvml.lib();
+        let device = self.handle(gpu)?;
+        let mut gi: sys::nvmlGpuInstance_t = std::ptr::null_mut();
+        // SAFETY: valid device handle and out-pointer.
+        let code = unsafe { lib.nvmlDeviceGetGpuInstanceById(device, gi_id, &mut gi) };
+        if code == sys::nvmlReturn_enum_NVML_ERROR_NOT_FOUND
+            || code == sys::nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT
+        {
+            return Err(BackendError::NoSuchInstance { gpu, gi: gi_id });
+        }
+        check("nvmlDeviceGetGpuInstanceById", gpu, code)?;
+        for ci_enum in 0..sys::NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
+            let mut ci_info = MaybeUninit::<sys::nvmlComputeInstanceProfileInfo_t>::zeroed();
+            // SAFETY: valid GPU instance and out-struct.
+            let code = unsafe {
+                lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                    gi,
+                    ci_enum,
+                    sys::NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                    ci_info.as_mut_ptr(),
+                )
+            };
+            if code != sys::nvmlReturn_enum_NVML_SUCCESS {
+                continue;
+            }
+            // SAFETY: filled by NVML on success.
+            let ci_info = unsafe { ci_info.assume_init() };
+            let mut cis: Vec<sys::nvmlComputeInstance_t> =
+                vec![std::ptr::null_mut(); ci_info.instanceCount.max(1) as usize];
+            let mut count = 0u32;
+            // SAFETY: `cis` has room for `instanceCount` handles.
+            let code = unsafe {
+                lib.nvmlGpuInstanceGetComputeInstances(gi, ci_info.id, cis.as_mut_ptr(), &mut count)
+            };
+            check("nvmlGpuInstanceGetComputeInstances", gpu, code)?;
+            for ci in cis.into_iter().take(count as usize) {
+                // SAFETY: `ci` was just returned by NVML for this GPU instance.
+                let code = unsafe { lib.nvmlComputeInstanceDestroy(ci) };
+                check("nvmlComputeInstanceDestroy", gpu, code)?;
+            }
+        }
+        // SAFETY: `gi` is a live GPU instance handle with no compute instances left.
+        let code = unsafe { lib.nvmlGpuInstanceDestroy(gi) };
+        check("nvmlGpuInstanceDestroy", gpu, code)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nvml_return_codes_map_to_the_backend_errors() {
+        assert!(check("x", 0, sys::nvmlReturn_enum_NVML_SUCCESS).is_ok());
+        assert!(matches!(
+            check(
+                "x",
+                1,
+                sys::nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES
+            ),
+            Err(BackendError::InsufficientResources { gpu: 1, .. })
+        ));
+        assert!(matches!(
+            check("x", 0, sys::nvmlReturn_enum_NVML_ERROR_IN_USE),
+            Err(BackendError::InUse { .. })
+        ));
+        assert!(matches!(
+            check("x", 0, sys::nvmlReturn_enum_NVML_ERROR_NO_PERMISSION),
+            Err(BackendError::NoPermission)
+        ));
+        assert_eq!(
+            ci_profile_for(3),
+            Some(sys::NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE)
+        );
+        assert_eq!(ci_profile_for(5), None);
+    }
+
+    /// Runs against a real GPU only when TENANTVM_TEST_GPU names one (an index); reads the
+    /// profiles and placements and compares them with the database.
+    #[test]
+    fn live_gpu_profiles_match_the_database() {
+        let Ok(idx) = std::env::var("TENANTVM_TEST_GPU") else {
+            eprintln!("skipping: TENANTVM_TEST_GPU is not set (an NVIDIA GPU index)");
+            return;
+        };
+        let gpu: u32 = idx.parse().expect("TENANTVM_TEST_GPU must be a GPU index");
+        let b = NvmlBackend::new().expect("NVML loads where TENANTVM_TEST_GPU is set");
+        let info = b
+            .gpus()
+            .unwrap()
+            .into_iter()
+            .find(|g| g.index == gpu)
+            .expect("the GPU exists");
+        let Some(model) = info.gpu_model() else {
+            eprintln!(
+                "skipping: GPU {gpu} ({}) has no MIG entry in the database",
+                info.name
+            );
+            return;
+        };
+        let reported = b.profiles(gpu).unwrap();
+        assert!(!reported.is_empty(), "a MIG-capable GPU reports profiles");
+        let diffs = model.check_against(&reported);
+        eprintln!("{} vs NVML: {diffs:#?}", model.key);
+        assert!(
+            reported.iter().all(|r| model.profile_by_id(r.id).is_some()),
+            "{diffs:?}"
+        );
+    }
+}

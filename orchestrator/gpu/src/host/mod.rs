@@ -1,0 +1,353 @@
+//! Host device work through sysfs: PCI devices, IOMMU groups, vfio-pci binding, SR-IOV
+//! virtual functions, vGPU types and mdevs.
+//!
+//! Every path is under a configurable root ([`Sysfs::new`]): `/` on a real host, where the
+//! writes reach the kernel, or a fake tree in tests ([`fake`]), where a small emulation of the
+//! kernel's reactions (unbind, probe, VF creation, mdev create/remove) keeps the flows
+//! checkable end to end.
+
+pub mod fake;
+pub mod vfio;
+pub mod vgpu;
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use thiserror::Error;
+
+/// Errors of host device work.
+#[derive(Debug, Error)]
+pub enum HostDeviceError {
+    /// A sysfs file could not be read or written.
+    #[error("Sysfs {op} of {path} failed: {source}")]
+    Io {
+        /// `read` or `write` or `list`.
+        op: &'static str,
+        /// The path.
+        path: String,
+        /// The cause.
+        source: io::Error,
+    },
+    /// A PCI address that is malformed.
+    #[error("`{0}` is not a PCI address: use the form 0000:18:00.0")]
+    BadAddress(String),
+    /// No such PCI device.
+    #[error("No PCI device {0} on this host: list them with `lspci -D`")]
+    NoDevice(String),
+    /// The device has no IOMMU group.
+    #[error("PCI device {0} has no IOMMU group: enable the IOMMU (intel_iommu=on or amd_iommu=on on the kernel command line)")]
+    NoIommuGroup(String),
+    /// vfio-pci is not loaded.
+    #[error("The vfio-pci driver is not loaded: run `modprobe vfio-pci`")]
+    NoVfioDriver,
+    /// Another device of the group is in use by the host.
+    #[error("IOMMU group {group} also holds {device} (driver {driver}), which the host is using: move it to another slot, unbind it yourself, or give the VM the whole group on purpose")]
+    GroupInUse {
+        /// The group.
+        group: u32,
+        /// The other device.
+        device: String,
+        /// Its driver.
+        driver: String,
+    },
+    /// The kernel did not bind the driver asked for.
+    #[error("Binding {device} to {wanted} failed: it is bound to {actual}; see `dmesg`")]
+    BindFailed {
+        /// The device.
+        device: String,
+        /// The driver asked for.
+        wanted: String,
+        /// What it has now.
+        actual: String,
+    },
+    /// SR-IOV is not available on the device.
+    #[error("{0} has no SR-IOV capability: MIG-backed vGPU needs a GPU with SR-IOV and the vGPU manager driver")]
+    NoSriov(String),
+    /// Every VF already carries a vGPU.
+    #[error("Every virtual function of {0} already has a vGPU: release one first")]
+    NoFreeVf(String),
+    /// No vGPU type matches.
+    #[error("No creatable vGPU type on {device} matches {wanted}; creatable: {creatable}")]
+    NoVgpuType {
+        /// The VF or GPU.
+        device: String,
+        /// What was looked for.
+        wanted: String,
+        /// What the driver offers.
+        creatable: String,
+    },
+    /// The mdev type does not exist or has no room.
+    #[error("mdev type {type_id} on {device}: {reason}")]
+    Mdev {
+        /// Parent device.
+        device: String,
+        /// The type.
+        type_id: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// A PCI address (`0000:18:00.0`), validated.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct PciAddress(String);
+
+impl PciAddress {
+    /// Validates `dddd:bb:dd.f` (hex digits).
+    pub fn parse(s: &str) -> Result<Self, HostDeviceError> {
+        let b = s.as_bytes();
+        let hex = |r: std::ops::Range<usize>| b[r].iter().all(u8::is_ascii_hexdigit);
+        let ok = b.len() == 12
+            && b[4] == b':'
+            && b[7] == b':'
+            && b[10] == b'.'
+            && hex(0..4)
+            && hex(5..7)
+            && hex(8..10)
+            && (b'0'..=b'7').contains(&b[11]);
+        if ok {
+            Ok(PciAddress(s.to_ascii_lowercase()))
+        } else {
+            Err(HostDeviceError::BadAddress(s.to_string()))
+        }
+    }
+
+    /// The address as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Domain, bus and device without the function: functions of one slot share it.
+    pub fn slot(&self) -> &str {
+        &self.0[..10]
+    }
+}
+
+impl std::fmt::Display for PciAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// What sysfs says about one PCI device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PciDevice {
+    /// Address.
+    pub address: PciAddress,
+    /// Vendor id.
+    pub vendor: u16,
+    /// Device id.
+    pub device: u16,
+    /// Class code (24 bits, e.g. 0x030200 for a 3D controller).
+    pub class: u32,
+    /// Bound driver, if any.
+    pub driver: Option<String>,
+    /// IOMMU group, if any.
+    pub iommu_group: Option<u32>,
+}
+
+impl PciDevice {
+    /// PCI-to-PCI bridges (class 0x0604) and host bridges (0x0600) stay with the host.
+    pub fn is_bridge(&self) -> bool {
+        matches!(self.class >> 8, 0x0600 | 0x0604)
+    }
+
+    /// Display (0x03xx) controllers.
+    pub fn is_gpu(&self) -> bool {
+        self.class >> 16 == 0x03
+    }
+}
+
+/// Hook that emulates the kernel's reaction to a sysfs write (fake trees only).
+pub(crate) type KernelEmulation = fn(&Sysfs, &Path, &str) -> io::Result<()>;
+
+/// Sysfs (and /dev, /proc) under a root.
+#[derive(Clone)]
+pub struct Sysfs {
+    root: PathBuf,
+    emulate: Option<KernelEmulation>,
+}
+
+impl std::fmt::Debug for Sysfs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sysfs")
+            .field("root", &self.root)
+            .field("fake", &self.emulate.is_some())
+            .finish()
+    }
+}
+
+fn parse_hex(s: &str) -> Option<u32> {
+    u32::from_str_radix(s.trim().trim_start_matches("0x"), 16).ok()
+}
+
+impl Sysfs {
+    /// The real host's files under `root` (normally `/`).
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Sysfs {
+            root: root.into(),
+            emulate: None,
+        }
+    }
+
+    /// The root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// A path under the root (`rel` without a leading `/`).
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.root.join(rel.trim_start_matches('/'))
+    }
+
+    fn pci_dir(&self, addr: &PciAddress) -> PathBuf {
+        self.path("sys/bus/pci/devices").join(addr.as_str())
+    }
+
+    /// Reads a file as trimmed text.
+    pub fn read(&self, path: &Path) -> Result<String, HostDeviceError> {
+        std::fs::read_to_string(path)
+            .map(|s| s.trim().to_string())
+            .map_err(|source| HostDeviceError::Io {
+                op: "read",
+                path: path.display().to_string(),
+                source,
+            })
+    }
+
+    /// Writes `value` to a sysfs file (one write, as the kernel expects).
+    pub fn write(&self, path: &Path, value: &str) -> Result<(), HostDeviceError> {
+        tracing::debug!(path = %path.display(), value, "sysfs write");
+        let io_err = |source| HostDeviceError::Io {
+            op: "write",
+            path: path.display().to_string(),
+            source,
+        };
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(path)
+            .map_err(io_err)?;
+        std::io::Write::write_all(&mut f, value.as_bytes()).map_err(io_err)?;
+        drop(f);
+        if let Some(emulate) = self.emulate {
+            emulate(self, path, value).map_err(io_err)?;
+        }
+        Ok(())
+    }
+
+    /// Basename of a symlink's target (`driver` → `nvidia`), or None when it is absent.
+    fn link_name(&self, path: &Path) -> Option<String> {
+        std::fs::read_link(path)
+            .ok()?
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+    }
+
+    /// Lists a directory's entry names, sorted; empty when it does not exist.
+    pub fn list(&self, path: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(path)
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+
+    /// What sysfs says about a device.
+    pub fn device(&self, addr: &PciAddress) -> Result<PciDevice, HostDeviceError> {
+        let dir = self.pci_dir(addr);
+        if !dir.exists() {
+            return Err(HostDeviceError::NoDevice(addr.to_string()));
+        }
+        let hex = |name: &str| -> Result<u32, HostDeviceError> {
+            let p = dir.join(name);
+            let s = self.read(&p)?;
+            parse_hex(&s).ok_or_else(|| HostDeviceError::Io {
+                op: "read",
+                path: p.display().to_string(),
+                source: io::Error::new(io::ErrorKind::InvalidData, format!("not hex: {s}")),
+            })
+        };
+        Ok(PciDevice {
+            address: addr.clone(),
+            vendor: hex("vendor")? as u16,
+            device: hex("device")? as u16,
+            class: hex("class")?,
+            driver: self.link_name(&dir.join("driver")),
+            iommu_group: self
+                .link_name(&dir.join("iommu_group"))
+                .and_then(|g| g.parse().ok()),
+        })
+    }
+
+    /// Every PCI device.
+    pub fn devices(&self) -> Result<Vec<PciDevice>, HostDeviceError> {
+        self.list(&self.path("sys/bus/pci/devices"))
+            .iter()
+            .filter_map(|a| PciAddress::parse(a).ok())
+            .map(|a| self.device(&a))
+            .collect()
+    }
+
+    /// The IOMMU groups that exist.
+    pub fn iommu_groups(&self) -> Vec<u32> {
+        let mut g: Vec<u32> = self
+            .list(&self.path("sys/kernel/iommu_groups"))
+            .iter()
+            .filter_map(|s| s.parse().ok())
+            .collect();
+        g.sort_unstable();
+        g
+    }
+
+    /// The devices of an IOMMU group.
+    pub fn group_members(&self, group: u32) -> Result<Vec<PciDevice>, HostDeviceError> {
+        self.list(&self.path(&format!("sys/kernel/iommu_groups/{group}/devices")))
+            .iter()
+            .filter_map(|a| PciAddress::parse(a).ok())
+            .map(|a| self.device(&a))
+            .collect()
+    }
+
+    /// Whether a PCI driver is registered (its module is loaded).
+    pub fn has_driver(&self, name: &str) -> bool {
+        self.path("sys/bus/pci/drivers").join(name).is_dir()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pci_addresses_are_validated() {
+        let a = PciAddress::parse("0000:18:00.1").unwrap();
+        assert_eq!(a.slot(), "0000:18:00");
+        for bad in [
+            "18:00.0",
+            "0000:18:00.8",
+            "0000:18:00:0",
+            "../../etc/x",
+            "0000:1g:00.0",
+        ] {
+            assert!(PciAddress::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn missing_device_is_a_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Sysfs::new(dir.path());
+        let e = s
+            .device(&PciAddress::parse("0000:01:00.0").unwrap())
+            .unwrap_err();
+        assert!(e.to_string().contains("lspci"), "{e}");
+        assert!(s.devices().unwrap().is_empty());
+        assert!(s.iommu_groups().is_empty());
+    }
+}
