@@ -85,6 +85,7 @@ fn qemu_guest_launches_reports_state_and_stops() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "qemu");
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let jail = jail(1);
     let backend = backend();
     let vm = backend.launch(&spec, &jail).unwrap();
@@ -137,6 +138,7 @@ fn qemu_kill_is_final_and_idempotent() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "qkill");
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let backend = backend();
     let vm = backend.launch(&spec, &jail(2)).unwrap();
     backend.kill(&vm).unwrap();

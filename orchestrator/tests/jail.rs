@@ -32,6 +32,7 @@ fn run_jailed(tag: &str, limits: ResourceLimits, script: &str) -> Run {
     let tmp = tempfile::tempdir().unwrap();
     let tenant = common::tenant(tag);
     let dir = common::tenant_dir(&tmp, &tenant);
+    let _cleanup = common::CleanupOnDrop::new(&tenant, &dir);
     let cgroups = Cgroups::detect().unwrap();
     let handle = cgroups.create(&tenant, &limits).unwrap();
     let uid = common::test_uid(0);
@@ -46,8 +47,7 @@ fn run_jailed(tag: &str, limits: ResourceLimits, script: &str) -> Run {
         RLIMITS,
     )
     .unwrap();
-    plan.bind(Path::new("/dev/null"), Path::new("/dev/null"), true)
-        .unwrap();
+    plan.device(Path::new("/dev/null")).unwrap();
     let log_path = dir.join("vmm.log");
     let log = OpenOptions::new()
         .create(true)
@@ -244,8 +244,11 @@ fn cgroup_limits_read_back_and_cleanup_is_idempotent() {
         .members()
         .unwrap()
         .contains(&i32::try_from(child.id()).unwrap()));
+    let pid = i32::try_from(child.id()).unwrap();
     cleanup_tenant(&cgroups, &tenant, &dir).unwrap();
-    assert!(child.try_wait().unwrap().is_some() || child.wait().is_ok());
+    // Killed, and reaped by cleanup since it is our child: no zombie is left behind.
+    assert_eq!(process::start_time_ticks(pid).unwrap(), None);
+    assert!(child.try_wait().is_err());
     for d in handle.dirs() {
         assert!(!d.exists(), "{} removed", d.display());
     }

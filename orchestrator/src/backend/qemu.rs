@@ -8,7 +8,9 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::control::JsonLines;
-use super::runner::{self, ProcessStatus, RuntimeConfig, JAIL_SERIAL_LOG, JAIL_VM_DIR};
+use super::runner::{
+    self, ProcessStatus, RuntimeConfig, EXIT_SETTLE, JAIL_SERIAL_LOG, JAIL_VM_DIR,
+};
 use super::{
     BackendError, BackendKind, ExitReason, JailConfig, QemuAccel, RunningVm, VmBackend, VmSpec,
     VmState,
@@ -160,7 +162,7 @@ impl VmBackend for QemuBackend {
             Self::qemu_args(spec, self.accel),
         )?;
         if self.accel == QemuAccel::Kvm {
-            plan.bind(Path::new("/dev/kvm"), Path::new("/dev/kvm"), true)?;
+            plan.device(Path::new("/dev/kvm"))?;
         }
         for dir in QEMU_DATA_DIRS {
             let dir = Path::new(dir);
@@ -219,7 +221,7 @@ impl VmBackend for QemuBackend {
                     message: "query-status without status".into(),
                 }),
             },
-            Err(e) => match runner::process_status(vm)? {
+            Err(e) => match runner::wait_exit(vm, EXIT_SETTLE)? {
                 ProcessStatus::Exited(record) => Ok(VmState::Exited {
                     status: ExitReason::from_qemu(record),
                 }),

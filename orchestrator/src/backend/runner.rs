@@ -20,6 +20,9 @@ pub const RUN_DIR: &str = "run";
 pub const JAIL_VM_DIR: &str = "/vm";
 /// Where serial.log appears inside the jail.
 pub const JAIL_SERIAL_LOG: &str = "/log/serial.log";
+/// How long `state` waits for a VMM whose socket failed to finish exiting (a guest that
+/// powers off closes the socket a moment before the process ends).
+pub(crate) const EXIT_SETTLE: Duration = Duration::from_secs(1);
 /// Open files a VMM may hold (vCPU fds, eventfds, disks, sockets).
 const VMM_NOFILE: u64 = 4096;
 
@@ -227,8 +230,8 @@ pub(crate) fn base_plan(
     for (i, disk) in spec.disks.iter().enumerate() {
         plan.bind(&disk.path, &vm.join(format!("disk{i}")), !disk.read_only)?;
     }
-    plan.bind(Path::new("/dev/null"), Path::new("/dev/null"), true)?;
-    plan.bind(Path::new("/dev/urandom"), Path::new("/dev/urandom"), false)?;
+    plan.device(Path::new("/dev/null"))?;
+    plan.device(Path::new("/dev/urandom"))?;
     plan.bind(&prepared.run_dir, Path::new("/run"), true)?;
     plan.bind(&prepared.serial_log, Path::new(JAIL_SERIAL_LOG), true)?;
     Ok(plan)

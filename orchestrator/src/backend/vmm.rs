@@ -7,7 +7,9 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::control::JsonLines;
-use super::runner::{self, ProcessStatus, RuntimeConfig, JAIL_SERIAL_LOG, JAIL_VM_DIR};
+use super::runner::{
+    self, ProcessStatus, RuntimeConfig, EXIT_SETTLE, JAIL_SERIAL_LOG, JAIL_VM_DIR,
+};
 use super::{
     BackendError, BackendKind, ExitReason, JailConfig, RunningVm, VmBackend, VmSpec, VmState,
 };
@@ -91,7 +93,7 @@ impl VmBackend for VmmBackend {
             &self.vmm_binary,
             Self::vmm_args(spec),
         )?;
-        plan.bind(Path::new("/dev/kvm"), Path::new("/dev/kvm"), true)?;
+        plan.device(Path::new("/dev/kvm"))?;
         plan.env.push(("RUST_BACKTRACE".into(), "1".into()));
         let timeout = self.config.control_timeout;
         let ready = move |sock: &Path| {
@@ -131,8 +133,8 @@ impl VmBackend for VmmBackend {
                     message: format!("unexpected state {other:?}"),
                 }),
             },
-            // It may have exited between the process check and the request.
-            Err(e) => match runner::process_status(vm)? {
+            // It may be exiting: a socket error then is not an error of the VM's state.
+            Err(e) => match runner::wait_exit(vm, EXIT_SETTLE)? {
                 ProcessStatus::Exited(record) => Ok(VmState::Exited {
                     status: ExitReason::from_vmm(record),
                 }),
@@ -148,7 +150,7 @@ impl VmBackend for VmmBackend {
         }
         // A VMM that does not answer is killed after the grace period all the same.
         let asked = self.request(vm, "shutdown");
-        match runner::wait_exit(vm, if asked.is_ok() { grace } else { Duration::ZERO })? {
+        match runner::wait_exit(vm, if asked.is_ok() { grace } else { EXIT_SETTLE })? {
             ProcessStatus::Exited(record) => Ok(ExitReason::from_vmm(record)),
             ProcessStatus::Gone => Ok(ExitReason::Signaled {
                 signal: libc::SIGKILL,

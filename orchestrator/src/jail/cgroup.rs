@@ -328,8 +328,8 @@ impl CgroupHandle {
     }
 
     /// SIGKILLs every process in the cgroup until none is left. `reap` is called after each
-    /// round with the pids just signalled, so a caller that is the parent of some of them
-    /// can wait for them. Idempotent.
+    /// round with the pids just signalled, and once more at the end with every pid seen, so
+    /// a caller that is the parent of some of them can wait for them. Idempotent.
     pub fn kill_all(&self, mut reap: impl FnMut(&[i32])) -> Result<(), JailError> {
         if let CgroupHandle::V2 { path } = self {
             let kill = path.join("cgroup.kill");
@@ -339,11 +339,21 @@ impl CgroupHandle {
             }
         }
         let deadline = Instant::now() + DRAIN_TIMEOUT;
+        let mut seen: Vec<i32> = Vec::new();
         loop {
             let members = self.members()?;
             if members.is_empty() {
+                // Those that left the cgroup by dying may only now be reapable zombies.
+                reap(&seen);
                 return Ok(());
             }
+            seen.extend(
+                members
+                    .iter()
+                    .filter(|p| !seen.contains(p))
+                    .copied()
+                    .collect::<Vec<_>>(),
+            );
             for pid in &members {
                 // SAFETY: kill(2) with a positive pid read from cgroup.procs and a valid signal
                 // number; it touches no memory of ours.

@@ -233,7 +233,9 @@ fn build_root(plan: &JailPlan) -> Result<(), JailError> {
             Some("tenantvm-jail"),
             root,
             Some("tmpfs"),
-            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            // Not nodev: the tenant's device nodes live here. The tenant cannot add any
+            // (no CAP_MKNOD, and the tmpfs ends up read-only).
+            MsFlags::MS_NOSUID,
             Some("size=1m,nr_inodes=1024,mode=0755"),
         )
         .map_err(nix_io),
@@ -269,6 +271,9 @@ fn build_root(plan: &JailPlan) -> Result<(), JailError> {
             mount(none, &target, none, flags, none).map_err(nix_io),
         )?;
     }
+    for host in &plan.devices {
+        make_device(plan, host)?;
+    }
     if plan.mount_proc {
         let proc_dir = root.join("proc");
         setup("create /proc", fs::create_dir_all(&proc_dir))?;
@@ -294,10 +299,44 @@ fn build_root(plan: &JailPlan) -> Result<(), JailError> {
             none,
             root,
             none,
-            MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID,
             none,
         )
         .map_err(nix_io),
+    )?;
+    Ok(())
+}
+
+/// Creates a node for host character device `host` at the same path in the jail, owned by
+/// the tenant uid/gid, mode 0600.
+fn make_device(plan: &JailPlan, host: &Path) -> Result<(), JailError> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = fs::metadata(host).map_err(|source| JailError::Io {
+        path: host.to_path_buf(),
+        source,
+    })?;
+    if !meta.file_type().is_char_device() {
+        return Err(JailError::InvalidPlan(format!(
+            "{} is not a character device",
+            host.display()
+        )));
+    }
+    let target = jail_path(&plan.root, host);
+    if let Some(parent) = target.parent() {
+        setup("create device parents", fs::create_dir_all(parent))?;
+    }
+    let _ = fs::remove_file(&target);
+    let path = cstring(target.as_os_str().as_bytes())?;
+    // SAFETY: mknod(2) with a NUL-terminated path and plain integers.
+    let r = unsafe { libc::mknod(path.as_ptr(), libc::S_IFCHR | 0o600, meta.rdev()) };
+    setup("create a device node", check(r))?;
+    setup(
+        "chown a device node",
+        std::os::unix::fs::chown(&target, Some(plan.uid), Some(plan.gid)),
+    )?;
+    setup(
+        "chmod a device node",
+        fs::set_permissions(&target, fs::Permissions::from_mode(0o600)),
     )?;
     Ok(())
 }

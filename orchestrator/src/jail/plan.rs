@@ -61,6 +61,10 @@ pub struct JailPlan {
     pub exit_file: PathBuf,
     /// What is visible inside the jail besides an empty tmpfs.
     pub mounts: Vec<BindMount>,
+    /// Character devices (host paths) recreated at the same path inside the jail as nodes
+    /// owned by the tenant uid/gid with mode 0600 (so /dev/kvm opens without the host's
+    /// `kvm` group, and the host's nodes keep their permissions).
+    pub devices: Vec<PathBuf>,
     /// Whether to mount a fresh /proc of the jail's pid namespace (hidepid=2).
     pub mount_proc: bool,
     /// The program to run, as a path inside the jail.
@@ -102,6 +106,7 @@ impl JailPlan {
             root: tenant_dir.join(super::JAIL_ROOT_DIR),
             exit_file: tenant_dir.join(EXIT_FILE),
             mounts: Vec::new(),
+            devices: Vec::new(),
             mount_proc: true,
             program: program.clone(),
             args,
@@ -134,6 +139,26 @@ impl JailPlan {
         Ok(self)
     }
 
+    /// Adds a character device, recreated at the same path inside the jail for the tenant.
+    pub fn device(&mut self, host_path: &Path) -> Result<&mut Self, JailError> {
+        use std::os::unix::fs::FileTypeExt;
+        let meta = std::fs::metadata(host_path).map_err(|source| JailError::Io {
+            path: host_path.to_path_buf(),
+            source,
+        })?;
+        if !meta.file_type().is_char_device() {
+            return Err(JailError::InvalidPlan(format!(
+                "{} is not a character device",
+                host_path.display()
+            )));
+        }
+        check_jail_path(host_path)?;
+        if !self.devices.iter().any(|d| d == host_path) {
+            self.devices.push(host_path.to_path_buf());
+        }
+        Ok(self)
+    }
+
     /// Checks the plan before the launcher acts on it (it is also checked there).
     pub fn validate(&self) -> Result<(), JailError> {
         validate_tenant_name(&self.tenant)?;
@@ -143,6 +168,9 @@ impl JailPlan {
             ));
         }
         check_jail_path(&self.program)?;
+        for d in &self.devices {
+            check_jail_path(d)?;
+        }
         for m in &self.mounts {
             check_jail_path(&m.target)?;
             if !m.source.is_absolute() {
@@ -387,6 +415,11 @@ mod tests {
             .is_err());
         plan.bind(Path::new("/dev/null"), Path::new("/dev/null"), true)
             .unwrap();
+        plan.device(Path::new("/dev/null")).unwrap();
+        assert!(matches!(
+            plan.device(Path::new("/bin/sh")),
+            Err(JailError::InvalidPlan(_))
+        ));
         plan.validate().unwrap();
         assert_eq!(plan.exit_file, dir.path().join(EXIT_FILE));
     }

@@ -80,3 +80,30 @@ pub fn repo_root() -> PathBuf {
         .unwrap()
         .to_path_buf()
 }
+
+/// Removes a tenant's cgroup and jail root when dropped, so a failing test leaves nothing
+/// behind on the shared host (cleanup is idempotent; tests may also clean up explicitly).
+pub struct CleanupOnDrop {
+    tenant: String,
+    dir: PathBuf,
+}
+
+impl CleanupOnDrop {
+    /// Guards `tenant` with directory `dir`.
+    pub fn new(tenant: &str, dir: &Path) -> Self {
+        Self {
+            tenant: tenant.to_string(),
+            dir: dir.to_path_buf(),
+        }
+    }
+}
+
+impl Drop for CleanupOnDrop {
+    fn drop(&mut self) {
+        if let Ok(cgroups) = Cgroups::detect() {
+            if let Err(e) = tenantvm::jail::cleanup_tenant(&cgroups, &self.tenant, &self.dir) {
+                eprintln!("cleanup of {} failed: {e}", self.tenant);
+            }
+        }
+    }
+}
