@@ -9,6 +9,7 @@ pub mod auth;
 pub mod backend;
 pub mod cli;
 pub mod client;
+pub mod daemon;
 pub mod jail;
 pub mod logs;
 pub mod reconcile;

@@ -465,6 +465,7 @@ async fn wait_for(
         let settled = !t.state.is_transient();
         if settled && t.op.as_deref() == Some(op) {
             if progress {
+                output::print_new_steps(name, &t, shown);
                 eprintln!("{name}: {}", t.state);
             }
             return match t.state {

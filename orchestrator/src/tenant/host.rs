@@ -44,6 +44,17 @@ pub enum GpuPlanError {
 pub trait GpuPlanner: Send + Sync {
     /// Candidate placements for `request` (never called for [`GpuRequest::None`]).
     fn candidates(&self, request: &GpuRequest) -> Result<Vec<GpuPlacement>, GpuPlanError>;
+
+    /// Makes a reserved placement real on the GPU (creates its MIG instance). Idempotent.
+    /// The default does nothing (whole GPUs and planners without hardware).
+    fn materialize(&self, _placement: &GpuPlacement) -> Result<(), GpuPlanError> {
+        Ok(())
+    }
+
+    /// Undoes [`GpuPlanner::materialize`] (destroys the MIG instance). Idempotent.
+    fn release(&self, _placement: &GpuPlacement) -> Result<(), GpuPlanError> {
+        Ok(())
+    }
 }
 
 /// The planner of a daemon started with `--gpu-backend none`: every GPU request is refused.

@@ -2,6 +2,7 @@
 //! and destroy that the [`service::TenantService`] runs and records.
 
 pub mod fault;
+pub mod gpu;
 pub mod host;
 pub mod lifecycle;
 pub mod logs;

@@ -35,6 +35,8 @@ pub enum Step {
     AllocateUid,
     /// Reserve a GPU placement in the ledger (no-op without a GPU request).
     ReserveGpu,
+    /// Create the reserved placement's MIG instance (no-op without one).
+    CreateGpuInstance,
     /// Create the tenant directory (0700).
     PrepareDir,
     /// Clean any stale jail, then launch the VMM and record its process and cgroup.
@@ -45,6 +47,8 @@ pub enum Step {
     StopVm,
     /// Kill whatever is left in the tenant's cgroup, remove the cgroup and jail root.
     CleanupJail,
+    /// Destroy the placement's MIG instance (no-op without one).
+    DestroyGpuInstance,
     /// Release the GPU reservation.
     ReleaseGpu,
     /// Remove the tenant directory (logs, sockets).
@@ -77,12 +81,20 @@ impl Op {
     pub fn steps(self) -> &'static [Step] {
         use Step::*;
         match self {
-            Op::Create => &[AllocateUid, ReserveGpu, PrepareDir, LaunchVm, AwaitRunning],
+            Op::Create => &[
+                AllocateUid,
+                ReserveGpu,
+                CreateGpuInstance,
+                PrepareDir,
+                LaunchVm,
+                AwaitRunning,
+            ],
             Op::Start => &[LaunchVm, AwaitRunning],
             Op::Stop => &[StopVm],
             Op::Destroy => &[
                 StopVm,
                 CleanupJail,
+                DestroyGpuInstance,
                 ReleaseGpu,
                 RemoveFiles,
                 ReleaseUid,
@@ -108,11 +120,13 @@ impl Step {
         match self {
             Step::AllocateUid => "allocate-uid",
             Step::ReserveGpu => "reserve-gpu",
+            Step::CreateGpuInstance => "create-gpu-instance",
             Step::PrepareDir => "prepare-dir",
             Step::LaunchVm => "launch-vm",
             Step::AwaitRunning => "await-running",
             Step::StopVm => "stop-vm",
             Step::CleanupJail => "cleanup-jail",
+            Step::DestroyGpuInstance => "destroy-gpu-instance",
             Step::ReleaseGpu => "release-gpu",
             Step::RemoveFiles => "remove-files",
             Step::ReleaseUid => "release-uid",
@@ -179,6 +193,16 @@ fn run_step(
                         "every GPU placement that fits the request is taken; destroy a tenant or ask for a smaller profile",
                     ));
                 }
+            }
+        }
+        Step::CreateGpuInstance => {
+            if let Some(p) = svc.store.gpu_placement(t.id)? {
+                svc.gpu.materialize(&p)?;
+            }
+        }
+        Step::DestroyGpuInstance => {
+            if let Some(p) = svc.store.gpu_placement(t.id)? {
+                svc.gpu.release(&p)?;
             }
         }
         Step::PrepareDir => {
