@@ -60,7 +60,11 @@ pub struct TestDaemon {
     pub dir: tempfile::TempDir,
     child: Option<Child>,
     extra_args: Vec<String>,
+    uid_first: u32,
 }
+
+/// Distinct uid ranges for the daemons of one test process.
+static NEXT_RANGE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 impl TestDaemon {
     /// Prepares the directories and the idle guest image; does not start the daemon.
@@ -80,10 +84,14 @@ impl TestDaemon {
             .unwrap();
         assert!(status.success());
         fs::write(img.join("cmdline"), "console=ttyS0").unwrap();
+        // Daemons of parallel tests must not hand out the same uids.
+        let slot = (std::process::id() % 4096) * 64
+            + NEXT_RANGE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 64;
         TestDaemon {
             dir,
             child: None,
             extra_args: Vec::new(),
+            uid_first: 1_000_000 + slot * 16,
         }
     }
 
@@ -123,6 +131,8 @@ impl TestDaemon {
             .arg(vmm_binary())
             // Other tests' daemons share this host's cgroup tree.
             .arg("--keep-unknown-cgroups")
+            .arg("--uid-range")
+            .arg(format!("{}:16", self.uid_first))
             .args(&self.extra_args)
             .env_remove("TENANTVM_TEST_CRASH_AT")
             .stdin(Stdio::null())
