@@ -360,8 +360,8 @@ impl Store {
             params![op_id, step, status, error, now_ms()],
         )?;
         let msg = match error {
-            Some(e) => format!("step {step} failed: {e}"),
-            None => format!("step {step} done"),
+            Some(e) => format!("{step} failed: {e}"),
+            None => format!("{step} done"),
         };
         insert_event(&conn, Some(tenant_id), "step", &msg)?;
         Ok(())
