@@ -141,6 +141,13 @@ pub fn utc(ms: i64) -> String {
     )
 }
 
+fn log_err(e: crate::logs::LogError) -> TenantServiceError {
+    match e {
+        crate::logs::LogError::InvalidRequest(m) => TenantServiceError::BadRequest(m),
+        other => TenantServiceError::Log(crate::tenant::steps::error_chain(&other)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::utc;
@@ -150,12 +157,5 @@ mod tests {
         assert_eq!(utc(0), "1970-01-01 00:00:00.000");
         assert_eq!(utc(951_782_400_123), "2000-02-29 00:00:00.123");
         assert_eq!(utc(1_796_051_003_092), "2026-11-30 15:03:23.092");
-    }
-}
-
-fn log_err(e: crate::logs::LogError) -> TenantServiceError {
-    match e {
-        crate::logs::LogError::InvalidRequest(m) => TenantServiceError::BadRequest(m),
-        other => TenantServiceError::Log(crate::tenant::steps::error_chain(&other)),
     }
 }
