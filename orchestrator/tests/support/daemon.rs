@@ -91,7 +91,7 @@ impl TestDaemon {
             dir,
             child: None,
             extra_args: Vec::new(),
-            uid_first: 1_000_000 + slot * 16,
+            uid_first: 1_000_000 + slot * 64,
         }
     }
 
@@ -132,7 +132,7 @@ impl TestDaemon {
             // Other tests' daemons share this host's cgroup tree.
             .arg("--keep-unknown-cgroups")
             .arg("--uid-range")
-            .arg(format!("{}:16", self.uid_first))
+            .arg(format!("{}:64", self.uid_first))
             .args(&self.extra_args)
             .env_remove("TENANTVM_TEST_CRASH_AT")
             .stdin(Stdio::null())
@@ -155,6 +155,11 @@ impl TestDaemon {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// The daemon's pid while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     /// The daemon's output so far.
