@@ -151,3 +151,22 @@ fn serial_input_from_stdin_reaches_the_guest() {
     assert_eq!(out.status.code(), Some(0));
     assert_eq!(out.stdout, input, "every byte echoed back in order");
 }
+
+#[test]
+fn string_port_output_reaches_serial_byte_by_byte() {
+    if !common::kvm_available("string_port_output_reaches_serial_byte_by_byte") {
+        return;
+    }
+    #[rustfmt::skip]
+    let code: &[u8] = &[
+        0x48, 0x8d, 0x35, 0x13, 0x00, 0x00, 0x00, // lea rsi, [rip + 19] (the message)
+        0xb9, 0x06, 0x00, 0x00, 0x00,             // mov ecx, 6
+        0x66, 0xba, 0xf8, 0x03,                   // mov dx, 0x3f8
+        0xf3, 0x6e,                               // rep outsb
+        0x66, 0xba, 0x00, 0x06, 0xb0, 0x34, 0xee, 0xf4, // power off
+        b'h', b'e', b'l', b'l', b'o', b'\n',
+    ];
+    let (status, stdout) = run_guest(code, &[]);
+    assert_eq!(status, Some(0));
+    assert_eq!(stdout, "hello\n");
+}

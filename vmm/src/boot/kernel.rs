@@ -274,3 +274,210 @@ pub fn load_initramfs(
         })?;
     Ok(InitramfsPlacement { addr, size })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    const MEM: u64 = 32 << 20;
+
+    fn mem() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM as usize)]).unwrap()
+    }
+
+    /// An x86_64 ELF: one PT_LOAD of `memsz` bytes at 1 MiB, optionally a PVH note whose
+    /// entry is 1 MiB + 0x10.
+    fn elf(memsz: u64, pvh_note: bool) -> Vec<u8> {
+        let phnum: u16 = if pvh_note { 2 } else { 1 };
+        let mut img = Vec::new();
+        img.extend_from_slice(b"\x7fELF\x02\x01\x01\0\0\0\0\0\0\0\0\0");
+        img.extend_from_slice(&2u16.to_le_bytes());
+        img.extend_from_slice(&EM_X86_64.to_le_bytes());
+        img.extend_from_slice(&1u32.to_le_bytes());
+        img.extend_from_slice(&HIMEM_START.to_le_bytes());
+        img.extend_from_slice(&64u64.to_le_bytes());
+        img.extend_from_slice(&0u64.to_le_bytes());
+        img.extend_from_slice(&0u32.to_le_bytes());
+        for v in [64u16, 56, phnum, 64, 0, 0] {
+            img.extend_from_slice(&v.to_le_bytes());
+        }
+        let phdr =
+            |img: &mut Vec<u8>, p_type: u32, off: u64, addr: u64, filesz: u64, memsz: u64| {
+                img.extend_from_slice(&p_type.to_le_bytes());
+                img.extend_from_slice(&7u32.to_le_bytes());
+                for v in [off, addr, addr, filesz, memsz, 4] {
+                    img.extend_from_slice(&v.to_le_bytes());
+                }
+            };
+        phdr(
+            &mut img,
+            PT_LOAD,
+            0x1000,
+            HIMEM_START,
+            0x20,
+            memsz.max(0x20),
+        );
+        if pvh_note {
+            phdr(&mut img, 4, 0x800, 0, 20, 20);
+        }
+        img.resize(0x800, 0);
+        if pvh_note {
+            for v in [4u32, 4, 18] {
+                img.extend_from_slice(&v.to_le_bytes());
+            }
+            img.extend_from_slice(b"Xen\0");
+            img.extend_from_slice(&(HIMEM_START as u32 + 0x10).to_le_bytes());
+        }
+        img.resize(0x1000, 0);
+        img.extend_from_slice(&[0xf4; 0x20]);
+        img
+    }
+
+    fn bzimage(version: u16, xloadflags: u16, init_size: u32) -> Vec<u8> {
+        let mut img = vec![0u8; 1024];
+        img[0x1f1] = 1; // setup_sects
+        img[0x202..0x206].copy_from_slice(b"HdrS");
+        img[0x206..0x208].copy_from_slice(&version.to_le_bytes());
+        img[0x211] = 1; // LOADED_HIGH
+        img[0x214..0x218].copy_from_slice(&(HIMEM_START as u32).to_le_bytes());
+        img[0x22c..0x230].copy_from_slice(&0x00ff_ffffu32.to_le_bytes()); // initrd_addr_max
+        img[0x236..0x238].copy_from_slice(&xloadflags.to_le_bytes());
+        img[0x260..0x264].copy_from_slice(&init_size.to_le_bytes());
+        img.extend_from_slice(&[0xf4; 0x400]);
+        img
+    }
+
+    fn file_with(bytes: &[u8]) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(bytes).unwrap();
+        f
+    }
+
+    fn load(bytes: &[u8], protocol: BootProtocol) -> Result<LoadedKernel, BootError> {
+        let f = file_with(bytes);
+        load_kernel(&mem(), MEM, f.path(), protocol)
+    }
+
+    #[test]
+    fn elf_without_note_enters_64bit_at_its_entry() {
+        let k = load(&elf(0x1000, false), BootProtocol::Auto).unwrap();
+        assert_eq!(k.entry, EntryPoint::Linux64 { entry: HIMEM_START });
+        assert_eq!(k.end, HIMEM_START + 0x1000);
+    }
+
+    #[test]
+    fn elf_with_note_prefers_pvh_unless_linux_is_asked_for() {
+        let image = elf(0x1000, true);
+        let pvh = load(&image, BootProtocol::Auto).unwrap();
+        assert_eq!(
+            pvh.entry,
+            EntryPoint::Pvh {
+                entry: HIMEM_START + 0x10
+            }
+        );
+        let linux = load(&image, BootProtocol::Linux).unwrap();
+        assert_eq!(linux.entry, EntryPoint::Linux64 { entry: HIMEM_START });
+    }
+
+    #[test]
+    fn pvh_without_note_is_a_format_error() {
+        let err = load(&elf(0x1000, false), BootProtocol::Pvh).unwrap_err();
+        assert!(matches!(err, BootError::KernelFormat(_)), "{err}");
+    }
+
+    #[test]
+    fn elf_larger_than_memory_is_memory_too_small() {
+        let err = load(&elf(MEM, false), BootProtocol::Auto).unwrap_err();
+        assert!(
+            matches!(err, BootError::MemoryTooSmall { available: MEM, .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn non_x86_64_elf_and_empty_file_are_format_errors() {
+        let mut arm = elf(0x1000, false);
+        arm[18] = 183; // EM_AARCH64
+        assert!(matches!(
+            load(&arm, BootProtocol::Auto),
+            Err(BootError::KernelFormat(_))
+        ));
+        assert!(matches!(
+            load(b"", BootProtocol::Auto),
+            Err(BootError::KernelFormat(_))
+        ));
+    }
+
+    #[test]
+    fn bzimage_enters_at_load_address_plus_0x200() {
+        let k = load(
+            &bzimage(0x020f, XLF_KERNEL_64, 0x10_0000),
+            BootProtocol::Auto,
+        )
+        .unwrap();
+        assert_eq!(
+            k.entry,
+            EntryPoint::Linux64 {
+                entry: HIMEM_START + 0x200
+            }
+        );
+        assert_eq!(k.end, HIMEM_START + 0x10_0000);
+        assert_eq!(k.initrd_addr_max(), 0x00ff_ffff);
+    }
+
+    #[test]
+    fn bzimage_without_64bit_entry_or_too_big_is_refused() {
+        let old = load(&bzimage(0x0206, 0, 0x1000), BootProtocol::Auto).unwrap_err();
+        assert!(matches!(old, BootError::KernelFormat(_)), "{old}");
+        let no64 = load(&bzimage(0x020f, 0, 0x1000), BootProtocol::Auto).unwrap_err();
+        assert!(matches!(no64, BootError::KernelFormat(_)), "{no64}");
+        let big = load(
+            &bzimage(0x020f, XLF_KERNEL_64, MEM as u32),
+            BootProtocol::Auto,
+        )
+        .unwrap_err();
+        assert!(matches!(big, BootError::MemoryTooSmall { .. }), "{big}");
+        let pvh = load(&bzimage(0x020f, XLF_KERNEL_64, 0x1000), BootProtocol::Pvh).unwrap_err();
+        assert!(matches!(pvh, BootError::KernelFormat(_)), "{pvh}");
+    }
+
+    #[test]
+    fn initramfs_goes_page_aligned_to_the_top_below_initrd_addr_max() {
+        let m = mem();
+        let kernel = LoadedKernel {
+            entry: EntryPoint::Linux64 { entry: HIMEM_START },
+            end: 2 << 20,
+            setup_header: None,
+        };
+        let f = file_with(&[0xab; 5000]);
+        let placed = load_initramfs(&m, MEM, &kernel, f.path()).unwrap();
+        assert_eq!(placed.size, 5000);
+        assert_eq!(placed.addr % 0x1000, 0);
+        assert!(placed.addr + placed.size <= MEM && placed.addr + placed.size > MEM - 0x2000);
+        let byte: u8 = m.read_obj(GuestAddress(placed.addr)).unwrap();
+        assert_eq!(byte, 0xab);
+
+        let bz = load(&bzimage(0x020f, XLF_KERNEL_64, 0x1000), BootProtocol::Auto).unwrap();
+        let placed = load_initramfs(&m, MEM, &bz, f.path()).unwrap();
+        assert!(
+            placed.addr + placed.size <= 0x0100_0000,
+            "below initrd_addr_max"
+        );
+    }
+
+    #[test]
+    fn initramfs_that_would_overlap_the_kernel_is_refused() {
+        let kernel = LoadedKernel {
+            entry: EntryPoint::Linux64 { entry: HIMEM_START },
+            end: MEM - 0x1000,
+            setup_header: None,
+        };
+        let f = file_with(&[0; 0x2000]);
+        let err = load_initramfs(&mem(), MEM, &kernel, f.path()).unwrap_err();
+        assert!(
+            matches!(err, BootError::InitramfsTooLarge { size: 0x2000, .. }),
+            "{err}"
+        );
+    }
+}

@@ -9,7 +9,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvm_bindings::{kvm_mp_state, KVM_MP_STATE_RUNNABLE, KVM_MP_STATE_UNINITIALIZED};
+use kvm_bindings::{kvm_mp_state, kvm_run, KVM_MP_STATE_RUNNABLE, KVM_MP_STATE_UNINITIALIZED};
 use kvm_bindings::{KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use tenantvm_devices::bus::Bus;
@@ -225,18 +225,74 @@ impl VcpuSet {
     }
 }
 
-fn run_vcpu(mut fd: VcpuFd, buses: &Buses, control: &VcpuControl, exit: &ExitState) {
+/// Runs one vCPU until the VM ends, turning a panic in exit handling into a VMM error so
+/// that the VM stops instead of hanging with one vCPU gone.
+fn run_vcpu(fd: VcpuFd, buses: &Buses, control: &VcpuControl, exit: &ExitState) {
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        vcpu_loop(fd, buses, control, exit)
+    }));
+    if outcome.is_err() {
+        exit.stop(ExitReason::VmmError("a vCPU thread panicked".into()));
+    }
+}
+
+/// Width in bytes of each access of the port I/O exit in progress (1, 2 or 4; string I/O
+/// such as `rep outsb` hands over `count` accesses of this width at once).
+///
+/// # Safety
+/// `run` must point at the vCPU's mapped `kvm_run` and the last exit must be KVM_EXIT_IO.
+unsafe fn io_access_width(run: *const kvm_run) -> usize {
+    // SAFETY: the caller guarantees `run` is the live kvm_run mapping and that the `io`
+    // member of the exit union is the active one. The data slice KVM_RUN handed out lies
+    // at `io.data_offset`, past the header read here, so the two do not overlap.
+    let size = unsafe { (*run).__bindgen_anon_1.io.size };
+    usize::from(size).max(1)
+}
+
+/// The suberror of a KVM_EXIT_INTERNAL_ERROR.
+///
+/// # Safety
+/// `run` must point at the vCPU's mapped `kvm_run` and the last exit must be
+/// KVM_EXIT_INTERNAL_ERROR.
+unsafe fn internal_error_suberror(run: *const kvm_run) -> u32 {
+    // SAFETY: the caller guarantees the mapping is live and `internal` is the active member.
+    unsafe { (*run).__bindgen_anon_1.internal.suberror }
+}
+
+fn describe_internal_error(suberror: u32) -> &'static str {
+    match suberror {
+        // Seen on nested AMD hosts without NRIPS, where KVM emulates software interrupts
+        // (int3, int n): an `int` through an empty IDT ends here, not in a triple fault.
+        1 => "KVM could not emulate an instruction",
+        2 => "an exception occurred while KVM emulated an instruction",
+        3 => "an exception occurred while delivering an event",
+        4 => "unexpected exit reason from hardware",
+        _ => "unknown suberror",
+    }
+}
+
+fn vcpu_loop(mut fd: VcpuFd, buses: &Buses, control: &VcpuControl, exit: &ExitState) {
+    // The kvm_run mapping lives as long as `fd`; it is read only for the I/O access width.
+    let run: *const kvm_run = fd.get_kvm_run();
     loop {
         if !control.park_while_paused() || control.should_stop() {
             return;
         }
         let outcome = match fd.run() {
             Ok(VcpuExit::IoIn(port, data)) => {
-                buses.pio.read(u64::from(port), data);
+                // SAFETY: `run` is this vCPU's kvm_run and the exit is KVM_EXIT_IO.
+                let width = unsafe { io_access_width(run) };
+                for access in data.chunks_mut(width) {
+                    buses.pio.read(u64::from(port), access);
+                }
                 None
             }
             Ok(VcpuExit::IoOut(port, data)) => {
-                buses.pio.write(u64::from(port), data);
+                // SAFETY: `run` is this vCPU's kvm_run and the exit is KVM_EXIT_IO.
+                let width = unsafe { io_access_width(run) };
+                for access in data.chunks(width) {
+                    buses.pio.write(u64::from(port), access);
+                }
                 None
             }
             Ok(VcpuExit::MmioRead(addr, data)) => {
@@ -260,9 +316,14 @@ fn run_vcpu(mut fd: VcpuFd, buses: &Buses, control: &VcpuControl, exit: &ExitSta
             Ok(VcpuExit::FailEntry(reason, cpu)) => Some(ExitReason::GuestUnrunnable(format!(
                 "VM entry failed (hardware reason {reason:#x}, cpu {cpu})"
             ))),
-            Ok(VcpuExit::InternalError) => Some(ExitReason::GuestUnrunnable(
-                "KVM internal error (often an instruction KVM cannot emulate)".into(),
-            )),
+            Ok(VcpuExit::InternalError) => {
+                // SAFETY: `run` is this vCPU's kvm_run and the exit is KVM_EXIT_INTERNAL_ERROR.
+                let suberror = unsafe { internal_error_suberror(run) };
+                Some(ExitReason::GuestUnrunnable(format!(
+                    "KVM internal error {suberror} ({})",
+                    describe_internal_error(suberror)
+                )))
+            }
             Ok(other) => Some(ExitReason::GuestUnrunnable(format!(
                 "unhandled vCPU exit {other:?}"
             ))),

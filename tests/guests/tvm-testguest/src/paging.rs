@@ -1,0 +1,53 @@
+//! Extends boot.rs's identity map (first 4 GiB, 2 MiB pages) to cover RAM above 4 GiB.
+
+use crate::phys;
+
+const GIB: u64 = 1 << 30;
+/// Highest physical address the guest can map: 64 GiB.
+pub const MAP_LIMIT: u64 = 64 * GIB;
+const EXTRA_PDS: usize = (MAP_LIMIT / GIB) as usize - 4;
+
+#[repr(C, align(4096))]
+struct PageDirectories([[u64; 512]; EXTRA_PDS]);
+static mut EXTRA: PageDirectories = PageDirectories([[0; 512]; EXTRA_PDS]);
+
+#[cfg(target_os = "none")]
+extern "C" {
+    static mut pdpt: [u64; 512];
+}
+
+/// Identity-maps physical memory up to `top` (rounded up to 1 GiB). Returns the new top of
+/// the map, or `None` when `top` is above [`MAP_LIMIT`].
+#[cfg(target_os = "none")]
+pub fn map_up_to(top: u64) -> Option<u64> {
+    if top > MAP_LIMIT {
+        return None;
+    }
+    let gibs = top.div_ceil(GIB).max(4) as usize;
+    for g in 4..gibs {
+        let pd = g - 4;
+        // SAFETY: single-threaded at this point (no AP runs during the memory test); EXTRA
+        // and pdpt are the guest's own page-table pages, written through raw pointers only.
+        unsafe {
+            let table = core::ptr::addr_of_mut!(EXTRA.0[pd]);
+            for (i, e) in (*table).iter_mut().enumerate() {
+                *e = ((g as u64) * GIB + (i as u64) * (2 << 20)) | 0x83;
+            }
+            let entries = core::ptr::addr_of_mut!(pdpt);
+            (*entries)[g] = (table as u64) | 3;
+        }
+    }
+    // SAFETY: reloading CR3 with its own value only flushes the TLB.
+    unsafe {
+        core::arch::asm!("mov {t}, cr3", "mov cr3, {t}", t = out(reg) _, options(nostack));
+    }
+    let mapped = (gibs as u64) * GIB;
+    phys::set_mapped_top(mapped);
+    Some(mapped)
+}
+
+/// Host builds (unit tests) have no page tables to extend.
+#[cfg(not(target_os = "none"))]
+pub fn map_up_to(top: u64) -> Option<u64> {
+    (top <= MAP_LIMIT).then_some(top)
+}
