@@ -1,6 +1,8 @@
-//! End to end: a real tenantvmd runs three tenants on this machine's KVM (the idle test
-//! guest under tenantvm-vmm, jailed): created concurrently, then list, status, logs, stop,
-//! start and destroy through the API client the CLI uses. Skips without root or /dev/kvm.
+//! End to end: a real tenantvmd runs three tenants on this machine's KVM (the no_std test
+//! guest's `idle` test under tenantvm-vmm, jailed; the tiny idle ELF of
+//! scripts/make-idle-guest.py when the test guests are not built): created concurrently,
+//! then list, status, logs, stop, start and destroy through the API client the CLI uses.
+//! Skips without root or /dev/kvm.
 
 mod support;
 
@@ -12,9 +14,20 @@ use tenantvm::tenant::spec::TenantSpec;
 
 use support::daemon::{self, eventually, TestDaemon};
 
+/// The image the tenants boot and the serial line that proves it runs.
+fn image() -> (&'static str, &'static str) {
+    if daemon::test_guest().is_some() {
+        ("testguest", "TVMTEST idle READY")
+    } else {
+        eprintln!("note: target/test-guests/tvm-testguest not built (scripts/build-test-guests.sh); using the tiny idle ELF");
+        ("idle", "hello from the idle guest")
+    }
+}
+
 fn spec(name: &str) -> TenantSpec {
+    let (img, _) = image();
     TenantSpec::from_toml(&format!(
-        "name = \"{name}\"\nmemory_mib = 32\nvcpus = 1\n[image]\nname = \"idle\"\n"
+        "name = \"{name}\"\nmemory_mib = 32\nvcpus = 1\n[image]\nname = \"{img}\"\n"
     ))
     .unwrap()
 }
@@ -93,7 +106,7 @@ async fn three_tenants_run_stop_start_and_destroy_under_kvm() {
             admin
                 .logs(&first, &LogQuery::default())
                 .await
-                .map(|c| c.text.contains("hello from the idle guest"))
+                .map(|c| c.text.contains(image().1))
                 .unwrap_or(false)
         }
     })

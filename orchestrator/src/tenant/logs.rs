@@ -41,7 +41,12 @@ pub fn read(
     let logs = TenantLogs::open(&root, &t.name, LogPolicy::default()).map_err(log_err)?;
     match (q.generation, q.offset) {
         (None, None) => {
-            let lines = logs.tail(kind, tail as usize).map_err(log_err)?;
+            let lines: Vec<String> = logs
+                .tail(kind, tail as usize)
+                .map_err(log_err)?
+                .into_iter()
+                .map(crlf_to_lf)
+                .collect();
             let end = logs.end(kind).map_err(log_err)?;
             let mut text = lines.join("\n");
             if !text.is_empty() {
@@ -70,7 +75,7 @@ pub fn read(
             let chunk = logs.read_from(kind, cursor, max).map_err(log_err)?;
             Ok(LogChunk {
                 stream: q.stream,
-                text: chunk.text,
+                text: crlf_to_lf(chunk.text),
                 next: LogPosition {
                     generation: chunk.next.generation,
                     offset: chunk.next.offset,
@@ -141,6 +146,17 @@ pub fn utc(ms: i64) -> String {
     )
 }
 
+/// Serial consoles end lines with CRLF; the runtime's sanitiser turns the CR into U+FFFD
+/// like every other control character. Drop it where it ends a line.
+fn crlf_to_lf(text: String) -> String {
+    if text.contains("\u{fffd}\n") || text.ends_with('\u{fffd}') {
+        let t = text.replace("\u{fffd}\n", "\n");
+        t.strip_suffix('\u{fffd}').map(str::to_string).unwrap_or(t)
+    } else {
+        text
+    }
+}
+
 fn log_err(e: crate::logs::LogError) -> TenantServiceError {
     match e {
         crate::logs::LogError::InvalidRequest(m) => TenantServiceError::BadRequest(m),
@@ -151,6 +167,12 @@ fn log_err(e: crate::logs::LogError) -> TenantServiceError {
 #[cfg(test)]
 mod tests {
     use super::utc;
+
+    #[test]
+    fn crlf_line_ends_lose_their_replaced_cr() {
+        assert_eq!(super::crlf_to_lf("a\u{fffd}\nb\u{fffd}".into()), "a\nb");
+        assert_eq!(super::crlf_to_lf("a\u{fffd}b\n".into()), "a\u{fffd}b\n");
+    }
 
     #[test]
     fn utc_formats_known_instants() {

@@ -49,6 +49,12 @@ fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// The built no_std test guest, if scripts/build-test-guests.sh ran.
+pub fn test_guest() -> Option<PathBuf> {
+    let p = repo_root().join("target/test-guests/tvm-testguest");
+    p.is_file().then_some(p)
+}
+
 /// tenantvm-vmm next to tenantvmd in the target directory.
 pub fn vmm_binary() -> PathBuf {
     Path::new(env!("CARGO_BIN_EXE_tenantvmd")).with_file_name("tenantvm-vmm")
@@ -84,6 +90,14 @@ impl TestDaemon {
             .unwrap();
         assert!(status.success());
         fs::write(img.join("cmdline"), "console=ttyS0").unwrap();
+        // The no_std test guest (scripts/build-test-guests.sh), idling: it prints
+        // `TVMTEST idle READY` and then a tick every 100 ms (busy-waiting between ticks).
+        if let Some(guest) = test_guest() {
+            let dir = dir.path().join("img/testguest");
+            fs::create_dir_all(&dir).unwrap();
+            fs::copy(guest, dir.join("kernel")).unwrap();
+            fs::write(dir.join("cmdline"), "console=ttyS0 tvm.test=idle").unwrap();
+        }
         // Daemons of parallel tests must not hand out the same uids.
         let slot = (std::process::id() % 4096) * 64
             + NEXT_RANGE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 64;
