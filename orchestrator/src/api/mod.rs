@@ -4,7 +4,7 @@
 
 pub mod types;
 
-use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -183,8 +183,9 @@ async fn list(State(svc): State<TenantService>, headers: HeaderMap) -> Result<Re
 async fn status(
     State(svc): State<TenantService>,
     headers: HeaderMap,
-    Path(name): Path<String>,
+    name: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
     Ok(respond(
         StatusCode::OK,
         run(svc, headers, TenantCommand::Status(name)).await?,
@@ -194,8 +195,9 @@ async fn status(
 async fn destroy(
     State(svc): State<TenantService>,
     headers: HeaderMap,
-    Path(name): Path<String>,
+    name: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
     let out = run(svc, headers, TenantCommand::Destroy(name)).await?;
     Ok(respond(StatusCode::ACCEPTED, out))
 }
@@ -203,8 +205,9 @@ async fn destroy(
 async fn stop(
     State(svc): State<TenantService>,
     headers: HeaderMap,
-    Path(name): Path<String>,
+    name: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
     let out = run(svc, headers, TenantCommand::Stop(name)).await?;
     Ok(respond(StatusCode::ACCEPTED, out))
 }
@@ -212,8 +215,9 @@ async fn stop(
 async fn start(
     State(svc): State<TenantService>,
     headers: HeaderMap,
-    Path(name): Path<String>,
+    name: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
     let out = run(svc, headers, TenantCommand::Start(name)).await?;
     Ok(respond(StatusCode::ACCEPTED, out))
 }
@@ -221,9 +225,10 @@ async fn start(
 async fn logs(
     State(svc): State<TenantService>,
     headers: HeaderMap,
-    Path(name): Path<String>,
+    name: Result<Path<String>, PathRejection>,
     query: Result<Query<LogQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
     let Query(query) = query.map_err(|r| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -235,6 +240,25 @@ async fn logs(
         StatusCode::OK,
         run(svc, headers, TenantCommand::Logs(name, query)).await?,
     ))
+}
+
+/// A path segment that does not even decode names no tenant: answered like a missing one.
+fn tenant_name(name: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
+    name.map(|Path(n)| n).map_err(|_| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "No such tenant (check `tenantvm list`)",
+        )
+    })
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "Method not allowed on this endpoint; see docs/api/openapi.yaml",
+    )
 }
 
 async fn fallback() -> ApiError {
@@ -255,6 +279,7 @@ pub fn router(svc: TenantService) -> Router {
         .route("/v1/tenants/{name}/start", post(start))
         .route("/v1/tenants/{name}/logs", get(logs))
         .fallback(fallback)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(svc)
 }
