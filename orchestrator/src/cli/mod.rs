@@ -37,6 +37,10 @@ pub mod exit {
     pub const DAEMON_ERROR: u8 = 9;
     /// Forbidden: this token may not do that (e.g. a tenant token creating tenants).
     pub const FORBIDDEN: u8 = 10;
+    /// `plan`: the tenants do not all fit on the host.
+    pub const NO_FIT: u8 = 11;
+    /// `host check`: at least one check failed.
+    pub const HOST_CHECK_FAILED: u8 = 12;
 }
 
 const DEFAULT_SOCKET: &str = "/run/tenantvm/tenantvmd.sock";
@@ -55,9 +59,13 @@ const DEFAULT_TOKEN_FILE: &str = "/var/lib/tenantvm/admin.token";
 ///   tenantvm logs alice --follow
 ///   tenantvm destroy bob
 ///
+///   tenantvm plan -t tenants.toml --gpu h100-80gb --count 2   # GPU sizing, no daemon needed
+///   tenantvm host check                                       # host preflight
+///
 /// Exit statuses: 0 ok, 1 other error, 2 usage, 3 daemon unreachable, 4 token refused,
 /// 5 no such tenant, 6 conflict (name taken, busy, wrong state), 7 invalid request,
-/// 8 operation failed, 9 daemon error, 10 forbidden.
+/// 8 operation failed, 9 daemon error, 10 forbidden, 11 plan does not fit,
+/// 12 host check failed.
 #[derive(Debug, Parser)]
 #[command(name = "tenantvm", version, verbatim_doc_comment)]
 pub struct Cli {
@@ -97,6 +105,22 @@ pub enum Command {
     Start(OpArgs),
     /// Destroy a tenant: stop its VM, release its uid, cgroup, GPU share and files, revoke its token.
     Destroy(OpArgs),
+    /// Size tenants' GPU needs and place them on a host (live, simulated or hypothetical).
+    /// Runs locally; needs no daemon.
+    Plan(tenantvm_gpu::cli::PlanArgs),
+    /// Inspect this host.
+    Host {
+        /// What to do.
+        #[command(subcommand)]
+        command: HostCommand,
+    },
+}
+
+/// `tenantvm host` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum HostCommand {
+    /// Preflight: IOMMU, VFIO, KVM, cgroups, GPUs and their drivers. Runs locally.
+    Check(tenantvm_gpu::cli::HostCheckArgs),
 }
 
 /// Flags of read commands.
@@ -355,7 +379,50 @@ pub async fn run(cli: Cli) -> u8 {
     }
 }
 
+fn gpu_failure(e: tenantvm_gpu::cli::GpuCliError) -> CliFailure {
+    use tenantvm_gpu::cli::GpuCliError as G;
+    let code = match e {
+        G::Usage(_) | G::Tenants(_) | G::Database(_) | G::MigParted(_) => exit::INVALID,
+        _ => exit::OTHER,
+    };
+    fail(code, e.to_string())
+}
+
+fn plan(args: &tenantvm_gpu::cli::PlanArgs) -> Result<(), CliFailure> {
+    let report =
+        tenantvm_gpu::cli::run_plan(args, &mut std::io::stdout().lock()).map_err(gpu_failure)?;
+    if report.fits {
+        Ok(())
+    } else {
+        Err(fail(
+            exit::NO_FIT,
+            "the tenants do not all fit (see the report above)",
+        ))
+    }
+}
+
+fn host_check(args: &tenantvm_gpu::cli::HostCheckArgs) -> Result<(), CliFailure> {
+    let results = tenantvm_gpu::cli::run_host_check(args, &mut std::io::stdout().lock())
+        .map_err(gpu_failure)?;
+    if tenantvm_gpu::cli::host_ok(&results) {
+        Ok(())
+    } else {
+        Err(fail(
+            exit::HOST_CHECK_FAILED,
+            "host check found failures (see above)",
+        ))
+    }
+}
+
 async fn run_inner(cli: Cli) -> Result<(), CliFailure> {
+    // GPU planning and the host preflight run locally, without the daemon or a token.
+    match &cli.command {
+        Command::Plan(args) => return plan(args),
+        Command::Host {
+            command: HostCommand::Check(args),
+        } => return host_check(args),
+        _ => {}
+    }
     // Validate local input before looking for a token, so a bad spec says so first.
     let spec = match &cli.command {
         Command::Create(a) => Some(spec_from_args(a)?),
@@ -412,6 +479,7 @@ async fn run_inner(cli: Cli) -> Result<(), CliFailure> {
         Command::Stop(a) => op(&client, a, "stop").await,
         Command::Start(a) => op(&client, a, "start").await,
         Command::Destroy(a) => op(&client, a, "destroy").await,
+        Command::Plan(_) | Command::Host { .. } => Ok(()), // returned above
     }
 }
 
