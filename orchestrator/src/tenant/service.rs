@@ -40,6 +40,9 @@ pub enum TenantServiceError {
     /// The state machine refused the command.
     #[error(transparent)]
     Lifecycle(#[from] LifecycleError),
+    /// The spec asks for something this daemon cannot provide yet.
+    #[error("Not supported yet: {0}")]
+    Unsupported(&'static str),
     /// The guest image cannot be found.
     #[error("Guest image: {0}")]
     Image(String),
@@ -290,6 +293,13 @@ impl TenantService {
 
     fn create(&self, spec: TenantSpec) -> Result<CreateResponse, TenantServiceError> {
         spec.validate()?;
+        if spec.disk_gib > 0 {
+            // The disk building blocks exist (disk/, keys/) but create and destroy do not run
+            // them yet: refuse rather than accept a disk that would not be there.
+            return Err(TenantServiceError::Unsupported(
+                "tenant disks (disk_gib > 0) are not provisioned by tenantvmd yet; use disk_gib = 0",
+            ));
+        }
         // Fail fast on what can be checked before anything is recorded.
         steps::resolve_image(&self.config, &spec)?;
         if spec.gpu.wants_gpu() {
