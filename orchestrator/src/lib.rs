@@ -1,11 +1,21 @@
-//! tenantvm: one GPU host, several untrusted tenants, one KVM VM each.
+//! tenantvm: one GPU host, several mutually untrusted tenants, one KVM VM each.
 //!
-//! The library behind the `tenantvm` CLI and the `tenantvmd` daemon.
+//! The library behind the `tenantvm` CLI and the `tenantvmd` daemon: the HTTP API,
+//! authentication, the tenant spec and lifecycle, the durable store and reconciliation
+//! (control plane), and how VMs are run and jailed (runtime).
 
+pub mod api;
+pub mod auth;
 pub mod backend;
+pub mod cli;
+pub mod client;
+pub mod daemon;
 pub mod disk;
 pub mod jail;
 pub mod keys;
 pub mod logs;
 pub mod receipt;
+pub mod reconcile;
 pub mod scrub;
+pub mod store;
+pub mod tenant;

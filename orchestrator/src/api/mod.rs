@@ -1,0 +1,289 @@
+//! The daemon's HTTP API on a Unix socket (axum). Handlers authenticate, turn the request
+//! into one [`TenantCommand`] and hand it to the [`TenantService`]; they touch nothing else.
+//! The contract is docs/api/openapi.yaml; tests check live responses against it.
+
+pub mod types;
+
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+
+use crate::auth::{self, AuthError, Caller};
+use crate::store::StoreError;
+use crate::tenant::host::GpuPlanError;
+use crate::tenant::service::{CommandOutcome, TenantCommand, TenantService, TenantServiceError};
+use crate::tenant::spec::TenantSpec;
+use types::{ErrorBody, ErrorDetail, Health, LogQuery};
+
+/// Largest request body accepted (a tenant spec is far smaller).
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// An error response: status, stable code, message.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = ErrorBody {
+            error: ErrorDetail {
+                code: self.code.to_string(),
+                message: self.message,
+            },
+        };
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<AuthError> for ApiError {
+    fn from(e: AuthError) -> Self {
+        match e {
+            AuthError::Missing | AuthError::Invalid => {
+                ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", e.to_string())
+            }
+            other => ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                other.to_string(),
+            ),
+        }
+    }
+}
+
+impl From<TenantServiceError> for ApiError {
+    fn from(e: TenantServiceError) -> Self {
+        use TenantServiceError as E;
+        let (status, code) = match &e {
+            E::Spec(_) => (StatusCode::BAD_REQUEST, "invalid_spec"),
+            E::Image(_) => (StatusCode::BAD_REQUEST, "invalid_image"),
+            E::Unsupported(_) => (StatusCode::BAD_REQUEST, "unsupported"),
+            E::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            E::Gpu(GpuPlanError::NoGpuBackend) | E::Gpu(GpuPlanError::Plan(_)) => {
+                (StatusCode::BAD_REQUEST, "gpu_unavailable")
+            }
+            E::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            E::AdminOnly(_) => (StatusCode::FORBIDDEN, "forbidden"),
+            E::Store(StoreError::DuplicateName(_)) => (StatusCode::CONFLICT, "name_taken"),
+            E::Store(StoreError::Lifecycle(_)) | E::Lifecycle(_) => {
+                (StatusCode::CONFLICT, "invalid_state")
+            }
+            E::Busy(_) => (StatusCode::CONFLICT, "busy"),
+            _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        };
+        ApiError::new(status, code, e.to_string())
+    }
+}
+
+fn json_rejection(r: JsonRejection) -> ApiError {
+    if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        return ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("Request body is larger than {MAX_BODY_BYTES} bytes"),
+        );
+    }
+    if matches!(r, JsonRejection::MissingJsonContentType(_)) {
+        return ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "Send the tenant spec as JSON with `Content-Type: application/json`",
+        );
+    }
+    ApiError::new(
+        StatusCode::BAD_REQUEST,
+        "invalid_spec",
+        format!(
+            "Tenant spec is not valid JSON for this schema: {}",
+            r.body_text()
+        ),
+    )
+}
+
+/// Runs a command for the caller identified by the request's token, off the async threads.
+async fn run(
+    svc: TenantService,
+    headers: HeaderMap,
+    command: TenantCommand,
+) -> Result<CommandOutcome, ApiError> {
+    let header = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    tokio::task::spawn_blocking(move || {
+        let caller: Caller = auth::authenticate(svc.store(), header.as_deref())?;
+        svc.execute(&caller, command).map_err(ApiError::from)
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
+}
+
+fn respond(status: StatusCode, outcome: CommandOutcome) -> Response {
+    match outcome {
+        CommandOutcome::Created(c) => (status, Json(c)).into_response(),
+        CommandOutcome::Tenant(t) => (status, Json(t)).into_response(),
+        CommandOutcome::Tenants(l) => (status, Json(l)).into_response(),
+        CommandOutcome::Log(l) => (status, Json(l)).into_response(),
+    }
+}
+
+async fn health(
+    State(svc): State<TenantService>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let header = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let backend = svc.backend_name();
+    tokio::task::spawn_blocking(move || auth::authenticate(svc.store(), header.as_deref()))
+        .await
+        .map_err(|e| {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+        })??;
+    Ok(Json(Health {
+        status: "ok".into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        backend,
+    })
+    .into_response())
+}
+
+async fn create(
+    State(svc): State<TenantService>,
+    headers: HeaderMap,
+    spec: Result<Json<TenantSpec>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(spec) = spec.map_err(json_rejection)?;
+    let out = run(svc, headers, TenantCommand::Create(spec)).await?;
+    Ok(respond(StatusCode::ACCEPTED, out))
+}
+
+async fn list(State(svc): State<TenantService>, headers: HeaderMap) -> Result<Response, ApiError> {
+    Ok(respond(
+        StatusCode::OK,
+        run(svc, headers, TenantCommand::List).await?,
+    ))
+}
+
+async fn status(
+    State(svc): State<TenantService>,
+    headers: HeaderMap,
+    name: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
+    Ok(respond(
+        StatusCode::OK,
+        run(svc, headers, TenantCommand::Status(name)).await?,
+    ))
+}
+
+async fn destroy(
+    State(svc): State<TenantService>,
+    headers: HeaderMap,
+    name: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
+    let out = run(svc, headers, TenantCommand::Destroy(name)).await?;
+    Ok(respond(StatusCode::ACCEPTED, out))
+}
+
+async fn stop(
+    State(svc): State<TenantService>,
+    headers: HeaderMap,
+    name: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
+    let out = run(svc, headers, TenantCommand::Stop(name)).await?;
+    Ok(respond(StatusCode::ACCEPTED, out))
+}
+
+async fn start(
+    State(svc): State<TenantService>,
+    headers: HeaderMap,
+    name: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
+    let out = run(svc, headers, TenantCommand::Start(name)).await?;
+    Ok(respond(StatusCode::ACCEPTED, out))
+}
+
+async fn logs(
+    State(svc): State<TenantService>,
+    headers: HeaderMap,
+    name: Result<Path<String>, PathRejection>,
+    query: Result<Query<LogQuery>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
+    let Query(query) = query.map_err(|r| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("Bad log query: {}", r.body_text()),
+        )
+    })?;
+    Ok(respond(
+        StatusCode::OK,
+        run(svc, headers, TenantCommand::Logs(name, query)).await?,
+    ))
+}
+
+/// A path segment that does not even decode names no tenant: answered like a missing one.
+fn tenant_name(name: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
+    name.map(|Path(n)| n).map_err(|_| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "No such tenant (check `tenantvm list`)",
+        )
+    })
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "Method not allowed on this endpoint; see docs/api/openapi.yaml",
+    )
+}
+
+async fn fallback() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "no_route",
+        "No such endpoint; see docs/api/openapi.yaml",
+    )
+}
+
+/// The API's routes over a service.
+pub fn router(svc: TenantService) -> Router {
+    Router::new()
+        .route("/v1/health", get(health))
+        .route("/v1/tenants", get(list).post(create))
+        .route("/v1/tenants/{name}", get(status).delete(destroy))
+        .route("/v1/tenants/{name}/stop", post(stop))
+        .route("/v1/tenants/{name}/start", post(start))
+        .route("/v1/tenants/{name}/logs", get(logs))
+        .fallback(fallback)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(svc)
+}
+
+#[cfg(test)]
+mod tests;

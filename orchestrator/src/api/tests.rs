@@ -1,0 +1,423 @@
+//! API tests: requests through the real router (no socket) over the fake host, every
+//! response checked against docs/api/openapi.yaml.
+
+#[path = "../../tests/support/openapi.rs"]
+mod openapi;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+use super::*;
+use crate::tenant::fault::FaultHook;
+use crate::tenant::test_utils::Harness;
+use openapi::OpenApi;
+
+struct Api {
+    h: Harness,
+    admin: String,
+    spec: OpenApi,
+}
+
+impl Api {
+    fn new() -> Api {
+        let h = Harness::new(FaultHook::default());
+        let path = auth::ensure_admin_token(h.svc.store(), h.dir.path())
+            .unwrap()
+            .unwrap();
+        let admin = std::fs::read_to_string(path).unwrap().trim().to_string();
+        Api {
+            h,
+            admin,
+            spec: OpenApi::load(),
+        }
+    }
+
+    async fn call(
+        &self,
+        method: &str,
+        uri: &str,
+        token: Option<&str>,
+        body: Option<String>,
+    ) -> (StatusCode, Value) {
+        let mut req = Request::builder().method(method).uri(uri);
+        if let Some(t) = token {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
+        let req = match body {
+            Some(b) => req
+                .header("content-type", "application/json")
+                .body(Body::from(b)),
+            None => req.body(Body::empty()),
+        }
+        .unwrap();
+        let resp = router(self.h.svc.clone()).oneshot(req).await.unwrap();
+        let status = resp.status();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        let value: Value = serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| panic!("non-JSON body for {method} {uri}: {bytes:?}"));
+        (status, value)
+    }
+
+    /// Calls and checks the response against the spec.
+    async fn checked(
+        &self,
+        method: &str,
+        uri: &str,
+        template: &str,
+        token: Option<&str>,
+        body: Option<String>,
+    ) -> (StatusCode, Value) {
+        let (status, value) = self.call(method, uri, token, body).await;
+        self.spec
+            .check_response(method, template, status.as_u16(), &value)
+            .unwrap_or_else(|e| panic!("{method} {uri} -> {status}: {e}\n{value:#}"));
+        (status, value)
+    }
+
+    async fn idle(&self) {
+        let svc = self.h.svc.clone();
+        tokio::task::spawn_blocking(move || svc.wait_idle())
+            .await
+            .unwrap();
+    }
+
+    fn tenant_count(&self) -> usize {
+        self.h.svc.store().list_tenants(true).unwrap().len()
+    }
+}
+
+fn spec_json(name: &str) -> String {
+    json!({"name": name, "vcpus": 1, "memory_mib": 64, "image": {"name": "hello"}}).to_string()
+}
+
+#[tokio::test]
+async fn lifecycle_responses_match_the_spec() {
+    let api = Api::new();
+    let admin = api.admin.clone();
+    let a = Some(admin.as_str());
+    let (s, _) = api
+        .checked("GET", "/v1/health", "/v1/health", a, None)
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, created) = api
+        .checked(
+            "POST",
+            "/v1/tenants",
+            "/v1/tenants",
+            a,
+            Some(spec_json("alice")),
+        )
+        .await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+    assert!(created["token"].as_str().unwrap().starts_with("tvm_"));
+    api.idle().await;
+    let (s, t) = api
+        .checked("GET", "/v1/tenants/alice", "/v1/tenants/{name}", a, None)
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(t["state"], "running");
+    assert_eq!(t["steps"].as_array().unwrap().len(), 6);
+    let (_, list) = api
+        .checked("GET", "/v1/tenants", "/v1/tenants", a, None)
+        .await;
+    assert_eq!(list["tenants"].as_array().unwrap().len(), 1);
+    for stream in ["serial", "vmm", "events"] {
+        let uri = format!("/v1/tenants/alice/logs?stream={stream}");
+        let (s, chunk) = api
+            .checked("GET", &uri, "/v1/tenants/{name}/logs", a, None)
+            .await;
+        assert_eq!(s, StatusCode::OK, "{chunk}");
+    }
+    let (_, ev) = api
+        .checked(
+            "GET",
+            "/v1/tenants/alice/logs?stream=events&offset=0",
+            "/v1/tenants/{name}/logs",
+            a,
+            None,
+        )
+        .await;
+    assert!(ev["text"]
+        .as_str()
+        .unwrap()
+        .contains("provisioning -> running"));
+    let (s, _) = api
+        .checked(
+            "POST",
+            "/v1/tenants/alice/stop",
+            "/v1/tenants/{name}/stop",
+            a,
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+    api.idle().await;
+    let (s, _) = api
+        .checked(
+            "POST",
+            "/v1/tenants/alice/start",
+            "/v1/tenants/{name}/start",
+            a,
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+    api.idle().await;
+    let (s, _) = api
+        .checked("DELETE", "/v1/tenants/alice", "/v1/tenants/{name}", a, None)
+        .await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+    api.idle().await;
+    let (s, _) = api
+        .checked("GET", "/v1/tenants/alice", "/v1/tenants/{name}", a, None)
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn tokens_are_required_and_scoped_to_their_tenant() {
+    let api = Api::new();
+    let admin = api.admin.clone();
+    let a = Some(admin.as_str());
+    let (_, alice) = api
+        .checked(
+            "POST",
+            "/v1/tenants",
+            "/v1/tenants",
+            a,
+            Some(spec_json("alice")),
+        )
+        .await;
+    api.checked(
+        "POST",
+        "/v1/tenants",
+        "/v1/tenants",
+        a,
+        Some(spec_json("bob")),
+    )
+    .await;
+    api.idle().await;
+    let alice_token = alice["token"].as_str().unwrap().to_string();
+    let at = Some(alice_token.as_str());
+
+    let (s, _) = api
+        .checked("GET", "/v1/tenants", "/v1/tenants", None, None)
+        .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let forged = auth::new_token();
+    let (s, _) = api
+        .checked("GET", "/v1/tenants", "/v1/tenants", Some(&forged), None)
+        .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+
+    // Another tenant's existing name and a name that exists nowhere answer the same.
+    let (s1, bob) = api
+        .checked("GET", "/v1/tenants/bob", "/v1/tenants/{name}", at, None)
+        .await;
+    let (s2, ghost) = api
+        .checked("GET", "/v1/tenants/ghost", "/v1/tenants/{name}", at, None)
+        .await;
+    assert_eq!((s1, s2), (StatusCode::NOT_FOUND, StatusCode::NOT_FOUND));
+    assert_eq!(
+        bob["error"]["message"]
+            .as_str()
+            .unwrap()
+            .replace("bob", "X"),
+        ghost["error"]["message"]
+            .as_str()
+            .unwrap()
+            .replace("ghost", "X")
+    );
+    for (m, uri, tpl) in [
+        ("POST", "/v1/tenants/bob/stop", "/v1/tenants/{name}/stop"),
+        ("DELETE", "/v1/tenants/bob", "/v1/tenants/{name}"),
+        ("GET", "/v1/tenants/bob/logs", "/v1/tenants/{name}/logs"),
+    ] {
+        let (s, _) = api.checked(m, uri, tpl, at, None).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{m} {uri}");
+    }
+    let (s, _) = api
+        .checked(
+            "POST",
+            "/v1/tenants",
+            "/v1/tenants",
+            at,
+            Some(spec_json("eve")),
+        )
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+    let (_, list) = api
+        .checked("GET", "/v1/tenants", "/v1/tenants", at, None)
+        .await;
+    assert_eq!(list["tenants"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        api.h
+            .svc
+            .store()
+            .tenant("bob")
+            .unwrap()
+            .unwrap()
+            .state
+            .as_str(),
+        "running"
+    );
+
+    // Destroy revokes the tenant's token.
+    api.checked(
+        "DELETE",
+        "/v1/tenants/alice",
+        "/v1/tenants/{name}",
+        at,
+        None,
+    )
+    .await;
+    api.idle().await;
+    let (s, _) = api
+        .checked("GET", "/v1/tenants", "/v1/tenants", at, None)
+        .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
+async fn bad_requests_get_clear_errors_and_change_nothing() {
+    let api = Api::new();
+    let admin = api.admin.clone();
+    let a = Some(admin.as_str());
+    api.checked(
+        "POST",
+        "/v1/tenants",
+        "/v1/tenants",
+        a,
+        Some(spec_json("alice")),
+    )
+    .await;
+    api.idle().await;
+    let before = api.tenant_count();
+    let huge =
+        json!({"name": "big", "image": {"name": "hello", "cmdline": "x".repeat(MAX_BODY_BYTES)}})
+            .to_string();
+    let cases: Vec<(String, StatusCode, &str, &str)> = vec![
+        (
+            spec_json("alice"),
+            StatusCode::CONFLICT,
+            "name_taken",
+            "already exists",
+        ),
+        (
+            spec_json("../x"),
+            StatusCode::BAD_REQUEST,
+            "invalid_spec",
+            "Invalid tenant name",
+        ),
+        (
+            spec_json("Alice"),
+            StatusCode::BAD_REQUEST,
+            "invalid_spec",
+            "Invalid tenant name",
+        ),
+        (
+            json!({"name": "a2", "image": {"name": "hello"}, "colour": "red"}).to_string(),
+            StatusCode::BAD_REQUEST,
+            "invalid_spec",
+            "unknown field `colour`",
+        ),
+        (
+            "{\"name\": ".into(),
+            StatusCode::BAD_REQUEST,
+            "invalid_spec",
+            "not valid JSON",
+        ),
+        (
+            json!({"name": "a3", "vcpus": 0, "image": {"name": "hello"}}).to_string(),
+            StatusCode::BAD_REQUEST,
+            "invalid_spec",
+            "vcpus",
+        ),
+        (
+            json!({"name": "a4", "image": {"name": "missing"}}).to_string(),
+            StatusCode::BAD_REQUEST,
+            "invalid_image",
+            "does not exist",
+        ),
+        (
+            huge,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            "larger than",
+        ),
+    ];
+    for (body, status, code, text) in cases {
+        let (s, v) = api
+            .checked("POST", "/v1/tenants", "/v1/tenants", a, Some(body))
+            .await;
+        assert_eq!(s, status, "{v}");
+        assert_eq!(v["error"]["code"], code, "{v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(text), "{msg:?} lacks {text:?}");
+        assert!(msg.chars().next().unwrap().is_uppercase(), "{msg}");
+    }
+    // Path-like names in the URL never reach the store.
+    let (s, _) = api
+        .checked("GET", "/v1/tenants/..%2Fetc", "/v1/tenants/{name}", a, None)
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let (s, v) = api
+        .checked(
+            "POST",
+            "/v1/tenants/alice/start",
+            "/v1/tenants/{name}/start",
+            a,
+            None,
+        )
+        .await;
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (StatusCode::CONFLICT, Some("invalid_state"))
+    );
+    let (s, _) = api
+        .checked(
+            "GET",
+            "/v1/tenants/alice/logs?stream=nope",
+            "/v1/tenants/{name}/logs",
+            a,
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!(api.tenant_count(), before);
+    assert_eq!(
+        api.h
+            .svc
+            .store()
+            .tenant("alice")
+            .unwrap()
+            .unwrap()
+            .state
+            .as_str(),
+        "running"
+    );
+}
+
+#[tokio::test]
+async fn the_checker_rejects_bodies_that_break_the_spec() {
+    let spec = OpenApi::load();
+    let good = json!({"status": "ok", "version": "1", "backend": "x"});
+    spec.check_response("GET", "/v1/health", 200, &good)
+        .unwrap();
+    let extra = json!({"status": "ok", "version": "1", "backend": "x", "debug": true});
+    assert!(spec
+        .check_response("GET", "/v1/health", 200, &extra)
+        .is_err());
+    let missing = json!({"status": "ok"});
+    assert!(spec
+        .check_response("GET", "/v1/health", 200, &missing)
+        .is_err());
+    let wrong = json!({"error": {"code": "teapot", "message": "x"}});
+    assert!(spec
+        .check_response("GET", "/v1/tenants", 401, &wrong)
+        .is_err());
+}

@@ -1,0 +1,141 @@
+//! The API's request and response bodies, shared by the daemon and the CLI.
+//! docs/api/openapi.yaml describes the same shapes; the API tests check them against it.
+
+use serde::{Deserialize, Serialize};
+
+use crate::store::{EventRecord, GpuPlacement, StepRecord};
+use crate::tenant::lifecycle::LifecycleState;
+use crate::tenant::spec::TenantSpec;
+
+/// A tenant as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantView {
+    /// Tenant name.
+    pub name: String,
+    /// Lifecycle state.
+    pub state: LifecycleState,
+    /// Operation in progress or last run (`create`, `start`, `stop`, `destroy`).
+    pub op: Option<String>,
+    /// Why the tenant failed, if it did.
+    pub error: Option<String>,
+    /// The steps of that operation so far.
+    pub steps: Vec<StepRecord>,
+    /// The spec it was created with.
+    pub spec: TenantSpec,
+    /// The uid/gid its VMM runs as.
+    pub uid: Option<u32>,
+    /// Host pid of its VMM (jail launcher).
+    pub pid: Option<i32>,
+    /// Its GPU reservation.
+    pub gpu: Option<GpuPlacement>,
+    /// Creation time, ms since the epoch.
+    pub created_ms: i64,
+    /// Last state change, ms since the epoch.
+    pub updated_ms: i64,
+}
+
+/// `GET /v1/tenants`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantList {
+    /// Tenants visible to the caller, oldest first.
+    pub tenants: Vec<TenantView>,
+}
+
+/// `POST /v1/tenants` (202).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateResponse {
+    /// The tenant, now provisioning.
+    pub tenant: TenantView,
+    /// The tenant's token. Shown once: only its SHA-256 is stored.
+    pub token: String,
+}
+
+/// Which log a `GET /v1/tenants/{name}/logs` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogStream {
+    /// The guest's serial console.
+    #[default]
+    Serial,
+    /// The VMM's own log.
+    Vmm,
+    /// Lifecycle events from the store.
+    Events,
+}
+
+/// Query of `GET /v1/tenants/{name}/logs`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct LogQuery {
+    /// Which log.
+    #[serde(default)]
+    pub stream: LogStream,
+    /// Continue from this cursor (`next` of the previous chunk): rotation generation...
+    pub generation: Option<u64>,
+    /// ...and byte offset (for `events`: the last event id seen). Without a cursor the
+    /// last `tail` lines (or events) are returned.
+    pub offset: Option<u64>,
+    /// Lines (or events) to return when no cursor is given (default 100, at most 10,000).
+    pub tail: Option<u64>,
+    /// Most bytes to return when following (default 64 KiB, at most 1 MiB).
+    pub max_bytes: Option<u64>,
+}
+
+/// Where a log reader is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct LogPosition {
+    /// Rotation generation (0 for events).
+    pub generation: u64,
+    /// Byte offset in that generation (for events: the last event id).
+    pub offset: u64,
+}
+
+/// A piece of a log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogChunk {
+    /// Which log.
+    pub stream: LogStream,
+    /// Text, whole lines, control characters replaced (guest output is hostile).
+    pub text: String,
+    /// Pass as `generation`/`offset` to continue (follow).
+    pub next: LogPosition,
+    /// True when output was lost to rotation since the given cursor.
+    pub skipped: bool,
+    /// Events, for the `events` stream.
+    pub events: Vec<EventRecord>,
+}
+
+/// `GET /v1/health`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Health {
+    /// Always `ok`.
+    pub status: String,
+    /// Daemon version.
+    pub version: String,
+    /// Backend in use.
+    pub backend: String,
+}
+
+/// Every error response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// What went wrong.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ErrorDetail {
+    /// Stable machine-readable code (`invalid_spec`, `not_found`, ...).
+    pub code: String,
+    /// What happened and what to do.
+    pub message: String,
+}

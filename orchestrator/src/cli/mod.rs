@@ -1,0 +1,668 @@
+//! The `tenantvm` command line: a thin client of tenantvmd's API (see [`crate::client`]).
+//! The binary only parses arguments and calls [`run`].
+
+mod output;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::api::types::{LogQuery, LogStream, TenantView};
+use crate::client::{Client, ClientError};
+use crate::tenant::lifecycle::LifecycleState;
+use crate::tenant::spec::{GpuRequest, GuestImage, Quotas, TenantSpec};
+
+/// Exit statuses of `tenantvm` (docs/orchestrator.md lists them too).
+pub mod exit {
+    /// Success.
+    pub const OK: u8 = 0;
+    /// Any other failure (I/O, a bad answer).
+    pub const OTHER: u8 = 1;
+    /// Bad command line (clap's own status).
+    pub const USAGE: u8 = 2;
+    /// The daemon cannot be reached.
+    pub const UNREACHABLE: u8 = 3;
+    /// The token was refused (missing, unknown, revoked).
+    pub const UNAUTHORIZED: u8 = 4;
+    /// No such tenant (or not yours).
+    pub const NOT_FOUND: u8 = 5;
+    /// Conflict: the name is taken, the tenant is busy or in the wrong state.
+    pub const CONFLICT: u8 = 6;
+    /// The request was refused as invalid (spec, image, GPU request, size).
+    pub const INVALID: u8 = 7;
+    /// The operation ran and failed (the tenant is `failed`) or timed out.
+    pub const OP_FAILED: u8 = 8;
+    /// The daemon hit an internal error.
+    pub const DAEMON_ERROR: u8 = 9;
+    /// Forbidden: this token may not do that (e.g. a tenant token creating tenants).
+    pub const FORBIDDEN: u8 = 10;
+    /// `plan`: the tenants do not all fit on the host.
+    pub const NO_FIT: u8 = 11;
+    /// `host check`: at least one check failed.
+    pub const HOST_CHECK_FAILED: u8 = 12;
+}
+
+const DEFAULT_SOCKET: &str = "/run/tenantvm/tenantvmd.sock";
+const DEFAULT_TOKEN_FILE: &str = "/var/lib/tenantvm/admin.token";
+
+/// tenantvm: run untrusted tenants in their own KVM VMs on this host.
+///
+/// Talks to the tenantvmd daemon over its Unix socket. Start the daemon first
+/// (`tenantvmd --state-dir /var/lib/tenantvm`); it writes the admin token to
+/// `<state-dir>/admin.token`, which this tool reads by default.
+///
+/// Examples:
+///   tenantvm create alice.toml            # spec from a TOML file (see docs/orchestrator.md)
+///   tenantvm create --name bob --image hello --memory-mib 64
+///   tenantvm list
+///   tenantvm logs alice --follow
+///   tenantvm destroy bob
+///
+///   tenantvm plan -t tenants.toml --gpu h100-80gb --count 2   # GPU sizing, no daemon needed
+///   tenantvm host check                                       # host preflight
+///
+/// Exit statuses: 0 ok, 1 other error, 2 usage, 3 daemon unreachable, 4 token refused,
+/// 5 no such tenant, 6 conflict (name taken, busy, wrong state), 7 invalid request,
+/// 8 operation failed, 9 daemon error, 10 forbidden, 11 plan does not fit,
+/// 12 host check failed.
+#[derive(Debug, Parser)]
+#[command(name = "tenantvm", version, verbatim_doc_comment)]
+pub struct Cli {
+    /// The daemon's socket.
+    #[arg(long, global = true, env = "TENANTVM_SOCKET", default_value = DEFAULT_SOCKET)]
+    pub socket: PathBuf,
+    /// API token (admin or tenant). Prefer --token-file: arguments are visible to other users.
+    #[arg(long, global = true, env = "TENANTVM_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// File holding the token.
+    #[arg(long, global = true, env = "TENANTVM_TOKEN_FILE", default_value = DEFAULT_TOKEN_FILE)]
+    pub token_file: PathBuf,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create a tenant from a TOML spec file or from flags, and wait until it runs.
+    Create(CreateArgs),
+    /// List tenants (a tenant token sees only its own).
+    List(ReadArgs),
+    /// Show a tenant: state, the steps of its current operation, uid, pid, GPU.
+    Status {
+        /// Tenant name.
+        name: String,
+        #[command(flatten)]
+        read: ReadArgs,
+    },
+    /// Print a tenant's serial console, VMM log or lifecycle events.
+    Logs(LogsArgs),
+    /// Stop a tenant's VM (clean shutdown, killed after a grace period); keeps its resources.
+    Stop(OpArgs),
+    /// Boot a stopped tenant's VM again.
+    Start(OpArgs),
+    /// Destroy a tenant: stop its VM, release its uid, cgroup, GPU share and files, revoke its token.
+    Destroy(OpArgs),
+    /// Size tenants' GPU needs and place them on a host (live, simulated or hypothetical).
+    /// Runs locally; needs no daemon.
+    Plan(tenantvm_gpu::cli::PlanArgs),
+    /// Inspect this host.
+    Host {
+        /// What to do.
+        #[command(subcommand)]
+        command: HostCommand,
+    },
+}
+
+/// `tenantvm host` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum HostCommand {
+    /// Preflight: IOMMU, VFIO, KVM, cgroups, GPUs and their drivers. Runs locally.
+    Check(tenantvm_gpu::cli::HostCheckArgs),
+}
+
+/// Flags of read commands.
+#[derive(Debug, Args, Default)]
+pub struct ReadArgs {
+    /// Print JSON (the API's own body) instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Flags of stop/start/destroy.
+#[derive(Debug, Args)]
+pub struct OpArgs {
+    /// Tenant name.
+    pub name: String,
+    /// Return at once instead of waiting for the operation to finish.
+    #[arg(long)]
+    pub no_wait: bool,
+    /// Give up waiting after this many seconds (exit 8).
+    #[arg(long, default_value_t = 120)]
+    pub timeout_s: u64,
+    /// Print the final tenant as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// GPU request on the command line.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum GpuKind {
+    /// No GPU.
+    None,
+    /// A whole GPU (needs --gpu-backend on the daemon).
+    Whole,
+    /// A MIG instance (give --mig-profile).
+    Mig,
+    /// Sized from a model preset (give --model).
+    Model,
+}
+
+/// Flags of `create`.
+#[derive(Debug, Args)]
+pub struct CreateArgs {
+    /// A TOML spec file (flags below are then not allowed). See docs/orchestrator.md.
+    #[arg(conflicts_with_all = ["name", "image", "kernel"])]
+    pub spec_file: Option<PathBuf>,
+    /// Tenant name: 1-63 of a-z, 0-9, '-', starting with a letter or digit.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// vCPUs.
+    #[arg(long, default_value_t = 1)]
+    pub vcpus: u32,
+    /// Guest memory in MiB.
+    #[arg(long, default_value_t = 128)]
+    pub memory_mib: u32,
+    /// Disk size in GiB (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub disk_gib: u32,
+    /// GPU share.
+    #[arg(long, value_enum, default_value_t = GpuKind::None)]
+    pub gpu: GpuKind,
+    /// MIG profile for --gpu mig (e.g. 1g.10gb).
+    #[arg(long)]
+    pub mig_profile: Option<String>,
+    /// Model preset for --gpu model (e.g. llama-3-8b).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// A named image from the daemon's --image-dir.
+    #[arg(long, conflicts_with = "kernel")]
+    pub image: Option<String>,
+    /// Host path of a guest kernel (instead of --image).
+    #[arg(long)]
+    pub kernel: Option<PathBuf>,
+    /// Host path of an initramfs.
+    #[arg(long)]
+    pub initramfs: Option<PathBuf>,
+    /// Kernel command line.
+    #[arg(long)]
+    pub cmdline: Option<String>,
+    /// Write the tenant's token here (mode 0600) instead of printing it.
+    #[arg(long)]
+    pub token_out: Option<PathBuf>,
+    /// Return once recorded instead of waiting until the VM runs.
+    #[arg(long)]
+    pub no_wait: bool,
+    /// Give up waiting after this many seconds (exit 8).
+    #[arg(long, default_value_t = 120)]
+    pub timeout_s: u64,
+    /// Print the API's answer as JSON (includes the token).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Flags of `logs`.
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    /// Tenant name.
+    pub name: String,
+    /// Which log.
+    #[arg(long, value_enum, default_value_t = StreamArg::Serial)]
+    pub stream: StreamArg,
+    /// How many lines (or events) from the end.
+    #[arg(long, default_value_t = 100)]
+    pub tail: u64,
+    /// Keep printing new output until interrupted.
+    #[arg(long, short)]
+    pub follow: bool,
+    /// Print each chunk as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `--stream` values.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum StreamArg {
+    /// The guest's serial console.
+    Serial,
+    /// The VMM's own log.
+    Vmm,
+    /// Lifecycle events.
+    Events,
+}
+
+impl From<StreamArg> for LogStream {
+    fn from(s: StreamArg) -> Self {
+        match s {
+            StreamArg::Serial => LogStream::Serial,
+            StreamArg::Vmm => LogStream::Vmm,
+            StreamArg::Events => LogStream::Events,
+        }
+    }
+}
+
+/// A failure with its exit status.
+#[derive(Debug)]
+pub struct CliFailure {
+    /// Exit status.
+    pub code: u8,
+    /// What to print.
+    pub message: String,
+}
+
+impl From<ClientError> for CliFailure {
+    fn from(e: ClientError) -> Self {
+        let code = match &e {
+            ClientError::Connect { .. } => exit::UNREACHABLE,
+            ClientError::Api { status, .. } | ClientError::Decode { status, .. } => {
+                match status.as_u16() {
+                    401 => exit::UNAUTHORIZED,
+                    403 => exit::FORBIDDEN,
+                    404 => exit::NOT_FOUND,
+                    409 => exit::CONFLICT,
+                    400 | 413 | 415 | 422 => exit::INVALID,
+                    500..=599 => exit::DAEMON_ERROR,
+                    _ => exit::OTHER,
+                }
+            }
+            ClientError::Http(_) => exit::OTHER,
+        };
+        CliFailure {
+            code,
+            message: e.to_string(),
+        }
+    }
+}
+
+fn fail(code: u8, message: impl Into<String>) -> CliFailure {
+    CliFailure {
+        code,
+        message: message.into(),
+    }
+}
+
+/// Builds the spec of `create` from a file or the flags.
+pub fn spec_from_args(a: &CreateArgs) -> Result<TenantSpec, CliFailure> {
+    if let Some(path) = &a.spec_file {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            fail(
+                exit::INVALID,
+                format!("Cannot read {}: {e}", path.display()),
+            )
+        })?;
+        return TenantSpec::from_toml(&text)
+            .map_err(|e| fail(exit::INVALID, format!("{}: {e}", path.display())));
+    }
+    let name = a.name.clone().ok_or_else(|| {
+        fail(
+            exit::INVALID,
+            "Give a spec file (tenantvm create alice.toml) or at least --name and --image/--kernel",
+        )
+    })?;
+    let gpu = match a.gpu {
+        GpuKind::None => GpuRequest::None,
+        GpuKind::Whole => GpuRequest::Whole,
+        GpuKind::Mig => GpuRequest::Mig {
+            profile: a.mig_profile.clone().ok_or_else(|| {
+                fail(
+                    exit::INVALID,
+                    "--gpu mig needs --mig-profile (e.g. 1g.10gb)",
+                )
+            })?,
+        },
+        GpuKind::Model => GpuRequest::Model {
+            preset: a.model.clone().ok_or_else(|| {
+                fail(exit::INVALID, "--gpu model needs --model (e.g. llama-3-8b)")
+            })?,
+        },
+    };
+    let spec = TenantSpec {
+        name,
+        vcpus: a.vcpus,
+        memory_mib: a.memory_mib,
+        disk_gib: a.disk_gib,
+        gpu,
+        image: GuestImage {
+            name: a.image.clone(),
+            kernel: a.kernel.clone(),
+            initramfs: a.initramfs.clone(),
+            cmdline: a.cmdline.clone(),
+        },
+        quotas: Quotas::default(),
+    };
+    spec.validate()
+        .map_err(|e| fail(exit::INVALID, e.to_string()))?;
+    Ok(spec)
+}
+
+fn read_token(cli: &Cli) -> Result<String, CliFailure> {
+    if let Some(t) = &cli.token {
+        return Ok(t.trim().to_string());
+    }
+    read_token_file(&cli.token_file)
+}
+
+fn read_token_file(path: &Path) -> Result<String, CliFailure> {
+    std::fs::read_to_string(path)
+        .map(|s| s.trim().to_string())
+        .map_err(|e| {
+            fail(
+                exit::UNAUTHORIZED,
+                format!(
+                    "Cannot read the token file {}: {e}. Pass --token-file (the daemon writes <state-dir>/admin.token) or set TENANTVM_TOKEN",
+                    path.display()
+                ),
+            )
+        })
+}
+
+/// Runs a parsed command line; returns the exit status.
+pub async fn run(cli: Cli) -> u8 {
+    match run_inner(cli).await {
+        Ok(()) => exit::OK,
+        Err(f) => {
+            eprintln!("tenantvm: {}", f.message);
+            f.code
+        }
+    }
+}
+
+fn gpu_failure(e: tenantvm_gpu::cli::GpuCliError) -> CliFailure {
+    use tenantvm_gpu::cli::GpuCliError as G;
+    let code = match e {
+        G::Usage(_) | G::Tenants(_) | G::Database(_) | G::MigParted(_) => exit::INVALID,
+        _ => exit::OTHER,
+    };
+    fail(code, e.to_string())
+}
+
+fn plan(args: &tenantvm_gpu::cli::PlanArgs) -> Result<(), CliFailure> {
+    let report =
+        tenantvm_gpu::cli::run_plan(args, &mut std::io::stdout().lock()).map_err(gpu_failure)?;
+    if report.fits {
+        Ok(())
+    } else {
+        Err(fail(
+            exit::NO_FIT,
+            "the tenants do not all fit (see the report above)",
+        ))
+    }
+}
+
+fn host_check(args: &tenantvm_gpu::cli::HostCheckArgs) -> Result<(), CliFailure> {
+    let results = tenantvm_gpu::cli::run_host_check(args, &mut std::io::stdout().lock())
+        .map_err(gpu_failure)?;
+    if tenantvm_gpu::cli::host_ok(&results) {
+        Ok(())
+    } else {
+        Err(fail(
+            exit::HOST_CHECK_FAILED,
+            "host check found failures (see above)",
+        ))
+    }
+}
+
+async fn run_inner(cli: Cli) -> Result<(), CliFailure> {
+    // GPU planning and the host preflight run locally, without the daemon or a token.
+    match &cli.command {
+        Command::Plan(args) => return plan(args),
+        Command::Host {
+            command: HostCommand::Check(args),
+        } => return host_check(args),
+        _ => {}
+    }
+    // Validate local input before looking for a token, so a bad spec says so first.
+    let spec = match &cli.command {
+        Command::Create(a) => Some(spec_from_args(a)?),
+        _ => None,
+    };
+    let client = Client::new(cli.socket.clone(), read_token(&cli)?);
+    match cli.command {
+        Command::Create(a) => {
+            let spec = spec.expect("parsed above");
+            let created = client.create(&spec).await?;
+            if let Some(path) = &a.token_out {
+                output::write_secret(path, &created.token).map_err(|e| {
+                    fail(exit::OTHER, format!("Cannot write {}: {e}", path.display()))
+                })?;
+            }
+            if a.json {
+                output::print_json(&created);
+            } else {
+                match &a.token_out {
+                    Some(p) => eprintln!("tenant {}: token written to {}", spec.name, p.display()),
+                    None => {
+                        eprintln!(
+                            "tenant {}: its token (shown once; keep it secret):",
+                            spec.name
+                        );
+                        println!("{}", created.token);
+                    }
+                }
+            }
+            if !a.no_wait {
+                wait_for(&client, &spec.name, "create", a.timeout_s, !a.json).await?;
+            }
+            Ok(())
+        }
+        Command::List(r) => {
+            let list = client.list().await?;
+            if r.json {
+                output::print_json(&list);
+            } else {
+                output::print_table(&list.tenants);
+            }
+            Ok(())
+        }
+        Command::Status { name, read } => {
+            let t = client.status(&name).await?;
+            if read.json {
+                output::print_json(&t);
+            } else {
+                output::print_status(&t);
+            }
+            Ok(())
+        }
+        Command::Logs(a) => logs(&client, a).await,
+        Command::Stop(a) => op(&client, a, "stop").await,
+        Command::Start(a) => op(&client, a, "start").await,
+        Command::Destroy(a) => op(&client, a, "destroy").await,
+        Command::Plan(_) | Command::Host { .. } => Ok(()), // returned above
+    }
+}
+
+async fn op(client: &Client, a: OpArgs, which: &str) -> Result<(), CliFailure> {
+    let t = match which {
+        "stop" => client.stop(&a.name).await?,
+        "start" => client.start(&a.name).await?,
+        _ => client.destroy(&a.name).await?,
+    };
+    if a.no_wait {
+        if a.json {
+            output::print_json(&t);
+        }
+        return Ok(());
+    }
+    let end = wait_for(client, &a.name, which, a.timeout_s, !a.json).await?;
+    if a.json {
+        match end {
+            Some(t) => output::print_json(&t),
+            None => println!("{{\"name\":{:?},\"state\":\"destroyed\"}}", a.name),
+        }
+    }
+    Ok(())
+}
+
+/// Polls the tenant until its operation ends, printing each step as it finishes.
+/// Returns the final view (None once destroyed).
+async fn wait_for(
+    client: &Client,
+    name: &str,
+    op: &str,
+    timeout_s: u64,
+    progress: bool,
+) -> Result<Option<TenantView>, CliFailure> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout_s);
+    let mut shown = 0usize;
+    loop {
+        let t = match client.status(name).await {
+            Ok(t) => t,
+            Err(ClientError::Api { status, .. }) if status.as_u16() == 404 && op == "destroy" => {
+                if progress {
+                    eprintln!("{name}: destroyed");
+                }
+                return Ok(None);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if progress && t.op.as_deref() == Some(op) {
+            shown = output::print_new_steps(name, &t, shown);
+        }
+        let settled = !t.state.is_transient();
+        if settled && t.op.as_deref() == Some(op) {
+            if progress {
+                output::print_new_steps(name, &t, shown);
+                eprintln!("{name}: {}", t.state);
+            }
+            return match t.state {
+                LifecycleState::Failed => Err(fail(
+                    exit::OP_FAILED,
+                    format!(
+                        "{op} of {name} failed: {}",
+                        t.error
+                            .clone()
+                            .unwrap_or_else(|| "no reason recorded".into())
+                    ),
+                )),
+                _ => Ok(Some(t)),
+            };
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(fail(
+                exit::OP_FAILED,
+                format!(
+                    "{op} of {name} still {} after {timeout_s} s; check `tenantvm status {name}`",
+                    t.state
+                ),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn logs(client: &Client, a: LogsArgs) -> Result<(), CliFailure> {
+    let mut q = LogQuery {
+        stream: a.stream.into(),
+        tail: Some(a.tail),
+        ..Default::default()
+    };
+    loop {
+        let chunk = client.logs(&a.name, &q).await?;
+        if a.json {
+            output::print_json(&chunk);
+        } else {
+            output::print_guest_text(&chunk.text);
+            if chunk.skipped {
+                eprintln!("tenantvm: (output lost to log rotation)");
+            }
+        }
+        if !a.follow {
+            return Ok(());
+        }
+        let idle = chunk.text.is_empty() && chunk.events.is_empty();
+        q.tail = None;
+        q.generation = Some(chunk.next.generation);
+        q.offset = Some(chunk.next.offset);
+        if idle {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("tenantvm").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn create_flags_build_a_valid_spec() {
+        let cli = parse(&[
+            "create",
+            "--name",
+            "bob",
+            "--image",
+            "hello",
+            "--gpu",
+            "mig",
+            "--mig-profile",
+            "1g.10gb",
+        ])
+        .unwrap();
+        let Command::Create(a) = cli.command else {
+            panic!()
+        };
+        let spec = spec_from_args(&a).unwrap();
+        assert_eq!(spec.name, "bob");
+        assert_eq!(
+            spec.gpu,
+            GpuRequest::Mig {
+                profile: "1g.10gb".into()
+            }
+        );
+    }
+
+    #[test]
+    fn create_flags_are_checked_locally() {
+        for args in [
+            vec!["create", "--name", "../x", "--image", "hello"],
+            vec!["create", "--name", "bob"],
+            vec![
+                "create", "--name", "bob", "--image", "hello", "--gpu", "mig",
+            ],
+            vec!["create", "--image", "hello"],
+        ] {
+            let cli = parse(&args).unwrap();
+            let Command::Create(a) = cli.command else {
+                panic!()
+            };
+            let err = spec_from_args(&a).unwrap_err();
+            assert_eq!(err.code, exit::INVALID, "{args:?}: {}", err.message);
+        }
+    }
+
+    #[test]
+    fn spec_file_and_flags_conflict() {
+        assert!(parse(&["create", "a.toml", "--name", "x"]).is_err());
+    }
+
+    #[test]
+    fn http_statuses_map_to_distinct_exit_codes() {
+        let codes: Vec<u8> = [401u16, 403, 404, 409, 400, 500]
+            .iter()
+            .map(|s| {
+                CliFailure::from(ClientError::Api {
+                    status: hyper::StatusCode::from_u16(*s).unwrap(),
+                    code: String::new(),
+                    message: String::new(),
+                })
+                .code
+            })
+            .collect();
+        assert_eq!(codes, vec![4, 10, 5, 6, 7, 9]);
+    }
+}

@@ -1,0 +1,264 @@
+//! `tenantvmd`: initialises the state directory, reconciles the host with the store, then
+//! serves the API on a Unix socket until SIGTERM or SIGINT. VMs keep running across daemon
+//! restarts; the next start adopts them.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Parser, ValueEnum};
+use tokio::net::UnixListener;
+
+use crate::backend::{
+    runner::sibling_binary, QemuAccel, QemuBackend, RuntimeConfig, VmBackend, VmmBackend,
+};
+use crate::reconcile::{reconcile, ReconcileOptions};
+use crate::store::Store;
+use crate::tenant::fault::{FaultHook, CRASH_ENV};
+use crate::tenant::host::{GpuPlanner, NoGpus};
+use crate::tenant::lifecycle::LifecycleState;
+use crate::tenant::service::{ServiceConfig, TenantService};
+
+/// Which backend runs the VMs.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum BackendArg {
+    /// tenantvm-vmm under KVM (the default).
+    Vmm,
+    /// QEMU with KVM.
+    QemuKvm,
+    /// QEMU with software emulation (no KVM needed; slow).
+    QemuTcg,
+}
+
+/// tenantvmd: the tenantvm daemon.
+///
+/// On first start it creates the state directory (mode 0700) and an admin token in
+/// <state-dir>/admin.token (mode 0600), which the `tenantvm` CLI reads. On every start it
+/// reconciles: finishes or rolls back operations a crash interrupted, adopts VMs that still
+/// run, and releases leaked cgroups, files, uids and GPU reservations. Then it serves the
+/// API (docs/api/openapi.yaml) on --socket.
+#[derive(Debug, Parser)]
+#[command(name = "tenantvmd", version, verbatim_doc_comment)]
+pub struct DaemonArgs {
+    /// State directory: the SQLite store, the admin token, tenant directories.
+    #[arg(long, env = "TENANTVMD_STATE_DIR", default_value = "/var/lib/tenantvm")]
+    pub state_dir: PathBuf,
+    /// The API socket (created mode 0600; its directory is created if missing).
+    #[arg(
+        long,
+        env = "TENANTVMD_SOCKET",
+        default_value = "/run/tenantvm/tenantvmd.sock"
+    )]
+    pub socket: PathBuf,
+    /// How VMs run.
+    #[arg(long, value_enum, default_value_t = BackendArg::Vmm)]
+    pub backend: BackendArg,
+    /// GPU backend: `none`, `nvml`, or `sim:FILE` (a simulated host described in FILE).
+    #[arg(long, default_value = "none")]
+    pub gpu_backend: String,
+    /// Directory of named guest images: <dir>/<name>/kernel (+ initramfs, cmdline).
+    #[arg(long)]
+    pub image_dir: Option<PathBuf>,
+    /// The tenantvm-vmm binary (default: next to tenantvmd).
+    #[arg(long)]
+    pub vmm_binary: Option<PathBuf>,
+    /// The QEMU binary for --backend qemu-*.
+    #[arg(long, default_value = "/usr/bin/qemu-system-x86_64")]
+    pub qemu_binary: PathBuf,
+    /// Uids handed to tenants, FIRST:COUNT (gid = uid).
+    #[arg(long, default_value = "200000:65536", value_parser = parse_uid_range)]
+    pub uid_range: (u32, u32),
+    /// Seconds `stop` waits for a clean guest shutdown before killing.
+    #[arg(long, default_value_t = 5)]
+    pub stop_grace_s: u64,
+    /// Seconds create/start wait for the VM to report running.
+    #[arg(long, default_value_t = 30)]
+    pub boot_timeout_s: u64,
+    /// Leave tenant cgroups this daemon never recorded alone (for hosts, like test machines,
+    /// where several daemons share one cgroup tree).
+    #[arg(long)]
+    pub keep_unknown_cgroups: bool,
+}
+
+fn parse_uid_range(s: &str) -> Result<(u32, u32), String> {
+    let (a, b) = s
+        .split_once(':')
+        .ok_or_else(|| format!("expected FIRST:COUNT, got {s:?}"))?;
+    let first: u32 = a.parse().map_err(|_| format!("bad first uid {a:?}"))?;
+    let count: u32 = b.parse().map_err(|_| format!("bad count {b:?}"))?;
+    if first < 1000 || count == 0 || first.checked_add(count).is_none() {
+        return Err(
+            "the range must start at 1000 or above, be non-empty and fit in 32 bits".into(),
+        );
+    }
+    Ok((first, count))
+}
+
+fn make_state_dir(dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("Cannot create {}", dir.display()))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("Cannot make {} mode 0700", dir.display()))?;
+    Ok(())
+}
+
+fn make_backend(args: &DaemonArgs) -> anyhow::Result<Arc<dyn VmBackend>> {
+    let config = RuntimeConfig::detect().context("Cannot set up the VM runtime")?;
+    Ok(match args.backend {
+        BackendArg::Vmm => {
+            let bin = match &args.vmm_binary {
+                Some(b) => b.clone(),
+                None => sibling_binary("tenantvm-vmm")?,
+            };
+            Arc::new(VmmBackend::new(bin, config))
+        }
+        BackendArg::QemuKvm => Arc::new(QemuBackend::new(
+            args.qemu_binary.clone(),
+            QemuAccel::Kvm,
+            config,
+        )),
+        BackendArg::QemuTcg => Arc::new(QemuBackend::new(
+            args.qemu_binary.clone(),
+            QemuAccel::Tcg,
+            config,
+        )),
+    })
+}
+
+fn make_gpu(spec: &str) -> anyhow::Result<Arc<dyn GpuPlanner>> {
+    match spec {
+        "none" => Ok(Arc::new(NoGpus)),
+        other => crate::tenant::gpu::planner_from_arg(other),
+    }
+}
+
+/// Binds the socket, refusing to steal one a live daemon answers on.
+async fn bind(socket: &Path) -> anyhow::Result<UnixListener> {
+    if let Some(parent) = socket.parent() {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("Cannot create {}", parent.display()))?;
+    }
+    if socket.exists() {
+        if tokio::net::UnixStream::connect(socket).await.is_ok() {
+            bail!(
+                "Another tenantvmd answers on {}; stop it or pick another --socket",
+                socket.display()
+            );
+        }
+        std::fs::remove_file(socket)
+            .with_context(|| format!("Cannot remove stale {}", socket.display()))?;
+    }
+    let listener = UnixListener::bind(socket)
+        .with_context(|| format!("Cannot listen on {}", socket.display()))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// Runs the daemon until a signal stops it.
+pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
+    make_state_dir(&args.state_dir)?;
+    let fault = FaultHook::from_env()?;
+    if fault.is_armed() {
+        tracing::warn!(
+            "{CRASH_ENV} is set: this daemon will SIGKILL itself at a step boundary (tests only)"
+        );
+    }
+    let store = Arc::new(
+        Store::open(&args.state_dir.join("state.db")).context("Cannot open the state store")?,
+    );
+    if let Some(path) = crate::auth::ensure_admin_token(&store, &args.state_dir)? {
+        println!(
+            "tenantvmd: admin token written to {} (mode 0600)",
+            path.display()
+        );
+    }
+    let backend = make_backend(&args)?;
+    let cgroups = RuntimeConfig::detect()?.cgroups;
+    let mut cfg = ServiceConfig::new(args.state_dir.clone());
+    cfg.image_dir = args.image_dir.clone();
+    cfg.uid_first = args.uid_range.0;
+    cfg.uid_count = args.uid_range.1;
+    cfg.stop_grace = Duration::from_secs(args.stop_grace_s);
+    cfg.boot_timeout = Duration::from_secs(args.boot_timeout_s);
+    let svc = TenantService::new(
+        store,
+        backend,
+        Arc::new(cgroups),
+        make_gpu(&args.gpu_backend)?,
+        cfg,
+        fault,
+    );
+
+    let opts = ReconcileOptions {
+        sweep_unknown_cgroups: !args.keep_unknown_cgroups,
+    };
+    let rsvc = svc.clone();
+    let report = tokio::task::spawn_blocking(move || reconcile(&rsvc, &opts)).await??;
+    tracing::info!(?report, "reconciled");
+
+    let listener = bind(&args.socket).await?;
+    println!("tenantvmd: serving on {}", args.socket.display());
+    let housekeeper = tokio::spawn(housekeeping(svc.clone()));
+    let app = crate::api::router(svc.clone());
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("API server failed")?;
+    housekeeper.abort();
+    let wsvc = svc.clone();
+    tokio::task::spawn_blocking(move || wsvc.wait_idle()).await?;
+    let _ = std::fs::remove_file(&args.socket);
+    println!("tenantvmd: stopped (VMs keep running and are adopted at the next start)");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot watch SIGTERM");
+            std::future::pending::<()>().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+/// Every 2 s: notices VMs that ended on their own, and keeps running tenants' logs under
+/// their caps.
+async fn housekeeping(svc: TenantService) {
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        tick.tick().await;
+        let s = svc.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            match s.check_vms() {
+                Ok(marked) if !marked.is_empty() => {
+                    tracing::warn!(?marked, "tenants whose VM ended on its own are now failed")
+                }
+                Ok(_) => {}
+                Err(e) => tracing::error!(error = %e, "VM check failed"),
+            }
+            let root = s.config().state_dir.join("tenants");
+            for t in s.store().list_tenants(false).unwrap_or_default() {
+                if t.state != LifecycleState::Running {
+                    continue;
+                }
+                let logs = crate::logs::TenantLogs::open(
+                    &root,
+                    &t.name,
+                    crate::logs::LogPolicy::default(),
+                );
+                if let Err(e) = logs.and_then(|l| l.enforce_caps()) {
+                    tracing::warn!(tenant = %t.name, error = %e, "log rotation failed");
+                }
+            }
+        })
+        .await;
+    }
+}

@@ -1,0 +1,87 @@
+//! Schema migrations, applied in order; `PRAGMA user_version` records how many ran.
+
+/// Each entry moves the schema from version `i` to `i + 1`. Append only: never edit one
+/// that has shipped.
+pub const MIGRATIONS: &[&str] = &[
+    // 1: the initial schema.
+    r#"
+CREATE TABLE tenants (
+    id          INTEGER PRIMARY KEY,
+    name        TEXT    NOT NULL,
+    state       TEXT    NOT NULL,
+    spec        TEXT    NOT NULL,
+    op          TEXT,
+    op_id       INTEGER,
+    error       TEXT,
+    created_ms  INTEGER NOT NULL,
+    updated_ms  INTEGER NOT NULL
+);
+-- One live tenant per name; destroyed rows stay as a record.
+CREATE UNIQUE INDEX tenants_live_name ON tenants(name) WHERE state != 'destroyed';
+
+CREATE TABLE ops (
+    id          INTEGER PRIMARY KEY,
+    tenant_id   INTEGER NOT NULL REFERENCES tenants(id),
+    op          TEXT    NOT NULL,
+    started_ms  INTEGER NOT NULL,
+    finished_ms INTEGER,
+    outcome     TEXT
+);
+
+CREATE TABLE steps (
+    id          INTEGER PRIMARY KEY,
+    op_id       INTEGER NOT NULL REFERENCES ops(id),
+    tenant_id   INTEGER NOT NULL REFERENCES tenants(id),
+    step        TEXT    NOT NULL,
+    status      TEXT    NOT NULL CHECK (status IN ('started', 'done', 'failed')),
+    error       TEXT,
+    started_ms  INTEGER NOT NULL,
+    finished_ms INTEGER,
+    UNIQUE (op_id, step)
+);
+
+-- Everything a tenant holds on the host. (kind, key) is unique across tenants, so a uid,
+-- a cgroup or a file can never be held twice.
+CREATE TABLE resources (
+    id          INTEGER PRIMARY KEY,
+    tenant_id   INTEGER NOT NULL REFERENCES tenants(id),
+    kind        TEXT    NOT NULL CHECK (kind IN ('process', 'cgroup', 'file', 'uid')),
+    key         TEXT    NOT NULL,
+    detail      TEXT,
+    created_ms  INTEGER NOT NULL,
+    UNIQUE (kind, key)
+);
+CREATE INDEX resources_tenant ON resources(tenant_id);
+
+-- The GPU ledger: one row per occupied slot of a GPU; the primary key makes two
+-- reservations of the same slot impossible.
+CREATE TABLE gpu_reservations (
+    gpu         TEXT    NOT NULL,
+    slot        INTEGER NOT NULL,
+    tenant_id   INTEGER NOT NULL REFERENCES tenants(id),
+    placement   TEXT    NOT NULL,
+    created_ms  INTEGER NOT NULL,
+    PRIMARY KEY (gpu, slot)
+);
+CREATE INDEX gpu_reservations_tenant ON gpu_reservations(tenant_id);
+
+CREATE TABLE events (
+    id          INTEGER PRIMARY KEY,
+    tenant_id   INTEGER REFERENCES tenants(id),
+    at_ms       INTEGER NOT NULL,
+    kind        TEXT    NOT NULL,
+    message     TEXT    NOT NULL
+);
+CREATE INDEX events_tenant ON events(tenant_id, id);
+
+CREATE TABLE tokens (
+    id          INTEGER PRIMARY KEY,
+    sha256      TEXT    NOT NULL UNIQUE,
+    role        TEXT    NOT NULL CHECK (role IN ('admin', 'tenant')),
+    tenant_id   INTEGER REFERENCES tenants(id),
+    created_ms  INTEGER NOT NULL,
+    revoked_ms  INTEGER,
+    CHECK ((role = 'admin') = (tenant_id IS NULL))
+);
+"#,
+];

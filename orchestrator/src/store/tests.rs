@@ -1,0 +1,264 @@
+use std::sync::{Arc, Barrier};
+
+use super::*;
+use crate::tenant::spec::{GuestImage, TenantSpec};
+
+fn spec(name: &str) -> TenantSpec {
+    TenantSpec::from_toml(&format!("name = \"{name}\"\n[image]\nname = \"hello\"\n")).unwrap()
+}
+
+fn open_temp() -> (tempfile::TempDir, Store) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("state.db")).unwrap();
+    (dir, store)
+}
+
+#[test]
+fn reopening_keeps_tenants_and_schema() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    {
+        let store = Store::open(&path).unwrap();
+        store.insert_tenant(&spec("a")).unwrap();
+    }
+    let store = Store::open(&path).unwrap();
+    let t = store.tenant("a").unwrap().unwrap();
+    assert_eq!(t.state, LifecycleState::Pending);
+    assert_eq!(
+        t.spec.image,
+        GuestImage {
+            name: Some("hello".into()),
+            ..Default::default()
+        }
+    );
+}
+
+#[test]
+fn duplicate_live_names_are_refused_but_destroyed_names_are_reusable() {
+    let (_d, store) = open_temp();
+    let t = store.insert_tenant(&spec("a")).unwrap();
+    assert!(matches!(
+        store.insert_tenant(&spec("a")),
+        Err(StoreError::DuplicateName(_))
+    ));
+    store
+        .transition(t.id, LifecycleState::Destroying, Some("destroy"), None)
+        .unwrap();
+    store
+        .transition(t.id, LifecycleState::Destroyed, None, None)
+        .unwrap();
+    store.insert_tenant(&spec("a")).unwrap();
+    assert_eq!(store.list_tenants(true).unwrap().len(), 2);
+    assert_eq!(store.list_tenants(false).unwrap().len(), 1);
+}
+
+#[test]
+fn invalid_transitions_change_nothing() {
+    let (_d, store) = open_temp();
+    let t = store.insert_tenant(&spec("a")).unwrap();
+    let err = store
+        .transition(t.id, LifecycleState::Running, None, None)
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Lifecycle(_)));
+    assert_eq!(
+        store.tenant("a").unwrap().unwrap().state,
+        LifecycleState::Pending
+    );
+}
+
+#[test]
+fn steps_are_recorded_before_and_after() {
+    let (_d, store) = open_temp();
+    let t = store.insert_tenant(&spec("a")).unwrap();
+    let op = store
+        .transition(t.id, LifecycleState::Provisioning, Some("create"), None)
+        .unwrap()
+        .unwrap();
+    store.step_started(t.id, op, "allocate-uid").unwrap();
+    assert_eq!(store.steps(op).unwrap()[0].status, "started");
+    store.step_finished(t.id, op, "allocate-uid", None).unwrap();
+    store.step_started(t.id, op, "launch-vm").unwrap();
+    store
+        .step_finished(t.id, op, "launch-vm", Some("boom"))
+        .unwrap();
+    let steps = store.steps(op).unwrap();
+    assert_eq!(steps[0].status, "done");
+    assert_eq!(steps[1].status, "failed");
+    assert_eq!(steps[1].error.as_deref(), Some("boom"));
+    // Re-running a step (a resume) resets it to started.
+    store.step_started(t.id, op, "launch-vm").unwrap();
+    assert_eq!(store.steps(op).unwrap()[1].status, "started");
+}
+
+#[test]
+fn uids_are_lowest_free_and_stable_per_tenant() {
+    let (_d, store) = open_temp();
+    let a = store.insert_tenant(&spec("a")).unwrap();
+    let b = store.insert_tenant(&spec("b")).unwrap();
+    let c = store.insert_tenant(&spec("c")).unwrap();
+    assert_eq!(store.allocate_uid(a.id, 1000, 2).unwrap(), 1000);
+    assert_eq!(store.allocate_uid(a.id, 1000, 2).unwrap(), 1000);
+    assert_eq!(store.allocate_uid(b.id, 1000, 2).unwrap(), 1001);
+    assert!(matches!(
+        store.allocate_uid(c.id, 1000, 2),
+        Err(StoreError::UidsExhausted(..))
+    ));
+    store.remove_resource(ResourceKind::Uid, "1000").unwrap();
+    assert_eq!(store.allocate_uid(c.id, 1000, 2).unwrap(), 1000);
+}
+
+#[test]
+fn resources_are_unique_across_tenants() {
+    let (_d, store) = open_temp();
+    let a = store.insert_tenant(&spec("a")).unwrap();
+    let b = store.insert_tenant(&spec("b")).unwrap();
+    store
+        .add_resource(a.id, ResourceKind::File, "/x", None)
+        .unwrap();
+    store
+        .add_resource(a.id, ResourceKind::File, "/x", Some("again"))
+        .unwrap();
+    store
+        .add_resource(b.id, ResourceKind::File, "/x", Some("steal"))
+        .unwrap();
+    let held = store.resources(None).unwrap();
+    assert_eq!(held.len(), 1);
+    assert_eq!(held[0].tenant_id, a.id);
+    assert_eq!(held[0].detail.as_deref(), Some("again"));
+}
+
+fn whole(gpu: &str) -> GpuPlacement {
+    GpuPlacement {
+        gpu: gpu.into(),
+        slots: (0..8).collect(),
+        label: "whole".into(),
+    }
+}
+
+fn slice(gpu: &str, start: u32, len: u32) -> GpuPlacement {
+    GpuPlacement {
+        gpu: gpu.into(),
+        slots: (start..start + len).collect(),
+        label: format!("{len}g@{start}"),
+    }
+}
+
+#[test]
+fn gpu_reservation_skips_taken_slots_and_is_idempotent() {
+    let (_d, store) = open_temp();
+    let a = store.insert_tenant(&spec("a")).unwrap();
+    let b = store.insert_tenant(&spec("b")).unwrap();
+    let c = store.insert_tenant(&spec("c")).unwrap();
+    let got = store
+        .reserve_gpu(a.id, &[slice("g0", 0, 4)])
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.slots, vec![0, 1, 2, 3]);
+    assert_eq!(
+        store
+            .reserve_gpu(a.id, &[slice("g0", 4, 4)])
+            .unwrap()
+            .unwrap(),
+        got
+    );
+    // A whole GPU overlaps a's slice; the second candidate is free.
+    let got_b = store
+        .reserve_gpu(b.id, &[whole("g0"), whole("g1")])
+        .unwrap()
+        .unwrap();
+    assert_eq!(got_b.gpu, "g1");
+    assert_eq!(
+        store
+            .reserve_gpu(c.id, &[whole("g0"), whole("g1")])
+            .unwrap(),
+        None
+    );
+    // A failed candidate leaves no partial rows behind.
+    assert_eq!(store.gpu_reservations().unwrap().len(), 12);
+    store.release_gpu(a.id).unwrap();
+    assert_eq!(
+        store
+            .reserve_gpu(c.id, &[whole("g0")])
+            .unwrap()
+            .unwrap()
+            .gpu,
+        "g0"
+    );
+}
+
+#[test]
+fn concurrent_gpu_reservations_never_share_a_slot() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    let setup = Store::open(&path).unwrap();
+    let ids: Vec<i64> = (0..12)
+        .map(|i| setup.insert_tenant(&spec(&format!("t{i}"))).unwrap().id)
+        .collect();
+    // Two GPUs of 8 slots; each tenant wants 2 slots anywhere: 8 fit, 4 must be refused.
+    let candidates: Vec<GpuPlacement> = ["g0", "g1"]
+        .iter()
+        .flat_map(|g| (0..4).map(move |k| slice(g, k * 2, 2)))
+        .collect();
+    let barrier = Arc::new(Barrier::new(ids.len()));
+    let handles: Vec<_> = ids
+        .iter()
+        .map(|&id| {
+            let path = path.clone();
+            let barrier = barrier.clone();
+            let candidates = candidates.clone();
+            std::thread::spawn(move || {
+                // Each thread has its own connection, as separate processes would.
+                let store = Store::open(&path).unwrap();
+                barrier.wait();
+                store.reserve_gpu(id, &candidates).unwrap()
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let granted: Vec<_> = results.iter().flatten().collect();
+    assert_eq!(granted.len(), 8);
+    let mut seen = std::collections::HashSet::new();
+    for p in &granted {
+        for s in &p.slots {
+            assert!(
+                seen.insert((p.gpu.clone(), *s)),
+                "slot {s} of {} granted twice",
+                p.gpu
+            );
+        }
+    }
+    assert_eq!(setup.gpu_reservations().unwrap().len(), 16);
+}
+
+#[test]
+fn tokens_resolve_to_owners_and_revoke() {
+    let (_d, store) = open_temp();
+    let a = store.insert_tenant(&spec("a")).unwrap();
+    store.insert_token("aa", &TokenOwner::Admin).unwrap();
+    store.insert_token("bb", &TokenOwner::Tenant(a.id)).unwrap();
+    assert!(store.has_admin_token().unwrap());
+    assert_eq!(
+        store.token_owner("aa").unwrap().unwrap().1,
+        TokenOwner::Admin
+    );
+    assert_eq!(
+        store.token_owner("bb").unwrap().unwrap().1,
+        TokenOwner::Tenant(a.id)
+    );
+    assert!(store.token_owner("cc").unwrap().is_none());
+    store.revoke_tenant_tokens(a.id).unwrap();
+    assert!(store.token_owner("bb").unwrap().is_none());
+}
+
+#[test]
+fn events_page_by_id() {
+    let (_d, store) = open_temp();
+    let a = store.insert_tenant(&spec("a")).unwrap();
+    store.add_event(Some(a.id), "note", "one").unwrap();
+    store.add_event(Some(a.id), "note", "two").unwrap();
+    let all = store.events(a.id, 0, 100).unwrap();
+    assert_eq!(all.len(), 3);
+    let after = store.events(a.id, all[1].id, 100).unwrap();
+    assert_eq!(after.len(), 1);
+    assert_eq!(after[0].message, "two");
+}

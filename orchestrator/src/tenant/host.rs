@@ -1,0 +1,67 @@
+//! The host-side seams the tenant service needs besides the VM backend: cleaning up a
+//! tenant's jail and cgroups, and planning GPU placements.
+
+use std::path::Path;
+
+use thiserror::Error;
+
+use crate::jail::{self, Cgroups, JailError};
+use crate::store::GpuPlacement;
+use crate::tenant::spec::GpuRequest;
+
+/// Tears down what the jail left on the host. Implemented for the real [`Cgroups`].
+pub trait JailCleaner: Send + Sync {
+    /// Kills every process in the tenant's cgroup and removes the cgroup and jail root.
+    /// Idempotent.
+    fn cleanup(&self, tenant: &str, tenant_dir: &Path) -> Result<(), JailError>;
+    /// Tenants that have a cgroup on the host.
+    fn list(&self) -> Result<Vec<String>, JailError>;
+}
+
+impl JailCleaner for Cgroups {
+    fn cleanup(&self, tenant: &str, tenant_dir: &Path) -> Result<(), JailError> {
+        jail::cleanup_tenant(self, tenant, tenant_dir)
+    }
+
+    fn list(&self) -> Result<Vec<String>, JailError> {
+        jail::list_tenant_cgroups(self)
+    }
+}
+
+/// Why no GPU placement could be offered.
+#[derive(Debug, Error)]
+pub enum GpuPlanError {
+    /// The daemon runs without a GPU backend.
+    #[error("This daemon has no GPU backend (started with --gpu-backend none): remove the `gpu` request or restart tenantvmd with --gpu-backend nvml or sim:FILE")]
+    NoGpuBackend,
+    /// The planner refused the request.
+    #[error("GPU request cannot be planned: {0}")]
+    Plan(String),
+}
+
+/// Turns a GPU request into candidate placements, best first. The store's ledger then
+/// reserves the first free one atomically.
+pub trait GpuPlanner: Send + Sync {
+    /// Candidate placements for `request` (never called for [`GpuRequest::None`]).
+    fn candidates(&self, request: &GpuRequest) -> Result<Vec<GpuPlacement>, GpuPlanError>;
+
+    /// Makes a reserved placement real on the GPU (creates its MIG instance). Idempotent.
+    /// The default does nothing (whole GPUs and planners without hardware).
+    fn materialize(&self, _placement: &GpuPlacement) -> Result<(), GpuPlanError> {
+        Ok(())
+    }
+
+    /// Undoes [`GpuPlanner::materialize`] (destroys the MIG instance). Idempotent.
+    fn release(&self, _placement: &GpuPlacement) -> Result<(), GpuPlanError> {
+        Ok(())
+    }
+}
+
+/// The planner of a daemon started with `--gpu-backend none`: every GPU request is refused.
+pub struct NoGpus;
+
+impl GpuPlanner for NoGpus {
+    fn candidates(&self, _request: &GpuRequest) -> Result<Vec<GpuPlacement>, GpuPlanError> {
+        Err(GpuPlanError::NoGpuBackend)
+    }
+}

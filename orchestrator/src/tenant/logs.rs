@@ -1,0 +1,183 @@
+//! Reading a tenant's logs for the API: the serial console and VMM log through the
+//! runtime's [`crate::logs::TenantLogs`] (capped, rotated, sanitised), and lifecycle events
+//! from the store.
+
+use crate::api::types::{LogChunk, LogPosition, LogQuery, LogStream};
+use crate::logs::{LogCursor, LogKind, LogPolicy, TenantLogs, MAX_CHUNK_BYTES, MAX_TAIL_LINES};
+use crate::store::TenantRecord;
+use crate::tenant::service::{TenantService, TenantServiceError};
+
+/// Lines (or events) returned when no cursor and no `tail` is given.
+pub const DEFAULT_TAIL: u64 = 100;
+/// Bytes returned per follow read when no `max_bytes` is given.
+pub const DEFAULT_MAX_BYTES: u64 = 64 << 10;
+
+/// Reads a chunk of one of a tenant's logs.
+pub fn read(
+    svc: &TenantService,
+    t: &TenantRecord,
+    q: &LogQuery,
+) -> Result<LogChunk, TenantServiceError> {
+    let tail = q
+        .tail
+        .unwrap_or(DEFAULT_TAIL)
+        .clamp(1, MAX_TAIL_LINES as u64);
+    let kind = match q.stream {
+        LogStream::Serial => LogKind::Serial,
+        LogStream::Vmm => LogKind::Vmm,
+        LogStream::Events => return read_events(svc, t, q, tail),
+    };
+    let root = svc.config().state_dir.join("tenants");
+    if !root.join(&t.name).is_dir() {
+        // Nothing provisioned yet (or already removed): an empty log, not an error.
+        return Ok(LogChunk {
+            stream: q.stream,
+            text: String::new(),
+            next: LogPosition::default(),
+            skipped: false,
+            events: Vec::new(),
+        });
+    }
+    let logs = TenantLogs::open(&root, &t.name, LogPolicy::default()).map_err(log_err)?;
+    match (q.generation, q.offset) {
+        (None, None) => {
+            let lines: Vec<String> = logs
+                .tail(kind, tail as usize)
+                .map_err(log_err)?
+                .into_iter()
+                .map(crlf_to_lf)
+                .collect();
+            let end = logs.end(kind).map_err(log_err)?;
+            let mut text = lines.join("\n");
+            if !text.is_empty() {
+                text.push('\n');
+            }
+            Ok(LogChunk {
+                stream: q.stream,
+                text,
+                next: LogPosition {
+                    generation: end.generation,
+                    offset: end.offset,
+                },
+                skipped: false,
+                events: Vec::new(),
+            })
+        }
+        (generation, offset) => {
+            let max = q
+                .max_bytes
+                .unwrap_or(DEFAULT_MAX_BYTES)
+                .clamp(1, MAX_CHUNK_BYTES as u64) as usize;
+            let cursor = LogCursor {
+                generation: generation.unwrap_or(0),
+                offset: offset.unwrap_or(0),
+            };
+            let chunk = logs.read_from(kind, cursor, max).map_err(log_err)?;
+            Ok(LogChunk {
+                stream: q.stream,
+                text: crlf_to_lf(chunk.text),
+                next: LogPosition {
+                    generation: chunk.next.generation,
+                    offset: chunk.next.offset,
+                },
+                skipped: chunk.skipped,
+                events: Vec::new(),
+            })
+        }
+    }
+}
+
+fn read_events(
+    svc: &TenantService,
+    t: &TenantRecord,
+    q: &LogQuery,
+    tail: u64,
+) -> Result<LogChunk, TenantServiceError> {
+    let store = svc.store();
+    let events = match q.offset {
+        Some(after) => store.events(t.id, i64::try_from(after).unwrap_or(i64::MAX), 1000)?,
+        None => {
+            let mut all = store.events(t.id, 0, u32::MAX)?;
+            let skip = all.len().saturating_sub(tail as usize);
+            all.drain(..skip);
+            all
+        }
+    };
+    let last = events
+        .last()
+        .map(|e| e.id as u64)
+        .unwrap_or(q.offset.unwrap_or(0));
+    let text = events
+        .iter()
+        .map(|e| format!("{} {:<5} {}\n", utc(e.at_ms), e.kind, e.message))
+        .collect();
+    Ok(LogChunk {
+        stream: q.stream,
+        text,
+        next: LogPosition {
+            generation: 0,
+            offset: last,
+        },
+        skipped: false,
+        events,
+    })
+}
+
+/// `YYYY-MM-DD HH:MM:SS.mmm` (UTC) for milliseconds since the epoch.
+pub fn utc(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}.{:03}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        ms.rem_euclid(1000)
+    )
+}
+
+/// Serial consoles end lines with CRLF; the runtime's sanitiser turns the CR into U+FFFD
+/// like every other control character. Drop it where it ends a line.
+fn crlf_to_lf(text: String) -> String {
+    if text.contains("\u{fffd}\n") || text.ends_with('\u{fffd}') {
+        let t = text.replace("\u{fffd}\n", "\n");
+        t.strip_suffix('\u{fffd}').map(str::to_string).unwrap_or(t)
+    } else {
+        text
+    }
+}
+
+fn log_err(e: crate::logs::LogError) -> TenantServiceError {
+    match e {
+        crate::logs::LogError::InvalidRequest(m) => TenantServiceError::BadRequest(m),
+        other => TenantServiceError::Log(crate::tenant::steps::error_chain(&other)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::utc;
+
+    #[test]
+    fn crlf_line_ends_lose_their_replaced_cr() {
+        assert_eq!(super::crlf_to_lf("a\u{fffd}\nb\u{fffd}".into()), "a\nb");
+        assert_eq!(super::crlf_to_lf("a\u{fffd}b\n".into()), "a\u{fffd}b\n");
+    }
+
+    #[test]
+    fn utc_formats_known_instants() {
+        assert_eq!(utc(0), "1970-01-01 00:00:00.000");
+        assert_eq!(utc(951_782_400_123), "2000-02-29 00:00:00.123");
+        assert_eq!(utc(1_796_051_003_092), "2026-11-30 15:03:23.092");
+    }
+}

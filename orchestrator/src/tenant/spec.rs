@@ -1,0 +1,441 @@
+//! The tenant spec: what an operator asks for, as a TOML file or CLI flags.
+//!
+//! Every field is checked here, once, before anything touches the host: tenant names reach
+//! paths, cgroup names and uids, so they are held to `[a-z0-9][a-z0-9-]{0,62}`.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Largest vCPU count a spec may ask for.
+pub const MAX_VCPUS: u32 = 64;
+/// Smallest guest memory, in MiB.
+pub const MIN_MEMORY_MIB: u32 = 16;
+/// Largest guest memory, in MiB (1 TiB).
+pub const MAX_MEMORY_MIB: u32 = 1 << 20;
+/// Largest disk, in GiB.
+pub const MAX_DISK_GIB: u32 = 16 * 1024;
+/// Longest kernel command line accepted.
+pub const MAX_CMDLINE_LEN: usize = 2048;
+
+/// Why a tenant spec was refused. Each message says what to change.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum TenantSpecError {
+    /// The name breaks the naming rule.
+    #[error("Invalid tenant name {0:?}: use 1-63 characters from a-z, 0-9 and '-', starting with a letter or digit")]
+    InvalidName(String),
+    /// A number is outside its range.
+    #[error("Field `{field}` is {value}, but must be between {min} and {max}")]
+    OutOfRange {
+        /// The field.
+        field: &'static str,
+        /// The value given.
+        value: u64,
+        /// Smallest allowed.
+        min: u64,
+        /// Largest allowed.
+        max: u64,
+    },
+    /// The guest image names neither a known image nor a kernel, or both.
+    #[error("Guest image: give either `image.name` (a named image) or `image.kernel` (a host path), not both and not neither")]
+    ImageChoice,
+    /// A host path is not absolute or contains `..`.
+    #[error("Field `{field}` must be an absolute host path without `..` components, got {path:?}")]
+    BadPath {
+        /// The field.
+        field: &'static str,
+        /// The path given.
+        path: PathBuf,
+    },
+    /// The image name breaks the naming rule.
+    #[error("Invalid image name {0:?}: use 1-63 characters from a-z, 0-9, '-' and '_', starting with a letter or digit")]
+    InvalidImageName(String),
+    /// The command line is too long or holds control characters.
+    #[error("Kernel command line must be at most {MAX_CMDLINE_LEN} printable characters")]
+    BadCmdline,
+    /// A GPU request names an empty profile or preset.
+    #[error("GPU request: `{0}` must not be empty (e.g. profile = \"1g.10gb\", preset = \"llama-3-8b\")")]
+    EmptyGpuField(&'static str),
+    /// The TOML document did not parse (syntax, types, unknown fields).
+    #[error("Tenant spec is not valid TOML for this schema: {0}")]
+    Toml(String),
+}
+
+/// A tenant spec, as submitted to `POST /v1/tenants` or read from a TOML file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantSpec {
+    /// Tenant name, `[a-z0-9][a-z0-9-]{0,62}`.
+    pub name: String,
+    /// Number of vCPUs (1..=64).
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u32,
+    /// Guest memory in MiB.
+    #[serde(default = "default_memory_mib")]
+    pub memory_mib: u32,
+    /// Size of the tenant's encrypted disk in GiB; 0 means no disk.
+    #[serde(default)]
+    pub disk_gib: u32,
+    /// The GPU share requested.
+    #[serde(default)]
+    pub gpu: GpuRequest,
+    /// What the guest boots.
+    pub image: GuestImage,
+    /// Per-tenant limits enforced by the gateway and the VMM.
+    #[serde(default)]
+    pub quotas: Quotas,
+}
+
+fn default_vcpus() -> u32 {
+    1
+}
+
+fn default_memory_mib() -> u32 {
+    128
+}
+
+/// The GPU share a tenant asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum GpuRequest {
+    /// No GPU.
+    #[default]
+    None,
+    /// One whole GPU, passed through over VFIO.
+    Whole,
+    /// One MIG instance of the named profile (e.g. `1g.10gb`).
+    Mig {
+        /// MIG profile name.
+        profile: String,
+    },
+    /// A slice sized by the planner from a model preset (e.g. `llama-3-8b`).
+    Model {
+        /// Model preset name.
+        preset: String,
+    },
+}
+
+impl GpuRequest {
+    /// Whether any GPU is requested.
+    pub fn wants_gpu(&self) -> bool {
+        !matches!(self, GpuRequest::None)
+    }
+}
+
+/// What the guest boots: a named image from the daemon's image directory, or host files.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct GuestImage {
+    /// A named image: `<image-dir>/<name>/kernel` (+ optional `initramfs`, `cmdline`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Absolute host path of the kernel (ELF vmlinux or bzImage).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<PathBuf>,
+    /// Absolute host path of an initramfs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initramfs: Option<PathBuf>,
+    /// Kernel command line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmdline: Option<String>,
+}
+
+/// Per-tenant quotas.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Quotas {
+    /// Inference requests per second (token bucket rate).
+    #[serde(default = "default_rps")]
+    pub requests_per_s: u32,
+    /// Requests in flight at once.
+    #[serde(default = "default_concurrency")]
+    pub max_concurrency: u32,
+    /// Disk I/O operations per second.
+    #[serde(default = "default_iops")]
+    pub disk_iops: u32,
+    /// Disk bandwidth in MiB/s.
+    #[serde(default = "default_disk_mib_s")]
+    pub disk_mib_per_s: u32,
+}
+
+fn default_rps() -> u32 {
+    10
+}
+fn default_concurrency() -> u32 {
+    4
+}
+fn default_iops() -> u32 {
+    1000
+}
+fn default_disk_mib_s() -> u32 {
+    100
+}
+
+impl Default for Quotas {
+    fn default() -> Self {
+        Quotas {
+            requests_per_s: default_rps(),
+            max_concurrency: default_concurrency(),
+            disk_iops: default_iops(),
+            disk_mib_per_s: default_disk_mib_s(),
+        }
+    }
+}
+
+/// Checks a tenant name against `[a-z0-9][a-z0-9-]{0,62}`.
+pub fn validate_name(name: &str) -> Result<(), TenantSpecError> {
+    let bytes = name.as_bytes();
+    let ok = !bytes.is_empty()
+        && bytes.len() <= 63
+        && (bytes[0].is_ascii_lowercase() || bytes[0].is_ascii_digit())
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(TenantSpecError::InvalidName(name.to_string()))
+    }
+}
+
+fn validate_image_name(name: &str) -> Result<(), TenantSpecError> {
+    let bytes = name.as_bytes();
+    let ok = !bytes.is_empty()
+        && bytes.len() <= 63
+        && bytes[0].is_ascii_alphanumeric()
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-' || *b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(TenantSpecError::InvalidImageName(name.to_string()))
+    }
+}
+
+fn validate_host_path(field: &'static str, path: &Path) -> Result<(), TenantSpecError> {
+    let bad = !path.is_absolute()
+        || path
+            .components()
+            .any(|c| matches!(c, std::path::Component::ParentDir));
+    if bad {
+        return Err(TenantSpecError::BadPath {
+            field,
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(())
+}
+
+fn range(field: &'static str, value: u32, min: u32, max: u32) -> Result<(), TenantSpecError> {
+    if value < min || value > max {
+        return Err(TenantSpecError::OutOfRange {
+            field,
+            value: value.into(),
+            min: min.into(),
+            max: max.into(),
+        });
+    }
+    Ok(())
+}
+
+impl TenantSpec {
+    /// Parses a TOML document and validates it.
+    pub fn from_toml(text: &str) -> Result<TenantSpec, TenantSpecError> {
+        let spec: TenantSpec =
+            toml::from_str(text).map_err(|e| TenantSpecError::Toml(e.message().to_string()))?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// Checks every field; the first problem found is returned.
+    pub fn validate(&self) -> Result<(), TenantSpecError> {
+        validate_name(&self.name)?;
+        range("vcpus", self.vcpus, 1, MAX_VCPUS)?;
+        range(
+            "memory_mib",
+            self.memory_mib,
+            MIN_MEMORY_MIB,
+            MAX_MEMORY_MIB,
+        )?;
+        range("disk_gib", self.disk_gib, 0, MAX_DISK_GIB)?;
+        match &self.gpu {
+            GpuRequest::Mig { profile } if profile.trim().is_empty() => {
+                return Err(TenantSpecError::EmptyGpuField("profile"))
+            }
+            GpuRequest::Model { preset } if preset.trim().is_empty() => {
+                return Err(TenantSpecError::EmptyGpuField("preset"))
+            }
+            _ => {}
+        }
+        let image = &self.image;
+        match (&image.name, &image.kernel) {
+            (Some(name), None) => validate_image_name(name)?,
+            (None, Some(kernel)) => validate_host_path("image.kernel", kernel)?,
+            _ => return Err(TenantSpecError::ImageChoice),
+        }
+        if let Some(initramfs) = &image.initramfs {
+            validate_host_path("image.initramfs", initramfs)?;
+        }
+        if let Some(cmdline) = &image.cmdline {
+            if cmdline.len() > MAX_CMDLINE_LEN || cmdline.chars().any(|c| c.is_control()) {
+                return Err(TenantSpecError::BadCmdline);
+            }
+        }
+        let q = &self.quotas;
+        range("quotas.requests_per_s", q.requests_per_s, 1, 1_000_000)?;
+        range("quotas.max_concurrency", q.max_concurrency, 1, 65_536)?;
+        range("quotas.disk_iops", q.disk_iops, 1, 10_000_000)?;
+        range("quotas.disk_mib_per_s", q.disk_mib_per_s, 1, 1_000_000)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+name = "alice"
+vcpus = 2
+memory_mib = 256
+disk_gib = 10
+gpu = { kind = "mig", profile = "1g.10gb" }
+[image]
+kernel = "/boot/vmlinux"
+cmdline = "console=ttyS0"
+[quotas]
+requests_per_s = 5
+"#;
+
+    #[test]
+    fn parses_a_complete_spec() {
+        let spec = TenantSpec::from_toml(GOOD).unwrap();
+        assert_eq!(spec.name, "alice");
+        assert_eq!(spec.vcpus, 2);
+        assert_eq!(
+            spec.gpu,
+            GpuRequest::Mig {
+                profile: "1g.10gb".into()
+            }
+        );
+        assert_eq!(spec.quotas.requests_per_s, 5);
+        assert_eq!(spec.quotas.max_concurrency, 4);
+    }
+
+    #[test]
+    fn names_follow_the_rule() {
+        for good in ["a", "0", "alice-2", &"a".repeat(63)] {
+            assert!(validate_name(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "",
+            "-a",
+            "A",
+            "a_b",
+            "../x",
+            "a/b",
+            "a.b",
+            "a b",
+            &"a".repeat(64),
+            "ä",
+        ] {
+            assert!(
+                matches!(validate_name(bad), Err(TenantSpecError::InvalidName(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        let text = GOOD.replace("vcpus = 2", "vcpus = 2\ncolour = \"red\"");
+        let err = TenantSpec::from_toml(&text).unwrap_err();
+        assert!(err.to_string().contains("colour"), "{err}");
+    }
+
+    #[test]
+    fn unknown_gpu_fields_are_rejected() {
+        let text = GOOD.replace("profile = \"1g.10gb\"", "profile = \"1g.10gb\", count = 2");
+        assert!(TenantSpec::from_toml(&text).is_err());
+    }
+
+    #[test]
+    fn out_of_range_numbers_are_rejected() {
+        let text = GOOD.replace("vcpus = 2", "vcpus = 0");
+        assert!(matches!(
+            TenantSpec::from_toml(&text),
+            Err(TenantSpecError::OutOfRange { field: "vcpus", .. })
+        ));
+        let text = GOOD.replace("memory_mib = 256", "memory_mib = 1");
+        assert!(matches!(
+            TenantSpec::from_toml(&text),
+            Err(TenantSpecError::OutOfRange {
+                field: "memory_mib",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn image_needs_exactly_one_source() {
+        let text = GOOD.replace("kernel = \"/boot/vmlinux\"", "");
+        assert_eq!(
+            TenantSpec::from_toml(&text),
+            Err(TenantSpecError::ImageChoice)
+        );
+        let text = GOOD.replace("[image]", "[image]\nname = \"hello\"");
+        assert_eq!(
+            TenantSpec::from_toml(&text),
+            Err(TenantSpecError::ImageChoice)
+        );
+    }
+
+    #[test]
+    fn relative_or_dotted_paths_are_rejected() {
+        let text = GOOD.replace("/boot/vmlinux", "boot/vmlinux");
+        assert!(matches!(
+            TenantSpec::from_toml(&text),
+            Err(TenantSpecError::BadPath { .. })
+        ));
+        let text = GOOD.replace("/boot/vmlinux", "/boot/../etc/shadow");
+        assert!(matches!(
+            TenantSpec::from_toml(&text),
+            Err(TenantSpecError::BadPath { .. })
+        ));
+    }
+
+    #[test]
+    fn image_names_are_checked() {
+        let text = GOOD.replace("kernel = \"/boot/vmlinux\"", "name = \"../etc\"");
+        assert!(matches!(
+            TenantSpec::from_toml(&text),
+            Err(TenantSpecError::InvalidImageName(_))
+        ));
+    }
+
+    #[test]
+    fn control_characters_in_cmdline_are_rejected() {
+        let text = GOOD.replace("console=ttyS0", "console=ttyS0\\n");
+        assert_eq!(
+            TenantSpec::from_toml(&text),
+            Err(TenantSpecError::BadCmdline)
+        );
+    }
+
+    #[test]
+    fn malformed_toml_says_so() {
+        let err = TenantSpec::from_toml("name = ").unwrap_err();
+        assert!(matches!(err, TenantSpecError::Toml(_)));
+    }
+
+    #[test]
+    fn defaults_fill_missing_fields() {
+        let spec = TenantSpec::from_toml("name = \"b\"\n[image]\nname = \"hello\"\n").unwrap();
+        assert_eq!(spec.vcpus, 1);
+        assert_eq!(spec.memory_mib, 128);
+        assert_eq!(spec.gpu, GpuRequest::None);
+        assert_eq!(spec.quotas, Quotas::default());
+    }
+}

@@ -1,0 +1,196 @@
+//! Fakes for in-process tests of the service and reconciliation, named as such: a fake
+//! host where "processes" and "cgroups" are entries in a map. The end-to-end tests in
+//! orchestrator/tests/ use the real VMM and cgroups instead.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::backend::{
+    BackendError, BackendKind, ExitReason, JailConfig, RunningVm, VmBackend, VmSpec, VmState,
+};
+use crate::jail::{CgroupHandle, JailError};
+use crate::store::{GpuPlacement, Store};
+use crate::tenant::fault::FaultHook;
+use crate::tenant::host::{GpuPlanError, GpuPlanner, JailCleaner};
+use crate::tenant::service::{ServiceConfig, TenantService};
+use crate::tenant::spec::GpuRequest;
+
+/// What the fake host holds.
+#[derive(Debug, Default)]
+pub struct FakeHostState {
+    /// Live fake processes: pid -> tenant.
+    pub processes: BTreeMap<i32, String>,
+    /// Fake cgroups, by tenant.
+    pub cgroups: BTreeSet<String>,
+    /// Next pid.
+    pub next_pid: i32,
+    /// Make the next launches fail.
+    pub fail_launch: bool,
+    /// Limits each launch asked for.
+    pub launched_with: Vec<JailConfig>,
+}
+
+/// A fake host shared by [`FakeBackend`] and the fake jail cleaner.
+#[derive(Clone, Default)]
+pub struct FakeHost(pub Arc<Mutex<FakeHostState>>);
+
+impl FakeHost {
+    /// Locks the state.
+    pub fn state(&self) -> std::sync::MutexGuard<'_, FakeHostState> {
+        self.0.lock().unwrap()
+    }
+}
+
+/// A fake VM backend over [`FakeHost`].
+pub struct FakeBackend(pub FakeHost);
+
+impl VmBackend for FakeBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::TenantvmVmm
+    }
+
+    fn launch(&self, spec: &VmSpec, jail: &JailConfig) -> Result<RunningVm, BackendError> {
+        let mut h = self.0.state();
+        if h.fail_launch {
+            return Err(BackendError::InvalidSpec("fake launch failure".into()));
+        }
+        h.next_pid += 1;
+        let pid = 1000 + h.next_pid;
+        h.processes.insert(pid, spec.tenant.clone());
+        h.cgroups.insert(spec.tenant.clone());
+        h.launched_with.push(jail.clone());
+        Ok(RunningVm {
+            backend: BackendKind::TenantvmVmm,
+            tenant: spec.tenant.clone(),
+            pid,
+            start_time_ticks: 7,
+            api_sock: spec.tenant_dir.join("api.sock"),
+            tenant_dir: spec.tenant_dir.clone(),
+            cgroup: CgroupHandle::V2 {
+                path: Path::new("/fake").join(&spec.tenant),
+            },
+            uid: jail.uid,
+        })
+    }
+
+    fn state(&self, vm: &RunningVm) -> Result<VmState, BackendError> {
+        Ok(if self.0.state().processes.contains_key(&vm.pid) {
+            VmState::Running
+        } else {
+            VmState::Gone
+        })
+    }
+
+    fn stop(&self, vm: &RunningVm, _grace: Duration) -> Result<ExitReason, BackendError> {
+        match self.0.state().processes.remove(&vm.pid) {
+            Some(_) => Ok(ExitReason::Stopped),
+            None => Err(BackendError::NotRunning(ExitReason::Signaled { signal: 9 })),
+        }
+    }
+
+    fn kill(&self, vm: &RunningVm) -> Result<(), BackendError> {
+        self.0.state().processes.remove(&vm.pid);
+        Ok(())
+    }
+}
+
+/// A fake jail cleaner over [`FakeHost`].
+pub struct FakeJail(pub FakeHost);
+
+impl JailCleaner for FakeJail {
+    fn cleanup(&self, tenant: &str, _tenant_dir: &Path) -> Result<(), JailError> {
+        let mut h = self.0.state();
+        h.processes.retain(|_, t| t != tenant);
+        h.cgroups.remove(tenant);
+        Ok(())
+    }
+
+    fn list(&self) -> Result<Vec<String>, JailError> {
+        Ok(self.0.state().cgroups.iter().cloned().collect())
+    }
+}
+
+/// A fake planner: `gpus` GPUs of 8 slots; whole = 8 slots, MIG `Ng.*` = N slots (7g = 8),
+/// model presets = 2 slots.
+pub struct FakeGpus {
+    /// GPU count.
+    pub gpus: u32,
+}
+
+impl GpuPlanner for FakeGpus {
+    fn candidates(&self, request: &GpuRequest) -> Result<Vec<GpuPlacement>, GpuPlanError> {
+        let len = match request {
+            GpuRequest::None => return Ok(Vec::new()),
+            GpuRequest::Whole => 8,
+            GpuRequest::Mig { profile } => match profile
+                .split('g')
+                .next()
+                .and_then(|n| n.parse::<u32>().ok())
+            {
+                Some(7) => 8,
+                Some(n @ 1..=4) => n,
+                _ => return Err(GpuPlanError::Plan(format!("unknown profile {profile:?}"))),
+            },
+            GpuRequest::Model { .. } => 2,
+        };
+        let mut out = Vec::new();
+        for g in 0..self.gpus {
+            let mut start = 0;
+            while start + len <= 8 {
+                out.push(GpuPlacement {
+                    gpu: format!("fake-gpu-{g}"),
+                    slots: (start..start + len).collect(),
+                    label: format!("{len}@{start}"),
+                });
+                start += len;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A service over a fake host in a temp dir, with a named image `hello`.
+pub struct Harness {
+    /// Keeps the temp dir alive.
+    pub dir: tempfile::TempDir,
+    /// The fake host.
+    pub host: FakeHost,
+    /// The service.
+    pub svc: TenantService,
+}
+
+impl Harness {
+    /// A fresh harness.
+    pub fn new(fault: FaultHook) -> Harness {
+        let dir = tempfile::tempdir().unwrap();
+        let images = dir.path().join("images/hello");
+        std::fs::create_dir_all(&images).unwrap();
+        std::fs::write(images.join("kernel"), b"not really a kernel").unwrap();
+        let host = FakeHost::default();
+        let svc = Self::service(dir.path(), &host, fault);
+        Harness { dir, host, svc }
+    }
+
+    /// A new service over the same store file and host: a daemon restart.
+    pub fn restart(&mut self, fault: FaultHook) {
+        self.svc.wait_idle();
+        self.svc = Self::service(self.dir.path(), &self.host, fault);
+    }
+
+    fn service(root: &Path, host: &FakeHost, fault: FaultHook) -> TenantService {
+        let store = Arc::new(Store::open(&root.join("state.db")).unwrap());
+        let mut cfg = ServiceConfig::new(root.join("state"));
+        cfg.image_dir = Some(root.join("images"));
+        cfg.boot_timeout = Duration::from_secs(2);
+        TenantService::new(
+            store,
+            Arc::new(FakeBackend(host.clone())),
+            Arc::new(FakeJail(host.clone())),
+            Arc::new(FakeGpus { gpus: 1 }),
+            cfg,
+            fault,
+        )
+    }
+}

@@ -1,0 +1,414 @@
+//! Tests of the tenant service and reconciliation over the fake host
+//! ([`super::test_utils`]).
+
+use crate::auth::Caller;
+use crate::reconcile::{reconcile, ReconcileOptions};
+use crate::store::ResourceKind;
+use crate::tenant::fault::{Boundary, FaultHook};
+use crate::tenant::lifecycle::LifecycleState;
+use crate::tenant::service::{CommandOutcome, TenantCommand, TenantServiceError};
+use crate::tenant::spec::TenantSpec;
+use crate::tenant::steps::Op;
+use crate::tenant::test_utils::Harness;
+
+fn spec(name: &str, gpu: &str) -> TenantSpec {
+    TenantSpec::from_toml(&format!(
+        "name = \"{name}\"\ngpu = {gpu}\n[image]\nname = \"hello\"\n"
+    ))
+    .unwrap()
+}
+
+fn create(h: &Harness, name: &str) -> String {
+    match h
+        .svc
+        .execute(
+            &Caller::Admin,
+            TenantCommand::Create(spec(name, "{ kind = \"none\" }")),
+        )
+        .unwrap()
+    {
+        CommandOutcome::Created(c) => c.token,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn state(h: &Harness, name: &str) -> Option<LifecycleState> {
+    h.svc.store().tenant(name).unwrap().map(|t| t.state)
+}
+
+#[test]
+fn create_stop_start_destroy_walks_the_lifecycle() {
+    let h = Harness::new(FaultHook::default());
+    create(&h, "alice");
+    h.svc.wait_idle();
+    assert_eq!(state(&h, "alice"), Some(LifecycleState::Running));
+    assert_eq!(h.host.state().processes.len(), 1);
+    let dir = h.svc.config().tenant_dir("alice");
+    assert!(dir.is_dir());
+
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Stop("alice".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    assert_eq!(state(&h, "alice"), Some(LifecycleState::Stopped));
+    assert!(h.host.state().processes.is_empty());
+
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Start("alice".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    assert_eq!(state(&h, "alice"), Some(LifecycleState::Running));
+
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Destroy("alice".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    assert_eq!(state(&h, "alice"), None);
+    assert!(h.host.state().processes.is_empty());
+    assert!(h.host.state().cgroups.is_empty());
+    assert!(!dir.exists());
+    assert!(h.svc.store().resources(None).unwrap().is_empty());
+}
+
+#[test]
+fn limits_follow_the_spec() {
+    let h = Harness::new(FaultHook::default());
+    let mut s = spec("big", "{ kind = \"none\" }");
+    s.vcpus = 4;
+    s.memory_mib = 512;
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Create(s))
+        .unwrap();
+    h.svc.wait_idle();
+    let jail = h.host.state().launched_with[0].clone();
+    assert_eq!(jail.limits.memory_bytes, (512 + 64) << 20);
+    assert_eq!(jail.limits.cpu_quota_us, 4 * jail.limits.cpu_period_us);
+    assert_eq!(jail.uid, jail.gid);
+    assert!(jail.uid >= 200_000);
+}
+
+#[test]
+fn tenant_tokens_cannot_see_or_act_on_others() {
+    let h = Harness::new(FaultHook::default());
+    create(&h, "alice");
+    create(&h, "bob");
+    h.svc.wait_idle();
+    let alice_id = h.svc.store().tenant("alice").unwrap().unwrap().id;
+    let alice = Caller::Tenant(alice_id);
+    for cmd in [
+        TenantCommand::Status("bob".into()),
+        TenantCommand::Stop("bob".into()),
+        TenantCommand::Destroy("bob".into()),
+        TenantCommand::Logs("bob".into(), Default::default()),
+        TenantCommand::Status("nobody".into()),
+    ] {
+        let err = h.svc.execute(&alice, cmd).unwrap_err();
+        assert!(matches!(err, TenantServiceError::NotFound(_)), "{err}");
+    }
+    assert!(matches!(
+        h.svc.execute(
+            &alice,
+            TenantCommand::Create(spec("eve", "{ kind = \"none\" }"))
+        ),
+        Err(TenantServiceError::AdminOnly(_))
+    ));
+    match h.svc.execute(&alice, TenantCommand::List).unwrap() {
+        CommandOutcome::Tenants(l) => {
+            assert_eq!(l.tenants.len(), 1);
+            assert_eq!(l.tenants[0].name, "alice");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(state(&h, "bob"), Some(LifecycleState::Running));
+    h.svc
+        .execute(&alice, TenantCommand::Stop("alice".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    assert_eq!(state(&h, "alice"), Some(LifecycleState::Stopped));
+}
+
+#[test]
+fn invalid_transitions_are_refused_and_change_nothing() {
+    let h = Harness::new(FaultHook::default());
+    create(&h, "alice");
+    h.svc.wait_idle();
+    let err = h
+        .svc
+        .execute(&Caller::Admin, TenantCommand::Start("alice".into()))
+        .unwrap_err();
+    assert!(err.to_string().contains("running"), "{err}");
+    assert_eq!(state(&h, "alice"), Some(LifecycleState::Running));
+}
+
+#[test]
+fn duplicate_names_are_refused() {
+    let h = Harness::new(FaultHook::default());
+    create(&h, "alice");
+    h.svc.wait_idle();
+    let err = h
+        .svc
+        .execute(
+            &Caller::Admin,
+            TenantCommand::Create(spec("alice", "{ kind = \"none\" }")),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("already exists"), "{err}");
+    assert_eq!(h.svc.store().list_tenants(true).unwrap().len(), 1);
+}
+
+#[test]
+fn missing_image_is_refused_before_anything_is_recorded() {
+    let h = Harness::new(FaultHook::default());
+    let s = TenantSpec::from_toml("name = \"a\"\n[image]\nname = \"nope\"\n").unwrap();
+    let err = h
+        .svc
+        .execute(&Caller::Admin, TenantCommand::Create(s))
+        .unwrap_err();
+    assert!(matches!(err, TenantServiceError::Image(_)), "{err}");
+    assert!(h.svc.store().list_tenants(true).unwrap().is_empty());
+}
+
+#[test]
+fn a_failed_launch_leaves_a_failed_tenant_without_a_vm() {
+    let h = Harness::new(FaultHook::default());
+    h.host.state().fail_launch = true;
+    create(&h, "alice");
+    h.svc.wait_idle();
+    let t = h.svc.store().tenant("alice").unwrap().unwrap();
+    assert_eq!(t.state, LifecycleState::Failed);
+    assert!(t.error.unwrap().contains("launch-vm"));
+    assert!(h.host.state().processes.is_empty());
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Destroy("alice".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    assert!(h.svc.store().resources(None).unwrap().is_empty());
+}
+
+#[test]
+fn gpu_requests_reserve_and_release_ledger_slots() {
+    let h = Harness::new(FaultHook::default());
+    h.svc
+        .execute(
+            &Caller::Admin,
+            TenantCommand::Create(spec("a", "{ kind = \"whole\" }")),
+        )
+        .unwrap();
+    h.svc.wait_idle();
+    assert_eq!(h.svc.store().gpu_reservations().unwrap().len(), 8);
+    h.svc
+        .execute(
+            &Caller::Admin,
+            TenantCommand::Create(spec("b", "{ kind = \"mig\", profile = \"1g.10gb\" }")),
+        )
+        .unwrap();
+    h.svc.wait_idle();
+    let b = h.svc.store().tenant("b").unwrap().unwrap();
+    assert_eq!(b.state, LifecycleState::Failed);
+    assert!(b.error.unwrap().contains("taken"));
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Destroy("a".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    assert!(h.svc.store().gpu_reservations().unwrap().is_empty());
+}
+
+/// Every invariant a converged host satisfies: each process and cgroup belongs to a running
+/// tenant and is recorded; nothing is held by a tenant that is gone.
+fn assert_converged(h: &Harness) {
+    let store = h.svc.store();
+    let all = store.list_tenants(true).unwrap();
+    for t in &all {
+        assert!(!t.state.is_transient(), "{} left {}", t.name, t.state);
+    }
+    let running: Vec<_> = all
+        .iter()
+        .filter(|t| t.state == LifecycleState::Running)
+        .collect();
+    let host = h.host.state();
+    let recorded: Vec<i32> = store
+        .resources(None)
+        .unwrap()
+        .iter()
+        .filter(|r| r.kind == ResourceKind::Process)
+        .map(|r| r.key.split(':').next().unwrap().parse().unwrap())
+        .collect();
+    let mut alive: Vec<i32> = host.processes.keys().copied().collect();
+    alive.sort_unstable();
+    let mut rec = recorded.clone();
+    rec.sort_unstable();
+    assert_eq!(alive, rec, "orphan or missing VMM processes");
+    assert_eq!(alive.len(), running.len());
+    let cgroups: Vec<_> = host.cgroups.iter().cloned().collect();
+    let mut names: Vec<_> = running.iter().map(|t| t.name.clone()).collect();
+    names.sort();
+    assert_eq!(cgroups, names, "orphan cgroups");
+    for t in all.iter().filter(|t| t.state == LifecycleState::Destroyed) {
+        assert!(
+            store.resources(Some(t.id)).unwrap().is_empty(),
+            "{} holds resources",
+            t.name
+        );
+        assert!(store.gpu_placement(t.id).unwrap().is_none());
+        assert!(!h.svc.config().tenant_dir(&t.name).exists());
+    }
+}
+
+#[test]
+fn create_converges_after_a_crash_at_every_step_boundary() {
+    for step in Op::Create.steps() {
+        for boundary in [Boundary::Before, Boundary::After] {
+            let mut h = Harness::new(FaultHook::fail_at("create", step.name(), boundary));
+            h.svc
+                .execute(
+                    &Caller::Admin,
+                    TenantCommand::Create(spec("a", "{ kind = \"mig\", profile = \"2g.20gb\" }")),
+                )
+                .unwrap();
+            h.svc.wait_idle();
+            assert_eq!(
+                state(&h, "a"),
+                Some(LifecycleState::Provisioning),
+                "{step:?} {boundary:?}"
+            );
+            h.restart(FaultHook::default());
+            let report = reconcile(&h.svc, &ReconcileOptions::default()).unwrap();
+            assert_eq!(report.resumed, vec!["a".to_string()]);
+            assert_eq!(
+                state(&h, "a"),
+                Some(LifecycleState::Running),
+                "{step:?} {boundary:?}"
+            );
+            assert_eq!(h.svc.store().gpu_reservations().unwrap().len(), 2);
+            assert_converged(&h);
+        }
+    }
+}
+
+#[test]
+fn destroy_converges_after_a_crash_at_every_step_boundary() {
+    for step in Op::Destroy.steps() {
+        for boundary in [Boundary::Before, Boundary::After] {
+            let mut h = Harness::new(FaultHook::default());
+            h.svc
+                .execute(
+                    &Caller::Admin,
+                    TenantCommand::Create(spec("a", "{ kind = \"whole\" }")),
+                )
+                .unwrap();
+            h.svc.wait_idle();
+            h.restart(FaultHook::fail_at("destroy", step.name(), boundary));
+            h.svc
+                .execute(&Caller::Admin, TenantCommand::Destroy("a".into()))
+                .unwrap();
+            h.svc.wait_idle();
+            h.restart(FaultHook::default());
+            reconcile(&h.svc, &ReconcileOptions::default()).unwrap();
+            assert_eq!(state(&h, "a"), None, "{step:?} {boundary:?}");
+            assert!(h.svc.store().resources(None).unwrap().is_empty());
+            assert!(h.svc.store().gpu_reservations().unwrap().is_empty());
+            assert_converged(&h);
+        }
+    }
+}
+
+#[test]
+fn reconcile_adopts_live_vms_and_fails_dead_ones() {
+    let mut h = Harness::new(FaultHook::default());
+    create(&h, "alive");
+    create(&h, "dead");
+    h.svc.wait_idle();
+    let dead_pid = h
+        .host
+        .state()
+        .processes
+        .iter()
+        .find(|(_, t)| *t == "dead")
+        .map(|(p, _)| *p)
+        .unwrap();
+    h.host.state().processes.remove(&dead_pid);
+    h.restart(FaultHook::default());
+    let report = reconcile(&h.svc, &ReconcileOptions::default()).unwrap();
+    assert_eq!(report.adopted, vec!["alive".to_string()]);
+    assert_eq!(report.failed, vec!["dead".to_string()]);
+    assert_eq!(state(&h, "dead"), Some(LifecycleState::Failed));
+    assert_converged(&h);
+}
+
+#[test]
+fn reconcile_removes_unknown_cgroups_and_their_processes() {
+    let mut h = Harness::new(FaultHook::default());
+    {
+        let mut host = h.host.state();
+        host.cgroups.insert("stray".into());
+        host.processes.insert(42, "stray".into());
+    }
+    h.restart(FaultHook::default());
+    let kept = reconcile(
+        &h.svc,
+        &ReconcileOptions {
+            sweep_unknown_cgroups: false,
+        },
+    )
+    .unwrap();
+    assert!(kept.cgroups_removed.is_empty());
+    let report = reconcile(&h.svc, &ReconcileOptions::default()).unwrap();
+    assert_eq!(report.cgroups_removed, vec!["stray".to_string()]);
+    assert!(h.host.state().processes.is_empty());
+}
+
+#[test]
+fn pending_tenants_are_rolled_back() {
+    let mut h = Harness::new(FaultHook::default());
+    h.svc
+        .store()
+        .insert_tenant(&spec("p", "{ kind = \"none\" }"))
+        .unwrap();
+    h.restart(FaultHook::default());
+    let report = reconcile(&h.svc, &ReconcileOptions::default()).unwrap();
+    assert_eq!(report.rolled_back, vec!["p".to_string()]);
+    assert_eq!(state(&h, "p"), None);
+}
+
+#[test]
+fn a_vm_that_ends_on_its_own_turns_its_tenant_failed() {
+    let h = Harness::new(FaultHook::default());
+    create(&h, "alice");
+    create(&h, "bob");
+    h.svc.wait_idle();
+    assert!(h.svc.check_vms().unwrap().is_empty());
+    let pid = h
+        .host
+        .state()
+        .processes
+        .iter()
+        .find(|(_, t)| *t == "alice")
+        .map(|(p, _)| *p)
+        .unwrap();
+    h.host.state().processes.remove(&pid);
+    assert_eq!(h.svc.check_vms().unwrap(), vec!["alice".to_string()]);
+    let t = h.svc.store().tenant("alice").unwrap().unwrap();
+    assert_eq!(t.state, LifecycleState::Failed);
+    assert!(t.error.unwrap().contains("gone"));
+    assert_eq!(state(&h, "bob"), Some(LifecycleState::Running));
+    assert!(h
+        .svc
+        .store()
+        .resources(Some(t.id))
+        .unwrap()
+        .iter()
+        .all(|r| r.kind != ResourceKind::Process));
+}
+
+#[test]
+fn disks_are_refused_until_tenantvmd_provisions_them() {
+    let h = Harness::new(FaultHook::default());
+    let mut s = spec("d", "{ kind = \"none\" }");
+    s.disk_gib = 1;
+    let err = h
+        .svc
+        .execute(&Caller::Admin, TenantCommand::Create(s))
+        .unwrap_err();
+    assert!(matches!(err, TenantServiceError::Unsupported(_)), "{err}");
+    assert!(h.svc.store().list_tenants(true).unwrap().is_empty());
+}

@@ -1,0 +1,336 @@
+//! A real `tenantvmd` in a temporary state directory, with an image directory holding the
+//! idle test guest, and helpers to inspect the host (processes, cgroups) and the store.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tenantvm::client::Client;
+use tenantvm::store::Store;
+
+/// Why the end-to-end tests cannot run here, if they cannot.
+pub fn skip_reason() -> Option<String> {
+    // SAFETY: geteuid has no preconditions and touches no memory.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("needs root (jails set uids, cgroups and namespaces)".into());
+    }
+    if let Err(e) = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
+        return Some(format!("/dev/kvm is not usable ({e})"));
+    }
+    if !vmm_binary().is_file() {
+        return Some(format!(
+            "{} is not built (cargo build -p tenantvm-vmm)",
+            vmm_binary().display()
+        ));
+    }
+    if Command::new("python3").arg("--version").output().is_err() {
+        return Some("python3 is missing (it writes the idle test guest)".into());
+    }
+    None
+}
+
+/// Prints why a test skips and returns true if it must.
+pub fn should_skip(test: &str) -> bool {
+    match skip_reason() {
+        Some(why) => {
+            eprintln!("skipping {test}: {why}");
+            true
+        }
+        None => false,
+    }
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The built no_std test guest, if scripts/build-test-guests.sh ran.
+pub fn test_guest() -> Option<PathBuf> {
+    let p = repo_root().join("target/test-guests/tvm-testguest");
+    p.is_file().then_some(p)
+}
+
+/// tenantvm-vmm next to tenantvmd in the target directory.
+pub fn vmm_binary() -> PathBuf {
+    Path::new(env!("CARGO_BIN_EXE_tenantvmd")).with_file_name("tenantvm-vmm")
+}
+
+/// A running (or stopped) daemon and its directories.
+pub struct TestDaemon {
+    /// Temp root: state/, img/, d.sock.
+    pub dir: tempfile::TempDir,
+    child: Option<Child>,
+    extra_args: Vec<String>,
+    uid_first: u32,
+}
+
+/// Distinct uid ranges for the daemons of one test process.
+static NEXT_RANGE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+impl TestDaemon {
+    /// Prepares the directories and the idle guest image; does not start the daemon.
+    pub fn new() -> TestDaemon {
+        // Short paths: the VMM's control socket path must fit in 108 bytes.
+        let dir = tempfile::Builder::new()
+            .prefix("tvm")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let img = dir.path().join("img/idle");
+        fs::create_dir_all(&img).unwrap();
+        let status = Command::new("python3")
+            .arg(repo_root().join("scripts/make-idle-guest.py"))
+            .arg(img.join("kernel"))
+            .arg("hello from the idle guest")
+            .status()
+            .unwrap();
+        assert!(status.success());
+        fs::write(img.join("cmdline"), "console=ttyS0").unwrap();
+        // The no_std test guest (scripts/build-test-guests.sh), idling: it prints
+        // `TVMTEST idle READY` and then a tick every 100 ms (busy-waiting between ticks).
+        if let Some(guest) = test_guest() {
+            let dir = dir.path().join("img/testguest");
+            fs::create_dir_all(&dir).unwrap();
+            fs::copy(guest, dir.join("kernel")).unwrap();
+            fs::write(dir.join("cmdline"), "console=ttyS0 tvm.test=idle").unwrap();
+        }
+        // Daemons of parallel tests must not hand out the same uids.
+        let slot = (std::process::id() % 4096) * 64
+            + NEXT_RANGE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 64;
+        TestDaemon {
+            dir,
+            child: None,
+            extra_args: Vec::new(),
+            uid_first: 1_000_000 + slot * 64,
+        }
+    }
+
+    /// Adds daemon arguments for every start.
+    pub fn with_args(mut self, args: &[&str]) -> TestDaemon {
+        self.extra_args.extend(args.iter().map(|s| s.to_string()));
+        self
+    }
+
+    /// The state directory.
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    /// The API socket.
+    pub fn socket(&self) -> PathBuf {
+        self.dir.path().join("d.sock")
+    }
+
+    /// Starts the daemon (with `crash_at` armed if given) and waits for its socket.
+    pub fn start(&mut self, crash_at: Option<&str>) {
+        assert!(self.child.is_none(), "daemon already running");
+        let _ = fs::remove_file(self.socket());
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("daemon.log"))
+            .unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tenantvmd"));
+        cmd.arg("--state-dir")
+            .arg(self.state_dir())
+            .arg("--socket")
+            .arg(self.socket())
+            .arg("--image-dir")
+            .arg(self.dir.path().join("img"))
+            .arg("--vmm-binary")
+            .arg(vmm_binary())
+            // Other tests' daemons share this host's cgroup tree.
+            .arg("--keep-unknown-cgroups")
+            .arg("--uid-range")
+            .arg(format!("{}:64", self.uid_first))
+            .args(&self.extra_args)
+            .env_remove("TENANTVM_TEST_CRASH_AT")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        if let Some(at) = crash_at {
+            cmd.env("TENANTVM_TEST_CRASH_AT", at);
+        }
+        let child = cmd.spawn().unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !self.socket().exists() {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("tenantvmd exited at start ({status}):\n{}", self.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "tenantvmd did not start:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The daemon's pid while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// The daemon's output so far.
+    pub fn log(&self) -> String {
+        fs::read_to_string(self.dir.path().join("daemon.log")).unwrap_or_default()
+    }
+
+    /// Waits for the daemon to die on its own (the crash hook); panics after `timeout`.
+    pub fn wait_for_death(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let child = self.child.as_mut().expect("daemon running");
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                self.child = None;
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "tenantvmd did not die:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGTERMs the daemon and waits for it.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SAFETY: kill(2) on the pid of a child we spawned and have not reaped.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            let _ = child.wait();
+        }
+    }
+
+    /// The admin token.
+    pub fn admin_token(&self) -> String {
+        fs::read_to_string(self.state_dir().join("admin.token"))
+            .unwrap()
+            .trim()
+            .to_string()
+    }
+
+    /// A client with the admin token.
+    pub fn admin(&self) -> Client {
+        Client::new(self.socket(), self.admin_token())
+    }
+
+    /// A client with another token.
+    pub fn client(&self, token: &str) -> Client {
+        Client::new(self.socket(), token)
+    }
+
+    /// A connection to the daemon's store (WAL: safe next to the daemon).
+    pub fn store(&self) -> Store {
+        Store::open(&self.state_dir().join("state.db")).unwrap()
+    }
+}
+
+impl Drop for TestDaemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SAFETY: kill(2) on the pid of a child we spawned and have not reaped.
+            unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+            let _ = child.wait();
+        }
+        // Leave no VM or cgroup behind, whatever the test did.
+        let names: Vec<String> = fs::read_dir(self.state_dir().join("tenants"))
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if let Ok(cgroups) = tenantvm::jail::Cgroups::detect() {
+            let mut all = names;
+            if let Ok(store) = Store::open(&self.state_dir().join("state.db")) {
+                all.extend(
+                    store
+                        .list_tenants(true)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|t| t.name),
+                );
+            }
+            for name in all {
+                let dir = self.state_dir().join("tenants").join(&name);
+                let _ = tenantvm::jail::cleanup_tenant(&cgroups, &name, &dir);
+            }
+        }
+    }
+}
+
+/// Pids of processes in the tenant's cgroup(s) according to /proc/PID/cgroup.
+pub fn processes_in_cgroup_of(tenant: &str) -> Vec<i32> {
+    let needle = format!("/tenantvm/{tenant}");
+    let mut out = Vec::new();
+    for entry in fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cg) = fs::read_to_string(entry.path().join("cgroup")) else {
+            continue;
+        };
+        if cg.lines().any(|l| l.ends_with(&needle)) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// Pids of processes running as `uid`.
+pub fn processes_of_uid(uid: u32) -> Vec<i32> {
+    let mut out = Vec::new();
+    for entry in fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(status) = fs::read_to_string(entry.path().join("status")) else {
+            continue;
+        };
+        let real = status
+            .lines()
+            .find(|l| l.starts_with("Uid:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|u| u.parse::<u32>().ok());
+        if real == Some(uid) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// Whether the tenant has a cgroup directory in any hierarchy.
+pub fn cgroup_exists(tenant: &str) -> bool {
+    let cgroups = tenantvm::jail::Cgroups::detect().unwrap();
+    cgroups.list_tenants().unwrap().iter().any(|t| t == tenant)
+}
+
+/// A tenant name unique to this test process (tests share the host's cgroup tree).
+pub fn unique(name: &str) -> String {
+    format!("{name}-{}", std::process::id())
+}
+
+/// Polls until `f` is true or `timeout` passes.
+pub async fn eventually<F, Fut>(timeout: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
