@@ -20,10 +20,13 @@ mod io;
 mod memtest;
 mod mptable;
 mod paging;
+mod pci;
 mod phys;
 mod report;
 mod smp;
 mod timer;
+mod virtio;
+mod vtests;
 
 use boot::EntryKind;
 use bootinfo::BootInfo;
@@ -64,6 +67,10 @@ const TESTS: &[&str] = &[
     "triple-fault",
     "page-fault",
     "idle",
+    "virtio-blk",
+    "virtio-rng",
+    "msix",
+    "blk-bench",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -106,7 +113,16 @@ fn triple_fault() -> ! {
 
 /// Tests that wait for something and so need the TSC calibrated (10 ms of PIT time, more
 /// under nested KVM: the others skip it so that power-off timings stay about the VMM).
-const TIMED_TESTS: &[&str] = &["smp", "serial-echo", "reset", "idle"];
+const TIMED_TESTS: &[&str] = &[
+    "smp",
+    "serial-echo",
+    "reset",
+    "idle",
+    "virtio-blk",
+    "virtio-rng",
+    "msix",
+    "blk-bench",
+];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
     if TIMED_TESTS.contains(&name) {
@@ -172,6 +188,10 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
             )))
         }
         "idle" => idle(),
+        "virtio-blk" => vtests::block(bi),
+        "virtio-rng" => vtests::rng(bi),
+        "msix" => vtests::msix(bi),
+        "blk-bench" => vtests::bench(bi),
         _ => unreachable!("dispatch only sees names from TESTS"),
     };
     match result {
