@@ -26,6 +26,7 @@ mod report;
 mod smp;
 mod timer;
 mod virtio;
+mod vsock;
 mod vtests;
 
 use boot::EntryKind;
@@ -71,6 +72,7 @@ const TESTS: &[&str] = &[
     "virtio-rng",
     "msix",
     "blk-bench",
+    "virtio-vsock",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -122,6 +124,7 @@ const TIMED_TESTS: &[&str] = &[
     "virtio-rng",
     "msix",
     "blk-bench",
+    "virtio-vsock",
 ];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
@@ -192,6 +195,7 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "virtio-rng" => vtests::rng(bi),
         "msix" => vtests::msix(bi),
         "blk-bench" => vtests::bench(bi),
+        "virtio-vsock" => vsock::run(bi),
         _ => unreachable!("dispatch only sees names from TESTS"),
     };
     match result {
