@@ -14,6 +14,7 @@ extern crate std;
 
 mod boot;
 mod bootinfo;
+mod hostile;
 mod idt;
 #[macro_use]
 mod io;
@@ -73,6 +74,8 @@ const TESTS: &[&str] = &[
     "msix",
     "blk-bench",
     "virtio-vsock",
+    "hostile-blk",
+    "hostile-config",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -125,6 +128,8 @@ const TIMED_TESTS: &[&str] = &[
     "msix",
     "blk-bench",
     "virtio-vsock",
+    "hostile-blk",
+    "hostile-config",
 ];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
@@ -196,6 +201,20 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "msix" => vtests::msix(bi),
         "blk-bench" => vtests::bench(bi),
         "virtio-vsock" => vsock::run(bi),
+        "hostile-blk" | "hostile-config" => {
+            let result = if name == "hostile-blk" {
+                hostile::block(bi)
+            } else {
+                hostile::config(bi)
+            };
+            match result {
+                Ok(detail) => report::pass(name, &detail),
+                Err(reason) => report::fail(name, &reason),
+            }
+            // Stay up: the host reads the VMM's counters, then stops the VM.
+            println!("TVMTEST {name} HOLD waiting for the host to stop the VM");
+            io::halt_forever()
+        }
         _ => unreachable!("dispatch only sees names from TESTS"),
     };
     match result {

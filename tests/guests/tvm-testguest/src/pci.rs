@@ -122,6 +122,20 @@ impl ConfigAccess {
         }
     }
 
+    /// Writes a byte.
+    pub fn write8(self, slot: u8, offset: u16, value: u8) {
+        match self {
+            // SAFETY: as for write32.
+            ConfigAccess::Ecam(base) => unsafe {
+                core::ptr::write_volatile(Self::ecam_addr(base, slot, offset) as *mut u8, value)
+            },
+            ConfigAccess::Ports => {
+                port_address(slot, offset & !3);
+                crate::io::outb(0xcfc + (offset & 3), value);
+            }
+        }
+    }
+
     /// Writes a 16-bit word (2-aligned).
     pub fn write16(self, slot: u8, offset: u16, value: u16) {
         match self {
@@ -201,7 +215,7 @@ pub fn place_bar0(cfg: ConfigAccess, f: Function, addr: u64) -> Result<u64, Deta
     cfg.write32(slot, 0x14, u32::MAX);
     let mask = u64::from(cfg.read32(slot, 0x10) & !0xf) | (u64::from(cfg.read32(slot, 0x14)) << 32);
     let size = (!mask).wrapping_add(1);
-    if size == 0 || !size.is_power_of_two() || addr % size != 0 {
+    if size == 0 || !size.is_power_of_two() || !addr.is_multiple_of(size) {
         return Err(Detail::fmt(format_args!(
             "BAR 0 of slot {slot}: size {size:#x}, target {addr:#x}"
         )));

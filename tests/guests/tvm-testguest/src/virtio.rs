@@ -374,6 +374,11 @@ impl VirtioPci {
         w(entry + 12, u32::from(masked));
     }
 
+    /// Offset of the MSI-X capability in configuration space.
+    pub fn msix_cap_offset(&self) -> u16 {
+        self.msix_cap
+    }
+
     /// Whether vector `v`'s pending bit is set.
     pub fn pending(&self, v: u16) -> bool {
         let word: u64 = r(self.msix_pba + 8 * u64::from(v / 64));

@@ -307,7 +307,7 @@ pub fn bench(bi: &BootInfo) -> Result<Detail, Detail> {
     let mib: u64 = cmdline_param(bi.cmdline(), "tvm.mib")
         .and_then(|v| v.parse().ok())
         .unwrap_or(16);
-    if bs < 512 || bs % 512 != 0 || bs > (1 << 20) {
+    if bs < 512 || !bs.is_multiple_of(512) || bs > (1 << 20) {
         return Err(Detail::fmt(format_args!(
             "tvm.bs={bs}: use a multiple of 512 up to 1 MiB"
         )));
