@@ -1,0 +1,421 @@
+//! How a tenant's VM is run: the [`VmBackend`] trait and its implementations.
+//!
+//! The control plane decides *what* runs ([`VmSpec`]) and *under which identity and limits*
+//! ([`JailConfig`]); a backend starts the VMM inside the jail, reports its state, and stops
+//! it. [`RunningVm`] is everything needed to find the VM again after a daemon restart, so
+//! the control plane stores it (serde) and adopts the VM on start-up.
+//!
+//! Two backends exist: `tenantvm-vmm` (the default, [`BackendKind::TenantvmVmm`]) and QEMU
+//! ([`BackendKind::Qemu`], with KVM or TCG software emulation).
+
+pub mod control;
+pub mod qemu;
+pub mod runner;
+pub mod vmm;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::jail::{CgroupHandle, ExitRecord, JailError};
+
+pub use qemu::QemuBackend;
+pub use runner::RuntimeConfig;
+pub use vmm::VmmBackend;
+
+/// Which program runs a tenant's VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", deny_unknown_fields)]
+pub enum BackendKind {
+    /// `tenantvm-vmm`, one process per VM (the default).
+    TenantvmVmm,
+    /// `qemu-system-x86_64`, for hosts whose GPU stack needs it or guests KVM cannot run here.
+    Qemu {
+        /// The accelerator QEMU uses.
+        accel: QemuAccel,
+    },
+}
+
+/// The accelerator a QEMU VM uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QemuAccel {
+    /// Hardware virtualisation through /dev/kvm.
+    Kvm,
+    /// Software emulation (no /dev/kvm needed; slow but runs any guest).
+    Tcg,
+}
+
+/// A disk handed to the VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskAttachment {
+    /// Host path of the disk image or block device.
+    pub path: PathBuf,
+    /// Whether the guest may only read it.
+    pub read_only: bool,
+}
+
+/// What to run: the guest and its size. All paths are host paths; the backend bind-mounts
+/// them read-only (disks read-write unless `read_only`) into the tenant's jail.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmSpec {
+    /// The tenant's name, already validated by the control plane (`[a-z0-9][a-z0-9-]{0,62}`);
+    /// the backend checks it again because it reaches paths and cgroup names.
+    pub tenant: String,
+    /// Guest kernel (ELF vmlinux or bzImage).
+    pub kernel: PathBuf,
+    /// Optional initramfs.
+    pub initramfs: Option<PathBuf>,
+    /// Guest kernel command line.
+    pub cmdline: String,
+    /// Number of vCPUs (at least 1).
+    pub vcpus: u32,
+    /// Guest memory in MiB (at least 1).
+    pub memory_mib: u32,
+    /// Disks, in order. `tenantvm-vmm` refuses disks until it has a virtio-blk device.
+    pub disks: Vec<DiskAttachment>,
+    /// The tenant's directory (mode 0700, created by the control plane): serial.log,
+    /// vmm.log, events.log, the control socket and the jail root live under it.
+    pub tenant_dir: PathBuf,
+}
+
+/// Identity and limits of the jail a VM runs in.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JailConfig {
+    /// The uid the VMM runs as: unique per tenant, never 0.
+    pub uid: u32,
+    /// The gid the VMM runs as: unique per tenant, never 0. No supplementary groups are kept.
+    pub gid: u32,
+    /// cgroup and rlimit quotas.
+    pub limits: ResourceLimits,
+}
+
+/// Quotas applied to the tenant's cgroup (every process of the VM together).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourceLimits {
+    /// Memory limit in bytes (guest memory + VMM overhead); swap is capped to the same
+    /// total where the host accounts it.
+    pub memory_bytes: u64,
+    /// CPU time allowed per period, in microseconds (e.g. vCPUs x period).
+    pub cpu_quota_us: u64,
+    /// CPU accounting period in microseconds (1,000..=1,000,000).
+    pub cpu_period_us: u64,
+    /// Maximum number of processes and threads.
+    pub pids_max: u64,
+}
+
+/// A VM that was launched: what the control plane stores to find it again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunningVm {
+    /// The backend that launched it.
+    pub backend: BackendKind,
+    /// Tenant name (validated).
+    pub tenant: String,
+    /// Host pid of the jail launcher, whose exit status is the VMM's exit status.
+    pub pid: i32,
+    /// Field 22 of /proc/PID/stat at launch: together with `pid` it identifies the
+    /// process, so a recycled pid is never mistaken for the VM.
+    pub start_time_ticks: u64,
+    /// Host path of the VMM's control socket (tenantvm-vmm) or QMP socket (QEMU).
+    pub api_sock: PathBuf,
+    /// The tenant's directory.
+    pub tenant_dir: PathBuf,
+    /// The tenant's cgroup(s).
+    pub cgroup: CgroupHandle,
+    /// The uid the VMM runs as.
+    pub uid: u32,
+}
+
+/// What a VM is doing now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "state")]
+pub enum VmState {
+    /// The guest runs.
+    Running,
+    /// The vCPUs are paused.
+    Paused,
+    /// The VMM exited; its status is known.
+    Exited {
+        /// Why it exited.
+        status: ExitReason,
+    },
+    /// No process and no recorded exit status: the VM is gone (e.g. the host rebooted).
+    Gone,
+}
+
+/// Why a VMM process ended, decoded from its exit status (see docs/vmm.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "reason")]
+pub enum ExitReason {
+    /// The guest powered off cleanly (status 0).
+    PowerOff,
+    /// VMM runtime error (status 1).
+    VmmError,
+    /// Usage or config error (status 2).
+    ConfigError,
+    /// The guest asked for a reset (status 3).
+    Reset,
+    /// Triple fault (status 4).
+    TripleFault,
+    /// The guest reported a crash through pvpanic (status 5).
+    GuestPanic,
+    /// Stopped on request through the control socket or QMP (status 6).
+    Stopped,
+    /// KVM could not run the guest (status 7).
+    GuestRunFailure,
+    /// The VM could not start (statuses 10..=17: kernel, initramfs, memory, vCPUs, socket,
+    /// /dev/kvm, serial file); `code` says which.
+    StartFailure {
+        /// The exit status.
+        code: i32,
+    },
+    /// The jail could not be set up (status 120 of the jail launcher; details in vmm.log).
+    JailFailure,
+    /// Any other exit status.
+    OtherStatus {
+        /// The exit status.
+        code: i32,
+    },
+    /// Killed by a signal (SIGKILL on `kill`, the OOM killer, ...).
+    Signaled {
+        /// The signal number.
+        signal: i32,
+    },
+}
+
+/// Errors of a backend operation.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The spec cannot be run as given.
+    #[error("Invalid VM spec: {0}")]
+    InvalidSpec(String),
+    /// A program the backend runs is not there.
+    #[error("Cannot find {what} at {path}: install it or set its path in the daemon config")]
+    MissingBinary {
+        /// Which program.
+        what: &'static str,
+        /// Where it was looked for.
+        path: PathBuf,
+    },
+    /// Setting up the jail or cgroup failed.
+    #[error("Jail setup failed")]
+    Jail(#[from] JailError),
+    /// Starting the jail launcher failed.
+    #[error("Cannot start {what}")]
+    Spawn {
+        /// Which program.
+        what: &'static str,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The VMM's control socket or QMP did not answer as expected.
+    #[error("Control socket {path}: {message}")]
+    Control {
+        /// The socket.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// The tenant already has processes in its cgroup (a VM runs).
+    #[error("Tenant {tenant} already has running processes {pids:?}: stop or kill its VM before launching another")]
+    AlreadyRunning {
+        /// The tenant.
+        tenant: String,
+        /// The processes in its cgroup.
+        pids: Vec<i32>,
+    },
+    /// The VM ended while starting.
+    #[error("The VM ended while starting ({reason:?}); last lines of vmm.log:\n{log_tail}")]
+    LaunchFailed {
+        /// How it ended.
+        reason: ExitReason,
+        /// The end of vmm.log.
+        log_tail: String,
+    },
+    /// The VM did not answer on its socket in time (it was killed).
+    #[error("The VM did not answer on its control socket within {timeout:?} and was killed; last lines of vmm.log:\n{log_tail}")]
+    NotReady {
+        /// The wait.
+        timeout: Duration,
+        /// The end of vmm.log.
+        log_tail: String,
+    },
+    /// The VM already exited.
+    #[error("The VM is not running (it exited: {0:?})")]
+    NotRunning(ExitReason),
+    /// A file in the tenant directory could not be read or written.
+    #[error("Cannot access {path}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Runs VMs. Implementations are cheap to share between the daemon's tasks; every method
+/// blocks (call it from `spawn_blocking`).
+pub trait VmBackend: Send + Sync {
+    /// Which backend this is.
+    fn kind(&self) -> BackendKind;
+    /// Creates the tenant's cgroup with `jail.limits`, builds the jail, and starts the VMM in
+    /// it. Returns once the process runs (the guest may still be booting).
+    fn launch(&self, spec: &VmSpec, jail: &JailConfig) -> Result<RunningVm, BackendError>;
+    /// Asks the VMM (control socket / QMP) after checking the process is still the one launched.
+    fn state(&self, vm: &RunningVm) -> Result<VmState, BackendError>;
+    /// Stops the VM gracefully (control socket `shutdown` / QMP `system_powerdown` then
+    /// `quit`), waiting up to `grace`, then kills it. Returns how it ended.
+    fn stop(&self, vm: &RunningVm, grace: Duration) -> Result<ExitReason, BackendError>;
+    /// Kills every process of the VM (SIGKILL to the whole cgroup). Idempotent.
+    fn kill(&self, vm: &RunningVm) -> Result<(), BackendError>;
+}
+
+impl ExitReason {
+    /// Decodes how a `tenantvm-vmm` jail ended (statuses of docs/vmm.md).
+    pub fn from_vmm(record: ExitRecord) -> Self {
+        match record {
+            ExitRecord::Signal(signal) => ExitReason::Signaled { signal },
+            ExitRecord::Code(code) => match code {
+                0 => ExitReason::PowerOff,
+                1 => ExitReason::VmmError,
+                2 => ExitReason::ConfigError,
+                3 => ExitReason::Reset,
+                4 => ExitReason::TripleFault,
+                5 => ExitReason::GuestPanic,
+                6 => ExitReason::Stopped,
+                7 => ExitReason::GuestRunFailure,
+                10..=17 => ExitReason::StartFailure { code },
+                crate::jail::process::JAIL_SETUP_FAILED => ExitReason::JailFailure,
+                _ => ExitReason::OtherStatus { code },
+            },
+        }
+    }
+
+    /// Decodes how a QEMU jail ended. QEMU exits 0 both when the guest powers off and on
+    /// `quit` (the backend's `stop` reports [`ExitReason::Stopped`] itself), and 1 on errors.
+    pub fn from_qemu(record: ExitRecord) -> Self {
+        match record {
+            ExitRecord::Signal(signal) => ExitReason::Signaled { signal },
+            ExitRecord::Code(0) => ExitReason::PowerOff,
+            ExitRecord::Code(1) => ExitReason::VmmError,
+            ExitRecord::Code(crate::jail::process::JAIL_SETUP_FAILED) => ExitReason::JailFailure,
+            ExitRecord::Code(code) => ExitReason::OtherStatus { code },
+        }
+    }
+
+    /// A one-line description for people.
+    pub fn describe(&self) -> String {
+        match self {
+            ExitReason::PowerOff => "the guest powered off".into(),
+            ExitReason::VmmError => "VMM runtime error (see vmm.log)".into(),
+            ExitReason::ConfigError => "VMM usage or config error (see vmm.log)".into(),
+            ExitReason::Reset => "the guest asked for a reset".into(),
+            ExitReason::TripleFault => "the guest triple-faulted".into(),
+            ExitReason::GuestPanic => "the guest reported a crash".into(),
+            ExitReason::Stopped => "stopped on request".into(),
+            ExitReason::GuestRunFailure => "KVM could not run the guest".into(),
+            ExitReason::StartFailure { code } => format!(
+                "the VM could not start: {}",
+                match code {
+                    10 => "kernel missing or unreadable",
+                    11 => "kernel is not a loadable ELF vmlinux or bzImage",
+                    12 => "initramfs missing, unreadable or too large",
+                    13 => "guest memory too small for the kernel",
+                    14 => "vCPU count not allowed on this host",
+                    15 => "control socket path busy or not writable",
+                    16 => "/dev/kvm missing or not usable",
+                    _ => "serial output file cannot be opened",
+                }
+            ),
+            ExitReason::JailFailure => "the jail could not be set up (see vmm.log)".into(),
+            ExitReason::OtherStatus { code } => format!("exited with status {code}"),
+            ExitReason::Signaled { signal } => format!("killed by signal {signal}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vmm_statuses_map_to_reasons() {
+        let cases = [
+            (0, ExitReason::PowerOff),
+            (1, ExitReason::VmmError),
+            (2, ExitReason::ConfigError),
+            (3, ExitReason::Reset),
+            (4, ExitReason::TripleFault),
+            (5, ExitReason::GuestPanic),
+            (6, ExitReason::Stopped),
+            (7, ExitReason::GuestRunFailure),
+            (10, ExitReason::StartFailure { code: 10 }),
+            (17, ExitReason::StartFailure { code: 17 }),
+            (120, ExitReason::JailFailure),
+            (42, ExitReason::OtherStatus { code: 42 }),
+        ];
+        for (code, reason) in cases {
+            assert_eq!(
+                ExitReason::from_vmm(ExitRecord::Code(code)),
+                reason,
+                "status {code}"
+            );
+        }
+        assert_eq!(
+            ExitReason::from_vmm(ExitRecord::Signal(9)),
+            ExitReason::Signaled { signal: 9 }
+        );
+    }
+
+    #[test]
+    fn qemu_statuses_map_to_reasons() {
+        assert_eq!(
+            ExitReason::from_qemu(ExitRecord::Code(0)),
+            ExitReason::PowerOff
+        );
+        assert_eq!(
+            ExitReason::from_qemu(ExitRecord::Code(1)),
+            ExitReason::VmmError
+        );
+        assert_eq!(
+            ExitReason::from_qemu(ExitRecord::Code(120)),
+            ExitReason::JailFailure
+        );
+        assert_eq!(
+            ExitReason::from_qemu(ExitRecord::Signal(15)),
+            ExitReason::Signaled { signal: 15 }
+        );
+    }
+
+    #[test]
+    fn running_vm_round_trips_through_json() {
+        let vm = RunningVm {
+            backend: BackendKind::Qemu {
+                accel: QemuAccel::Tcg,
+            },
+            tenant: "t".into(),
+            pid: 42,
+            start_time_ticks: 7,
+            api_sock: "/x/t/run/qmp.sock".into(),
+            tenant_dir: "/x/t".into(),
+            cgroup: CgroupHandle::V2 {
+                path: "/sys/fs/cgroup/tenantvm/t".into(),
+            },
+            uid: 1000,
+        };
+        let json = serde_json::to_string(&vm).unwrap();
+        assert_eq!(serde_json::from_str::<RunningVm>(&json).unwrap(), vm);
+        assert!(
+            serde_json::from_str::<RunningVm>(&json.replace("\"uid\"", "\"bogus\":1,\"uid\""))
+                .is_err()
+        );
+    }
+}

@@ -1,0 +1,503 @@
+//! What both backends share: preparing the tenant directory, the jail plan's common
+//! mounts, starting the launcher and waiting for readiness, finding out whether the
+//! process still runs, and killing it.
+
+use std::fs;
+use std::io::ErrorKind;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::control::MAX_SOCKET_PATH;
+use super::{BackendError, BackendKind, ExitReason, JailConfig, RunningVm, VmSpec};
+use crate::jail::process::{self, spawn_launcher, wait_nohang};
+use crate::jail::{reap_exited, CgroupHandle, Cgroups, ExitRecord, JailPlan, JailRlimits};
+use crate::logs::{LogKind, LogPolicy, TenantLogs};
+
+/// Directory inside the tenant dir (and mounted at /run in the jail) holding the socket.
+pub const RUN_DIR: &str = "run";
+/// Where the guest kernel, initramfs and disks appear inside the jail.
+pub const JAIL_VM_DIR: &str = "/vm";
+/// Where serial.log appears inside the jail.
+pub const JAIL_SERIAL_LOG: &str = "/log/serial.log";
+/// How long `state` waits for a VMM whose socket failed to finish exiting (a guest that
+/// powers off closes the socket a moment before the process ends).
+pub(crate) const EXIT_SETTLE: Duration = Duration::from_secs(1);
+/// Open files a VMM may hold (vCPU fds, eventfds, disks, sockets).
+const VMM_NOFILE: u64 = 4096;
+
+/// Settings shared by both backends.
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    /// The `tenantvm-jail` launcher.
+    pub jail_binary: PathBuf,
+    /// The host's cgroup hierarchy.
+    pub cgroups: Cgroups,
+    /// How long `launch` waits for the control socket to answer.
+    pub ready_timeout: Duration,
+    /// Timeout of each control-socket or QMP exchange.
+    pub control_timeout: Duration,
+}
+
+impl RuntimeConfig {
+    /// The launcher next to the running executable, the detected cgroup hierarchy, 10 s to
+    /// become ready and 5 s per control exchange.
+    pub fn detect() -> Result<Self, BackendError> {
+        Ok(Self {
+            jail_binary: sibling_binary("tenantvm-jail")?,
+            cgroups: Cgroups::detect()?,
+            ready_timeout: Duration::from_secs(10),
+            control_timeout: Duration::from_secs(5),
+        })
+    }
+}
+
+/// `name` in the directory of the running executable (for a test binary in
+/// `target/*/deps`, the directory above, where cargo puts the package's binaries).
+pub fn sibling_binary(name: &str) -> Result<PathBuf, BackendError> {
+    let exe = std::env::current_exe().map_err(|source| BackendError::Io {
+        path: PathBuf::from("/proc/self/exe"),
+        source,
+    })?;
+    let dir = exe.parent().unwrap_or(Path::new("/"));
+    let candidate = dir.join(name);
+    if !candidate.exists() && dir.file_name().is_some_and(|n| n == "deps") {
+        if let Some(up) = dir.parent() {
+            return Ok(up.join(name));
+        }
+    }
+    Ok(candidate)
+}
+
+/// The tenant directory, made ready for a launch.
+pub(crate) struct Prepared {
+    pub run_dir: PathBuf,
+    pub serial_log: PathBuf,
+    pub vmm_log: fs::File,
+    pub cgroup: CgroupHandle,
+}
+
+pub(crate) fn check_binary(what: &'static str, path: &Path) -> Result<(), BackendError> {
+    if path.is_file() {
+        Ok(())
+    } else {
+        Err(BackendError::MissingBinary {
+            what,
+            path: path.to_path_buf(),
+        })
+    }
+}
+
+fn invalid(message: String) -> BackendError {
+    BackendError::InvalidSpec(message)
+}
+
+/// Checks the spec, creates `run/` (owned by the tenant uid) and the log files (serial.log
+/// writable by the tenant uid), and creates the cgroup with the limits.
+pub(crate) fn prepare(
+    spec: &VmSpec,
+    jail: &JailConfig,
+    cfg: &RuntimeConfig,
+) -> Result<Prepared, BackendError> {
+    crate::jail::validate_tenant_name(&spec.tenant)?;
+    if spec.vcpus == 0 || spec.vcpus > 256 {
+        return Err(invalid(format!("{} vCPUs: give 1 to 256", spec.vcpus)));
+    }
+    if spec.memory_mib == 0 {
+        return Err(invalid("0 MiB of guest memory: give at least 1".into()));
+    }
+    if spec.cmdline.contains('\0') || spec.cmdline.len() > 4096 {
+        return Err(invalid(
+            "the kernel command line must be under 4096 bytes without NUL bytes".into(),
+        ));
+    }
+    if jail.uid == 0 || jail.gid == 0 {
+        return Err(invalid("uid/gid 0: a jailed VMM never runs as root".into()));
+    }
+    let mut files = vec![("kernel", &spec.kernel)];
+    if let Some(initramfs) = &spec.initramfs {
+        files.push(("initramfs", initramfs));
+    }
+    for disk in &spec.disks {
+        files.push(("disk", &disk.path));
+    }
+    for (what, path) in files {
+        if !path.is_absolute() || !path.exists() {
+            return Err(invalid(format!(
+                "{what} {} does not exist (give an absolute host path)",
+                path.display()
+            )));
+        }
+    }
+    let dir = &spec.tenant_dir;
+    let meta = fs::symlink_metadata(dir).map_err(|source| BackendError::Io {
+        path: dir.clone(),
+        source,
+    })?;
+    if !meta.is_dir()
+        || !dir.is_absolute()
+        || dir.file_name().and_then(|n| n.to_str()) != Some(spec.tenant.as_str())
+    {
+        return Err(invalid(format!(
+            "tenant dir {} must be an absolute directory (not a symlink) named after the tenant {:?}",
+            dir.display(),
+            spec.tenant
+        )));
+    }
+    // One VM per tenant: kill and stop act on the whole cgroup, so a second VM in it would
+    // share the first one's fate. Checked before anything (sockets, limits) is touched.
+    let members = cfg.cgroups.handle(&spec.tenant)?.members()?;
+    if !members.is_empty() {
+        return Err(BackendError::AlreadyRunning {
+            tenant: spec.tenant.clone(),
+            pids: members,
+        });
+    }
+    let parent = dir.parent().unwrap_or(Path::new("/"));
+    let logs = TenantLogs::open(parent, &spec.tenant, LogPolicy::default())
+        .map_err(|e| invalid(e.to_string()))?;
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| BackendError::Io { path, source }
+    };
+    let run_dir = dir.join(RUN_DIR);
+    match fs::DirBuilder::new().mode(0o700).create(&run_dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+        Err(source) => {
+            return Err(BackendError::Io {
+                path: run_dir,
+                source,
+            })
+        }
+    }
+    // Stale sockets from a previous run would make the VMM refuse to start.
+    for entry in fs::read_dir(&run_dir).map_err(io(&run_dir))? {
+        let entry = entry.map_err(io(&run_dir))?;
+        fs::remove_file(entry.path()).map_err(io(&entry.path()))?;
+    }
+    std::os::unix::fs::lchown(&run_dir, Some(jail.uid), Some(jail.gid)).map_err(io(&run_dir))?;
+    fs::set_permissions(&run_dir, fs::Permissions::from_mode(0o700)).map_err(io(&run_dir))?;
+    let serial_log = logs.path(LogKind::Serial);
+    std::os::unix::fs::lchown(&serial_log, Some(jail.uid), Some(jail.gid))
+        .map_err(io(&serial_log))?;
+    let vmm_log = logs
+        .open_append(LogKind::Vmm)
+        .map_err(|e| invalid(e.to_string()))?;
+    let cgroup = cfg.cgroups.create(&spec.tenant, &jail.limits)?;
+    Ok(Prepared {
+        run_dir,
+        serial_log,
+        vmm_log,
+        cgroup,
+    })
+}
+
+/// The host path of a socket in `run/`, checked against the sockaddr_un limit.
+pub(crate) fn socket_path(spec: &VmSpec, name: &str) -> Result<PathBuf, BackendError> {
+    let path = spec.tenant_dir.join(RUN_DIR).join(name);
+    if path.as_os_str().len() > MAX_SOCKET_PATH {
+        return Err(invalid(format!(
+            "socket path {} is longer than {MAX_SOCKET_PATH} bytes; use a shorter tenants directory",
+            path.display()
+        )));
+    }
+    Ok(path)
+}
+
+/// The jail plan every VMM needs: the program with its libraries, the guest files under
+/// /vm, /dev/null and /dev/urandom, the socket directory at /run and serial.log at
+/// /log/serial.log.
+pub(crate) fn base_plan(
+    spec: &VmSpec,
+    jail: &JailConfig,
+    prepared: &Prepared,
+    program: &Path,
+    args: Vec<String>,
+) -> Result<JailPlan, BackendError> {
+    let rlimits = JailRlimits {
+        nofile: VMM_NOFILE,
+        nproc: jail.limits.pids_max,
+        memlock_bytes: jail.limits.memory_bytes,
+        core_bytes: 0,
+    };
+    let mut plan = JailPlan::new(
+        &spec.tenant,
+        jail.uid,
+        jail.gid,
+        prepared.cgroup.clone(),
+        &spec.tenant_dir,
+        program,
+        args,
+        rlimits,
+    )?;
+    let vm = Path::new(JAIL_VM_DIR);
+    plan.bind(&spec.kernel, &vm.join("kernel"), false)?;
+    if let Some(initramfs) = &spec.initramfs {
+        plan.bind(initramfs, &vm.join("initramfs"), false)?;
+    }
+    for (i, disk) in spec.disks.iter().enumerate() {
+        plan.bind(&disk.path, &vm.join(format!("disk{i}")), !disk.read_only)?;
+    }
+    plan.device(Path::new("/dev/null"))?;
+    plan.device(Path::new("/dev/urandom"))?;
+    plan.bind(&prepared.run_dir, Path::new("/run"), true)?;
+    plan.bind(&prepared.serial_log, Path::new(JAIL_SERIAL_LOG), true)?;
+    Ok(plan)
+}
+
+/// Whether the launcher still runs, and if not, how it ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ProcessStatus {
+    Alive,
+    Exited(ExitRecord),
+    Gone,
+}
+
+fn exit_file(vm: &RunningVm) -> PathBuf {
+    vm.tenant_dir.join(crate::jail::plan::EXIT_FILE)
+}
+
+/// Looks at the launcher: reaps it when it is our exited child, otherwise checks pid +
+/// start time, and reads the exit record the jail left.
+pub(crate) fn process_status(vm: &RunningVm) -> Result<ProcessStatus, BackendError> {
+    if let Some(status) = wait_nohang(vm.pid) {
+        let record =
+            ExitRecord::read(&exit_file(vm))?.unwrap_or(ExitRecord::from_wait_status(status));
+        return Ok(ProcessStatus::Exited(record));
+    }
+    if process::is_alive(vm.pid, vm.start_time_ticks)? {
+        return Ok(ProcessStatus::Alive);
+    }
+    Ok(match ExitRecord::read(&exit_file(vm))? {
+        Some(record) => ProcessStatus::Exited(record),
+        None => ProcessStatus::Gone,
+    })
+}
+
+/// Waits up to `timeout` for the launcher to end.
+pub(crate) fn wait_exit(vm: &RunningVm, timeout: Duration) -> Result<ProcessStatus, BackendError> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let status = process_status(vm)?;
+        if status != ProcessStatus::Alive || Instant::now() >= deadline {
+            return Ok(status);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// SIGKILLs every process of the VM (the whole cgroup), reaps the launcher, and records
+/// the kill unless an exit was recorded already. Idempotent.
+pub(crate) fn kill(vm: &RunningVm) -> Result<(), BackendError> {
+    vm.cgroup.kill_all(reap_exited)?;
+    // The launcher may already be gone from the cgroup but not reaped.
+    let _ = wait_nohang(vm.pid);
+    if vm.tenant_dir.is_dir() {
+        ExitRecord::Signal(libc::SIGKILL).write_if_absent(&exit_file(vm))?;
+    }
+    Ok(())
+}
+
+/// The last lines of vmm.log, for error messages.
+pub(crate) fn vmm_log_tail(spec: &VmSpec) -> String {
+    let parent = spec.tenant_dir.parent().unwrap_or(Path::new("/"));
+    TenantLogs::open(parent, &spec.tenant, LogPolicy::default())
+        .and_then(|logs| logs.tail(LogKind::Vmm, 20))
+        .map(|lines| lines.join("\n"))
+        .unwrap_or_default()
+}
+
+/// Starts the launcher with `plan` and waits until `ready` says the VMM answers, the
+/// process ends (an error carrying its exit reason and vmm.log), or the timeout passes
+/// (the VM is killed). On any failure the cgroup is emptied and removed.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn start(
+    cfg: &RuntimeConfig,
+    kind: BackendKind,
+    spec: &VmSpec,
+    jail: &JailConfig,
+    prepared: &Prepared,
+    plan: &JailPlan,
+    api_sock: PathBuf,
+    decode: fn(ExitRecord) -> ExitReason,
+    ready: &dyn Fn(&Path) -> bool,
+) -> Result<RunningVm, BackendError> {
+    let result = start_and_wait(
+        cfg, kind, spec, jail, prepared, plan, api_sock, decode, ready,
+    );
+    if result.is_err() {
+        // Nothing of a failed launch is left running or accounted: kill whatever got
+        // started and remove the cgroup (cleanup_tenant stays idempotent after this).
+        if let Err(e) = prepared.cgroup.destroy(reap_exited) {
+            tracing::warn!(tenant = %spec.tenant, error = %e, "cannot remove the cgroup of a failed launch");
+        }
+    }
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+fn start_and_wait(
+    cfg: &RuntimeConfig,
+    kind: BackendKind,
+    spec: &VmSpec,
+    jail: &JailConfig,
+    prepared: &Prepared,
+    plan: &JailPlan,
+    api_sock: PathBuf,
+    decode: fn(ExitRecord) -> ExitReason,
+    ready: &dyn Fn(&Path) -> bool,
+) -> Result<RunningVm, BackendError> {
+    check_binary("tenantvm-jail", &cfg.jail_binary)?;
+    let launched = spawn_launcher(&cfg.jail_binary, plan, &prepared.vmm_log)?;
+    let vm = RunningVm {
+        backend: kind,
+        tenant: spec.tenant.clone(),
+        pid: launched.pid,
+        start_time_ticks: launched.start_time_ticks,
+        api_sock,
+        tenant_dir: spec.tenant_dir.clone(),
+        cgroup: prepared.cgroup.clone(),
+        uid: jail.uid,
+    };
+    let deadline = Instant::now() + cfg.ready_timeout;
+    loop {
+        match process_status(&vm)? {
+            ProcessStatus::Alive => {}
+            ProcessStatus::Exited(record) => {
+                return Err(BackendError::LaunchFailed {
+                    reason: decode(record),
+                    log_tail: vmm_log_tail(spec),
+                });
+            }
+            ProcessStatus::Gone => {
+                return Err(BackendError::LaunchFailed {
+                    reason: ExitReason::JailFailure,
+                    log_tail: vmm_log_tail(spec),
+                });
+            }
+        }
+        if vm.api_sock.exists() && ready(&vm.api_sock) {
+            return Ok(vm);
+        }
+        if Instant::now() >= deadline {
+            kill(&vm)?;
+            return Err(BackendError::NotReady {
+                timeout: cfg.ready_timeout,
+                log_tail: vmm_log_tail(spec),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::ResourceLimits;
+    use crate::jail::CgroupLayout;
+
+    /// A config whose cgroups point into a fake tree (nothing here reaches them).
+    fn fake_config(dir: &Path) -> RuntimeConfig {
+        RuntimeConfig {
+            jail_binary: dir.join("tenantvm-jail"),
+            cgroups: Cgroups::with_layout(CgroupLayout::V2 {
+                root: dir.join("fake-cgroupfs"),
+            }),
+            ready_timeout: Duration::from_secs(1),
+            control_timeout: Duration::from_secs(1),
+        }
+    }
+
+    fn spec(dir: &Path, tenant: &str) -> VmSpec {
+        let kernel = dir.join("kernel");
+        fs::write(&kernel, b"k").unwrap();
+        VmSpec {
+            tenant: tenant.into(),
+            kernel,
+            initramfs: None,
+            cmdline: String::new(),
+            vcpus: 1,
+            memory_mib: 32,
+            disks: vec![],
+            tenant_dir: dir.join(tenant),
+        }
+    }
+
+    const JAIL: JailConfig = JailConfig {
+        uid: 4242,
+        gid: 4242,
+        limits: ResourceLimits {
+            memory_bytes: 64 << 20,
+            cpu_quota_us: 100_000,
+            cpu_period_us: 100_000,
+            pids_max: 32,
+        },
+    };
+
+    #[test]
+    fn prepare_requires_tenant_dir_named_after_the_tenant() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut spec = spec(tmp.path(), "alpha");
+        fs::create_dir(tmp.path().join("other")).unwrap();
+        spec.tenant_dir = tmp.path().join("other");
+        let err = prepare(&spec, &JAIL, &fake_config(tmp.path()))
+            .err()
+            .unwrap();
+        assert!(matches!(err, BackendError::InvalidSpec(_)), "{err}");
+    }
+
+    #[test]
+    fn prepare_refuses_a_symlinked_tenant_dir() {
+        let tmp = tempfile::tempdir().unwrap();
+        let spec = spec(tmp.path(), "alpha");
+        fs::create_dir(tmp.path().join("real")).unwrap();
+        std::os::unix::fs::symlink(tmp.path().join("real"), &spec.tenant_dir).unwrap();
+        let err = prepare(&spec, &JAIL, &fake_config(tmp.path()))
+            .err()
+            .unwrap();
+        assert!(matches!(err, BackendError::InvalidSpec(_)), "{err}");
+        assert!(!tmp.path().join("real/run").exists());
+    }
+
+    #[test]
+    fn prepare_rejects_relative_or_missing_guest_files() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = spec(tmp.path(), "alpha");
+        fs::create_dir(&base.tenant_dir).unwrap();
+        for bad in [
+            VmSpec {
+                kernel: "relative/kernel".into(),
+                ..base.clone()
+            },
+            VmSpec {
+                initramfs: Some(tmp.path().join("missing")),
+                ..base.clone()
+            },
+        ] {
+            assert!(matches!(
+                prepare(&bad, &JAIL, &fake_config(tmp.path())),
+                Err(BackendError::InvalidSpec(_))
+            ));
+        }
+        assert!(!base.tenant_dir.join("run").exists());
+    }
+
+    #[test]
+    fn socket_path_rejects_tenant_dirs_too_long_for_sockaddr_un() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut spec = spec(tmp.path(), "alpha");
+        assert!(socket_path(&spec, "api.sock").is_ok());
+        spec.tenant_dir = PathBuf::from(format!("/{}/alpha", "d".repeat(100)));
+        assert!(matches!(
+            socket_path(&spec, "api.sock"),
+            Err(BackendError::InvalidSpec(_))
+        ));
+    }
+
+    #[test]
+    fn missing_binaries_are_named() {
+        let err = check_binary("tenantvm-vmm", Path::new("/no/such/tenantvm-vmm")).unwrap_err();
+        assert!(err.to_string().contains("/no/such/tenantvm-vmm"), "{err}");
+    }
+}

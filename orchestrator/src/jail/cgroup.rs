@@ -1,0 +1,702 @@
+//! A cgroup per tenant under a `tenantvm` parent, on cgroup v2 or v1 (detected at run time).
+//!
+//! v2: `<root>/tenantvm/<tenant>/{memory.max, memory.swap.max, cpu.max, pids.max}`.
+//! v1: `<root>/{memory,cpu,pids}/tenantvm/<tenant>/` with `memory.limit_in_bytes` (and
+//! `memory.memsw.limit_in_bytes` where swap is accounted), `cpu.cfs_period_us` +
+//! `cpu.cfs_quota_us`, and `pids.max`.
+
+use std::fs;
+use std::io::ErrorKind;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::{validate_tenant_name, JailError};
+use crate::backend::ResourceLimits;
+
+/// The default cgroup filesystem root.
+pub const DEFAULT_CGROUP_ROOT: &str = "/sys/fs/cgroup";
+/// The parent cgroup every tenant cgroup lives under.
+pub const PARENT: &str = "tenantvm";
+/// How long cleanup waits for a cgroup to empty after SIGKILL before giving up.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where the cgroup controllers are mounted on this host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "version")]
+pub enum CgroupLayout {
+    /// cgroup v1: one hierarchy per controller.
+    V1 {
+        /// The memory controller's mount.
+        memory: PathBuf,
+        /// The cpu controller's mount.
+        cpu: PathBuf,
+        /// The pids controller's mount.
+        pids: PathBuf,
+    },
+    /// cgroup v2: the unified hierarchy.
+    V2 {
+        /// Its mount.
+        root: PathBuf,
+    },
+}
+
+/// One tenant's cgroup(s): stored with the running VM so cleanup finds them after a restart.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "version", deny_unknown_fields)]
+pub enum CgroupHandle {
+    /// cgroup v1: one directory per controller.
+    V1 {
+        /// Directory in the memory hierarchy.
+        memory: PathBuf,
+        /// Directory in the cpu hierarchy.
+        cpu: PathBuf,
+        /// Directory in the pids hierarchy.
+        pids: PathBuf,
+    },
+    /// cgroup v2: one directory.
+    V2 {
+        /// The directory.
+        path: PathBuf,
+    },
+}
+
+/// The host's cgroup hierarchy, as used for tenants.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cgroups {
+    layout: CgroupLayout,
+}
+
+impl Cgroups {
+    /// Detects the layout under /sys/fs/cgroup.
+    pub fn detect() -> Result<Self, JailError> {
+        Self::detect_at(Path::new(DEFAULT_CGROUP_ROOT))
+    }
+
+    /// Detects the layout under `root`: v2 when `root/cgroup.controllers` exists and offers
+    /// memory, cpu and pids; otherwise v1 when `root/{memory,cpu,pids}` are hierarchies.
+    pub fn detect_at(root: &Path) -> Result<Self, JailError> {
+        let controllers = root.join("cgroup.controllers");
+        if controllers.exists() {
+            let text = read_trimmed(&controllers)?;
+            let have: Vec<&str> = text.split_whitespace().collect();
+            for needed in ["memory", "cpu", "pids"] {
+                if !have.contains(&needed) {
+                    return Err(JailError::CgroupUnavailable(format!(
+                        "the cgroup v2 hierarchy at {} lacks the {needed} controller; enable it in the parent's cgroup.subtree_control",
+                        root.display()
+                    )));
+                }
+            }
+            return Ok(Self {
+                layout: CgroupLayout::V2 {
+                    root: root.to_path_buf(),
+                },
+            });
+        }
+        let memory = root.join("memory");
+        let cpu = root.join("cpu");
+        let pids = root.join("pids");
+        // The root of a v1 pids hierarchy has no pids.* files: accept a cgroup mount there.
+        for (dir, file) in [
+            (&memory, "memory.limit_in_bytes"),
+            (&cpu, "cpu.cfs_quota_us"),
+            (&pids, "pids.max"),
+        ] {
+            if !dir.join(file).exists() && !is_cgroup_v1_mount(dir) {
+                return Err(JailError::CgroupUnavailable(format!(
+                    "neither cgroup v2 ({}) nor a cgroup v1 hierarchy with {file} at {} is mounted; mount the memory, cpu and pids controllers",
+                    controllers.display(),
+                    dir.display()
+                )));
+            }
+        }
+        Ok(Self {
+            layout: CgroupLayout::V1 { memory, cpu, pids },
+        })
+    }
+
+    /// Uses `layout` as given (no detection).
+    pub fn with_layout(layout: CgroupLayout) -> Self {
+        Self { layout }
+    }
+
+    /// The layout in use.
+    pub fn layout(&self) -> &CgroupLayout {
+        &self.layout
+    }
+
+    /// The handle a tenant's cgroup has (whether or not it exists).
+    pub fn handle(&self, tenant: &str) -> Result<CgroupHandle, JailError> {
+        validate_tenant_name(tenant)?;
+        Ok(match &self.layout {
+            CgroupLayout::V1 { memory, cpu, pids } => CgroupHandle::V1 {
+                memory: memory.join(PARENT).join(tenant),
+                cpu: cpu.join(PARENT).join(tenant),
+                pids: pids.join(PARENT).join(tenant),
+            },
+            CgroupLayout::V2 { root } => CgroupHandle::V2 {
+                path: root.join(PARENT).join(tenant),
+            },
+        })
+    }
+
+    /// Creates (or reuses) the tenant's cgroup and writes `limits` into it.
+    pub fn create(&self, tenant: &str, limits: &ResourceLimits) -> Result<CgroupHandle, JailError> {
+        validate_limits(limits)?;
+        let handle = self.handle(tenant)?;
+        match &self.layout {
+            CgroupLayout::V2 { root } => {
+                enable_v2_controllers(root)?;
+                mkdir(&root.join(PARENT))?;
+                enable_v2_controllers(&root.join(PARENT))?;
+            }
+            CgroupLayout::V1 { memory, cpu, pids } => {
+                for dir in [memory, cpu, pids] {
+                    mkdir(&dir.join(PARENT))?;
+                }
+            }
+        }
+        for dir in handle.dirs() {
+            mkdir(dir)?;
+        }
+        handle.apply(limits)?;
+        Ok(handle)
+    }
+
+    /// Names of the tenants that have a cgroup (in any hierarchy), sorted: for reconcile.
+    pub fn list_tenants(&self) -> Result<Vec<String>, JailError> {
+        let parents: Vec<PathBuf> = match &self.layout {
+            CgroupLayout::V1 { memory, cpu, pids } => {
+                [memory, cpu, pids].iter().map(|d| d.join(PARENT)).collect()
+            }
+            CgroupLayout::V2 { root } => vec![root.join(PARENT)],
+        };
+        let mut names = Vec::new();
+        for parent in parents {
+            let entries = match fs::read_dir(&parent) {
+                Ok(entries) => entries,
+                Err(e) if e.kind() == ErrorKind::NotFound => continue,
+                Err(source) => {
+                    return Err(JailError::Io {
+                        path: parent,
+                        source,
+                    })
+                }
+            };
+            for entry in entries {
+                let entry = entry.map_err(|source| JailError::Io {
+                    path: parent.clone(),
+                    source,
+                })?;
+                let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
+                if let Some(name) = entry.file_name().to_str() {
+                    if is_dir
+                        && validate_tenant_name(name).is_ok()
+                        && !names.iter().any(|n| n == name)
+                    {
+                        names.push(name.to_string());
+                    }
+                }
+            }
+        }
+        names.sort();
+        Ok(names)
+    }
+}
+
+impl CgroupHandle {
+    /// The directories of this cgroup (one for v2, three for v1).
+    pub fn dirs(&self) -> Vec<&PathBuf> {
+        match self {
+            CgroupHandle::V1 { memory, cpu, pids } => vec![memory, cpu, pids],
+            CgroupHandle::V2 { path } => vec![path],
+        }
+    }
+
+    /// Writes `limits` into the cgroup's control files.
+    pub fn apply(&self, limits: &ResourceLimits) -> Result<(), JailError> {
+        validate_limits(limits)?;
+        match self {
+            CgroupHandle::V2 { path } => {
+                write_file(&path.join("memory.max"), &limits.memory_bytes.to_string())?;
+                let swap = path.join("memory.swap.max");
+                if swap.exists() {
+                    write_file(&swap, "0")?;
+                }
+                write_file(
+                    &path.join("cpu.max"),
+                    &format!("{} {}", limits.cpu_quota_us, limits.cpu_period_us),
+                )?;
+                write_file(&path.join("pids.max"), &limits.pids_max.to_string())?;
+            }
+            CgroupHandle::V1 { memory, cpu, pids } => {
+                let bytes = limits.memory_bytes.to_string();
+                let limit = memory.join("memory.limit_in_bytes");
+                let memsw = memory.join("memory.memsw.limit_in_bytes");
+                if memsw.exists() {
+                    // memsw must stay >= limit_in_bytes: raise memsw first when growing,
+                    // lower limit_in_bytes first when shrinking.
+                    if write_file(&memsw, &bytes).is_err() {
+                        write_file(&limit, &bytes)?;
+                        write_file(&memsw, &bytes)?;
+                    } else {
+                        write_file(&limit, &bytes)?;
+                    }
+                } else {
+                    write_file(&limit, &bytes)?;
+                }
+                write_file(
+                    &cpu.join("cpu.cfs_period_us"),
+                    &limits.cpu_period_us.to_string(),
+                )?;
+                write_file(
+                    &cpu.join("cpu.cfs_quota_us"),
+                    &limits.cpu_quota_us.to_string(),
+                )?;
+                write_file(&pids.join("pids.max"), &limits.pids_max.to_string())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the limits back from the control files.
+    pub fn read_limits(&self) -> Result<ResourceLimits, JailError> {
+        match self {
+            CgroupHandle::V2 { path } => {
+                let cpu = read_trimmed(&path.join("cpu.max"))?;
+                let mut parts = cpu.split_whitespace();
+                let quota = parts.next().unwrap_or("max");
+                let period = parts.next().unwrap_or("100000");
+                Ok(ResourceLimits {
+                    memory_bytes: parse_limit(
+                        &path.join("memory.max"),
+                        &read_trimmed(&path.join("memory.max"))?,
+                    )?,
+                    cpu_quota_us: parse_limit(&path.join("cpu.max"), quota)?,
+                    cpu_period_us: parse_limit(&path.join("cpu.max"), period)?,
+                    pids_max: parse_limit(
+                        &path.join("pids.max"),
+                        &read_trimmed(&path.join("pids.max"))?,
+                    )?,
+                })
+            }
+            CgroupHandle::V1 { memory, cpu, pids } => {
+                let read = |p: PathBuf| -> Result<u64, JailError> {
+                    let text = read_trimmed(&p)?;
+                    parse_limit(&p, &text)
+                };
+                Ok(ResourceLimits {
+                    memory_bytes: read(memory.join("memory.limit_in_bytes"))?,
+                    cpu_quota_us: read(cpu.join("cpu.cfs_quota_us"))?,
+                    cpu_period_us: read(cpu.join("cpu.cfs_period_us"))?,
+                    pids_max: read(pids.join("pids.max"))?,
+                })
+            }
+        }
+    }
+
+    /// Moves process `pid` (and its future children) into the cgroup.
+    pub fn add_process(&self, pid: u32) -> Result<(), JailError> {
+        for dir in self.dirs() {
+            write_file(&dir.join("cgroup.procs"), &pid.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// The pids of the processes in the cgroup (union over the hierarchies); empty when
+    /// the cgroup does not exist.
+    pub fn members(&self) -> Result<Vec<i32>, JailError> {
+        let mut pids = Vec::new();
+        for dir in self.dirs() {
+            let file = dir.join("cgroup.procs");
+            let text = match fs::read_to_string(&file) {
+                Ok(text) => text,
+                Err(e) if e.kind() == ErrorKind::NotFound => continue,
+                Err(source) => return Err(JailError::Io { path: file, source }),
+            };
+            for line in text.lines() {
+                if let Ok(pid) = line.trim().parse::<i32>() {
+                    if pid > 0 && !pids.contains(&pid) {
+                        pids.push(pid);
+                    }
+                }
+            }
+        }
+        Ok(pids)
+    }
+
+    /// SIGKILLs every process in the cgroup until none is left. `reap` is called after each
+    /// round with the pids just signalled, and once more at the end with every pid seen, so
+    /// a caller that is the parent of some of them can wait for them. Idempotent.
+    pub fn kill_all(&self, mut reap: impl FnMut(&[i32])) -> Result<(), JailError> {
+        if let CgroupHandle::V2 { path } = self {
+            let kill = path.join("cgroup.kill");
+            if kill.exists() {
+                // Best effort: the loop below confirms and covers kernels without it.
+                let _ = fs::write(&kill, "1");
+            }
+        }
+        let deadline = Instant::now() + DRAIN_TIMEOUT;
+        let mut seen: Vec<i32> = Vec::new();
+        loop {
+            let members = self.members()?;
+            if members.is_empty() {
+                // Those that left the cgroup by dying may only now be reapable zombies.
+                reap(&seen);
+                return Ok(());
+            }
+            seen.extend(
+                members
+                    .iter()
+                    .filter(|p| !seen.contains(p))
+                    .copied()
+                    .collect::<Vec<_>>(),
+            );
+            for pid in &members {
+                // SAFETY: kill(2) with a positive pid read from cgroup.procs and a valid signal
+                // number; it touches no memory of ours.
+                unsafe { libc::kill(*pid, libc::SIGKILL) };
+            }
+            reap(&members);
+            if Instant::now() > deadline {
+                return Err(JailError::CgroupBusy {
+                    path: self.dirs()[0].clone(),
+                    pids: members,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Kills every member and removes the cgroup directories. Idempotent.
+    pub fn destroy(&self, reap: impl FnMut(&[i32])) -> Result<(), JailError> {
+        self.kill_all(reap)?;
+        for dir in self.dirs() {
+            let deadline = Instant::now() + DRAIN_TIMEOUT;
+            loop {
+                match fs::remove_dir(dir) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == ErrorKind::NotFound => break,
+                    // Exiting tasks can keep a cgroup busy for a moment after SIGKILL.
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline =>
+                    {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    Err(source) => {
+                        return Err(JailError::Io {
+                            path: dir.clone(),
+                            source,
+                        })
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn validate_limits(limits: &ResourceLimits) -> Result<(), JailError> {
+    if limits.memory_bytes < 4 << 20 {
+        return Err(JailError::InvalidLimits(format!(
+            "memory limit {} bytes is below the 4 MiB minimum; give guest memory + VMM overhead",
+            limits.memory_bytes
+        )));
+    }
+    if !(1_000..=1_000_000).contains(&limits.cpu_period_us) {
+        return Err(JailError::InvalidLimits(format!(
+            "CPU period {} us is outside 1000..=1000000 us",
+            limits.cpu_period_us
+        )));
+    }
+    if limits.cpu_quota_us < 1_000 {
+        return Err(JailError::InvalidLimits(format!(
+            "CPU quota {} us is below the 1000 us minimum",
+            limits.cpu_quota_us
+        )));
+    }
+    if limits.pids_max == 0 {
+        return Err(JailError::InvalidLimits(
+            "pids limit 0 would stop the VMM from starting".into(),
+        ));
+    }
+    Ok(())
+}
+
+fn enable_v2_controllers(dir: &Path) -> Result<(), JailError> {
+    let file = dir.join("cgroup.subtree_control");
+    let current = read_trimmed(&file)?;
+    let missing: Vec<String> = ["memory", "cpu", "pids"]
+        .iter()
+        .filter(|c| !current.split_whitespace().any(|have| have == **c))
+        .map(|c| format!("+{c}"))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    write_file(&file, &missing.join(" "))
+}
+
+/// Whether `dir` is the root of a cgroup v1 hierarchy (statfs type CGROUP_SUPER_MAGIC).
+fn is_cgroup_v1_mount(dir: &Path) -> bool {
+    const CGROUP_SUPER_MAGIC: libc::c_long = 0x0027_e0eb;
+    let Ok(path) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: a zeroed statfs is a valid out-buffer.
+    let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: path is NUL-terminated and buf a valid statfs; statfs writes only into buf.
+    let r = unsafe { libc::statfs(path.as_ptr(), &mut buf) };
+    r == 0 && buf.f_type == CGROUP_SUPER_MAGIC && dir.join("cgroup.procs").exists()
+}
+
+fn parse_limit(path: &Path, text: &str) -> Result<u64, JailError> {
+    if text == "max" || text == "-1" {
+        return Ok(u64::MAX);
+    }
+    text.parse().map_err(|_| {
+        JailError::CgroupUnavailable(format!("unexpected value {text:?} in {}", path.display()))
+    })
+}
+
+fn mkdir(dir: &Path) -> Result<(), JailError> {
+    match fs::create_dir(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(()),
+        Err(source) => Err(JailError::Io {
+            path: dir.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+fn write_file(path: &Path, value: &str) -> Result<(), JailError> {
+    fs::write(path, value).map_err(|source| JailError::CgroupWrite {
+        path: path.to_path_buf(),
+        value: value.to_string(),
+        source,
+    })
+}
+
+fn read_trimmed(path: &Path) -> Result<String, JailError> {
+    fs::read_to_string(path)
+        .map(|s| s.trim().to_string())
+        .map_err(|source| JailError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: ResourceLimits = ResourceLimits {
+        memory_bytes: 256 << 20,
+        cpu_quota_us: 200_000,
+        cpu_period_us: 100_000,
+        pids_max: 64,
+    };
+
+    /// A fake cgroup v2 filesystem in a tempdir: plain files where the kernel has control files.
+    fn fake_v2_tree() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(
+            dir.path().join("cgroup.controllers"),
+            "cpuset cpu io memory hugetlb pids rdma misc\n",
+        )
+        .unwrap();
+        fs::write(dir.path().join("cgroup.subtree_control"), "\n").unwrap();
+        // The kernel gives every new cgroup directory its control files; the fake
+        // pre-creates the one the code reads from the parent.
+        fs::create_dir(dir.path().join(PARENT)).unwrap();
+        fs::write(dir.path().join(PARENT).join("cgroup.subtree_control"), "\n").unwrap();
+        dir
+    }
+
+    /// A fake cgroup v1 layout in a tempdir: one directory per controller.
+    fn fake_v1_tree() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for (ctl, file) in [
+            ("memory", "memory.limit_in_bytes"),
+            ("cpu", "cpu.cfs_quota_us"),
+            ("pids", "pids.max"),
+        ] {
+            fs::create_dir(dir.path().join(ctl)).unwrap();
+            fs::write(dir.path().join(ctl).join(file), "max\n").unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn detect_prefers_v2_when_unified_hierarchy_has_controllers() {
+        let tree = fake_v2_tree();
+        let cgroups = Cgroups::detect_at(tree.path()).unwrap();
+        assert_eq!(
+            cgroups.layout(),
+            &CgroupLayout::V2 {
+                root: tree.path().to_path_buf()
+            }
+        );
+    }
+
+    #[test]
+    fn detect_rejects_v2_without_pids_controller() {
+        let tree = fake_v2_tree();
+        fs::write(tree.path().join("cgroup.controllers"), "cpu memory\n").unwrap();
+        let err = Cgroups::detect_at(tree.path()).unwrap_err();
+        assert!(err.to_string().contains("pids"), "{err}");
+    }
+
+    #[test]
+    fn detect_falls_back_to_v1_controllers() {
+        let tree = fake_v1_tree();
+        let cgroups = Cgroups::detect_at(tree.path()).unwrap();
+        assert!(matches!(cgroups.layout(), CgroupLayout::V1 { .. }));
+    }
+
+    #[test]
+    fn detect_explains_when_nothing_is_mounted() {
+        let empty = tempfile::tempdir().unwrap();
+        let err = Cgroups::detect_at(empty.path()).unwrap_err();
+        assert!(matches!(err, JailError::CgroupUnavailable(_)));
+    }
+
+    #[test]
+    fn v2_create_enables_controllers_and_writes_limits() {
+        let tree = fake_v2_tree();
+        let cgroups = Cgroups::detect_at(tree.path()).unwrap();
+        let handle = cgroups.create("alpha", &LIMITS).unwrap();
+        let dir = tree.path().join("tenantvm/alpha");
+        assert_eq!(handle, CgroupHandle::V2 { path: dir.clone() });
+        assert_eq!(
+            fs::read_to_string(tree.path().join("cgroup.subtree_control")).unwrap(),
+            "+memory +cpu +pids"
+        );
+        assert_eq!(
+            fs::read_to_string(dir.join("memory.max")).unwrap(),
+            "268435456"
+        );
+        assert_eq!(
+            fs::read_to_string(dir.join("cpu.max")).unwrap(),
+            "200000 100000"
+        );
+        assert_eq!(fs::read_to_string(dir.join("pids.max")).unwrap(), "64");
+        assert_eq!(handle.read_limits().unwrap(), LIMITS);
+    }
+
+    #[test]
+    fn v2_disables_swap_when_the_host_accounts_it() {
+        let tree = fake_v2_tree();
+        let cgroups = Cgroups::detect_at(tree.path()).unwrap();
+        let dir = tree.path().join("tenantvm/alpha");
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("memory.swap.max"), "max").unwrap();
+        cgroups.create("alpha", &LIMITS).unwrap();
+        assert_eq!(
+            fs::read_to_string(dir.join("memory.swap.max")).unwrap(),
+            "0"
+        );
+    }
+
+    #[test]
+    fn v2_read_limits_understands_max() {
+        let tree = fake_v2_tree();
+        let handle = Cgroups::detect_at(tree.path())
+            .unwrap()
+            .create("alpha", &LIMITS)
+            .unwrap();
+        let CgroupHandle::V2 { path } = &handle else {
+            unreachable!()
+        };
+        fs::write(path.join("cpu.max"), "max 100000\n").unwrap();
+        assert_eq!(handle.read_limits().unwrap().cpu_quota_us, u64::MAX);
+    }
+
+    #[test]
+    fn v1_create_writes_each_controller() {
+        let tree = fake_v1_tree();
+        let handle = Cgroups::detect_at(tree.path())
+            .unwrap()
+            .create("beta", &LIMITS)
+            .unwrap();
+        let base = tree.path();
+        assert_eq!(
+            fs::read_to_string(base.join("memory/tenantvm/beta/memory.limit_in_bytes")).unwrap(),
+            "268435456"
+        );
+        assert_eq!(
+            fs::read_to_string(base.join("cpu/tenantvm/beta/cpu.cfs_quota_us")).unwrap(),
+            "200000"
+        );
+        assert_eq!(
+            fs::read_to_string(base.join("cpu/tenantvm/beta/cpu.cfs_period_us")).unwrap(),
+            "100000"
+        );
+        assert_eq!(
+            fs::read_to_string(base.join("pids/tenantvm/beta/pids.max")).unwrap(),
+            "64"
+        );
+        assert_eq!(handle.read_limits().unwrap(), LIMITS);
+    }
+
+    #[test]
+    fn create_rejects_bad_names_and_limits() {
+        let tree = fake_v2_tree();
+        let cgroups = Cgroups::detect_at(tree.path()).unwrap();
+        assert!(matches!(
+            cgroups.create("../x", &LIMITS),
+            Err(JailError::InvalidTenantName(_))
+        ));
+        for bad in [
+            ResourceLimits {
+                memory_bytes: 1024,
+                ..LIMITS
+            },
+            ResourceLimits {
+                cpu_period_us: 10,
+                ..LIMITS
+            },
+            ResourceLimits {
+                cpu_quota_us: 0,
+                ..LIMITS
+            },
+            ResourceLimits {
+                pids_max: 0,
+                ..LIMITS
+            },
+        ] {
+            assert!(
+                matches!(cgroups.create("ok", &bad), Err(JailError::InvalidLimits(_))),
+                "{bad:?}"
+            );
+        }
+        assert!(!tree.path().join("tenantvm/ok").exists());
+    }
+
+    #[test]
+    fn list_tenants_ignores_foreign_entries() {
+        let tree = fake_v1_tree();
+        let cgroups = Cgroups::detect_at(tree.path()).unwrap();
+        cgroups.create("b", &LIMITS).unwrap();
+        cgroups.create("a", &LIMITS).unwrap();
+        fs::create_dir(tree.path().join("pids/tenantvm/c")).unwrap();
+        fs::create_dir(tree.path().join("pids/tenantvm/Not_A_Tenant")).unwrap();
+        fs::write(tree.path().join("memory/tenantvm/file"), "").unwrap();
+        assert_eq!(cgroups.list_tenants().unwrap(), vec!["a", "b", "c"]);
+    }
+
+    #[test]
+    fn members_of_missing_cgroup_is_empty_and_kill_is_idempotent() {
+        let tree = fake_v2_tree();
+        let handle = Cgroups::detect_at(tree.path())
+            .unwrap()
+            .handle("gone")
+            .unwrap();
+        assert!(handle.members().unwrap().is_empty());
+        handle.destroy(|_| {}).unwrap();
+        handle.destroy(|_| {}).unwrap();
+    }
+}

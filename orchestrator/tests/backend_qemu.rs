@@ -1,0 +1,251 @@
+//! The QEMU backend with a real guest: the stock Debian kernel under `-accel tcg` (it prints
+//! its banner, then panics for want of a root filesystem and stays up). Needs root, QEMU and
+//! .cache/kernel (scripts/setup.sh); skips with a printed reason otherwise.
+
+mod common;
+
+use std::fs;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tenantvm::backend::{
+    BackendError, ExitReason, JailConfig, QemuAccel, QemuBackend, RuntimeConfig, VmBackend, VmSpec,
+    VmState,
+};
+use tenantvm::jail::cleanup_tenant;
+
+const QEMU: &str = "/usr/bin/qemu-system-x86_64";
+
+fn kernel() -> PathBuf {
+    common::repo_root().join(".cache/kernel/vmlinuz")
+}
+
+fn skip() -> Option<String> {
+    if let Some(reason) = common::skip_reason() {
+        return Some(reason);
+    }
+    if !PathBuf::from(QEMU).exists() {
+        return Some(format!(
+            "{QEMU} is not installed (apt-get install qemu-system-x86)"
+        ));
+    }
+    if !kernel().exists() {
+        return Some(format!(
+            "{} is missing: run scripts/setup.sh",
+            kernel().display()
+        ));
+    }
+    None
+}
+
+fn backend() -> QemuBackend {
+    let mut config = RuntimeConfig::detect().unwrap();
+    config.jail_binary = PathBuf::from(env!("CARGO_BIN_EXE_tenantvm-jail"));
+    config.ready_timeout = Duration::from_secs(60);
+    QemuBackend::new(PathBuf::from(QEMU), QemuAccel::Tcg, config)
+}
+
+fn spec(tmp: &tempfile::TempDir, tag: &str) -> VmSpec {
+    let tenant = common::tenant(tag);
+    VmSpec {
+        tenant_dir: common::tenant_dir(tmp, &tenant),
+        tenant,
+        kernel: kernel(),
+        initramfs: None,
+        cmdline: "console=ttyS0 panic=0".into(),
+        vcpus: 1,
+        memory_mib: 128,
+        disks: vec![],
+    }
+}
+
+fn jail(slot: u32) -> JailConfig {
+    let uid = common::test_uid(slot);
+    JailConfig {
+        uid,
+        gid: uid,
+        limits: common::roomy_limits(),
+    }
+}
+
+fn uid_of(pid: i32) -> Option<u32> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[test]
+fn qemu_guest_launches_reports_state_and_stops() {
+    if let Some(reason) = skip() {
+        eprintln!("skipping: {reason}");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = spec(&tmp, "qemu");
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let jail = jail(1);
+    let backend = backend();
+    let vm = backend.launch(&spec, &jail).unwrap();
+    assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
+    // The guest really runs: its banner reaches serial.log through the jail.
+    let serial = spec.tenant_dir.join("serial.log");
+    common::wait_until(
+        Duration::from_secs(120),
+        "the kernel banner on serial",
+        || {
+            fs::read_to_string(&serial)
+                .ok()
+                .filter(|s| s.contains("Linux version"))
+        },
+    );
+    // QEMU runs as the tenant uid inside the cgroup.
+    let members = vm.cgroup.members().unwrap();
+    assert!(
+        members.iter().any(|p| uid_of(*p) == Some(jail.uid)),
+        "no member runs as uid {}",
+        jail.uid
+    );
+    let reason = backend.stop(&vm, Duration::from_secs(4)).unwrap();
+    assert!(
+        matches!(reason, ExitReason::Stopped | ExitReason::PowerOff),
+        "{reason:?}"
+    );
+    assert!(matches!(
+        backend.state(&vm).unwrap(),
+        VmState::Exited { .. }
+    ));
+    // Stopping again reports the same end.
+    assert!(matches!(
+        backend.stop(&vm, Duration::from_secs(1)).unwrap(),
+        ExitReason::Stopped | ExitReason::PowerOff
+    ));
+    cleanup_tenant(
+        &RuntimeConfig::detect().unwrap().cgroups,
+        &spec.tenant,
+        &spec.tenant_dir,
+    )
+    .unwrap();
+}
+
+#[test]
+fn qemu_kvm_accel_opens_the_jails_kvm_node() {
+    if let Some(reason) = skip() {
+        eprintln!("skipping: {reason}");
+        return;
+    }
+    if let Err(e) = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
+        eprintln!("skipping: /dev/kvm is not usable ({e})");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut spec = spec(&tmp, "qkvm");
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    // The ELF vmlinux with its PVH note (QEMU's pvh.bin option ROM, mounted from the host).
+    spec.kernel = common::repo_root().join(".cache/kernel/vmlinux");
+    let mut config = RuntimeConfig::detect().unwrap();
+    config.jail_binary = PathBuf::from(env!("CARGO_BIN_EXE_tenantvm-jail"));
+    config.ready_timeout = Duration::from_secs(60);
+    let backend = QemuBackend::new(PathBuf::from(QEMU), QemuAccel::Kvm, config);
+    let vm = backend.launch(&spec, &jail(4)).unwrap();
+    assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
+    backend.kill(&vm).unwrap();
+    assert_eq!(
+        backend.state(&vm).unwrap(),
+        VmState::Exited {
+            status: ExitReason::Signaled {
+                signal: libc::SIGKILL
+            }
+        }
+    );
+}
+
+#[test]
+fn qemu_kill_is_final_and_idempotent() {
+    if let Some(reason) = skip() {
+        eprintln!("skipping: {reason}");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = spec(&tmp, "qkill");
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let backend = backend();
+    let vm = backend.launch(&spec, &jail(2)).unwrap();
+    backend.kill(&vm).unwrap();
+    assert_eq!(
+        backend.state(&vm).unwrap(),
+        VmState::Exited {
+            status: ExitReason::Signaled {
+                signal: libc::SIGKILL
+            }
+        }
+    );
+    assert!(vm.cgroup.members().unwrap().is_empty());
+    backend.kill(&vm).unwrap();
+    cleanup_tenant(
+        &RuntimeConfig::detect().unwrap().cgroups,
+        &spec.tenant,
+        &spec.tenant_dir,
+    )
+    .unwrap();
+    assert!(vm.cgroup.dirs().iter().all(|d| !d.exists()));
+}
+
+#[test]
+fn qemu_launch_rejects_bad_specs_before_starting_anything() {
+    if let Some(reason) = skip() {
+        eprintln!("skipping: {reason}");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let backend = backend();
+    let good = spec(&tmp, "qbad");
+    let cases = [
+        VmSpec {
+            kernel: "/no/such/kernel".into(),
+            ..good.clone()
+        },
+        VmSpec {
+            vcpus: 0,
+            ..good.clone()
+        },
+        VmSpec {
+            memory_mib: 0,
+            ..good.clone()
+        },
+        VmSpec {
+            tenant: "../evil".into(),
+            ..good.clone()
+        },
+        VmSpec {
+            tenant_dir: tmp.path().to_path_buf(),
+            ..good.clone()
+        },
+        VmSpec {
+            cmdline: "a\0b".into(),
+            ..good.clone()
+        },
+    ];
+    for bad in cases {
+        let err = backend.launch(&bad, &jail(3)).unwrap_err();
+        assert!(
+            matches!(err, BackendError::InvalidSpec(_) | BackendError::Jail(_)),
+            "{bad:?}: {err}"
+        );
+    }
+    let root = JailConfig { uid: 0, ..jail(3) };
+    assert!(matches!(
+        backend.launch(&good, &root),
+        Err(BackendError::InvalidSpec(_))
+    ));
+    assert!(
+        !good.tenant_dir.join("run").exists(),
+        "nothing was prepared"
+    );
+}
