@@ -76,6 +76,7 @@ const TESTS: &[&str] = &[
     "virtio-vsock",
     "hostile-blk",
     "hostile-config",
+    "vsock-bench",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -130,6 +131,7 @@ const TIMED_TESTS: &[&str] = &[
     "virtio-vsock",
     "hostile-blk",
     "hostile-config",
+    "vsock-bench",
 ];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
@@ -201,6 +203,7 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "msix" => vtests::msix(bi),
         "blk-bench" => vtests::bench(bi),
         "virtio-vsock" => vsock::run(bi),
+        "vsock-bench" => vsock::bench(bi),
         "hostile-blk" | "hostile-config" => {
             let result = if name == "hostile-blk" {
                 hostile::block(bi)

@@ -245,6 +245,24 @@ impl Virtq {
         Some((r(at), r(at + 4)))
     }
 
+    /// Waits for a used entry halting between interrupts (frees the host CPU for the
+    /// device thread). Only for requests that always complete and interrupt: there is no
+    /// timeout. `sti; hlt` has no lost-wakeup window: interrupts are taken only once the
+    /// CPU halts, after the check made with them off.
+    pub fn wait_halt(&mut self) -> (u32, u32) {
+        loop {
+            // SAFETY: cli only masks interrupts on this CPU until the sti below.
+            unsafe { core::arch::asm!("cli", options(nomem, nostack)) };
+            if let Some(e) = self.poll() {
+                // SAFETY: re-enables interrupts (the IDT handles every device vector).
+                unsafe { core::arch::asm!("sti", options(nomem, nostack)) };
+                return e;
+            }
+            // SAFETY: as above; hlt returns on the next interrupt.
+            unsafe { core::arch::asm!("sti", "hlt", options(nomem, nostack)) };
+        }
+    }
+
     /// Waits up to `ms` for a used entry.
     pub fn wait(&mut self, ms: u64) -> Option<(u32, u32)> {
         let deadline = timer::deadline_ms(ms);

@@ -34,13 +34,16 @@ mod op {
     pub const CREDIT_REQUEST: u16 = 7;
 }
 
-/// A received packet: header fields and up to 256 payload bytes.
+/// Most payload a received packet carries here (an RX buffer less the header).
+const MAX_PAYLOAD: usize = (RX_BUF - HDR) as usize;
+
+/// A received packet: header fields and its payload.
 struct Packet {
     src_port: u32,
     dst_port: u32,
     op: u16,
     len: usize,
-    data: [u8; 256],
+    data: [u8; MAX_PAYLOAD],
 }
 
 struct Vsock {
@@ -51,6 +54,11 @@ struct Vsock {
     tx_buf: u64,
     /// Payload bytes consumed on the current connection (one at a time).
     fwd_cnt: u32,
+    /// Payload bytes sent on the current connection.
+    tx_cnt: u32,
+    /// The host side's buffer and consumption, from its last header.
+    peer_buf_alloc: u32,
+    peer_fwd_cnt: u32,
 }
 
 impl Vsock {
@@ -82,6 +90,9 @@ impl Vsock {
                 rx_addr,
                 tx_buf,
                 fwd_cnt: 0,
+                tx_cnt: 0,
+                peer_buf_alloc: 0,
+                peer_fwd_cnt: 0,
             },
         ))
     }
@@ -106,6 +117,7 @@ impl Vsock {
         w(b + 36, BUF_ALLOC);
         w(b + 40, self.fwd_cnt);
         virtio::bytes_mut(b + HDR, payload.len() as u64).copy_from_slice(payload);
+        self.tx_cnt = self.tx_cnt.wrapping_add(payload.len() as u32);
         self.tx
             .add(&[(b, (HDR as usize + payload.len()) as u32, false)]);
         self.tx.kick();
@@ -121,14 +133,16 @@ impl Vsock {
         loop {
             if let Some((head, len)) = self.rx.poll() {
                 let buf = self.rx_addr[(head % 16) as usize];
-                let plen = (r::<u32>(buf + 24) as usize).min(256);
+                let plen = (r::<u32>(buf + 24) as usize).min(MAX_PAYLOAD);
                 let mut p = Packet {
                     src_port: r(buf + 16),
                     dst_port: r(buf + 20),
                     op: r(buf + 30),
                     len: plen,
-                    data: [0; 256],
+                    data: [0; MAX_PAYLOAD],
                 };
+                self.peer_buf_alloc = r(buf + 36);
+                self.peer_fwd_cnt = r(buf + 40);
                 if u64::from(len) < HDR {
                     return Err(Detail::fmt(format_args!("RX used length {len} < header")));
                 }
@@ -157,6 +171,48 @@ impl Vsock {
             core::hint::spin_loop();
         }
     }
+}
+
+/// `vsock-bench`: accepts one host connection on port 1234 and echoes every byte back
+/// until the host closes; the host measures round trips and throughput, keeping at most
+/// 64 KiB in flight.
+pub fn bench(bi: &BootInfo) -> Result<Detail, Detail> {
+    check_dma(bi)?;
+    let (_dev, mut v) = Vsock::open()?;
+    crate::println!("TVMTEST vsock-bench READY listening on port {GUEST_PORT}");
+    let req = v.recv(120_000)?;
+    if req.op != op::REQUEST || req.dst_port != GUEST_PORT {
+        return Err(Detail::fmt(format_args!(
+            "Expected a connection, got op {}",
+            req.op
+        )));
+    }
+    let host_port = req.src_port;
+    v.send(GUEST_PORT, host_port, op::RESPONSE, 0, &[])?;
+    let mut echoed: u64 = 0;
+    loop {
+        let p = v.recv(120_000)?;
+        match p.op {
+            op::RW => {
+                // The host keeps less than the VMM's per-connection buffer in flight, so
+                // the echo always has credit; running out means the host broke that rule.
+                let credit = v
+                    .peer_buf_alloc
+                    .saturating_sub(v.tx_cnt.wrapping_sub(v.peer_fwd_cnt));
+                if credit < p.len as u32 {
+                    return Err(Detail::fmt(format_args!(
+                        "No credit to echo {} bytes (credit {credit}: host buffer {} consumed {} sent {})",
+                        p.len, v.peer_buf_alloc, v.peer_fwd_cnt, v.tx_cnt
+                    )));
+                }
+                v.send(GUEST_PORT, host_port, op::RW, 0, &p.data[..p.len])?;
+                echoed += p.len as u64;
+            }
+            op::SHUTDOWN | op::RST => break,
+            _ => {}
+        }
+    }
+    Ok(Detail::fmt(format_args!("echoed={echoed}")))
 }
 
 fn upper(data: &[u8], out: &mut [u8; 256]) -> usize {
@@ -224,6 +280,7 @@ pub fn run(bi: &BootInfo) -> Result<Detail, Detail> {
     let host_port = req.src_port;
     // Credit counts are per connection: this one starts from zero.
     v.fwd_cnt = 0;
+    v.tx_cnt = 0;
     v.send(GUEST_PORT, host_port, op::RESPONSE, 0, &[])?;
     let mut line = [0u8; 256];
     let mut n = 0;

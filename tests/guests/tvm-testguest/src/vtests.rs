@@ -61,11 +61,16 @@ pub struct BlockDev {
 }
 
 impl BlockDev {
-    /// Opens and starts the first virtio-blk device.
+    /// Opens and starts the first virtio-blk device (16-entry queue).
     pub fn open() -> Result<Self, Detail> {
+        Self::open_sized(16)
+    }
+
+    /// Opens and starts the first virtio-blk device with a `size`-entry queue.
+    pub fn open_sized(size: u16) -> Result<Self, Detail> {
         let dev = VirtioPci::open(virtio::DEV_BLOCK)?;
         let features = dev.negotiate(blk::F_RO | blk::F_FLUSH)?;
-        let q = dev.queue(0, 16)?;
+        let q = dev.queue(0, size)?;
         dev.driver_ok()?;
         let capacity: u64 = r(dev.device_cfg);
         Ok(Self {
@@ -296,53 +301,98 @@ pub fn msix(bi: &BootInfo) -> Result<Detail, Detail> {
     )))
 }
 
+/// Most requests `blk-bench` keeps in flight (3 descriptors each in a 64-entry queue).
+const MAX_QD: u64 = 16;
+
 /// `blk-bench`: `tvm.bench=seq-read|seq-write|rand-read|rand-write`, `tvm.bs=4096|1048576`,
-/// `tvm.mib=N`: reports the guest-measured time; the host computes throughput.
+/// `tvm.mib=N`, `tvm.qd=N` (requests in flight, default 8): prints `GO`, runs, reports;
+/// the host times from `GO` to the report and computes throughput.
 pub fn bench(bi: &BootInfo) -> Result<Detail, Detail> {
     check_dma(bi)?;
+    let param = |key: &str, default: u64| {
+        cmdline_param(bi.cmdline(), key)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
     let kind = cmdline_param(bi.cmdline(), "tvm.bench").unwrap_or("seq-read");
-    let bs: u64 = cmdline_param(bi.cmdline(), "tvm.bs")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(4096);
-    let mib: u64 = cmdline_param(bi.cmdline(), "tvm.mib")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(16);
+    let bs = param("tvm.bs", 4096);
+    let mib = param("tvm.mib", 16);
+    let qd = param("tvm.qd", 8);
     if bs < 512 || !bs.is_multiple_of(512) || bs > (1 << 20) {
         return Err(Detail::fmt(format_args!(
             "tvm.bs={bs}: use a multiple of 512 up to 1 MiB"
         )));
     }
+    if qd == 0 || qd > MAX_QD || qd * bs > virtio::DMA_SIZE / 2 {
+        return Err(Detail::fmt(format_args!(
+            "tvm.qd={qd}: use 1 to {MAX_QD} (and qd * bs <= 16 MiB)"
+        )));
+    }
     virtio::enable_interrupts();
-    let mut b = BlockDev::open()?;
+    let mut b = BlockDev::open_sized(64)?;
     let total = mib << 20;
     if total / 512 > b.capacity {
         return Err(Detail::fmt(format_args!("Disk too small for {mib} MiB")));
     }
-    let buf = dma_alloc(bs, 4096)?;
+    let mut slots = [(0u64, 0u64, 0u64); MAX_QD as usize];
+    for slot in slots.iter_mut().take(qd as usize) {
+        *slot = (dma_alloc(16, 16)?, dma_alloc(16, 16)?, dma_alloc(bs, 4096)?);
+    }
     let write = kind.ends_with("write");
     let random = kind.starts_with("rand");
     let ops = total / bs;
     let blocks = b.capacity * 512 / bs;
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut free: [usize; MAX_QD as usize] = core::array::from_fn(|i| i);
+    let mut nfree = qd as usize;
+    let mut head_slot = [0usize; 64];
+    let (mut issued, mut done) = (0u64, 0u64);
     // The host times from this line to the report line.
     crate::println!("TVMTEST blk-bench GO");
     let start = crate::io::rdtsc();
-    for i in 0..ops {
-        let block = if random {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % blocks
-        } else {
-            i
-        };
-        let kind = if write { blk::OUT } else { blk::IN };
-        let (st, _) = b.request(kind, block * bs / 512, Some((buf, bs as u32)))?;
-        expect("bench request", st, blk::OK)?;
+    while done < ops {
+        let mut added = false;
+        while nfree > 0 && issued < ops {
+            let block = if random {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x % blocks
+            } else {
+                issued
+            };
+            nfree -= 1;
+            let slot = free[nfree];
+            let (hdr, st, data) = slots[slot];
+            w(hdr, if write { blk::OUT } else { blk::IN });
+            w(hdr + 4, 0u32);
+            w(hdr + 8, block * bs / 512);
+            w(st, 0xffu8);
+            let head =
+                b.q.add(&[(hdr, 16, false), (data, bs as u32, !write), (st, 1, true)]);
+            head_slot[usize::from(head % 64)] = slot;
+            issued += 1;
+            added = true;
+        }
+        if added {
+            b.q.kick();
+        }
+        // Wait for one completion, then take every other one already there, so that
+        // the next refill goes out with a single notification.
+        let mut next = Some(b.q.wait_halt());
+        while let Some((head, _)) = next {
+            let slot = head_slot[(head % 64) as usize];
+            let status: u8 = r(slots[slot].1);
+            expect("bench request", status, blk::OK)?;
+            free[nfree] = slot;
+            nfree += 1;
+            done += 1;
+            next = b.q.poll();
+        }
     }
     let ticks = crate::io::rdtsc() - start;
     let us = ticks * 1000 / timer::tsc_per_ms().max(1);
     Ok(Detail::fmt(format_args!(
-        "kind={kind} bs={bs} ops={ops} bytes={total} us={us}"
+        "kind={kind} bs={bs} qd={qd} ops={ops} bytes={total} us={us}"
     )))
 }
