@@ -325,3 +325,88 @@ impl PciPlatform {
         self.event_loop.clone()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tenantvm_devices::virtio::rng::Rng;
+    use vm_memory::GuestAddress;
+
+    /// A VM with the PCI platform and one rng function, or `None` without /dev/kvm.
+    fn platform() -> Option<(PciPlatform, Bus, Arc<RwLock<Bus>>, u8)> {
+        if !std::path::Path::new("/dev/kvm").exists() {
+            eprintln!("skipping: /dev/kvm is absent");
+            return None;
+        }
+        let vm = Arc::new(Vm::new().expect("create a VM"));
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 16 << 20)]).unwrap();
+        let windows =
+            PciWindows::new(16 << 20, 46, tenantvm_devices::pci::MMIO64_DEFAULT_SIZE).unwrap();
+        let mut pio = Bus::new();
+        let mmio = Arc::new(RwLock::new(Bus::new()));
+        let mut pci = PciPlatform::new(vm, mem, windows, &mut pio, mmio.clone()).unwrap();
+        let slot = pci
+            .add_virtio("rng", Box::new(Rng::new()), Box::new(Vec::new))
+            .unwrap();
+        Some((pci, pio, mmio, slot))
+    }
+
+    fn cfg_write(pio: &Bus, slot: u8, reg: u8, value: u32) {
+        let addr = 0x8000_0000u32 | (u32::from(slot) << 11) | u32::from(reg);
+        pio.write(0xcf8, &addr.to_le_bytes());
+        pio.write(0xcfc, &value.to_le_bytes());
+    }
+
+    fn counter(pci: &mut PciPlatform, device: &str, name: &str) -> u64 {
+        let counters = pci.take_counters();
+        let value = counters.snapshot()[device][name];
+        pci.counters = counters;
+        value
+    }
+
+    fn mapped(mmio: &RwLock<Bus>, addr: u64) -> bool {
+        mmio.read().unwrap().resolve(addr, 4).is_some()
+    }
+
+    #[test]
+    fn guest_bar_move_follows_on_the_bus_and_bad_moves_are_refused() {
+        let Some((mut pci, pio, mmio, slot)) = platform() else {
+            return;
+        };
+        let old = tenantvm_devices::pci::MMIO64_ALIGN;
+        assert!(mapped(&mmio, old));
+        // A move into the 32-bit window, decoding on: the bus range follows.
+        let new = 0xc000_0000u64;
+        cfg_write(&pio, slot, 0x04, 0);
+        cfg_write(&pio, slot, 0x10, new as u32);
+        cfg_write(&pio, slot, 0x14, 0);
+        cfg_write(&pio, slot, 0x04, 0x6);
+        assert!(mapped(&mmio, new));
+        assert!(!mapped(&mmio, old));
+        assert_eq!(counter(&mut pci, "pci", "bar_moves"), 1);
+        // A move onto the ECAM window is outside the BAR windows: refused, BAR stays put.
+        cfg_write(&pio, slot, 0x10, ECAM_BASE as u32);
+        assert!(mapped(&mmio, new));
+        assert_eq!(counter(&mut pci, "pci", "bar_moves_refused"), 1);
+    }
+
+    #[test]
+    fn counters_name_every_function_part() {
+        let Some((mut pci, ..)) = platform() else {
+            return;
+        };
+        let names: Vec<String> = pci.take_counters().snapshot().into_keys().collect();
+        assert_eq!(names, ["pci", "rng", "rng.msix", "rng.transport"]);
+    }
+
+    #[test]
+    fn host_bridge_matches_the_windows() {
+        let windows = PciWindows::new(1 << 30, 46, 1 << 38).unwrap();
+        let bridge = host_bridge(&windows);
+        assert_eq!(bridge.ecam_base, ECAM_BASE);
+        assert_eq!(bridge.ecam_len(), ECAM_BUS_SIZE);
+        assert_eq!(*bridge.mmio32.start(), 0xc000_0000);
+        assert_eq!(*bridge.mmio64.start(), windows.mmio64_base);
+        assert!(host_phys_bits() >= 32);
+    }
+}

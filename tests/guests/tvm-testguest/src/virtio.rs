@@ -245,6 +245,22 @@ impl Virtq {
         Some((r(at), r(at + 4)))
     }
 
+    /// Halts until the next interrupt unless this queue already has a used entry (checked
+    /// with interrupts off, so a completion cannot slip in between).
+    pub fn halt_unless_used(&self) {
+        // SAFETY: cli only masks interrupts on this CPU until the sti below.
+        unsafe { core::arch::asm!("cli", options(nomem, nostack)) };
+        fence(Ordering::SeqCst);
+        let idx: u16 = r(self.used + 2);
+        if idx != self.last_used {
+            // SAFETY: re-enables interrupts (the IDT handles every device vector).
+            unsafe { core::arch::asm!("sti", options(nomem, nostack)) };
+        } else {
+            // SAFETY: as above; hlt returns on the next interrupt.
+            unsafe { core::arch::asm!("sti", "hlt", options(nomem, nostack)) };
+        }
+    }
+
     /// Waits for a used entry halting between interrupts (frees the host CPU for the
     /// device thread). Only for requests that always complete and interrupt: there is no
     /// timeout. `sti; hlt` has no lost-wakeup window: interrupts are taken only once the
