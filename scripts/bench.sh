@@ -7,12 +7,19 @@
 #   2. the VMM's own resident memory beyond guest RAM, for a 1-vCPU, 128 MiB guest that is
 #      running (the test guest's `idle` test): VmRSS minus the Rss of the guest RAM mapping,
 #      read from /proc/PID/smaps;
-#   3. the stock Debian kernel (.cache/kernel/vmlinux, fetched by scripts/setup.sh) to its
+#   3. devices (test guest's virtio driver, through KVM exits, ioeventfds and MSI-X):
+#      virtio-blk sequential and random reads and writes with 4 KiB and 1 MiB requests
+#      against the same file read/written directly on the host in the same run (dd for
+#      sequential, pread/pwrite for random; both through the page cache), as a ratio;
+#      virtio-vsock echo round-trip latency and throughput through the hybrid Unix socket;
+#   4. the stock Debian kernel (.cache/kernel/vmlinux, fetched by scripts/setup.sh) to its
 #      first serial line ("Linux version"), BENCH_KERNEL_RUNS runs (default 2). Reported
 #      separately: here the guest's own speed under this machine's nested hypervisor dominates.
 #
 # usage: scripts/bench.sh            (builds tenantvm-vmm --release and the test guests first)
-# env:   BENCH_RUNS, BENCH_KERNEL_RUNS, BENCH_SKIP_KERNEL=1, QEMU (default qemu-system-x86_64)
+# env:   BENCH_RUNS, BENCH_KERNEL_RUNS, BENCH_SKIP_KERNEL=1, BENCH_SKIP_DEVICES=1,
+#        BENCH_DISK_MIB (default 64; 4 KiB workloads use a quarter), BENCH_QD (default 8),
+#        BENCH_ONLY_DEVICES=1, QEMU (default qemu-system-x86_64)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -30,7 +37,7 @@ export BENCH_KERNEL="$root/.cache/kernel/vmlinux"
 export BENCH_QEMU="$qemu"
 
 exec python3 - <<'PY'
-import os, select, statistics, subprocess, sys, time
+import os, random, select, socket, statistics, subprocess, sys, tempfile, time
 
 VMM = os.environ["BENCH_VMM"]
 GUEST = os.environ["BENCH_GUEST"]
@@ -140,33 +147,189 @@ def fmt_ms(s):
     return f"{s * 1000:8.1f} ms"
 
 
+ONLY_DEVICES = os.environ.get("BENCH_ONLY_DEVICES") == "1"
 print(f"tenantvm-vmm: {VMM}\nqemu: {QEMU} -M microvm\npayload: {GUEST} (PVH ELF), {MEM_MIB} MiB, 1 vCPU, {RUNS} runs each\n")
-results = {}
-for name, cmd in (("tenantvm-vmm", tenantvm_cmd(GUEST, "tvm.test=poweroff")),
-                  ("qemu-microvm", qemu_cmd(GUEST, "tvm.test=poweroff"))):
-    timed_run(cmd)  # warm the page cache
-    firsts, ends = [], []
-    for _ in range(RUNS):
-        f, e = timed_run(cmd)
-        firsts.append(f); ends.append(e)
-    results[name] = (summary(firsts), summary(ends))
+if not ONLY_DEVICES:
+    results = {}
+    for name, cmd in (("tenantvm-vmm", tenantvm_cmd(GUEST, "tvm.test=poweroff")),
+                      ("qemu-microvm", qemu_cmd(GUEST, "tvm.test=poweroff"))):
+        timed_run(cmd)  # warm the page cache
+        firsts, ends = [], []
+        for _ in range(RUNS):
+            f, e = timed_run(cmd)
+            firsts.append(f); ends.append(e)
+        results[name] = (summary(firsts), summary(ends))
 
-print(f"{'test guest':14} {'first serial byte (median/min/max)':>44}   {'power-off (median/min/max)':>40}")
-for name, (f, e) in results.items():
-    print(f"{name:14} {fmt_ms(f[0])} {fmt_ms(f[1])} {fmt_ms(f[2])}    {fmt_ms(e[0])} {fmt_ms(e[1])} {fmt_ms(e[2])}")
-t, q = results["tenantvm-vmm"], results["qemu-microvm"]
-print(f"ratio qemu/tenantvm: first byte {q[0][0] / t[0][0]:.2f}x, power-off {q[1][0] / t[1][0]:.2f}x (goal: >= 5x to the first byte)\n")
+    print(f"{'test guest':14} {'first serial byte (median/min/max)':>44}   {'power-off (median/min/max)':>40}")
+    for name, (f, e) in results.items():
+        print(f"{name:14} {fmt_ms(f[0])} {fmt_ms(f[1])} {fmt_ms(f[2])}    {fmt_ms(e[0])} {fmt_ms(e[1])} {fmt_ms(e[2])}")
+    t, q = results["tenantvm-vmm"], results["qemu-microvm"]
+    print(f"ratio qemu/tenantvm: first byte {q[0][0] / t[0][0]:.2f}x, power-off {q[1][0] / t[1][0]:.2f}x (goal: >= 5x to the first byte)\n")
 
-print("resident memory beyond guest RAM (idle 1-vCPU 128 MiB guest)")
-mem = {}
-for name, cmd in (("tenantvm-vmm", tenantvm_cmd(GUEST, "tvm.test=idle")),
-                  ("qemu-microvm", qemu_cmd(GUEST, "tvm.test=idle"))):
-    total, guest, rest = rss_of(cmd)
-    mem[name] = rest
-    print(f"{name:14} VmRSS {total / 2**20:7.2f} MiB, guest RAM resident {guest / 2**20:7.2f} MiB, VMM overhead {rest / 2**20:7.2f} MiB")
-print(f"ratio qemu/tenantvm overhead: {mem['qemu-microvm'] / mem['tenantvm-vmm']:.2f}x (goal: tenantvm under 5 MiB)\n")
+    print("resident memory beyond guest RAM (idle 1-vCPU 128 MiB guest)")
+    mem = {}
+    for name, cmd in (("tenantvm-vmm", tenantvm_cmd(GUEST, "tvm.test=idle")),
+                      ("qemu-microvm", qemu_cmd(GUEST, "tvm.test=idle"))):
+        total, guest, rest = rss_of(cmd)
+        mem[name] = rest
+        print(f"{name:14} VmRSS {total / 2**20:7.2f} MiB, guest RAM resident {guest / 2**20:7.2f} MiB, VMM overhead {rest / 2**20:7.2f} MiB")
+    print(f"ratio qemu/tenantvm overhead: {mem['qemu-microvm'] / mem['tenantvm-vmm']:.2f}x (goal: tenantvm under 5 MiB)\n")
 
-if os.environ.get("BENCH_SKIP_KERNEL") == "1":
+
+def guest_phase(cmd, start_mark, end_mark, timeout=600):
+    """Seconds between two serial markers of a guest run (the guest's own timing is
+    unreliable under nested KVM; the host clock is not)."""
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    seen, t0, t1 = b"", None, None
+    deadline = time.perf_counter() + timeout
+    while t1 is None:
+        if time.perf_counter() > deadline:
+            p.kill(); p.wait()
+            raise RuntimeError(f"timed out: {' '.join(cmd)}\n{seen[-2000:]!r}")
+        r, _, _ = select.select([p.stdout], [], [], 1.0)
+        if not r:
+            continue
+        chunk = os.read(p.stdout.fileno(), 65536)
+        if not chunk:
+            break
+        seen += chunk
+        now = time.perf_counter()
+        if t0 is None and start_mark in seen:
+            t0 = now
+        if t0 is not None and end_mark in seen:
+            t1 = now
+    p.wait()
+    if t0 is None or t1 is None:
+        raise RuntimeError(f"guest did not report: {' '.join(cmd)}\n{seen[-2000:]!r}\n{p.stderr.read()[-1000:]!r}")
+    return t1 - t0
+
+
+def host_dd(path, kind, bs, total):
+    """Seconds for dd to read (to /dev/null) or write (from /dev/zero) the same range."""
+    io = (["dd", f"if={path}", "of=/dev/null"] if kind == "seq-read"
+          else ["dd", "if=/dev/zero", f"of={path}", "conv=notrunc"])
+    start = time.perf_counter()
+    subprocess.run(io + [f"bs={bs}", f"count={total // bs}"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def host_direct(path, kind, bs, total, qd):
+    """Seconds for the guest's I/O done directly on the host file: the same offsets, into
+    or from `qd` rotating buffers (the guest's buffer footprint), preadv/pwritev."""
+    count = total // bs
+    fd = os.open(path, os.O_RDWR)
+    try:
+        blocks = os.fstat(fd).st_size // bs
+        x = 0x9e3779b97f4a7c15
+        offsets = []
+        for i in range(count):
+            if kind.startswith("rand"):
+                x ^= (x << 13) & (2**64 - 1)
+                x ^= x >> 7
+                x ^= (x << 17) & (2**64 - 1)
+                offsets.append((x % blocks) * bs)
+            else:
+                offsets.append(i * bs)
+        bufs = [bytearray(os.urandom(bs)) for _ in range(qd)]
+        io = os.preadv if kind.endswith("read") else os.pwritev
+        start = time.perf_counter()
+        for i, off in enumerate(offsets):
+            io(fd, [bufs[i % qd]], off)
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)
+
+
+def block_bench():
+    mib = int(os.environ.get("BENCH_DISK_MIB", "64"))
+    qd = int(os.environ.get("BENCH_QD", "8"))
+    with tempfile.TemporaryDirectory() as tmp:
+        disk = os.path.join(tmp, "disk.img")
+        with open(disk, "wb") as f:
+            for _ in range(2 * mib):
+                f.write(os.urandom(1 << 20))
+        print(f"virtio-blk: {mib} MiB per workload on a {2 * mib} MiB file (page cache, warm); "
+              f"guest: queue depth {qd}; host: preadv/pwritev of the same offsets into {qd} rotating buffers, and dd")
+        print(f"{'workload':20} {'guest MB/s':>10} {'guest IOPS':>10} {'host MB/s':>10} {'host IOPS':>10} {'ratio':>6} {'dd MB/s':>9}")
+        for bs in (4096, 1 << 20):
+            size = mib if bs > 4096 else max(mib // 4, 1)
+            for kind in ("seq-read", "seq-write", "rand-read", "rand-write"):
+                cmdline = f"tvm.test=blk-bench tvm.bench={kind} tvm.bs={bs} tvm.mib={size} tvm.qd={qd}"
+                cmd = tenantvm_cmd(GUEST, cmdline, ["--disk", f"path={disk}", "--rng", "off"])
+                g = guest_phase(cmd, b"TVMTEST blk-bench GO", b"TVMTEST blk-bench PASS")
+                h = host_direct(disk, kind, bs, size << 20, qd)
+                dd = f"{size * 1.048576 / host_dd(disk, kind, bs, size << 20):9.1f}" if kind.startswith("seq") else f"{'-':>9}"
+                ops = (size << 20) // bs
+                label = f"{kind} 4 KiB" if bs == 4096 else f"{kind} 1 MiB"
+                print(f"{label:20} {size * 1.048576 / g:10.1f} {ops / g:10.0f} {size * 1.048576 / h:10.1f} {ops / h:10.0f} {h / g * 100:5.0f}% {dd}")
+        print("goal: ratio >= 70% at 1 MiB\n")
+
+
+def recv_exact(s, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise RuntimeError("vsock echo closed early")
+        buf += chunk
+    return bytes(buf)
+
+
+def vsock_bench():
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "v.sock")
+        cmd = tenantvm_cmd(GUEST, "tvm.test=vsock-bench", ["--vsock", f"cid=3,socket={path}", "--rng", "off"])
+        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL)
+        seen = b""
+        deadline = time.time() + 60
+        while b"vsock-bench READY" not in seen:
+            if time.time() > deadline:
+                p.kill(); p.wait()
+                raise RuntimeError(f"vsock-bench guest not ready: {seen[-500:]!r}")
+            r, _, _ = select.select([p.stdout], [], [], 1.0)
+            if r:
+                seen += os.read(p.stdout.fileno(), 65536)
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(path)
+        s.sendall(b"CONNECT 1234\n")
+        line = b""
+        while not line.endswith(b"\n"):
+            line += s.recv(1)
+        rtts = []
+        msg = b"x" * 64
+        for _ in range(2000):
+            t = time.perf_counter()
+            s.sendall(msg)
+            recv_exact(s, len(msg))
+            rtts.append(time.perf_counter() - t)
+        chunk = os.urandom(64 << 10)
+        total = 64 << 20
+        t = time.perf_counter()
+        for _ in range(total // len(chunk)):
+            s.sendall(chunk)
+            if recv_exact(s, len(chunk)) != chunk:
+                raise RuntimeError("vsock echo corrupted the data")
+        elapsed = time.perf_counter() - t
+        s.close()
+        p.wait(timeout=60)
+        rtts.sort()
+        print("virtio-vsock echo (host Unix socket -> VMM -> guest driver -> back)")
+        print(f"round trip, 64 B: median {statistics.median(rtts) * 1e6:.0f} us, p99 {rtts[int(len(rtts) * 0.99)] * 1e6:.0f} us ({len(rtts)} round trips)")
+        print(f"throughput, 64 KiB windows: {total / elapsed / 1e6:.1f} MB/s each way ({total >> 20} MiB echoed)\n")
+
+
+if os.environ.get("BENCH_SKIP_DEVICES") == "1":
+    print("devices: skipped (BENCH_SKIP_DEVICES=1)\n")
+else:
+    block_bench()
+    vsock_bench()
+
+if ONLY_DEVICES:
+    pass
+elif os.environ.get("BENCH_SKIP_KERNEL") == "1":
     print("stock kernel: skipped (BENCH_SKIP_KERNEL=1)")
 elif not os.path.exists(KERNEL):
     print(f"stock kernel: skipped ({KERNEL} missing; run scripts/setup.sh)")

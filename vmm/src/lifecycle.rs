@@ -8,6 +8,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tenantvm_devices::legacy::{spawn_input_thread, SerialOutput};
+use tenantvm_devices::pci::{PciWindows, MMIO64_DEFAULT_SIZE};
+use tenantvm_devices::virtio::block::{Block, BlockError};
+use tenantvm_devices::virtio::rng::Rng;
+use tenantvm_devices::virtio::vsock::{Vsock, VsockError};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::api::server::ConnectionState;
@@ -15,6 +19,7 @@ use crate::api::{ApiError, ApiServer, SerialConfig, VmCommand, VmConfig, VmRespo
 use crate::boot::{self, BootConfig, BootError};
 use crate::device_manager::{attach_legacy_devices, DeviceManagerError};
 use crate::exit::{ExitReason, ExitState};
+use crate::pci::{host_bridge, host_phys_bits, DeviceCounters, PciPlatform, PciSetupError};
 use crate::terminal::RawTerminal;
 use crate::vstate::vcpu::{self, Buses, VcpuSet};
 use crate::vstate::vm::{create_guest_memory, Vm};
@@ -46,6 +51,22 @@ pub enum StartError {
     /// A host resource (eventfd, epoll, thread) could not be created.
     #[error("Host resource unavailable: {0}")]
     Host(#[source] std::io::Error),
+    /// The PCI platform or a device on it could not be set up.
+    #[error(transparent)]
+    Pci(#[from] PciSetupError),
+    /// A disk image cannot be used.
+    #[error("Cannot use disk {index} ({}): {source}", path.display())]
+    Disk {
+        /// Position of the disk on the command line / in the config.
+        index: usize,
+        /// Its path.
+        path: PathBuf,
+        /// What is wrong.
+        source: BlockError,
+    },
+    /// The vsock socket cannot be used.
+    #[error("Cannot set up vsock: {0}")]
+    Vsock(#[source] VsockError),
 }
 
 impl StartError {
@@ -68,7 +89,10 @@ impl StartError {
             },
             StartError::Api(_) => 15,
             StartError::SerialFile { .. } => 17,
-            StartError::Devices(_) | StartError::Host(_) => 1,
+            StartError::Pci(PciSetupError::Windows(_)) => 2,
+            StartError::Disk { .. } => 18,
+            StartError::Vsock(_) => 19,
+            StartError::Devices(_) | StartError::Host(_) | StartError::Pci(_) => 1,
         }
     }
 }
@@ -99,6 +123,11 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
         .transpose()?;
 
     let mem_size = config.memory_mib << 20;
+    let ram_end = boot::layout::ram_ranges(mem_size)
+        .last()
+        .map_or(0, |(start, len)| start + len);
+    let windows = PciWindows::new(ram_end, host_phys_bits(), MMIO64_DEFAULT_SIZE)
+        .map_err(PciSetupError::from)?;
     let mem = create_guest_memory(mem_size)?;
     let entry = boot::load(
         &mem,
@@ -109,10 +138,11 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
             protocol: config.boot,
             vcpus: config.vcpus,
             mem_size,
+            pci: Some(host_bridge(&windows)),
         },
     )?;
 
-    let vm = Vm::new()?;
+    let vm = Arc::new(Vm::new()?);
     if config.vcpus > vm.max_vcpus() {
         return Err(VstateError::TooManyVcpus {
             requested: config.vcpus,
@@ -124,6 +154,15 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
     let exit = Arc::new(ExitState::new().map_err(StartError::Host)?);
     let mut buses = Buses::default();
     let serial = attach_legacy_devices(&vm, &mut buses.pio, serial_output, exit.clone())?;
+    let mut pci = PciPlatform::new(
+        vm.clone(),
+        mem.clone(),
+        windows,
+        &mut buses.pio,
+        buses.mmio.clone(),
+    )?;
+    attach_virtio_devices(&mut pci, config)?;
+    let counters = pci.take_counters();
     let mut fds = Vec::with_capacity(config.vcpus as usize);
     for id in 0..config.vcpus {
         let fd = vm.create_vcpu(id)?;
@@ -159,8 +198,18 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
     vcpu::install_kick_handler()?;
     let started = Instant::now();
     let vcpus = VcpuSet::start(fds, Arc::new(buses), exit.clone())?;
-    let reason = event_loop(&epoll, api.as_mut(), &vcpus, &exit, config, started);
+    let reason = event_loop(
+        &epoll,
+        api.as_mut(),
+        &vcpus,
+        &exit,
+        config,
+        started,
+        &counters,
+    );
     vcpus.stop();
+    // The device thread stops after the vCPUs, so no notification is left unserved.
+    drop(pci);
     drop(api);
     Ok(reason)
 }
@@ -173,6 +222,7 @@ fn event_loop(
     exit: &ExitState,
     config: &VmConfig,
     started: Instant,
+    counters: &DeviceCounters,
 ) -> ExitReason {
     let mut paused = false;
     let mut events = vec![EpollEvent::default(); 32];
@@ -206,7 +256,7 @@ fn event_loop(
                     };
                     let fd = token as i32;
                     let state = api.handle_readable(fd, |command| {
-                        handle_command(command, vcpus, &mut paused, config, started, exit)
+                        handle_command(command, vcpus, &mut paused, config, started, exit, counters)
                     });
                     if state == ConnectionState::Closed {
                         // Failing to unwatch is harmless: closing the fd unwatches it too.
@@ -219,6 +269,38 @@ fn event_loop(
     }
 }
 
+/// Plugs the configured disks, vsock and rng into the PCI root, in that slot order.
+fn attach_virtio_devices(pci: &mut PciPlatform, config: &VmConfig) -> Result<(), StartError> {
+    for (index, disk) in config.disks.iter().enumerate() {
+        let block = Block::new(disk).map_err(|source| StartError::Disk {
+            index,
+            path: disk.path.clone(),
+            source,
+        })?;
+        let metrics = block.metrics();
+        pci.add_virtio(
+            &format!("disk{index}"),
+            Box::new(block),
+            Box::new(move || metrics.snapshot()),
+        )?;
+    }
+    if let Some(vsock) = &config.vsock {
+        let vsock = Vsock::new(vsock).map_err(StartError::Vsock)?;
+        let metrics = vsock.metrics();
+        pci.add_virtio(
+            "vsock",
+            Box::new(vsock),
+            Box::new(move || metrics.snapshot()),
+        )?;
+    }
+    if config.rng {
+        let rng = Rng::new();
+        let metrics = rng.metrics();
+        pci.add_virtio("rng", Box::new(rng), Box::new(move || metrics.snapshot()))?;
+    }
+    Ok(())
+}
+
 fn handle_command(
     command: VmCommand,
     vcpus: &VcpuSet,
@@ -226,6 +308,7 @@ fn handle_command(
     config: &VmConfig,
     started: Instant,
     exit: &ExitState,
+    counters: &DeviceCounters,
 ) -> VmResponse {
     let state = |paused: bool| {
         if paused {
@@ -265,6 +348,10 @@ fn handle_command(
                 state: VmState::Running,
             }
         }
+        VmCommand::Metrics => VmResponse::Metrics {
+            ok: true,
+            devices: counters.snapshot(),
+        },
         VmCommand::Shutdown => {
             exit.stop(ExitReason::ApiShutdown);
             VmResponse::Done {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use tenantvm_vmm::api::{VmConfig, VmConfigFile};
+use tenantvm_vmm::api::{parse_disk, parse_vsock, VmConfig, VmConfigFile};
 use tenantvm_vmm::boot::BootProtocol;
 
 /// Runs one tenant's virtual machine on KVM, one VM per process.
@@ -30,10 +30,13 @@ use tenantvm_vmm::boot::BootProtocol;
 ///  15  control socket path busy or not writable
 ///  16  /dev/kvm missing or not usable
 ///  17  serial output file cannot be opened
+///  18  a disk image is missing, unreadable or unusable
+///  19  the vsock socket path is busy, not a socket or not writable
 ///
 /// Example:
 ///   tenantvm-vmm --kernel vmlinux --memory-mib 512 --vcpus 2 \
-///       --cmdline "console=ttyS0" --api-sock /run/vm1.sock
+///       --cmdline "console=ttyS0" --api-sock /run/vm1.sock \
+///       --disk path=/var/lib/vm1/disk.img --vsock cid=3,socket=/run/vm1.vsock
 #[derive(Debug, Parser)]
 #[command(name = "tenantvm-vmm", version, verbatim_doc_comment)]
 struct Cli {
@@ -62,10 +65,33 @@ struct Cli {
     /// protocol) or pvh [default: auto].
     #[arg(long, value_name = "PROTOCOL")]
     boot: Option<BootProtocol>,
+    /// A virtio-blk disk (repeatable; PCI slot order): a raw image file, read-only with
+    /// readonly=on, GET_ID serial id=, rate limits bps= (bytes/s) and iops=.
+    #[arg(
+        long = "disk",
+        value_name = "path=PATH[,readonly=on][,id=ID][,bps=N][,iops=N]"
+    )]
+    disks: Vec<String>,
+    /// A virtio-vsock device with guest CID N; host processes connect to the Unix socket
+    /// PATH and write "CONNECT <port>\n"; guest connections to port P go to PATH_P.
+    #[arg(long, value_name = "cid=N,socket=PATH")]
+    vsock: Option<String>,
+    /// A virtio-rng device fed from the host's getrandom [default: on].
+    #[arg(long, value_name = "on|off", value_parser = parse_on_off)]
+    rng: Option<bool>,
     /// JSON file with the same fields (kernel, initramfs, cmdline, memory_mib, vcpus,
-    /// serial, api_sock, boot); unknown fields are refused; flags override it.
+    /// serial, api_sock, boot, disks, vsock, rng); unknown fields are refused; flags
+    /// override it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
+}
+
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("expected on or off, not {s:?}")),
+    }
 }
 
 fn fail(status: u8, message: impl std::fmt::Display) -> ExitCode {
@@ -90,6 +116,19 @@ fn main() -> ExitCode {
         },
         None => VmConfigFile::default(),
     };
+    let disks = match cli
+        .disks
+        .iter()
+        .map(|d| parse_disk(d))
+        .collect::<Result<Vec<_>, _>>()
+    {
+        Ok(disks) => (!disks.is_empty()).then_some(disks),
+        Err(e) => return fail(2, e),
+    };
+    let vsock = match cli.vsock.as_deref().map(parse_vsock).transpose() {
+        Ok(vsock) => vsock,
+        Err(e) => return fail(2, e),
+    };
     let flags = VmConfigFile {
         kernel: cli.kernel,
         initramfs: cli.initramfs,
@@ -99,6 +138,9 @@ fn main() -> ExitCode {
         serial: cli.serial,
         api_sock: cli.api_sock,
         boot: cli.boot,
+        disks,
+        vsock,
+        rng: cli.rng,
     };
     let config = match VmConfig::resolve(file.overridden_by(flags)) {
         Ok(config) => config,

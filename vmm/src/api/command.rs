@@ -14,6 +14,8 @@ pub enum VmCommand {
     Resume,
     /// Stop the VM; the process exits with status 6.
     Shutdown,
+    /// Report every device counter.
+    Metrics,
 }
 
 /// Whether the vCPUs are running.
@@ -51,6 +53,13 @@ pub enum VmResponse {
         ok: bool,
         /// The state after the command.
         state: VmState,
+    },
+    /// `metrics` succeeded.
+    Metrics {
+        /// Always true.
+        ok: bool,
+        /// Counters by device name (`pci`, `disk0`, `disk0.transport`, `vsock`, ...).
+        devices: std::collections::BTreeMap<String, std::collections::BTreeMap<String, u64>>,
     },
     /// The request was refused.
     Error {
@@ -100,8 +109,9 @@ pub fn parse_request(line: &[u8]) -> Result<VmCommand, VmResponse> {
         "pause" => Ok(VmCommand::Pause),
         "resume" => Ok(VmCommand::Resume),
         "shutdown" => Ok(VmCommand::Shutdown),
+        "metrics" => Ok(VmCommand::Metrics),
         other => Err(VmResponse::error(format!(
-            "Unknown command {other:?}; commands are status, pause, resume, shutdown"
+            "Unknown command {other:?}; commands are status, pause, resume, shutdown, metrics"
         ))),
     }
 }
@@ -119,6 +129,10 @@ mod tests {
         assert_eq!(
             parse_request(br#" {"command":"shutdown"} "#),
             Ok(VmCommand::Shutdown)
+        );
+        assert_eq!(
+            parse_request(br#"{"command":"metrics"}"#),
+            Ok(VmCommand::Metrics)
         );
     }
 

@@ -5,7 +5,10 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
+use tenantvm_devices::virtio::block::BlockConfig;
+use tenantvm_devices::virtio::vsock::VsockConfig;
 
+use super::devices::DeviceFlagError;
 use crate::boot::BootProtocol;
 
 /// Guest RAM when none is given.
@@ -14,6 +17,8 @@ pub const DEFAULT_MEMORY_MIB: u64 = 128;
 pub const MAX_MEMORY_MIB: u64 = 1 << 20;
 /// Kernel command line when none is given.
 pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=1";
+/// Most virtio devices (PCI bus 0 has 32 slots; the host bridge takes one).
+pub const MAX_PCI_DEVICES: usize = 31;
 
 /// The `--config` file: every field optional, unknown fields refused.
 ///
@@ -37,6 +42,12 @@ pub struct VmConfigFile {
     pub api_sock: Option<PathBuf>,
     /// Kernel entry point: `auto`, `linux` or `pvh`.
     pub boot: Option<BootProtocol>,
+    /// virtio-blk disks, in PCI slot order.
+    pub disks: Option<Vec<BlockConfig>>,
+    /// The virtio-vsock device.
+    pub vsock: Option<VsockConfig>,
+    /// Whether the guest gets a virtio-rng device (default true).
+    pub rng: Option<bool>,
 }
 
 impl VmConfigFile {
@@ -63,6 +74,9 @@ impl VmConfigFile {
             serial: over.serial.or(self.serial),
             api_sock: over.api_sock.or(self.api_sock),
             boot: over.boot.or(self.boot),
+            disks: over.disks.or(self.disks),
+            vsock: over.vsock.or(self.vsock),
+            rng: over.rng.or(self.rng),
         }
     }
 }
@@ -112,6 +126,12 @@ pub struct VmConfig {
     pub api_sock: Option<PathBuf>,
     /// Kernel entry point.
     pub boot: BootProtocol,
+    /// virtio-blk disks.
+    pub disks: Vec<BlockConfig>,
+    /// The virtio-vsock device.
+    pub vsock: Option<VsockConfig>,
+    /// Whether a virtio-rng device is present.
+    pub rng: bool,
 }
 
 impl VmConfig {
@@ -130,6 +150,15 @@ impl VmConfig {
             Some(s) => s.parse()?,
             None => SerialConfig::Stdout,
         };
+        let disks = file.disks.unwrap_or_default();
+        let rng = file.rng.unwrap_or(true);
+        let devices = disks.len() + usize::from(file.vsock.is_some()) + usize::from(rng);
+        if devices > MAX_PCI_DEVICES {
+            return Err(ConfigError::TooManyDevices(devices));
+        }
+        if let Some(disk) = disks.iter().find(|d| d.path.as_os_str().is_empty()) {
+            return Err(ConfigError::DiskPath(disk.id.clone().unwrap_or_default()));
+        }
         Ok(Self {
             kernel,
             initramfs: file.initramfs,
@@ -139,6 +168,9 @@ impl VmConfig {
             serial,
             api_sock: file.api_sock,
             boot: file.boot.unwrap_or_default(),
+            disks,
+            vsock: file.vsock,
+            rng,
         })
     }
 }
@@ -174,6 +206,15 @@ pub enum ConfigError {
     /// The serial setting is not one of the accepted forms.
     #[error("Invalid serial setting {0:?}; use stdout, none or file:PATH")]
     Serial(String),
+    /// A `--disk` or `--vsock` value is malformed.
+    #[error(transparent)]
+    DeviceFlag(#[from] DeviceFlagError),
+    /// More devices than PCI slots.
+    #[error("{0} virtio devices requested, but PCI bus 0 holds at most {MAX_PCI_DEVICES}; remove some disks")]
+    TooManyDevices(usize),
+    /// A disk without a path.
+    #[error("Disk {0:?} has an empty path; give path=FILE")]
+    DiskPath(String),
 }
 
 impl ConfigError {
@@ -212,6 +253,57 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("memory_gb"), "{err}");
+    }
+
+    #[test]
+    fn device_fields_parse_and_rng_defaults_on() {
+        let file: VmConfigFile = serde_json::from_str(
+            r#"{"kernel":"/k","disks":[{"path":"/d.img","read_only":true,"id":"root",
+                "rate_limit":{"bytes_per_sec":1000}}],
+                "vsock":{"guest_cid":3,"uds_path":"/run/v.sock"}}"#,
+        )
+        .unwrap();
+        let c = VmConfig::resolve(file).unwrap();
+        assert_eq!(c.disks.len(), 1);
+        assert!(c.disks[0].read_only);
+        assert_eq!(c.vsock.unwrap().guest_cid, 3);
+        assert!(c.rng);
+    }
+
+    #[test]
+    fn unknown_field_inside_a_disk_is_refused() {
+        let err = serde_json::from_str::<VmConfigFile>(
+            r#"{"kernel":"/k","disks":[{"path":"/d","readonly":true}]}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("readonly"), "{err}");
+    }
+
+    #[test]
+    fn more_devices_than_slots_or_an_empty_disk_path_are_refused() {
+        let disk = BlockConfig {
+            path: "/d".into(),
+            read_only: false,
+            id: None,
+            rate_limit: None,
+        };
+        let many = VmConfig::resolve(VmConfigFile {
+            disks: Some(vec![disk.clone(); MAX_PCI_DEVICES]),
+            ..with_kernel()
+        })
+        .unwrap_err();
+        assert!(matches!(many, ConfigError::TooManyDevices(32)));
+        assert_eq!(many.exit_status(), 2);
+        let empty = VmConfig::resolve(VmConfigFile {
+            disks: Some(vec![BlockConfig {
+                path: "".into(),
+                ..disk
+            }]),
+            ..with_kernel()
+        })
+        .unwrap_err();
+        assert!(matches!(empty, ConfigError::DiskPath(_)));
     }
 
     #[test]

@@ -4,8 +4,10 @@
 
 pub mod command;
 pub mod config;
+pub mod devices;
 pub mod server;
 
 pub use command::{VmCommand, VmResponse, VmState};
 pub use config::{ConfigError, SerialConfig, VmConfig, VmConfigFile};
+pub use devices::{parse_disk, parse_vsock, DeviceFlagError};
 pub use server::{ApiError, ApiServer};

@@ -8,12 +8,13 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use super::layout::{ACPI_MAX_LEN, ACPI_START};
 use super::mptable::{APIC_DEFAULT_PHYS_BASE, IO_APIC_DEFAULT_PHYS_BASE};
 use super::BootError;
-use crate::acpi::{AcpiPlatform, AcpiTables, IoPortDevice};
+use crate::acpi::{AcpiPlatform, AcpiTables, IoPortDevice, PciHostBridge};
 use tenantvm_devices::legacy::ACPI_RESET_VALUE;
 
 /// The platform the tables describe for `vcpus` vCPUs: the legacy devices of
-/// docs/vmm.md, the I/O APIC with the same id as in the MP table, no PCI yet.
-pub fn platform(vcpus: u32) -> AcpiPlatform {
+/// docs/vmm.md, the I/O APIC with the same id as in the MP table, and the PCI host
+/// bridge (MCFG + DSDT `PCI0`) when there is one.
+pub fn platform(vcpus: u32, pci: Option<PciHostBridge>) -> AcpiPlatform {
     AcpiPlatform {
         vcpus: vcpus as usize,
         lapic_addr: APIC_DEFAULT_PHYS_BASE,
@@ -29,13 +30,17 @@ pub fn platform(vcpus: u32) -> AcpiPlatform {
             irq: Some(COM1_IRQ as u8),
         }],
         pvpanic_port: Some(PVPANIC_PORT as u16),
-        pci: None,
+        pci,
     }
 }
 
 /// Builds and writes the tables at [`ACPI_START`]; returns the RSDP's address.
-pub fn write(mem: &GuestMemoryMmap, vcpus: u32) -> Result<u64, BootError> {
-    let tables = AcpiTables::build(&platform(vcpus), ACPI_START, ACPI_MAX_LEN)
+pub fn write(
+    mem: &GuestMemoryMmap,
+    vcpus: u32,
+    pci: Option<PciHostBridge>,
+) -> Result<u64, BootError> {
+    let tables = AcpiTables::build(&platform(vcpus, pci), ACPI_START, ACPI_MAX_LEN)
         .map_err(|e| BootError::Internal(format!("Cannot build the ACPI tables: {e}")))?;
     mem.write_slice(&tables.bytes, GuestAddress(tables.base))
         .map_err(|e| BootError::Internal(format!("Cannot write the ACPI tables: {e}")))?;
@@ -49,7 +54,7 @@ mod tests {
     #[test]
     fn tables_land_at_acpi_start_with_rsdp_signature() {
         let m = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 2 << 20)]).unwrap();
-        let rsdp = write(&m, 2).unwrap();
+        let rsdp = write(&m, 2, None).unwrap();
         assert_eq!(rsdp, ACPI_START);
         let mut sig = [0u8; 8];
         m.read_slice(&mut sig, GuestAddress(rsdp)).unwrap();
@@ -58,7 +63,7 @@ mod tests {
 
     #[test]
     fn platform_matches_the_legacy_ports_and_mp_table() {
-        let p = platform(4);
+        let p = platform(4, None);
         assert_eq!(p.sleep_control_port, 0x600);
         assert_eq!(p.reset_port, 0x600);
         assert_eq!(p.ioapic_id, 5);

@@ -104,6 +104,8 @@ pub struct BootConfig<'a> {
     pub vcpus: u32,
     /// Guest RAM in bytes.
     pub mem_size: u64,
+    /// The PCI host bridge the ACPI tables describe, if any.
+    pub pci: Option<crate::acpi::PciHostBridge>,
 }
 
 /// Builds a linux-loader command line from `cmdline`, checking its length.
@@ -136,7 +138,7 @@ pub fn load(mem: &GuestMemoryMmap, config: &BootConfig<'_>) -> Result<EntryPoint
     load_cmdline(mem, GuestAddress(layout::CMDLINE_START), &cmdline)
         .map_err(|e| BootError::Cmdline(e.to_string()))?;
     mptable::write(mem, config.vcpus)?;
-    let rsdp = acpi::write(mem, config.vcpus)?;
+    let rsdp = acpi::write(mem, config.vcpus, config.pci.clone())?;
     match kernel.entry {
         EntryPoint::Linux64 { .. } => params::write_zero_page(
             mem,

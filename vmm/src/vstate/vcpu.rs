@@ -5,14 +5,14 @@
 //! The VMM's main thread pauses, resumes and stops vCPUs through [`VcpuControl`], kicking
 //! them out of KVM_RUN with a signal.
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvm_bindings::{kvm_mp_state, kvm_run, KVM_MP_STATE_RUNNABLE, KVM_MP_STATE_UNINITIALIZED};
 use kvm_bindings::{KVM_SYSTEM_EVENT_CRASH, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
 use kvm_ioctls::{VcpuExit, VcpuFd};
-use tenantvm_devices::bus::Bus;
+use tenantvm_devices::bus::{Bus, SharedBusDevice};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
@@ -25,8 +25,41 @@ use crate::exit::{ExitReason, ExitState};
 pub struct Buses {
     /// Port I/O.
     pub pio: Bus,
-    /// MMIO.
-    pub mmio: Bus,
+    /// MMIO. Behind a lock because a guest BAR move changes it at run time; dispatch
+    /// takes the device out of the bus and releases the lock before calling it (the
+    /// device may move a BAR, which takes the lock for writing).
+    pub mmio: Arc<RwLock<Bus>>,
+}
+
+impl Buses {
+    /// The device under the MMIO access `[addr, addr + len)` and its range base, cloned
+    /// out of the bus so that no bus lock is held while the device runs.
+    fn mmio_target(&self, addr: u64, len: usize) -> Option<(u64, SharedBusDevice)> {
+        let bus = self.mmio.read().unwrap_or_else(PoisonError::into_inner);
+        bus.resolve(addr, len)
+            .map(|(base, dev)| (base, dev.clone()))
+    }
+
+    /// Dispatches an MMIO read; unmapped addresses read all-ones.
+    pub fn mmio_read(&self, addr: u64, data: &mut [u8]) {
+        match self.mmio_target(addr, data.len()) {
+            Some((base, dev)) => {
+                dev.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .read(base, addr - base, data)
+            }
+            None => data.fill(0xff),
+        }
+    }
+
+    /// Dispatches an MMIO write; writes to unmapped addresses are dropped.
+    pub fn mmio_write(&self, addr: u64, data: &[u8]) {
+        if let Some((base, dev)) = self.mmio_target(addr, data.len()) {
+            dev.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .write(base, addr - base, data);
+        }
+    }
 }
 
 /// Sets up vCPU `id` of `count`: CPUID, MSRs, FPU, LAPIC, and for the BSP the registers
@@ -324,11 +357,11 @@ fn vcpu_loop(mut fd: VcpuFd, buses: &Buses, control: &VcpuControl, exit: &ExitSt
                 None
             }
             Ok(VcpuExit::MmioRead(addr, data)) => {
-                buses.mmio.read(addr, data);
+                buses.mmio_read(addr, data);
                 None
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {
-                buses.mmio.write(addr, data);
+                buses.mmio_write(addr, data);
                 None
             }
             Ok(VcpuExit::Hlt | VcpuExit::Intr | VcpuExit::IrqWindowOpen) => None,

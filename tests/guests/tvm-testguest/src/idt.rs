@@ -8,6 +8,16 @@ use core::arch::global_asm;
 
 /// Number of architectural exception vectors.
 const VECTORS: usize = 32;
+/// Gates in the IDT: the exceptions, then room for the device interrupt vectors.
+const IDT_GATES: usize = 0x50;
+/// First device interrupt vector (MSI-X vectors of the virtio tests).
+pub const IRQ_BASE: u8 = 0x40;
+/// Number of device interrupt vectors.
+pub const IRQ_COUNT: usize = 16;
+
+/// Interrupts received per device vector (`IRQ_BASE + i`).
+pub static IRQS: [core::sync::atomic::AtomicU32; IRQ_COUNT] =
+    [const { core::sync::atomic::AtomicU32::new(0) }; IRQ_COUNT];
 /// Bytes between two stubs in `isr_stubs`.
 const STUB_SIZE: u64 = 16;
 
@@ -53,19 +63,69 @@ isr_common:
 1:  cli
     hlt
     jmp 1b
+
+    .p2align 4
+    .global irq_stubs
+irq_stubs:
+    .set vec, 0x40
+    .rept 16
+    .p2align 4
+    pushq $vec
+    jmp irq_common
+    .set vec, vec + 1
+    .endr
+
+irq_common:
+    pushq %rax
+    pushq %rcx
+    pushq %rdx
+    pushq %rsi
+    pushq %rdi
+    pushq %r8
+    pushq %r9
+    pushq %r10
+    pushq %r11
+    pushq %rbp
+    movq 80(%rsp), %rdi          /* the vector the stub pushed */
+    movq %rsp, %rbp
+    andq $-16, %rsp
+    call {irq}
+    movq %rbp, %rsp
+    popq %rbp
+    popq %r11
+    popq %r10
+    popq %r9
+    popq %r8
+    popq %rdi
+    popq %rsi
+    popq %rdx
+    popq %rcx
+    popq %rax
+    addq $8, %rsp
+    iretq
 "#,
     handler = sym exception_handler,
+    irq = sym irq_handler,
     options(att_syntax)
 );
 
 #[repr(C, align(16))]
-struct Idt([[u64; 2]; VECTORS]);
+struct Idt([[u64; 2]; IDT_GATES]);
 
-static mut IDT: Idt = Idt([[0; 2]; VECTORS]);
+static mut IDT: Idt = Idt([[0; 2]; IDT_GATES]);
 
 #[cfg(target_os = "none")]
 extern "C" {
     static isr_stubs: u8;
+    static irq_stubs: u8;
+}
+
+/// Counts a device interrupt and signals end-of-interrupt to the local APIC.
+extern "C" fn irq_handler(vector: u64) {
+    if let Some(n) = IRQS.get((vector as usize).wrapping_sub(usize::from(IRQ_BASE))) {
+        n.fetch_add(1, core::sync::atomic::Ordering::SeqCst);
+    }
+    crate::virtio::lapic_eoi();
 }
 
 /// Fills the IDT and loads it on the bootstrap processor (before any AP runs).
@@ -78,6 +138,10 @@ pub fn init() {
     unsafe {
         for v in 0..VECTORS {
             (*idt).0[v] = gate(stubs + v as u64 * STUB_SIZE);
+        }
+        let irqs = core::ptr::addr_of!(irq_stubs) as u64;
+        for i in 0..IRQ_COUNT {
+            (*idt).0[usize::from(IRQ_BASE) + i] = gate(irqs + i as u64 * STUB_SIZE);
         }
     }
     load();

@@ -14,16 +14,21 @@ extern crate std;
 
 mod boot;
 mod bootinfo;
+mod hostile;
 mod idt;
 #[macro_use]
 mod io;
 mod memtest;
 mod mptable;
 mod paging;
+mod pci;
 mod phys;
 mod report;
 mod smp;
 mod timer;
+mod virtio;
+mod vsock;
+mod vtests;
 
 use boot::EntryKind;
 use bootinfo::BootInfo;
@@ -64,6 +69,14 @@ const TESTS: &[&str] = &[
     "triple-fault",
     "page-fault",
     "idle",
+    "virtio-blk",
+    "virtio-rng",
+    "msix",
+    "blk-bench",
+    "virtio-vsock",
+    "hostile-blk",
+    "hostile-config",
+    "vsock-bench",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -106,7 +119,20 @@ fn triple_fault() -> ! {
 
 /// Tests that wait for something and so need the TSC calibrated (10 ms of PIT time, more
 /// under nested KVM: the others skip it so that power-off timings stay about the VMM).
-const TIMED_TESTS: &[&str] = &["smp", "serial-echo", "reset", "idle"];
+const TIMED_TESTS: &[&str] = &[
+    "smp",
+    "serial-echo",
+    "reset",
+    "idle",
+    "virtio-blk",
+    "virtio-rng",
+    "msix",
+    "blk-bench",
+    "virtio-vsock",
+    "hostile-blk",
+    "hostile-config",
+    "vsock-bench",
+];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
     if TIMED_TESTS.contains(&name) {
@@ -172,6 +198,26 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
             )))
         }
         "idle" => idle(),
+        "virtio-blk" => vtests::block(bi),
+        "virtio-rng" => vtests::rng(bi),
+        "msix" => vtests::msix(bi),
+        "blk-bench" => vtests::bench(bi),
+        "virtio-vsock" => vsock::run(bi),
+        "vsock-bench" => vsock::bench(bi),
+        "hostile-blk" | "hostile-config" => {
+            let result = if name == "hostile-blk" {
+                hostile::block(bi)
+            } else {
+                hostile::config(bi)
+            };
+            match result {
+                Ok(detail) => report::pass(name, &detail),
+                Err(reason) => report::fail(name, &reason),
+            }
+            // Stay up: the host reads the VMM's counters, then stops the VM.
+            println!("TVMTEST {name} HOLD waiting for the host to stop the VM");
+            io::halt_forever()
+        }
         _ => unreachable!("dispatch only sees names from TESTS"),
     };
     match result {

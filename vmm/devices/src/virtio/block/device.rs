@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::disk::{DiskError, DiskFile};
 use super::event_handler::BlockHandler;
@@ -17,7 +17,7 @@ use crate::virtio::{
 };
 
 /// One disk of a VM (config file and command line).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct BlockConfig {
     /// Raw image file or block device.

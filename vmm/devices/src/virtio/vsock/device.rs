@@ -6,7 +6,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::event_handler::VsockHandler;
 use super::{VsockMetrics, QUEUE_SIZE};
@@ -16,7 +16,7 @@ use crate::virtio::{
 };
 
 /// The vsock device of a VM (config file and command line).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct VsockConfig {
     /// The guest's CID (3 to 2^32 - 2).
