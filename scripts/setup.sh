@@ -26,8 +26,15 @@ packages=(
     hyperfine
     # Kernel package handling.
     xz-utils zstd cpio
+    # ACPI table checks (iasl disassembles the DSDT the VMM builds).
+    acpica-tools
     # Build tools for -sys crates.
     pkg-config build-essential
+    # Tenant disks: libcryptsetup-rs links libcryptsetup (bindgen needs libclang);
+    # the tests check images with the stock cryptsetup tool.
+    libcryptsetup-dev libclang-dev cryptsetup-bin
+    # The disk guest test's initramfs: busybox, and modinfo for module dependencies.
+    busybox-static kmod
 )
 
 missing=()

@@ -4,6 +4,7 @@
 //! memory through vm-memory, one thread per vCPU, legacy devices on the port bus, and a
 //! control socket served from the main thread's epoll loop. docs/vmm.md is the contract.
 
+pub mod acpi;
 pub mod api;
 pub mod boot;
 pub mod device_manager;
