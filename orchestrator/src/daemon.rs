@@ -199,13 +199,13 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
 
     let listener = bind(&args.socket).await?;
     println!("tenantvmd: serving on {}", args.socket.display());
-    let rotator = tokio::spawn(rotate_logs(svc.clone()));
+    let housekeeper = tokio::spawn(housekeeping(svc.clone()));
     let app = crate::api::router(svc.clone());
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
         .await
         .context("API server failed")?;
-    rotator.abort();
+    housekeeper.abort();
     let wsvc = svc.clone();
     tokio::task::spawn_blocking(move || wsvc.wait_idle()).await?;
     let _ = std::fs::remove_file(&args.socket);
@@ -229,13 +229,21 @@ async fn shutdown_signal() {
     }
 }
 
-/// Keeps running tenants' logs under their caps.
-async fn rotate_logs(svc: TenantService) {
-    let mut tick = tokio::time::interval(Duration::from_secs(5));
+/// Every 2 s: notices VMs that ended on their own, and keeps running tenants' logs under
+/// their caps.
+async fn housekeeping(svc: TenantService) {
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
     loop {
         tick.tick().await;
         let s = svc.clone();
         let _ = tokio::task::spawn_blocking(move || {
+            match s.check_vms() {
+                Ok(marked) if !marked.is_empty() => {
+                    tracing::warn!(?marked, "tenants whose VM ended on its own are now failed")
+                }
+                Ok(_) => {}
+                Err(e) => tracing::error!(error = %e, "VM check failed"),
+            }
             let root = s.config().state_dir.join("tenants");
             for t in s.store().list_tenants(false).unwrap_or_default() {
                 if t.state != LifecycleState::Running {

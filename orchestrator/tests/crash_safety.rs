@@ -170,7 +170,11 @@ async fn create_converges_after_sigkill_at_every_step_boundary() {
             let (mut d, sim) = daemon_with_sim();
             d.start(Some(&case));
             // The answer may or may not arrive before the daemon dies.
-            let _ = d.admin().create(&spec(&name)).await;
+            let answer = d.admin().create(&spec(&name)).await;
+            eprintln!(
+                "{case}: create answered {:?}",
+                answer.map(|c| c.tenant.state)
+            );
             crash_and_restart(&mut d, &case);
             assert_running_converged(&d, &sim, &name, &case);
             let uid = d.admin().status(&name).await.unwrap().uid;
@@ -220,7 +224,8 @@ async fn destroy_converges_after_sigkill_at_every_step_boundary() {
             let uid = d.admin().status(&name).await.unwrap().uid;
             d.stop();
             d.start(Some(&case));
-            let _ = d.admin().destroy(&name).await;
+            let answer = d.admin().destroy(&name).await;
+            eprintln!("{case}: destroy answered {:?}", answer.map(|t| t.state));
             crash_and_restart(&mut d, &case);
             assert_gone(&d, &sim, &name, uid, &case);
             d.stop();

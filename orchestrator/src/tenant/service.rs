@@ -375,6 +375,51 @@ impl TenantService {
         }
     }
 
+    /// Notices VMs that ended on their own (guest power-off, crash, OOM kill): a `running`
+    /// tenant whose VM is no longer running becomes `failed` with the reason, so `running`
+    /// always means a VM runs. Tenants busy with an operation are left to it. Returns the
+    /// tenants it marked.
+    pub fn check_vms(&self) -> Result<Vec<String>, TenantServiceError> {
+        let mut marked = Vec::new();
+        for t in self.store.list_tenants(false)? {
+            if t.state != LifecycleState::Running || self.vm_is_up(&t)? {
+                continue;
+            }
+            // Only a VM that looked dead takes the tenant's guard (so user operations are
+            // not refused as busy while healthy VMs are checked); then look again.
+            let Ok(_guard) = self.mark_busy(&t.name) else {
+                continue;
+            };
+            let t = self.store.tenant_by_id(t.id)?;
+            if t.state != LifecycleState::Running || self.vm_is_up(&t)? {
+                continue;
+            }
+            let why = match steps::recorded_vm(self, &t)?.map(|vm| self.backend.state(&vm)) {
+                Some(Ok(crate::backend::VmState::Exited { status })) => {
+                    format!("the VM exited on its own ({status:?})")
+                }
+                _ => "the VM process is gone".to_string(),
+            };
+            steps::kill_vm(self, &t)?;
+            self.store
+                .transition(t.id, LifecycleState::Failed, None, Some(&why))?;
+            marked.push(t.name.clone());
+        }
+        Ok(marked)
+    }
+
+    /// Whether the tenant's recorded VM runs; a VM that does not answer its control socket
+    /// counts as up (not answering is no proof of death; the next check looks again).
+    fn vm_is_up(&self, t: &TenantRecord) -> Result<bool, TenantServiceError> {
+        let Some(vm) = steps::recorded_vm(self, t)? else {
+            return Ok(false);
+        };
+        Ok(!matches!(
+            self.backend.state(&vm),
+            Ok(crate::backend::VmState::Exited { .. } | crate::backend::VmState::Gone)
+        ))
+    }
+
     /// The API view of a tenant.
     pub fn view(&self, t: &TenantRecord) -> Result<TenantView, TenantServiceError> {
         let steps = match t.op_id {

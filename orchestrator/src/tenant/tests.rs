@@ -369,3 +369,33 @@ fn pending_tenants_are_rolled_back() {
     assert_eq!(report.rolled_back, vec!["p".to_string()]);
     assert_eq!(state(&h, "p"), None);
 }
+
+#[test]
+fn a_vm_that_ends_on_its_own_turns_its_tenant_failed() {
+    let h = Harness::new(FaultHook::default());
+    create(&h, "alice");
+    create(&h, "bob");
+    h.svc.wait_idle();
+    assert!(h.svc.check_vms().unwrap().is_empty());
+    let pid = h
+        .host
+        .state()
+        .processes
+        .iter()
+        .find(|(_, t)| *t == "alice")
+        .map(|(p, _)| *p)
+        .unwrap();
+    h.host.state().processes.remove(&pid);
+    assert_eq!(h.svc.check_vms().unwrap(), vec!["alice".to_string()]);
+    let t = h.svc.store().tenant("alice").unwrap().unwrap();
+    assert_eq!(t.state, LifecycleState::Failed);
+    assert!(t.error.unwrap().contains("gone"));
+    assert_eq!(state(&h, "bob"), Some(LifecycleState::Running));
+    assert!(h
+        .svc
+        .store()
+        .resources(Some(t.id))
+        .unwrap()
+        .iter()
+        .all(|r| r.kind != ResourceKind::Process));
+}

@@ -1,0 +1,129 @@
+//! The `tenantvm` binary against a real tenantvmd: create from a TOML file, list/status with
+//! --json, logs, destroy, and the documented exit status of each kind of failure. Skips
+//! without root or /dev/kvm.
+
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use support::daemon::{self, TestDaemon};
+
+fn tenantvm(d: &TestDaemon, token_file: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tenantvm"))
+        .arg("--socket")
+        .arg(d.socket())
+        .arg("--token-file")
+        .arg(token_file)
+        .args(args)
+        .env_remove("TENANTVM_TOKEN")
+        .output()
+        .unwrap()
+}
+
+fn code(o: &Output) -> i32 {
+    o.status.code().expect("exited")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn cli_commands_work_and_failures_have_distinct_exit_statuses() {
+    if daemon::should_skip("cli_commands_work_and_failures_have_distinct_exit_statuses") {
+        return;
+    }
+    let mut d = TestDaemon::new();
+    d.start(None);
+    let admin = d.state_dir().join("admin.token");
+    let name = daemon::unique("cli");
+    let spec = d.dir.path().join("t.toml");
+    std::fs::write(
+        &spec,
+        format!("name = \"{name}\"\nmemory_mib = 32\n[image]\nname = \"idle\"\n"),
+    )
+    .unwrap();
+    let tok = d.dir.path().join("t.token");
+
+    let o = tenantvm(
+        &d,
+        &admin,
+        &[
+            "create",
+            spec.to_str().unwrap(),
+            "--token-out",
+            tok.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    assert!(
+        text(&o).contains("await-running"),
+        "progress shows the steps: {}",
+        text(&o)
+    );
+
+    let o = tenantvm(&d, &admin, &["list", "--json"]);
+    assert_eq!(code(&o), 0);
+    let list: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(list["tenants"][0]["state"], "running");
+
+    let o = tenantvm(&d, &tok, &["status", &name, "--json"]);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+
+    let o = tenantvm(&d, &admin, &["logs", &name, "--stream", "events"]);
+    assert_eq!(code(&o), 0);
+    assert!(text(&o).contains("provisioning -> running"));
+
+    // Failures and their statuses.
+    let o = tenantvm(&d, &admin, &["create", spec.to_str().unwrap()]);
+    assert_eq!(code(&o), 6, "duplicate name: {}", text(&o));
+    let o = tenantvm(
+        &d,
+        &admin,
+        &["create", "--name", "../etc", "--image", "idle"],
+    );
+    assert_eq!(code(&o), 7, "path-like name: {}", text(&o));
+    let bad = d.dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        "name = \"x\"\nflavour = 1\n[image]\nname = \"idle\"\n",
+    )
+    .unwrap();
+    let o = tenantvm(&d, &admin, &["create", bad.to_str().unwrap()]);
+    assert_eq!(code(&o), 7, "unknown field: {}", text(&o));
+    assert!(text(&o).contains("flavour"));
+    let o = tenantvm(&d, &admin, &["status", "nobody"]);
+    assert_eq!(code(&o), 5);
+    let o = tenantvm(&d, &tok, &["create", "--name", "eve", "--image", "idle"]);
+    assert_eq!(code(&o), 10, "tenant token creating: {}", text(&o));
+    let forged = d.dir.path().join("forged.token");
+    std::fs::write(&forged, format!("tvm_{}", "0".repeat(64))).unwrap();
+    let o = tenantvm(&d, &forged, &["list"]);
+    assert_eq!(code(&o), 4);
+    let o = tenantvm(&d, &admin, &["start", &name]);
+    assert_eq!(code(&o), 6, "start while running: {}", text(&o));
+    let o = Command::new(env!("CARGO_BIN_EXE_tenantvm"))
+        .args([
+            "--socket",
+            "/nonexistent/tvm.sock",
+            "--token",
+            "tvm_x",
+            "list",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(code(&o), 3);
+    let o = tenantvm(&d, &admin, &["frobnicate"]);
+    assert_eq!(code(&o), 2);
+
+    let o = tenantvm(&d, &admin, &["destroy", &name]);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    let o = tenantvm(&d, &admin, &["list"]);
+    assert!(text(&o).contains("no tenants"));
+    d.stop();
+}
