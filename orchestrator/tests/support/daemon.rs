@@ -149,6 +149,10 @@ impl TestDaemon {
             .arg(format!("{}:64", self.uid_first))
             .args(&self.extra_args)
             .env_remove("TENANTVM_TEST_CRASH_AT")
+            // A private host KEK and the cheap test keyslot cost, never /etc/tenantvm.
+            .env("TENANTVMD_KEK_FILE", self.dir.path().join("host-kek"))
+            .env("TENANTVMD_KEYSLOT_COST", "test")
+            .env_remove("CREDENTIALS_DIRECTORY")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log);
