@@ -1,7 +1,7 @@
 //! Receipts through the real daemon and the CLI: every destroy appends one signed receipt;
 //! `tenantvm receipt verify` accepts the log and detects an edited, a removed and a reordered
-//! entry; `tenantvm receipt show` (through the API) shows the admin every receipt and a tenant
-//! token none of another tenant's. Skips without root or /dev/kvm.
+//! entry; `tenantvm receipt show` (through the API) shows the admin every receipt, a departed
+//! tenant's revoked token its own receipt only, and a live tenant's token none of another's. Skips without root or /dev/kvm.
 
 mod departure_common;
 mod support;
@@ -22,6 +22,20 @@ fn receipt_chain_tampering_is_detected_through_the_cli() {
         ok(cli(&d, None, &["destroy", n]), "destroy", &d);
         assert_eq!(receipts_of(&d, n).len(), 1, "{n}");
     }
+    // A departed tenant's (revoked) token still reads its own receipt, and nothing else.
+    let gone = d.dir.path().join(format!("{}.token", names[0]));
+    let own = ok(
+        cli(&d, Some(&gone), &["receipt", "show", "--json"]),
+        "departed tenant's receipt",
+        &d,
+    );
+    let list: serde_json::Value = serde_json::from_slice(&own.stdout).unwrap();
+    assert_eq!(list["receipts"].as_array().unwrap().len(), 1, "{list}");
+    assert_eq!(list["receipts"][0]["receipt"]["tenant"], names[0].as_str());
+    let o = cli(&d, Some(&gone), &["list"]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    let o = cli(&d, Some(&gone), &["receipt", "show", &names[1]]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
     let v = ok(verify(&d), "verify", &d);
     assert!(text(&v).contains("intact, 3 entries"), "{}", text(&v));
 
