@@ -40,6 +40,9 @@ pub enum TenantServiceError {
     /// The state machine refused the command.
     #[error(transparent)]
     Lifecycle(#[from] LifecycleError),
+    /// The spec asks for something this daemon cannot provide yet.
+    #[error("Not supported yet: {0}")]
+    Unsupported(&'static str),
     /// The guest image cannot be found.
     #[error("Guest image: {0}")]
     Image(String),
@@ -350,10 +353,9 @@ impl TenantService {
     fn create(&self, spec: TenantSpec) -> Result<CreateResponse, TenantServiceError> {
         spec.validate()?;
         if spec.disk_gib > 0 && !self.backend.supports_disks() {
-            return Err(TenantServiceError::Image(format!(
-                "the {:?} backend cannot attach disks yet: create the tenant with disk_gib = 0, or run tenantvmd --backend qemu-kvm",
-                self.backend.kind()
-            )));
+            return Err(TenantServiceError::Unsupported(
+                "this VM backend cannot attach disks yet (tenantvm-vmm has no virtio-blk): create the tenant with disk_gib = 0, or run tenantvmd --backend qemu-kvm",
+            ));
         }
         // Fail fast on what can be checked before anything is recorded.
         steps::resolve_image(&self.config, &spec)?;
