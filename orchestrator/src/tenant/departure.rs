@@ -370,18 +370,13 @@ pub fn rescrub(svc: &TenantService, slice: &str) -> Result<RescrubOutcome, Tenan
         .quarantined()?
         .into_iter()
         .find(|q| q.id() == slice)
-        .ok_or_else(|| {
-            TenantServiceError::BadRequest(RescrubError::NotQuarantined(slice.into()).to_string())
-        })?;
+        .ok_or_else(|| RescrubError::NotQuarantined(slice.into()))?;
     let p = q.placement();
     let failed = |e: &dyn std::fmt::Display| {
-        TenantServiceError::BadRequest(
-            RescrubError::Failed {
-                slice: slice.to_string(),
-                message: e.to_string(),
-            }
-            .to_string(),
-        )
+        TenantServiceError::Rescrub(RescrubError::Failed {
+            slice: slice.to_string(),
+            message: e.to_string(),
+        })
     };
     svc.gpu.materialize(&p).map_err(|e| failed(&e))?;
     let outcome = svc.gpu.scrub(&p);
