@@ -15,6 +15,7 @@ use crate::api::{ApiError, ApiServer, SerialConfig, VmCommand, VmConfig, VmRespo
 use crate::boot::{self, BootConfig, BootError};
 use crate::device_manager::{attach_legacy_devices, DeviceManagerError};
 use crate::exit::{ExitReason, ExitState};
+use crate::terminal::RawTerminal;
 use crate::vstate::vcpu::{self, Buses, VcpuSet};
 use crate::vstate::vm::{create_guest_memory, Vm};
 use crate::vstate::VstateError;
@@ -129,7 +130,10 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
         vcpu::configure(&fd, id, config.vcpus, vm.supported_cpuid(), &mem, entry)?;
         fds.push(fd);
     }
+    // Restored when `run` returns, on every path out of the running VM.
+    let mut _raw_terminal = None;
     if config.serial == SerialConfig::Stdout {
+        _raw_terminal = RawTerminal::enable(libc::STDIN_FILENO);
         spawn_input_thread(serial, Box::new(std::io::stdin()))
             .map_err(|e| StartError::Devices(e.into()))?;
     }
@@ -155,9 +159,24 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
     vcpu::install_kick_handler()?;
     let started = Instant::now();
     let vcpus = VcpuSet::start(fds, Arc::new(buses), exit.clone())?;
+    let reason = event_loop(&epoll, api.as_mut(), &vcpus, &exit, config, started);
+    vcpus.stop();
+    drop(api);
+    Ok(reason)
+}
+
+/// Serves the control socket until an exit reason is recorded, and returns it.
+fn event_loop(
+    epoll: &Epoll,
+    mut api: Option<&mut ApiServer>,
+    vcpus: &VcpuSet,
+    exit: &ExitState,
+    config: &VmConfig,
+    started: Instant,
+) -> ExitReason {
     let mut paused = false;
     let mut events = vec![EpollEvent::default(); 32];
-    let reason = loop {
+    loop {
         if let Some(reason) = exit.reason() {
             break reason;
         }
@@ -170,33 +189,34 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
             match event.data() {
                 EXIT_TOKEN => {}
                 LISTENER_TOKEN => {
-                    let Some(api) = api.as_mut() else { continue };
+                    let Some(api) = api.as_deref_mut() else {
+                        continue;
+                    };
                     for fd in api.accept() {
-                        // A connection we cannot watch is simply never served.
-                        let _ = epoll.ctl(
-                            ControlOperation::Add,
-                            fd,
-                            EpollEvent::new(EventSet::IN, fd as u64),
-                        );
+                        let watch = EpollEvent::new(EventSet::IN, fd as u64);
+                        if epoll.ctl(ControlOperation::Add, fd, watch).is_err() {
+                            // A connection that cannot be watched could never be served.
+                            api.close(fd);
+                        }
                     }
                 }
                 token => {
-                    let Some(api) = api.as_mut() else { continue };
+                    let Some(api) = api.as_deref_mut() else {
+                        continue;
+                    };
                     let fd = token as i32;
                     let state = api.handle_readable(fd, |command| {
-                        handle_command(command, &vcpus, &mut paused, config, started, &exit)
+                        handle_command(command, vcpus, &mut paused, config, started, exit)
                     });
                     if state == ConnectionState::Closed {
-                        // The fd is already closed, which removes it from the epoll set.
+                        // Failing to unwatch is harmless: closing the fd unwatches it too.
                         let _ = epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
+                        api.close(fd);
                     }
                 }
             }
         }
-    };
-    vcpus.stop();
-    drop(api);
-    Ok(reason)
+    }
 }
 
 fn handle_command(
@@ -225,7 +245,9 @@ fn handle_command(
         },
         VmCommand::Pause => {
             if !*paused {
-                vcpus.pause();
+                if let Err(e) = vcpus.pause() {
+                    return VmResponse::error(e.to_string());
+                }
                 *paused = true;
             }
             VmResponse::Done {

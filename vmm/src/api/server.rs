@@ -73,7 +73,8 @@ pub struct ApiServer {
 pub enum ConnectionState {
     /// Still open.
     Open,
-    /// Closed (end of file, error, or a client that does not read); forget its fd.
+    /// Closed (end of file, error, or a client that does not read): stop watching the fd,
+    /// then call [`ApiServer::close`].
     Closed,
 }
 
@@ -166,11 +167,14 @@ impl ApiServer {
         let Some(conn) = self.conns.get_mut(&fd) else {
             return ConnectionState::Closed;
         };
-        let state = conn.serve(&mut handle);
-        if state == ConnectionState::Closed {
-            self.conns.remove(&fd);
-        }
-        state
+        conn.serve(&mut handle)
+    }
+
+    /// Closes connection `fd`. Call after [`ApiServer::handle_readable`] reported it
+    /// closed, once the fd is out of the caller's epoll set (so that a reused fd number is
+    /// never confused with the old connection).
+    pub fn close(&mut self, fd: RawFd) {
+        self.conns.remove(&fd);
     }
 }
 
@@ -307,6 +311,23 @@ mod tests {
         let out = exchange(&mut server, &mut client, &input, 2);
         assert!(out[0].contains("over"), "{out:?}");
         assert!(out[1].contains("\"paused\""), "{out:?}");
+    }
+
+    #[test]
+    fn clients_beyond_the_limit_get_an_error_and_are_closed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("api.sock");
+        let mut server = ApiServer::bind(&path).unwrap();
+        let clients: Vec<UnixStream> = (0..MAX_CONNECTIONS)
+            .map(|_| UnixStream::connect(&path).unwrap())
+            .collect();
+        assert_eq!(server.accept().len(), MAX_CONNECTIONS);
+        let extra = UnixStream::connect(&path).unwrap();
+        assert!(server.accept().is_empty());
+        let mut line = String::new();
+        BufReader::new(extra).read_line(&mut line).unwrap();
+        assert!(line.contains("Too many control connections"), "{line}");
+        drop(clients);
     }
 
     #[test]

@@ -41,7 +41,8 @@ pub fn configure(
 ) -> Result<(), VstateError> {
     fd.set_cpuid2(&cpuid::filter(supported, id, count))
         .map_err(kvm_err("set CPUID"))?;
-    let msrs = regs::boot_msrs().map_err(|e| VstateError::Memory(format!("MSR list: {e:?}")))?;
+    let msrs = regs::boot_msrs()
+        .map_err(|e| VstateError::Memory(format!("Cannot build the boot MSR list: {e:?}")))?;
     let written = fd.set_msrs(&msrs).map_err(kvm_err("set MSRs"))?;
     if written != msrs.as_slice().len() {
         return Err(VstateError::Kvm {
@@ -56,8 +57,9 @@ pub fn configure(
     fd.set_lapic(&lapic).map_err(kvm_err("set the LAPIC"))?;
     if id == 0 {
         let sregs = fd.get_sregs().map_err(kvm_err("read special registers"))?;
-        let sregs =
-            regs::setup_sregs(mem, entry, sregs).map_err(|e| VstateError::Memory(e.to_string()))?;
+        let sregs = regs::setup_sregs(mem, entry, sregs).map_err(|e| {
+            VstateError::Memory(format!("Cannot write the GDT or page tables: {e}"))
+        })?;
         fd.set_sregs(&sregs)
             .map_err(kvm_err("set special registers"))?;
         fd.set_regs(&regs::boot_regs(entry))
@@ -134,6 +136,19 @@ pub fn install_kick_handler() -> Result<(), VstateError> {
     })
 }
 
+/// Not every vCPU stopped within [`PAUSE_TIMEOUT`]; the VM was left running.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "Only {parked} of {running} vCPUs stopped within 5 s, so the VM was left running; a vCPU \
+     is probably blocked on serial output nobody reads"
+)]
+pub struct VcpuPauseError {
+    /// vCPUs that had parked.
+    pub parked: usize,
+    /// vCPUs still alive.
+    pub running: usize,
+}
+
 /// The running vCPU threads.
 pub struct VcpuSet {
     threads: Vec<JoinHandle<()>>,
@@ -143,6 +158,8 @@ pub struct VcpuSet {
 /// How often the main thread re-kicks vCPUs that have not yet reacted (a kick sent just
 /// before a vCPU enters KVM_RUN is lost, so kicks repeat).
 const KICK_INTERVAL: Duration = Duration::from_millis(5);
+/// How long `pause` waits for every vCPU to park.
+pub const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long `stop` waits for vCPU threads before giving up on joining them.
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -189,14 +206,25 @@ impl VcpuSet {
     }
 
     /// Stops every vCPU at its next exit and waits until all are parked.
-    pub fn pause(&self) {
+    ///
+    /// A vCPU stuck in a device handler (say, writing serial output to a pipe nobody
+    /// reads) cannot park; after [`PAUSE_TIMEOUT`] the pause is undone and refused, so the
+    /// VM never ends up half paused.
+    pub fn pause(&self) -> Result<(), VcpuPauseError> {
         self.control.lock().paused = true;
+        let deadline = Instant::now() + PAUSE_TIMEOUT;
         loop {
             self.kick_all();
             let state = self.control.lock();
             let running = self.threads.iter().filter(|t| !t.is_finished()).count();
             if state.parked >= running || state.stop {
-                return;
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                let parked = state.parked;
+                drop(state);
+                self.resume();
+                return Err(VcpuPauseError { parked, running });
             }
             let _ = self.control.changed.wait_timeout(state, KICK_INTERVAL);
         }
@@ -334,5 +362,50 @@ fn vcpu_loop(mut fd: VcpuFd, buses: &Buses, control: &VcpuControl, exit: &ExitSt
             exit.stop(reason);
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wait_parked(control: &VcpuControl, n: usize) {
+        let mut state = control.lock();
+        while state.parked < n {
+            state = control.changed.wait(state).unwrap();
+        }
+    }
+
+    #[test]
+    fn paused_vcpu_parks_until_resumed() {
+        let control = Arc::new(VcpuControl::default());
+        control.lock().paused = true;
+        let c = control.clone();
+        let vcpu = std::thread::spawn(move || c.park_while_paused());
+        wait_parked(&control, 1);
+        control.lock().paused = false;
+        control.changed.notify_all();
+        assert!(vcpu.join().unwrap(), "a resumed vCPU keeps running");
+        assert_eq!(control.lock().parked, 0);
+    }
+
+    #[test]
+    fn stop_releases_a_parked_vcpu_for_good() {
+        let control = Arc::new(VcpuControl::default());
+        control.lock().paused = true;
+        let c = control.clone();
+        let vcpu = std::thread::spawn(move || c.park_while_paused());
+        wait_parked(&control, 1);
+        control.lock().stop = true;
+        control.changed.notify_all();
+        assert!(!vcpu.join().unwrap(), "a stopped vCPU does not run again");
+    }
+
+    #[test]
+    fn running_vcpu_does_not_park() {
+        let control = VcpuControl::default();
+        assert!(control.park_while_paused());
+        control.lock().stop = true;
+        assert!(!control.park_while_paused());
     }
 }

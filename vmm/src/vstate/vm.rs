@@ -13,13 +13,21 @@ use super::{kvm_err, VstateError};
 use crate::boot::layout::{KVM_IDENTITY_MAP_ADDRESS, KVM_TSS_ADDRESS};
 use crate::boot::mptable::MAX_SUPPORTED_CPUS;
 
+/// The only KVM API version there has ever been.
+const KVM_API_VERSION: i32 = 12;
+
 /// Creates the guest's RAM: `size` bytes, split around the 32-bit hole.
 pub fn create_guest_memory(size: u64) -> Result<GuestMemoryMmap, VstateError> {
     let ranges: Vec<_> = crate::boot::layout::ram_ranges(size)
         .into_iter()
         .map(|(start, len)| (vm_memory::GuestAddress(start), len as usize))
         .collect();
-    GuestMemoryMmap::from_ranges(&ranges).map_err(|e| VstateError::Memory(e.to_string()))
+    GuestMemoryMmap::from_ranges(&ranges).map_err(|e| {
+        VstateError::Memory(format!(
+            "Cannot reserve {} MiB of guest memory ({e}); lower --memory-mib",
+            size >> 20
+        ))
+    })
 }
 
 /// A KVM VM with its platform devices in the kernel.
@@ -33,6 +41,12 @@ impl Vm {
     /// Opens /dev/kvm and creates a VM with the in-kernel irqchip and PIT.
     pub fn new() -> Result<Self, VstateError> {
         let kvm = Kvm::new().map_err(VstateError::KvmUnavailable)?;
+        // Anything but KVM's one stable API answers differently (or not at all: ENOTTY).
+        if kvm.get_api_version() != KVM_API_VERSION {
+            return Err(VstateError::KvmUnavailable(kvm_ioctls::Error::new(
+                libc::ENOTTY,
+            )));
+        }
         let supported_cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(kvm_err("report its supported CPUID"))?;
@@ -72,7 +86,7 @@ impl Vm {
         for (slot, region) in mem.iter().enumerate() {
             let host = region
                 .get_host_address(vm_memory::MemoryRegionAddress(0))
-                .map_err(|e| VstateError::Memory(e.to_string()))?;
+                .map_err(|e| VstateError::Memory(format!("Guest memory region unmapped: {e}")))?;
             let region_desc = kvm_userspace_memory_region {
                 slot: slot as u32,
                 guest_phys_addr: region.start_addr().0,
