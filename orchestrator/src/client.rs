@@ -203,6 +203,36 @@ impl Client {
         .await
     }
 
+    /// `GET /v1/receipts[?tenant=NAME]`.
+    pub async fn receipts(
+        &self,
+        tenant: Option<&str>,
+    ) -> Result<crate::api::types::ReceiptList, ClientError> {
+        let path = match tenant {
+            Some(t) => format!("/v1/receipts?tenant={}", encode(t)),
+            None => "/v1/receipts".to_string(),
+        };
+        self.call(Method::GET, &path, None).await
+    }
+
+    /// `GET /v1/gpu/quarantine`.
+    pub async fn quarantine(&self) -> Result<crate::api::types::QuarantineList, ClientError> {
+        self.call(Method::GET, "/v1/gpu/quarantine", None).await
+    }
+
+    /// `POST /v1/gpu/quarantine/scrub`.
+    pub async fn rescrub(
+        &self,
+        slice: &str,
+    ) -> Result<crate::tenant::departure::RescrubOutcome, ClientError> {
+        let body = serde_json::to_vec(&crate::api::types::ScrubRequest {
+            slice: slice.to_string(),
+        })
+        .map_err(|e| ClientError::Http(e.to_string()))?;
+        self.call(Method::POST, "/v1/gpu/quarantine/scrub", Some(body))
+            .await
+    }
+
     /// `GET /v1/tenants/{name}/logs`.
     pub async fn logs(&self, name: &str, q: &LogQuery) -> Result<LogChunk, ClientError> {
         let mut query = vec![format!(

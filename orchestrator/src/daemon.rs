@@ -76,10 +76,27 @@ pub struct DaemonArgs {
     /// Seconds create/start wait for the VM to report running.
     #[arg(long, default_value_t = 30)]
     pub boot_timeout_s: u64,
+    /// The host key-encryption key file (created 0600 at first start; ignored when the
+    /// systemd credential `tenantvm-kek` is present).
+    #[arg(long, env = "TENANTVMD_KEK_FILE", default_value = crate::keys::DEFAULT_KEK_FILE)]
+    pub kek_file: PathBuf,
+    /// Argon2id cost of new disks' keyslot: `production` (256 MiB, 4 passes, 4 lanes) or
+    /// `test` (the minimum; tests and demos only).
+    #[arg(long, env = "TENANTVMD_KEYSLOT_COST", value_enum, default_value_t = KeyslotCostArg::Production)]
+    pub keyslot_cost: KeyslotCostArg,
     /// Leave tenant cgroups this daemon never recorded alone (for hosts, like test machines,
     /// where several daemons share one cgroup tree).
     #[arg(long)]
     pub keep_unknown_cgroups: bool,
+}
+
+/// `--keyslot-cost`.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum KeyslotCostArg {
+    /// 256 MiB, 4 passes, 4 lanes.
+    Production,
+    /// libcryptsetup's minimum: tests and demos only.
+    Test,
 }
 
 fn parse_uid_range(s: &str) -> Result<(u32, u32), String> {
@@ -157,6 +174,15 @@ async fn bind(socket: &Path) -> anyhow::Result<UnixListener> {
 
 /// Runs the daemon until a signal stops it.
 pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
+    // Unwrapped disk keys pass through this process (create-disk, crypto-shred): no core
+    // dumps and no ptrace by non-root users of the same uid.
+    // SAFETY: prctl(PR_SET_DUMPABLE, 0) only changes this process's dumpable flag.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        tracing::warn!(
+            error = %std::io::Error::last_os_error(),
+            "cannot disable core dumps; set LimitCORE=0 in the unit"
+        );
+    }
     make_state_dir(&args.state_dir)?;
     let fault = FaultHook::from_env()?;
     if fault.is_armed() {
@@ -181,6 +207,11 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
     cfg.uid_count = args.uid_range.1;
     cfg.stop_grace = Duration::from_secs(args.stop_grace_s);
     cfg.boot_timeout = Duration::from_secs(args.boot_timeout_s);
+    cfg.departure.kek = crate::keys::KekSource::detect(&args.kek_file);
+    cfg.departure.keyslot_cost = match args.keyslot_cost {
+        KeyslotCostArg::Production => crate::disk::KeyslotCost::PRODUCTION,
+        KeyslotCostArg::Test => crate::disk::KeyslotCost::TEST,
+    };
     let svc = TenantService::new(
         store,
         backend,
@@ -189,6 +220,10 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
         cfg,
         fault,
     );
+
+    // The host KEK and the receipt signing key exist from initialisation on.
+    svc.departure_kit()
+        .context("Cannot set up disk keys and receipts")?;
 
     let opts = ReconcileOptions {
         sweep_unknown_cgroups: !args.keep_unknown_cgroups,

@@ -84,6 +84,9 @@ impl From<TenantServiceError> for ApiError {
                 (StatusCode::CONFLICT, "invalid_state")
             }
             E::Busy(_) => (StatusCode::CONFLICT, "busy"),
+            E::Rescrub(crate::tenant::departure::RescrubError::NotQuarantined(_)) => {
+                (StatusCode::NOT_FOUND, "not_found")
+            }
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
         ApiError::new(status, code, e.to_string())
@@ -139,6 +142,13 @@ fn respond(status: StatusCode, outcome: CommandOutcome) -> Response {
         CommandOutcome::Tenant(t) => (status, Json(t)).into_response(),
         CommandOutcome::Tenants(l) => (status, Json(l)).into_response(),
         CommandOutcome::Log(l) => (status, Json(l)).into_response(),
+        CommandOutcome::Receipts(r) => {
+            (status, Json(types::ReceiptList { receipts: r })).into_response()
+        }
+        CommandOutcome::Quarantine(q) => {
+            (status, Json(types::QuarantineList { slices: q })).into_response()
+        }
+        CommandOutcome::Rescrubbed(r) => (status, Json(r)).into_response(),
     }
 }
 
@@ -243,6 +253,63 @@ async fn logs(
     ))
 }
 
+async fn receipts(
+    State(svc): State<TenantService>,
+    headers: HeaderMap,
+    query: Result<Query<types::ReceiptQuery>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(query) = query.map_err(|r| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("Bad receipt query: {}", r.body_text()),
+        )
+    })?;
+    let header = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let out = tokio::task::spawn_blocking(move || {
+        let caller = crate::tenant::departure::receipt_caller(svc.store(), header.as_deref())?;
+        svc.execute(&caller, TenantCommand::Receipts(query.tenant))
+            .map_err(ApiError::from)
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))??;
+    Ok(respond(StatusCode::OK, out))
+}
+
+async fn quarantine(
+    State(svc): State<TenantService>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    Ok(respond(
+        StatusCode::OK,
+        run(svc, headers, TenantCommand::Quarantine).await?,
+    ))
+}
+
+async fn rescrub(
+    State(svc): State<TenantService>,
+    headers: HeaderMap,
+    body: Result<Json<types::ScrubRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(body) = body.map_err(|r| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!(
+                "Send {{\"slice\": \"<gpu>/<label>\"}} as JSON: {}",
+                r.body_text()
+            ),
+        )
+    })?;
+    Ok(respond(
+        StatusCode::OK,
+        run(svc, headers, TenantCommand::Rescrub(body.slice)).await?,
+    ))
+}
+
 /// A path segment that does not even decode names no tenant: answered like a missing one.
 fn tenant_name(name: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
     name.map(|Path(n)| n).map_err(|_| {
@@ -279,6 +346,9 @@ pub fn router(svc: TenantService) -> Router {
         .route("/v1/tenants/{name}/stop", post(stop))
         .route("/v1/tenants/{name}/start", post(start))
         .route("/v1/tenants/{name}/logs", get(logs))
+        .route("/v1/receipts", get(receipts))
+        .route("/v1/gpu/quarantine", get(quarantine))
+        .route("/v1/gpu/quarantine/scrub", post(rescrub))
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

@@ -139,3 +139,33 @@ pub struct ErrorDetail {
     /// What happened and what to do.
     pub message: String,
 }
+
+/// `GET /v1/receipts` query.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReceiptQuery {
+    /// Only this tenant's receipts (a tenant token always gets only its own).
+    pub tenant: Option<String>,
+}
+
+/// `GET /v1/receipts` answer: audit log entries, oldest first.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReceiptList {
+    /// The entries (each holds its receipt, chain hash and signature).
+    pub receipts: Vec<crate::receipt::LogEntry>,
+}
+
+/// `GET /v1/gpu/quarantine` answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct QuarantineList {
+    /// Quarantined slices.
+    pub slices: Vec<crate::store::QuarantinedSlice>,
+}
+
+/// `POST /v1/gpu/quarantine/scrub` body.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScrubRequest {
+    /// The slice, `<gpu>/<label>` (as `GET /v1/gpu/quarantine` names it).
+    pub slice: String,
+}

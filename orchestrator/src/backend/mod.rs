@@ -266,6 +266,10 @@ pub enum BackendError {
 pub trait VmBackend: Send + Sync {
     /// Which backend this is.
     fn kind(&self) -> BackendKind;
+    /// Whether it can attach [`VmSpec::disks`] (tenantvm-vmm cannot until it has virtio-blk).
+    fn supports_disks(&self) -> bool {
+        true
+    }
     /// Creates the tenant's cgroup with `jail.limits`, builds the jail, and starts the VMM in
     /// it. Returns once the process runs (the guest may still be booting).
     fn launch(&self, spec: &VmSpec, jail: &JailConfig) -> Result<RunningVm, BackendError>;

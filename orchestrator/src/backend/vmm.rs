@@ -78,6 +78,10 @@ impl VmBackend for VmmBackend {
         BackendKind::TenantvmVmm
     }
 
+    fn supports_disks(&self) -> bool {
+        false
+    }
+
     fn launch(&self, spec: &VmSpec, jail: &JailConfig) -> Result<RunningVm, BackendError> {
         runner::check_binary("tenantvm-vmm", &self.vmm_binary)?;
         if !spec.disks.is_empty() {

@@ -103,8 +103,17 @@ pub enum Command {
     Stop(OpArgs),
     /// Boot a stopped tenant's VM again.
     Start(OpArgs),
-    /// Destroy a tenant: stop its VM, release its uid, cgroup, GPU share and files, revoke its token.
+    /// Destroy a tenant: stop its VM, reset and scrub its GPU, crypto-shred its disk, remove its
+    /// logs, release its uid, cgroup and GPU share, revoke its token, and append a signed
+    /// receipt to the audit log. If a step fails the tenant stays `destroying`; run destroy
+    /// again to resume.
     Destroy(OpArgs),
+    /// Departure receipts.
+    #[command(subcommand)]
+    Receipt(ReceiptCommand),
+    /// GPU slices: the quarantine of slices whose scrub did not verify.
+    #[command(subcommand)]
+    Gpu(GpuCommand),
     /// Size tenants' GPU needs and place them on a host (live, simulated or hypothetical).
     /// Runs locally; needs no daemon.
     Plan(tenantvm_gpu::cli::PlanArgs),
@@ -114,6 +123,48 @@ pub enum Command {
         #[command(subcommand)]
         command: HostCommand,
     },
+}
+
+/// `tenantvm receipt ...`.
+#[derive(Debug, Subcommand)]
+pub enum ReceiptCommand {
+    /// Show departure receipts through the daemon (admin: all or TENANT's; a tenant token:
+    /// its own).
+    Show {
+        /// Only this tenant's receipts.
+        tenant: Option<String>,
+        /// Print the audit log entries as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Verify the audit log's hash chain, signatures and head, reading the files directly
+    /// (run on the host, as root). Exit status 1 when anything was edited, removed or
+    /// reordered.
+    Verify(crate::receipt::ReceiptVerifyArgs),
+}
+
+/// `tenantvm gpu ...`.
+#[derive(Debug, Subcommand)]
+pub enum GpuCommand {
+    /// List quarantined GPU slices (admin).
+    Quarantine {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Re-run the scrub of a quarantined slice, `<gpu>/<label>` as `gpu quarantine` lists it;
+    /// the quarantine is lifted only if the scrub passes (admin).
+    Scrub {
+        /// The slice, e.g. `1/1g.18gb@0`.
+        slice: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Scrub one CUDA device in this process (what the daemon runs as a child, with
+    /// CUDA_VISIBLE_DEVICES set to the device's UUID).
+    #[command(hide = true)]
+    ScrubDevice(crate::scrub::ScrubArgs),
 }
 
 /// `tenantvm host` subcommands.
@@ -415,8 +466,21 @@ fn host_check(args: &tenantvm_gpu::cli::HostCheckArgs) -> Result<(), CliFailure>
 }
 
 async fn run_inner(cli: Cli) -> Result<(), CliFailure> {
-    // GPU planning and the host preflight run locally, without the daemon or a token.
+    // Commands that read local files only, and need no daemon or token.
     match &cli.command {
+        Command::Receipt(ReceiptCommand::Verify(args)) => {
+            let mut out = std::io::stdout();
+            return crate::receipt::run_verify(args, &mut out)
+                .map(|_| ())
+                .map_err(|e| fail(exit::OTHER, e.to_string()));
+        }
+        Command::Gpu(GpuCommand::ScrubDevice(args)) => {
+            let mut out = std::io::stdout();
+            return crate::scrub::run_scrub(args, &mut out)
+                .map(|_| ())
+                .map_err(|e| fail(exit::OTHER, e.to_string()));
+        }
+        // GPU planning and the host preflight run locally, without the daemon or a token.
         Command::Plan(args) => return plan(args),
         Command::Host {
             command: HostCommand::Check(args),
@@ -479,6 +543,56 @@ async fn run_inner(cli: Cli) -> Result<(), CliFailure> {
         Command::Stop(a) => op(&client, a, "stop").await,
         Command::Start(a) => op(&client, a, "start").await,
         Command::Destroy(a) => op(&client, a, "destroy").await,
+        Command::Receipt(ReceiptCommand::Show { tenant, json }) => {
+            let list = client.receipts(tenant.as_deref()).await?;
+            if json {
+                output::print_json(&list);
+            } else {
+                output::print_receipts(&list.receipts);
+            }
+            Ok(())
+        }
+        Command::Gpu(GpuCommand::Quarantine { json }) => {
+            let list = client.quarantine().await?;
+            if json {
+                output::print_json(&list);
+            } else if list.slices.is_empty() {
+                println!("no quarantined GPU slices");
+            } else {
+                for q in &list.slices {
+                    println!("{}  slots {:?}  {}", q.id(), q.slots, q.reason);
+                }
+            }
+            Ok(())
+        }
+        Command::Gpu(GpuCommand::Scrub { slice, json }) => {
+            let out = client.rescrub(&slice).await?;
+            if json {
+                output::print_json(&out);
+            } else {
+                println!(
+                    "{}: scrub {} ({:?}); quarantine {}",
+                    out.slice,
+                    if out.scrub.passed { "passed" } else { "FAILED" },
+                    out.scrub.assurance,
+                    if out.lifted { "lifted" } else { "kept" }
+                );
+            }
+            if out.scrub.passed {
+                Ok(())
+            } else {
+                Err(fail(
+                    exit::OP_FAILED,
+                    format!(
+                        "the scrub of {} did not pass; the slice stays quarantined",
+                        out.slice
+                    ),
+                ))
+            }
+        }
+        Command::Receipt(ReceiptCommand::Verify(_)) | Command::Gpu(GpuCommand::ScrubDevice(_)) => {
+            Err(fail(exit::OTHER, "local command reached the client"))
+        }
         Command::Plan(_) | Command::Host { .. } => Ok(()), // returned above
     }
 }
@@ -529,6 +643,23 @@ async fn wait_for(
         };
         if progress && t.op.as_deref() == Some(op) {
             shown = output::print_new_steps(name, &t, shown);
+        }
+        // A destroy that stopped at a failed step stays `destroying` with its error.
+        if op == "destroy"
+            && t.state == LifecycleState::Destroying
+            && t.error.is_some()
+            && t.steps.last().is_some_and(|s| s.status == "failed")
+        {
+            if progress {
+                output::print_new_steps(name, &t, shown);
+            }
+            return Err(fail(
+                exit::OP_FAILED,
+                format!(
+                    "destroy of {name} stopped: {}; fix the cause and run `tenantvm destroy {name}` again to resume",
+                    t.error.clone().unwrap_or_default()
+                ),
+            ));
         }
         let settled = !t.state.is_transient();
         if settled && t.op.as_deref() == Some(op) {

@@ -109,3 +109,15 @@ pub(super) fn write_secret(path: &Path, secret: &str) -> std::io::Result<()> {
         .open(path)?;
     writeln!(f, "{secret}")
 }
+
+/// Prints departure receipts as text.
+pub(super) fn print_receipts(entries: &[crate::receipt::LogEntry]) {
+    if entries.is_empty() {
+        println!("no receipts");
+        return;
+    }
+    let mut out = std::io::stdout();
+    if let Err(e) = crate::receipt::write_entries(entries, &mut out) {
+        eprintln!("tenantvm: {e}");
+    }
+}

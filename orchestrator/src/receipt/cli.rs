@@ -64,7 +64,16 @@ pub fn run_show(args: &ReceiptShowArgs, out: &mut dyn Write) -> Result<usize, Re
         writeln!(out).map_err(write_err)?;
         return Ok(entries.len());
     }
-    for entry in &entries {
+    write_entries(&entries, out)?;
+    if entries.is_empty() {
+        writeln!(out, "no receipts in {}", args.log.display()).map_err(write_err)?;
+    }
+    Ok(entries.len())
+}
+
+/// Prints audit log entries as text, one block per receipt (what `receipt show` prints).
+pub fn write_entries(entries: &[LogEntry], out: &mut dyn Write) -> Result<(), ReceiptError> {
+    for entry in entries {
         let r = &entry.receipt;
         let outcome = match (r.succeeded(), r.simulated()) {
             (false, _) => "FAILED",
@@ -103,10 +112,7 @@ pub fn run_show(args: &ReceiptShowArgs, out: &mut dyn Write) -> Result<usize, Re
             }
         }
     }
-    if entries.is_empty() {
-        writeln!(out, "no receipts in {}", args.log.display()).map_err(write_err)?;
-    }
-    Ok(entries.len())
+    Ok(())
 }
 
 /// Verifies the log named by `args` and prints the result to `out`. Returns the report when

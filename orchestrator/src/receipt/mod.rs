@@ -16,7 +16,7 @@ use std::io;
 
 use serde::{Deserialize, Serialize};
 
-pub use cli::{run_show, run_verify, ReceiptShowArgs, ReceiptVerifyArgs};
+pub use cli::{run_show, run_verify, write_entries, ReceiptShowArgs, ReceiptVerifyArgs};
 pub use log::{AuditLog, ChainProblem, LogEntry, ReceiptSigner, VerifyReport};
 pub use time::{now_rfc3339, rfc3339};
 

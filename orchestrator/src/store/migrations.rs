@@ -84,4 +84,25 @@ CREATE TABLE tokens (
     CHECK ((role = 'admin') = (tenant_id IS NULL))
 );
 "#,
+    // 2: departures (the receipt in progress) and the GPU quarantine.
+    r#"
+-- One departure per tenant row: its id and the receipt's step records so far, persisted after
+-- every departure step so that a resumed destroy appends exactly one complete receipt.
+CREATE TABLE departures (
+    tenant_id    INTEGER PRIMARY KEY REFERENCES tenants(id),
+    departure_id TEXT    NOT NULL UNIQUE,
+    receipt      TEXT    NOT NULL,
+    appended_ms  INTEGER
+);
+
+-- GPU slots whose scrub did not verify: never reserved again until a scrub verifies.
+CREATE TABLE gpu_quarantine (
+    gpu         TEXT    NOT NULL,
+    slot        INTEGER NOT NULL,
+    placement   TEXT    NOT NULL,
+    reason      TEXT    NOT NULL,
+    since_ms    INTEGER NOT NULL,
+    PRIMARY KEY (gpu, slot)
+);
+"#,
 ];

@@ -6,7 +6,10 @@
 //! on the same file to race them. Writes that must not interleave (uid allocation, GPU
 //! reservation, state transitions) run in `BEGIN IMMEDIATE` transactions.
 
+mod departures;
 mod migrations;
+
+pub use departures::QuarantinedSlice;
 
 use std::path::Path;
 use std::sync::Mutex;
@@ -501,6 +504,10 @@ impl Store {
             return Ok(Some(existing));
         }
         for cand in candidates {
+            // A quarantined slot (its last scrub did not verify) is never handed out.
+            if departures::any_quarantined(&tx, cand)? {
+                continue;
+            }
             let sp = tx.savepoint()?;
             let mut ok = true;
             for slot in &cand.slots {

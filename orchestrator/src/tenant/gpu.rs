@@ -171,6 +171,17 @@ impl GpuPlanner for BackendPlanner {
         Ok(())
     }
 
+    fn reset(
+        &self,
+        placement: &GpuPlacement,
+    ) -> Result<crate::tenant::gpu_scrub::DeviceResetOutcome, GpuPlanError> {
+        crate::tenant::gpu_scrub::reset(self.backend.as_ref(), placement)
+    }
+
+    fn scrub(&self, placement: &GpuPlacement) -> Result<crate::scrub::ScrubOutcome, GpuPlanError> {
+        crate::tenant::gpu_scrub::scrub(self.backend.as_ref(), placement)
+    }
+
     fn release(&self, placement: &GpuPlacement) -> Result<(), GpuPlanError> {
         let Some((gpu, profile, start)) = self.mig_of(placement)? else {
             return Ok(());

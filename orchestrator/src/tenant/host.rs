@@ -55,6 +55,16 @@ pub trait GpuPlanner: Send + Sync {
     fn release(&self, _placement: &GpuPlacement) -> Result<(), GpuPlanError> {
         Ok(())
     }
+
+    /// Resets the device of a released placement (departure's device-reset step).
+    fn reset(
+        &self,
+        placement: &GpuPlacement,
+    ) -> Result<crate::tenant::gpu_scrub::DeviceResetOutcome, GpuPlanError>;
+
+    /// Zeroes and reads back the memory of a released placement whose MIG instance still
+    /// exists (departure's gpu-scrub step, and `tenantvm gpu scrub`).
+    fn scrub(&self, placement: &GpuPlacement) -> Result<crate::scrub::ScrubOutcome, GpuPlanError>;
 }
 
 /// The planner of a daemon started with `--gpu-backend none`: every GPU request is refused.
@@ -62,6 +72,17 @@ pub struct NoGpus;
 
 impl GpuPlanner for NoGpus {
     fn candidates(&self, _request: &GpuRequest) -> Result<Vec<GpuPlacement>, GpuPlanError> {
+        Err(GpuPlanError::NoGpuBackend)
+    }
+
+    fn reset(
+        &self,
+        _placement: &GpuPlacement,
+    ) -> Result<crate::tenant::gpu_scrub::DeviceResetOutcome, GpuPlanError> {
+        Err(GpuPlanError::NoGpuBackend)
+    }
+
+    fn scrub(&self, _placement: &GpuPlacement) -> Result<crate::scrub::ScrubOutcome, GpuPlanError> {
         Err(GpuPlanError::NoGpuBackend)
     }
 }

@@ -1,8 +1,11 @@
 //! Tenants: the spec, the lifecycle state machine, and the steps of create, start, stop
 //! and destroy that the [`service::TenantService`] runs and records.
 
+pub mod departure;
+pub mod disk_steps;
 pub mod fault;
 pub mod gpu;
+pub mod gpu_scrub;
 pub mod host;
 pub mod lifecycle;
 pub mod logs;
@@ -10,6 +13,8 @@ pub mod service;
 pub mod spec;
 pub mod steps;
 
+#[cfg(test)]
+mod departure_tests;
 #[cfg(test)]
 pub(crate) mod test_utils;
 #[cfg(test)]

@@ -66,6 +66,12 @@ pub enum TenantServiceError {
     /// A request parameter is out of range.
     #[error("Bad request: {0}")]
     BadRequest(String),
+    /// A re-scrub of a quarantined GPU slice was refused or could not run.
+    #[error(transparent)]
+    Rescrub(#[from] crate::tenant::departure::RescrubError),
+    /// Reading the audit log failed.
+    #[error(transparent)]
+    Receipt(#[from] crate::receipt::ReceiptError),
 }
 
 /// What the API asks the service to do.
@@ -85,6 +91,13 @@ pub enum TenantCommand {
     Destroy(String),
     /// Read a log.
     Logs(String, LogQuery),
+    /// Departure receipts from the audit log: one tenant's (a tenant token: its own only) or
+    /// all (admin).
+    Receipts(Option<String>),
+    /// Quarantined GPU slices (admin).
+    Quarantine,
+    /// Re-run the scrub of a quarantined GPU slice `<gpu>/<label>` (admin).
+    Rescrub(String),
 }
 
 /// What a command returns.
@@ -98,6 +111,12 @@ pub enum CommandOutcome {
     Tenants(TenantList),
     /// A piece of a log.
     Log(LogChunk),
+    /// Audit log entries.
+    Receipts(Vec<crate::receipt::LogEntry>),
+    /// Quarantined GPU slices.
+    Quarantine(Vec<crate::store::QuarantinedSlice>),
+    /// What a re-scrub found.
+    Rescrubbed(crate::tenant::departure::RescrubOutcome),
 }
 
 /// Settings of the service.
@@ -117,19 +136,22 @@ pub struct ServiceConfig {
     pub boot_timeout: Duration,
     /// Memory added to guest memory for the VMM itself, in MiB.
     pub vmm_overhead_mib: u64,
+    /// Disk keys, keyslot cost, receipts.
+    pub departure: crate::tenant::departure::DepartureConfig,
 }
 
 impl ServiceConfig {
     /// Defaults under `state_dir`.
     pub fn new(state_dir: PathBuf) -> ServiceConfig {
         ServiceConfig {
-            state_dir,
             image_dir: None,
             uid_first: 200_000,
             uid_count: 65_536,
             stop_grace: Duration::from_secs(5),
             boot_timeout: Duration::from_secs(30),
             vmm_overhead_mib: 64,
+            departure: crate::tenant::departure::DepartureConfig::under(&state_dir),
+            state_dir,
         }
     }
 
@@ -148,6 +170,7 @@ pub struct TenantService {
     pub(crate) gpu: Arc<dyn GpuPlanner>,
     pub(crate) config: Arc<ServiceConfig>,
     pub(crate) fault: Arc<FaultHook>,
+    departure: Arc<Mutex<Option<Arc<crate::tenant::departure::DepartureKit>>>>,
     busy: Arc<Mutex<HashSet<String>>>,
     workers: Arc<Mutex<Vec<std::thread::JoinHandle<()>>>>,
 }
@@ -185,6 +208,7 @@ impl TenantService {
             gpu,
             config: Arc::new(config),
             fault: Arc::new(fault),
+            departure: Arc::default(),
             busy: Arc::default(),
             workers: Arc::default(),
         }
@@ -198,6 +222,24 @@ impl TenantService {
     /// The configuration.
     pub fn config(&self) -> &ServiceConfig {
         &self.config
+    }
+
+    /// The departure machinery (host KEK, key store, receipt signer, audit log), loaded and
+    /// created on first use; the daemon calls this at start so that the KEK exists from
+    /// initialisation on and a bad KEK stops the daemon before it serves.
+    pub fn departure_kit(
+        &self,
+    ) -> Result<Arc<crate::tenant::departure::DepartureKit>, crate::tenant::departure::DepartureError>
+    {
+        let mut slot = lock(&self.departure);
+        if let Some(kit) = slot.as_ref() {
+            return Ok(kit.clone());
+        }
+        let kit = Arc::new(crate::tenant::departure::DepartureKit::open(
+            &self.config.departure,
+        )?);
+        *slot = Some(kit.clone());
+        Ok(kit)
     }
 
     /// Name of the backend, for `/v1/health`.
@@ -268,8 +310,25 @@ impl TenantService {
             }
             TenantCommand::Destroy(name) => {
                 let t = self.visible(caller, &name)?;
+                if t.state == LifecycleState::Destroying {
+                    // A destroy that stopped on a failed step: resume it where it stopped.
+                    return self.resume_destroy(t).map(CommandOutcome::Tenant);
+                }
                 self.begin(t, LifecycleState::Destroying, Op::Destroy)
                     .map(CommandOutcome::Tenant)
+            }
+            TenantCommand::Receipts(name) => self.receipts(caller, name.as_deref()),
+            TenantCommand::Quarantine => {
+                if !matches!(caller, Caller::Admin) {
+                    return Err(TenantServiceError::AdminOnly("list quarantined GPU slices"));
+                }
+                Ok(CommandOutcome::Quarantine(self.store.quarantined()?))
+            }
+            TenantCommand::Rescrub(slice) => {
+                if !matches!(caller, Caller::Admin) {
+                    return Err(TenantServiceError::AdminOnly("scrub GPU slices"));
+                }
+                crate::tenant::departure::rescrub(self, &slice).map(CommandOutcome::Rescrubbed)
             }
             TenantCommand::Logs(name, query) => {
                 let t = self.visible(caller, &name)?;
@@ -293,11 +352,9 @@ impl TenantService {
 
     fn create(&self, spec: TenantSpec) -> Result<CreateResponse, TenantServiceError> {
         spec.validate()?;
-        if spec.disk_gib > 0 {
-            // The disk building blocks exist (disk/, keys/) but create and destroy do not run
-            // them yet: refuse rather than accept a disk that would not be there.
+        if spec.disk_gib > 0 && !self.backend.supports_disks() {
             return Err(TenantServiceError::Unsupported(
-                "tenant disks (disk_gib > 0) are not provisioned by tenantvmd yet; use disk_gib = 0",
+                "this VM backend cannot attach disks yet (tenantvm-vmm has no virtio-blk): create the tenant with disk_gib = 0, or run tenantvmd --backend qemu-kvm",
             ));
         }
         // Fail fast on what can be checked before anything is recorded.
@@ -323,6 +380,63 @@ impl TenantService {
         let tenant = self.view(&record)?;
         self.spawn_op(guard, record, op_id, Op::Create);
         Ok(CreateResponse { tenant, token })
+    }
+
+    /// Resumes a destroy that stopped at a failed step: same operation, same departure, from
+    /// the first step not done.
+    fn resume_destroy(&self, t: TenantRecord) -> Result<TenantView, TenantServiceError> {
+        let guard = self.mark_busy(&t.name)?;
+        let op_id = match (t.op.as_deref().and_then(Op::parse), t.op_id) {
+            (Some(Op::Destroy), Some(id)) => id,
+            _ => {
+                return Err(TenantServiceError::Step {
+                    step: "destroy",
+                    message: "no destroy operation is recorded for this destroying tenant".into(),
+                })
+            }
+        };
+        self.store.set_tenant_error(t.id, None)?;
+        self.store
+            .add_event(Some(t.id), "state", "destroy resumed")?;
+        let record = self.store.tenant_by_id(t.id)?;
+        let view = self.view(&record)?;
+        self.spawn_op(guard, record, op_id, Op::Destroy);
+        Ok(view)
+    }
+
+    /// Receipts from the audit log. The admin sees all (or one tenant's); a tenant token only
+    /// its own tenant's, whatever name it asks for.
+    fn receipts(
+        &self,
+        caller: &Caller,
+        name: Option<&str>,
+    ) -> Result<CommandOutcome, TenantServiceError> {
+        let only = match caller {
+            Caller::Admin => name.map(str::to_string),
+            Caller::Tenant(id) => {
+                // The tenant row may be destroyed: a departed tenant reads its own receipt.
+                let own = self.store.tenant_by_id(*id)?.name;
+                if name.is_some_and(|n| n != own) {
+                    return Err(TenantServiceError::NotFound(
+                        name.unwrap_or_default().into(),
+                    ));
+                }
+                Some(own)
+            }
+        };
+        let kit = self
+            .departure_kit()
+            .map_err(|e| TenantServiceError::Log(e.to_string()))?;
+        let mut entries = kit.log.entries()?;
+        if let Some(n) = &only {
+            entries.retain(|e| e.receipt.tenant == *n);
+        }
+        if let Caller::Tenant(id) = caller {
+            // A later tenant may reuse the name: keep only this tenant's departure.
+            let departure = self.store.departure(*id)?.map(|(r, _)| r.departure_id);
+            entries.retain(|e| Some(&e.receipt.departure_id) == departure.as_ref());
+        }
+        Ok(CommandOutcome::Receipts(entries))
     }
 
     fn begin(
@@ -366,6 +480,15 @@ impl TenantService {
             }
             Err(TenantServiceError::Fault(e)) => {
                 tracing::warn!(tenant = %record.name, error = %e, "operation abandoned");
+            }
+            Err(e) if op == Op::Destroy => {
+                // A departure never gives up half-way: the tenant stays `destroying` with the
+                // error, and `destroy` again resumes from the failed step.
+                let message = e.to_string();
+                tracing::warn!(tenant = %record.name, error = %message, "destroy stopped at a failed step");
+                if let Err(e2) = self.store.set_tenant_error(record.id, Some(&message)) {
+                    tracing::error!(tenant = %record.name, error = %e2, "cannot record the error");
+                }
             }
             Err(e) => {
                 let message = e.to_string();

@@ -14,6 +14,7 @@ use crate::store::{ResourceKind, TenantRecord};
 use crate::tenant::fault::Boundary;
 use crate::tenant::service::{ServiceConfig, TenantService, TenantServiceError};
 use crate::tenant::spec::TenantSpec;
+use crate::tenant::{departure, disk_steps};
 
 /// An operation on a tenant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +58,18 @@ pub enum Step {
     ReleaseUid,
     /// Revoke the tenant's tokens.
     RevokeTokens,
+    /// Create the tenant's key and encrypted disk image (no-op with `disk_gib = 0`).
+    CreateDisk,
+    /// Departure: take the tenant's gateway route off (no gateway yet: recorded as such).
+    RouteOff,
+    /// Departure: reset the tenant's GPU device (recorded "no device" without one).
+    DeviceReset,
+    /// Departure: scrub and verify the GPU memory; quarantine the slice if it does not verify.
+    ScrubGpu,
+    /// Departure: crypto-shred the disk (header, wrapped key, image).
+    CryptoShred,
+    /// Departure: append the receipt to the signed audit log.
+    WriteReceipt,
 }
 
 impl Op {
@@ -86,19 +99,25 @@ impl Op {
                 ReserveGpu,
                 CreateGpuInstance,
                 PrepareDir,
+                CreateDisk,
                 LaunchVm,
                 AwaitRunning,
             ],
             Op::Start => &[LaunchVm, AwaitRunning],
             Op::Stop => &[StopVm],
             Op::Destroy => &[
+                RouteOff,
                 StopVm,
                 CleanupJail,
+                DeviceReset,
+                ScrubGpu,
                 DestroyGpuInstance,
                 ReleaseGpu,
+                CryptoShred,
                 RemoveFiles,
                 ReleaseUid,
                 RevokeTokens,
+                WriteReceipt,
             ],
         }
     }
@@ -131,6 +150,12 @@ impl Step {
             Step::RemoveFiles => "remove-files",
             Step::ReleaseUid => "release-uid",
             Step::RevokeTokens => "revoke-tokens",
+            Step::CreateDisk => "create-disk",
+            Step::RouteOff => "route-off",
+            Step::DeviceReset => "device-reset",
+            Step::ScrubGpu => "scrub-gpu",
+            Step::CryptoShred => "crypto-shred",
+            Step::WriteReceipt => "write-receipt",
         }
     }
 }
@@ -155,7 +180,17 @@ pub(crate) fn run(
         }
         svc.fault.check(op.name(), step.name(), Boundary::Before)?;
         svc.store.step_started(t.id, op_id, step.name())?;
-        let result = run_step(svc, t, op, step);
+        let started_at = crate::receipt::now_rfc3339();
+        let mut result = run_step(svc, t, op, step);
+        if op == Op::Destroy {
+            // The departure receipt's record of this step, persisted before the step is done.
+            let err = result.as_ref().err().map(|e| e.to_string());
+            let recorded =
+                departure::record_existing_step(svc, t, step, &started_at, err.as_deref());
+            if result.is_ok() {
+                result = recorded;
+            }
+        }
         let err = result.as_ref().err().map(|e| e.to_string());
         svc.store
             .step_finished(t.id, op_id, step.name(), err.as_deref())?;
@@ -188,9 +223,19 @@ fn run_step(
             if t.spec.gpu.wants_gpu() {
                 let candidates = svc.gpu.candidates(&t.spec.gpu)?;
                 if svc.store.reserve_gpu(t.id, &candidates)?.is_none() {
+                    let quarantined = svc.store.quarantined()?;
+                    let held_back = candidates.iter().any(|c| {
+                        quarantined
+                            .iter()
+                            .any(|q| q.gpu == c.gpu && q.slots.iter().any(|s| c.slots.contains(s)))
+                    });
                     return Err(step_err(
                         step,
-                        "every GPU placement that fits the request is taken; destroy a tenant or ask for a smaller profile",
+                        if held_back {
+                            "every GPU placement that fits the request is taken or quarantined (a scrub did not verify: see `tenantvm gpu quarantine`); destroy a tenant, re-scrub with `tenantvm gpu scrub`, or ask for a smaller profile"
+                        } else {
+                            "every GPU placement that fits the request is taken; destroy a tenant or ask for a smaller profile"
+                        },
                     ));
                 }
             }
@@ -293,6 +338,12 @@ fn run_step(
             }
         }
         Step::RevokeTokens => svc.store.revoke_tenant_tokens(t.id)?,
+        Step::CreateDisk => disk_steps::create_disk(svc, t)?,
+        Step::RouteOff
+        | Step::DeviceReset
+        | Step::ScrubGpu
+        | Step::CryptoShred
+        | Step::WriteReceipt => departure::run_step(svc, t, step)?,
     }
     Ok(())
 }
@@ -331,7 +382,7 @@ fn launch(svc: &TenantService, t: &TenantRecord, step: Step) -> Result<(), Tenan
         cmdline,
         vcpus: t.spec.vcpus,
         memory_mib: t.spec.memory_mib,
-        disks: Vec::new(),
+        disks: disk_steps::attachments(cfg, &t.spec),
         tenant_dir: dir,
     };
     let jail = JailConfig {

@@ -30,6 +30,8 @@ pub struct FakeHostState {
     pub fail_launch: bool,
     /// Limits each launch asked for.
     pub launched_with: Vec<JailConfig>,
+    /// The fake backend cannot attach disks (like tenantvm-vmm today).
+    pub no_disks: bool,
 }
 
 /// A fake host shared by [`FakeBackend`] and the fake jail cleaner.
@@ -49,6 +51,10 @@ pub struct FakeBackend(pub FakeHost);
 impl VmBackend for FakeBackend {
     fn kind(&self) -> BackendKind {
         BackendKind::TenantvmVmm
+    }
+
+    fn supports_disks(&self) -> bool {
+        !self.0.state().no_disks
     }
 
     fn launch(&self, spec: &VmSpec, jail: &JailConfig) -> Result<RunningVm, BackendError> {
@@ -117,6 +123,8 @@ impl JailCleaner for FakeJail {
 pub struct FakeGpus {
     /// GPU count.
     pub gpus: u32,
+    /// Placement labels whose (simulated) scrub fails.
+    pub fail_scrub: Arc<Mutex<BTreeSet<String>>>,
 }
 
 impl GpuPlanner for FakeGpus {
@@ -149,6 +157,27 @@ impl GpuPlanner for FakeGpus {
         }
         Ok(out)
     }
+
+    fn reset(
+        &self,
+        _placement: &GpuPlacement,
+    ) -> Result<crate::tenant::gpu_scrub::DeviceResetOutcome, GpuPlanError> {
+        Ok(crate::tenant::gpu_scrub::DeviceResetOutcome {
+            method: "simulated: fake planner".into(),
+            result: crate::receipt::StepResult::Ok,
+            assurance: crate::receipt::Assurance::Simulated,
+            evidence: Default::default(),
+        })
+    }
+
+    fn scrub(&self, placement: &GpuPlacement) -> Result<crate::scrub::ScrubOutcome, GpuPlanError> {
+        let fail = self.fail_scrub.lock().unwrap().contains(&placement.label);
+        Ok(crate::scrub::simulate_scrub(
+            &placement.label,
+            1 << 30,
+            fail,
+        ))
+    }
 }
 
 /// A service over a fake host in a temp dir, with a named image `hello`.
@@ -159,6 +188,8 @@ pub struct Harness {
     pub host: FakeHost,
     /// The service.
     pub svc: TenantService,
+    /// Placement labels whose fake scrub fails.
+    pub fail_scrub: Arc<Mutex<BTreeSet<String>>>,
 }
 
 impl Harness {
@@ -169,26 +200,42 @@ impl Harness {
         std::fs::create_dir_all(&images).unwrap();
         std::fs::write(images.join("kernel"), b"not really a kernel").unwrap();
         let host = FakeHost::default();
-        let svc = Self::service(dir.path(), &host, fault);
-        Harness { dir, host, svc }
+        let fail_scrub = Arc::default();
+        let svc = Self::service(dir.path(), &host, &fail_scrub, fault);
+        Harness {
+            dir,
+            host,
+            svc,
+            fail_scrub,
+        }
     }
 
     /// A new service over the same store file and host: a daemon restart.
     pub fn restart(&mut self, fault: FaultHook) {
         self.svc.wait_idle();
-        self.svc = Self::service(self.dir.path(), &self.host, fault);
+        self.svc = Self::service(self.dir.path(), &self.host, &self.fail_scrub, fault);
     }
 
-    fn service(root: &Path, host: &FakeHost, fault: FaultHook) -> TenantService {
+    fn service(
+        root: &Path,
+        host: &FakeHost,
+        fail_scrub: &Arc<Mutex<BTreeSet<String>>>,
+        fault: FaultHook,
+    ) -> TenantService {
         let store = Arc::new(Store::open(&root.join("state.db")).unwrap());
         let mut cfg = ServiceConfig::new(root.join("state"));
         cfg.image_dir = Some(root.join("images"));
         cfg.boot_timeout = Duration::from_secs(2);
+        cfg.departure.kek = crate::keys::KekSource::File(root.join("host-kek"));
+        cfg.departure.keyslot_cost = crate::disk::KeyslotCost::TEST;
         TenantService::new(
             store,
             Arc::new(FakeBackend(host.clone())),
             Arc::new(FakeJail(host.clone())),
-            Arc::new(FakeGpus { gpus: 1 }),
+            Arc::new(FakeGpus {
+                gpus: 1,
+                fail_scrub: fail_scrub.clone(),
+            }),
             cfg,
             fault,
         )

@@ -401,8 +401,9 @@ fn a_vm_that_ends_on_its_own_turns_its_tenant_failed() {
 }
 
 #[test]
-fn disks_are_refused_until_tenantvmd_provisions_them() {
+fn disks_are_refused_by_a_backend_that_cannot_attach_them() {
     let h = Harness::new(FaultHook::default());
+    h.host.state().no_disks = true;
     let mut s = spec("d", "{ kind = \"none\" }");
     s.disk_gib = 1;
     let err = h

@@ -1,0 +1,271 @@
+//! Departure over the fake host: receipts, crypto-shred, quarantine, resume after a failed
+//! step and after a crash at every destroy step boundary.
+
+use crate::auth::Caller;
+use crate::disk::key_opens;
+use crate::receipt::{DepartureStep, StepResult};
+use crate::reconcile::{reconcile, ReconcileOptions};
+use crate::tenant::disk_steps::image_path;
+use crate::tenant::fault::{Boundary, FaultHook};
+use crate::tenant::lifecycle::LifecycleState;
+use crate::tenant::service::{CommandOutcome, TenantCommand};
+use crate::tenant::spec::TenantSpec;
+use crate::tenant::steps::Op;
+use crate::tenant::test_utils::Harness;
+
+fn spec(name: &str, gpu: &str, disk_gib: u32) -> TenantSpec {
+    TenantSpec::from_toml(&format!(
+        "name = \"{name}\"\ndisk_gib = {disk_gib}\ngpu = {gpu}\n[image]\nname = \"hello\"\n"
+    ))
+    .unwrap()
+}
+
+fn run(h: &Harness, cmd: TenantCommand) -> CommandOutcome {
+    let out = h.svc.execute(&Caller::Admin, cmd).unwrap();
+    h.svc.wait_idle();
+    out
+}
+
+fn state(h: &Harness, name: &str) -> Option<LifecycleState> {
+    h.svc.store().tenant(name).unwrap().map(|t| t.state)
+}
+
+fn receipts_of(h: &Harness, name: &str) -> Vec<crate::receipt::LogEntry> {
+    let kit = h.svc.departure_kit().unwrap();
+    kit.log
+        .entries()
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.receipt.tenant == name)
+        .collect()
+}
+
+fn log_intact(h: &Harness) -> bool {
+    let kit = h.svc.departure_kit().unwrap();
+    kit.log
+        .verify(&kit.signer.verifying_key())
+        .unwrap()
+        .is_intact()
+}
+
+#[test]
+fn destroy_shreds_the_disk_and_appends_one_complete_receipt() {
+    let h = Harness::new(FaultHook::default());
+    run(
+        &h,
+        TenantCommand::Create(spec(
+            "alice",
+            "{ kind = \"mig\", profile = \"1g.10gb\" }",
+            1,
+        )),
+    );
+    assert_eq!(state(&h, "alice"), Some(LifecycleState::Running));
+    let image = image_path(h.svc.config(), "alice");
+    let kit = h.svc.departure_kit().unwrap();
+    let key = kit.keys.unwrap("alice").unwrap();
+    assert!(key_opens(&image, &key).unwrap());
+    // A hard link keeps the bytes reachable after the unlink, to check the header.
+    let keep = h.dir.path().join("alice-image-link");
+    std::fs::hard_link(&image, &keep).unwrap();
+
+    run(&h, TenantCommand::Destroy("alice".into()));
+    assert_eq!(state(&h, "alice"), None);
+    assert!(!image.exists(), "image left");
+    assert!(!kit.keys.exists("alice").unwrap(), "wrapped key left");
+    assert!(
+        !key_opens(&keep, &key).unwrap(),
+        "old key still opens the header"
+    );
+
+    let entries = receipts_of(&h, "alice");
+    assert_eq!(entries.len(), 1);
+    let r = &entries[0].receipt;
+    let steps: Vec<_> = r.steps.iter().map(|s| s.step).collect();
+    assert_eq!(
+        steps,
+        [
+            DepartureStep::GatewayRouteOff,
+            DepartureStep::AgentShutdown,
+            DepartureStep::DeviceReset,
+            DepartureStep::GpuScrub,
+            DepartureStep::GpuRelease,
+            DepartureStep::CryptoShred,
+            DepartureStep::LogsRemoved,
+        ]
+    );
+    assert!(r.succeeded(), "{r:#?}");
+    assert!(r.simulated(), "the fake GPU's scrub must say simulated");
+    let shred = r
+        .steps
+        .iter()
+        .find(|s| s.step == DepartureStep::CryptoShred)
+        .unwrap();
+    assert_eq!(shred.result, StepResult::Ok);
+    assert!(log_intact(&h));
+}
+
+#[test]
+fn tenants_without_disk_or_gpu_get_honest_skips() {
+    let h = Harness::new(FaultHook::default());
+    run(
+        &h,
+        TenantCommand::Create(spec("bob", "{ kind = \"none\" }", 0)),
+    );
+    run(&h, TenantCommand::Destroy("bob".into()));
+    let r = &receipts_of(&h, "bob")[0].receipt;
+    for step in [
+        DepartureStep::GatewayRouteOff,
+        DepartureStep::DeviceReset,
+        DepartureStep::GpuScrub,
+        DepartureStep::CryptoShred,
+    ] {
+        let s = r.steps.iter().find(|s| s.step == step).unwrap();
+        assert_eq!(s.result, StepResult::Skipped, "{step:?}");
+    }
+    let reset = r
+        .steps
+        .iter()
+        .find(|s| s.step == DepartureStep::DeviceReset)
+        .unwrap();
+    assert!(reset.method.contains("no device"), "{}", reset.method);
+}
+
+#[test]
+fn failed_scrub_quarantines_the_slice_until_a_scrub_passes() {
+    let h = Harness::new(FaultHook::default());
+    // 4g = 4 of the fake GPU's 8 slots: two placements, 4@0 and 4@4.
+    let gpu = "{ kind = \"mig\", profile = \"4g.20gb\" }";
+    run(&h, TenantCommand::Create(spec("a", gpu, 0)));
+    let label = h
+        .svc
+        .store()
+        .gpu_placement(h.svc.store().tenant("a").unwrap().unwrap().id)
+        .unwrap()
+        .unwrap()
+        .label;
+    h.fail_scrub.lock().unwrap().insert(label.clone());
+    run(&h, TenantCommand::Destroy("a".into()));
+    // The departure still finished (the disk would still be shredded), the slice is out.
+    assert_eq!(state(&h, "a"), None);
+    let scrub = receipts_of(&h, "a")[0]
+        .receipt
+        .steps
+        .iter()
+        .find(|s| s.step == DepartureStep::GpuScrub)
+        .cloned()
+        .unwrap();
+    assert_eq!(scrub.result, StepResult::Failed);
+    assert_eq!(scrub.evidence["quarantined"], "true");
+    let q = h.svc.store().quarantined().unwrap();
+    assert_eq!(q.len(), 1);
+    let slice = q[0].id();
+
+    // Two more tenants: one gets the other placement, the next finds nothing.
+    run(&h, TenantCommand::Create(spec("b", gpu, 0)));
+    assert_eq!(state(&h, "b"), Some(LifecycleState::Running));
+    let b = h.svc.store().tenant("b").unwrap().unwrap();
+    assert_ne!(
+        h.svc.store().gpu_placement(b.id).unwrap().unwrap().label,
+        label
+    );
+    run(&h, TenantCommand::Create(spec("c", gpu, 0)));
+    assert_eq!(state(&h, "c"), Some(LifecycleState::Failed));
+    run(&h, TenantCommand::Destroy("c".into()));
+
+    // A scrub that fails again keeps it; one that passes lifts it.
+    let CommandOutcome::Rescrubbed(out) = run(&h, TenantCommand::Rescrub(slice.clone())) else {
+        panic!()
+    };
+    assert!(!out.lifted && !out.scrub.passed);
+    assert_eq!(h.svc.store().quarantined().unwrap().len(), 1);
+    h.fail_scrub.lock().unwrap().clear();
+    let CommandOutcome::Rescrubbed(out) = run(&h, TenantCommand::Rescrub(slice.clone())) else {
+        panic!()
+    };
+    assert!(out.lifted);
+    assert!(h.svc.store().quarantined().unwrap().is_empty());
+    run(&h, TenantCommand::Create(spec("c", gpu, 0)));
+    assert_eq!(state(&h, "c"), Some(LifecycleState::Running));
+    // Unknown slices and tenant tokens are refused.
+    assert!(h
+        .svc
+        .execute(&Caller::Admin, TenantCommand::Rescrub("9/none".into()))
+        .is_err());
+    assert!(h
+        .svc
+        .execute(&Caller::Tenant(b.id), TenantCommand::Rescrub(slice))
+        .is_err());
+}
+
+#[test]
+fn a_failed_step_leaves_destroying_and_destroy_again_resumes() {
+    let h = Harness::new(FaultHook::default());
+    run(
+        &h,
+        TenantCommand::Create(spec("d", "{ kind = \"none\" }", 1)),
+    );
+    // A damaged audit log refuses appends: write-receipt fails.
+    let log = h.svc.config().departure.audit_log.clone();
+    std::fs::create_dir_all(log.parent().unwrap()).unwrap();
+    std::fs::write(&log, b"not a log entry\n").unwrap();
+    run(&h, TenantCommand::Destroy("d".into()));
+    let t = h.svc.store().tenant("d").unwrap().unwrap();
+    assert_eq!(t.state, LifecycleState::Destroying);
+    assert!(
+        t.error.as_deref().unwrap().contains("write-receipt"),
+        "{:?}",
+        t.error
+    );
+    // Everything before the failed step is done: the disk is gone already.
+    assert!(!image_path(h.svc.config(), "d").exists());
+
+    std::fs::remove_file(&log).unwrap();
+    run(&h, TenantCommand::Destroy("d".into()));
+    assert_eq!(state(&h, "d"), None);
+    let entries = receipts_of(&h, "d");
+    assert_eq!(entries.len(), 1);
+    let shred = entries[0]
+        .receipt
+        .steps
+        .iter()
+        .find(|s| s.step == DepartureStep::CryptoShred)
+        .unwrap();
+    // The shred's evidence from the first run survived the resume.
+    assert_eq!(
+        shred.evidence.get("old_key_rejected").map(String::as_str),
+        Some("true")
+    );
+}
+
+#[test]
+fn a_crash_at_every_destroy_boundary_ends_with_exactly_one_receipt() {
+    for step in Op::Destroy.steps() {
+        for boundary in [Boundary::Before, Boundary::After] {
+            let case = format!("{}:{boundary:?}", step.name());
+            let mut h = Harness::new(FaultHook::default());
+            run(
+                &h,
+                TenantCommand::Create(spec("e", "{ kind = \"mig\", profile = \"1g.10gb\" }", 1)),
+            );
+            let image = image_path(h.svc.config(), "e");
+            h.restart(FaultHook::fail_at("destroy", step.name(), boundary));
+            run(&h, TenantCommand::Destroy("e".into()));
+            h.restart(FaultHook::default());
+            reconcile(&h.svc, &ReconcileOptions::default()).unwrap();
+            h.svc.wait_idle();
+            assert_eq!(state(&h, "e"), None, "{case}");
+            assert!(!image.exists(), "{case}: image left");
+            let kit = h.svc.departure_kit().unwrap();
+            assert!(!kit.keys.exists("e").unwrap(), "{case}: key left");
+            let entries = receipts_of(&h, "e");
+            assert_eq!(entries.len(), 1, "{case}");
+            assert_eq!(entries[0].receipt.steps.len(), 7, "{case}");
+            assert!(
+                entries[0].receipt.succeeded(),
+                "{case}: {:#?}",
+                entries[0].receipt
+            );
+            assert!(log_intact(&h), "{case}");
+        }
+    }
+}
