@@ -2,7 +2,7 @@
 //! create makes a LUKS2 image the stock `cryptsetup` accepts, owned by the tenant's uid and
 //! opened by its key, which is stored only wrapped; after `tenantvm destroy` the old key no
 //! longer opens the header, the wrapped key is gone, the image is gone, and the receipt
-//! records a verified crypto-shred. tenantvm-vmm refuses disks with a clear error. Skips
+//! records a verified crypto-shred. tenantvm-vmm attaches the image as virtio-blk. Skips
 //! without root, /dev/kvm or QEMU.
 
 mod departure_common;
@@ -121,16 +121,43 @@ fn destroy_crypto_shreds_the_tenant_disk() {
 }
 
 #[test]
-fn the_vmm_backend_refuses_disks_with_a_clear_error() {
-    if daemon::should_skip("the_vmm_backend_refuses_disks_with_a_clear_error") {
+fn the_vmm_backend_attaches_the_encrypted_disk_as_virtio_blk() {
+    if daemon::should_skip("the_vmm_backend_attaches_the_encrypted_disk_as_virtio_blk") {
         return;
     }
     let mut d = TestDaemon::new();
     d.start(None);
-    let name = daemon::unique("nod");
-    let o = create(&d, &name, "disk_gib = 1");
-    assert_eq!(o.status.code(), Some(7), "{}", text(&o));
-    assert!(text(&o).contains("disk_gib = 0"), "{}", text(&o));
-    assert!(d.store().tenant(&name).unwrap().is_none());
+    let name = daemon::unique("vbd");
+    ok(create(&d, &name, "disk_gib = 1"), "create", &d);
+    let img = image(&d, &name);
+    assert!(key_opens(&img, &keys(&d).unwrap(&name).unwrap()).unwrap());
+    // The jailed VMM got the image as its first virtio-blk disk, read-write.
+    let vmm_args: Vec<String> = daemon::processes_in_cgroup_of(&name)
+        .into_iter()
+        .filter_map(|pid| std::fs::read(format!("/proc/{pid}/cmdline")).ok())
+        .map(|raw| {
+            raw.split(|b| *b == 0)
+                .map(|arg| String::from_utf8_lossy(arg).into_owned())
+                .collect::<Vec<_>>()
+        })
+        .filter(|argv| {
+            argv.first()
+                .is_some_and(|prog| prog.ends_with("/tenantvm-vmm"))
+        })
+        .map(|argv| argv.join(" "))
+        .collect();
+    assert_eq!(
+        vmm_args.len(),
+        1,
+        "one VMM in the tenant's cgroup: {vmm_args:?}"
+    );
+    assert!(
+        vmm_args[0].contains("--disk path=/vm/disk0,id=disk0")
+            && !vmm_args[0].contains("readonly=on"),
+        "{}",
+        vmm_args[0]
+    );
+    ok(cli(&d, None, &["destroy", &name]), "destroy", &d);
+    assert!(!img.exists(), "the image outlived destroy");
     d.stop();
 }

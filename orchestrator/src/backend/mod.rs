@@ -75,7 +75,7 @@ pub struct VmSpec {
     pub vcpus: u32,
     /// Guest memory in MiB (at least 1).
     pub memory_mib: u32,
-    /// Disks, in order. `tenantvm-vmm` refuses disks until it has a virtio-blk device.
+    /// Disks, in order: virtio-blk devices in the guest.
     pub disks: Vec<DiskAttachment>,
     /// The tenant's directory (mode 0700, created by the control plane): serial.log,
     /// vmm.log, events.log, the control socket and the jail root live under it.
@@ -266,7 +266,7 @@ pub enum BackendError {
 pub trait VmBackend: Send + Sync {
     /// Which backend this is.
     fn kind(&self) -> BackendKind;
-    /// Whether it can attach [`VmSpec::disks`] (tenantvm-vmm cannot until it has virtio-blk).
+    /// Whether it can attach [`VmSpec::disks`] (both real backends can; test fakes may not).
     fn supports_disks(&self) -> bool {
         true
     }

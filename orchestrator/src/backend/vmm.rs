@@ -53,6 +53,16 @@ impl VmmBackend {
             args.push("--initramfs".into());
             args.push(vm.join("initramfs").display().to_string());
         }
+        // Disks appear in the jail where the runner bind-mounts them (`disk0`, `disk1`, ...),
+        // in order, as virtio-blk devices.
+        for (i, disk) in spec.disks.iter().enumerate() {
+            args.push("--disk".into());
+            let mut value = format!("path={},id=disk{i}", vm.join(format!("disk{i}")).display());
+            if disk.read_only {
+                value.push_str(",readonly=on");
+            }
+            args.push(value);
+        }
         args
     }
 
@@ -79,16 +89,11 @@ impl VmBackend for VmmBackend {
     }
 
     fn supports_disks(&self) -> bool {
-        false
+        true
     }
 
     fn launch(&self, spec: &VmSpec, jail: &JailConfig) -> Result<RunningVm, BackendError> {
         runner::check_binary("tenantvm-vmm", &self.vmm_binary)?;
-        if !spec.disks.is_empty() {
-            return Err(BackendError::InvalidSpec(
-                "tenantvm-vmm has no virtio-blk device yet: launch without disks or use the QEMU backend".into(),
-            ));
-        }
         let api_sock = runner::socket_path(spec, API_SOCK)?;
         let prepared = runner::prepare(spec, jail, &self.config)?;
         let mut plan = runner::base_plan(
@@ -202,5 +207,42 @@ mod tests {
             "--kernel /vm/kernel --cmdline console=ttyS0 --memory-mib 64 --vcpus 2 --serial file:/log/serial.log --api-sock /run/api.sock --initramfs /vm/initramfs"
         );
         assert!(!args.contains("/host/"));
+    }
+
+    #[test]
+    fn vmm_args_attach_disks_in_order_at_their_jail_paths() {
+        let spec = VmSpec {
+            tenant: "t".into(),
+            kernel: "/host/k".into(),
+            initramfs: None,
+            cmdline: String::new(),
+            vcpus: 1,
+            memory_mib: 64,
+            disks: vec![
+                super::super::DiskAttachment {
+                    path: "/host/tenants/t/disk.img".into(),
+                    read_only: false,
+                },
+                super::super::DiskAttachment {
+                    path: "/host/base.img".into(),
+                    read_only: true,
+                },
+            ],
+            tenant_dir: "/var/lib/tenantvm/tenants/t".into(),
+        };
+        let args = VmmBackend::vmm_args(&spec);
+        let disks: Vec<&str> = args
+            .windows(2)
+            .filter(|pair| pair[0] == "--disk")
+            .map(|pair| pair[1].as_str())
+            .collect();
+        assert_eq!(
+            disks,
+            vec![
+                "path=/vm/disk0,id=disk0",
+                "path=/vm/disk1,id=disk1,readonly=on"
+            ]
+        );
+        assert!(!args.iter().any(|a| a.contains("/host/")));
     }
 }

@@ -354,7 +354,7 @@ impl TenantService {
         spec.validate()?;
         if spec.disk_gib > 0 && !self.backend.supports_disks() {
             return Err(TenantServiceError::Unsupported(
-                "this VM backend cannot attach disks yet (tenantvm-vmm has no virtio-blk): create the tenant with disk_gib = 0, or run tenantvmd --backend qemu-kvm",
+                "this VM backend cannot attach disks: create the tenant with disk_gib = 0, or run tenantvmd with a backend that can (tenantvm-vmm, qemu-kvm, qemu-tcg)",
             ));
         }
         // Fail fast on what can be checked before anything is recorded.

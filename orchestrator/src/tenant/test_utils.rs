@@ -30,7 +30,7 @@ pub struct FakeHostState {
     pub fail_launch: bool,
     /// Limits each launch asked for.
     pub launched_with: Vec<JailConfig>,
-    /// The fake backend cannot attach disks (like tenantvm-vmm today).
+    /// The fake backend cannot attach disks, so the refusal path stays tested.
     pub no_disks: bool,
 }
 

@@ -1,6 +1,6 @@
 //! Helpers of the departure tests: the `tenantvm` CLI against a [`TestDaemon`], the daemon's
-//! key store and audit log, and a QEMU check (tenantvm-vmm cannot attach disks yet, so tenants
-//! with a disk run under `--backend qemu-kvm`).
+//! key store and audit log, and a QEMU check (the tests that boot a Linux guest to open the
+//! disk run under `--backend qemu-tcg`).
 
 #![allow(dead_code)]
 
