@@ -35,6 +35,11 @@ packages=(
     libcryptsetup-dev libclang-dev cryptsetup-bin
     # The disk guest test's initramfs: busybox, and modinfo for module dependencies.
     busybox-static kmod
+    # tests/guests/pack.py (bzImage packaging of the test guests) and scripts/bench.sh.
+    python3
+    # Guest image (guest-image/build.sh): busybox, cryptsetup and mke2fs copied into the
+    # initramfs (cryptsetup also formats the test disks on the host), depmod/modinfo.
+    busybox-static cryptsetup-bin e2fsprogs kmod
 )
 
 missing=()
@@ -57,6 +62,18 @@ if command -v rustup >/dev/null 2>&1; then
     for c in rustfmt clippy; do
         rustup component list --installed | grep -q "^$c" || rustup component add "$c"
     done
+    # The fuzz targets (scripts/fuzz.sh) need a nightly toolchain and cargo-fuzz. They are
+    # optional: without them scripts/fuzz.sh says why and skips.
+    if ! rustup toolchain list | grep -q '^nightly'; then
+        say "installing the nightly toolchain for the fuzz targets"
+        rustup toolchain install nightly --profile minimal >/dev/null 2>&1 ||
+            say "warning: no nightly toolchain; the fuzz targets will not be built"
+    fi
+    if ! command -v cargo-fuzz >/dev/null 2>&1 && rustup toolchain list | grep -q '^nightly'; then
+        say "installing cargo-fuzz"
+        cargo install cargo-fuzz --locked --quiet ||
+            say "warning: cargo-fuzz did not install; the fuzz targets will not be built"
+    fi
 fi
 
 # The stock Debian kernel, for the boot tests and benchmarks.

@@ -11,6 +11,8 @@ cd "$root"
 # The no_std test guests are their own workspace (own target, own profiles).
 if [ -x scripts/build-test-guests.sh ]; then
     scripts/build-test-guests.sh
+    # The guests' parsers (boot info, MP table, memory spans) have host unit tests.
+    (cd tests/guests && cargo test --quiet --target "$(rustc -vV | sed -n 's/^host: //p')")
 fi
 
 # Build the binaries the integration tests launch, then run everything.

@@ -131,6 +131,42 @@ fn qemu_guest_launches_reports_state_and_stops() {
 }
 
 #[test]
+fn qemu_kvm_accel_opens_the_jails_kvm_node() {
+    if let Some(reason) = skip() {
+        eprintln!("skipping: {reason}");
+        return;
+    }
+    if let Err(e) = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
+        eprintln!("skipping: /dev/kvm is not usable ({e})");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut spec = spec(&tmp, "qkvm");
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    // The ELF vmlinux with its PVH note (QEMU's pvh.bin option ROM, mounted from the host).
+    spec.kernel = common::repo_root().join(".cache/kernel/vmlinux");
+    let mut config = RuntimeConfig::detect().unwrap();
+    config.jail_binary = PathBuf::from(env!("CARGO_BIN_EXE_tenantvm-jail"));
+    config.ready_timeout = Duration::from_secs(60);
+    let backend = QemuBackend::new(PathBuf::from(QEMU), QemuAccel::Kvm, config);
+    let vm = backend.launch(&spec, &jail(4)).unwrap();
+    assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
+    backend.kill(&vm).unwrap();
+    assert_eq!(
+        backend.state(&vm).unwrap(),
+        VmState::Exited {
+            status: ExitReason::Signaled {
+                signal: libc::SIGKILL
+            }
+        }
+    );
+}
+
+#[test]
 fn qemu_kill_is_final_and_idempotent() {
     if let Some(reason) = skip() {
         eprintln!("skipping: {reason}");

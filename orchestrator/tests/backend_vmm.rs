@@ -157,6 +157,12 @@ fn vmm_guest_launches_reports_state_and_stops_through_the_socket() {
     let vm = backend.launch(&spec, &jail(4)).unwrap();
     assert_eq!(vm.api_sock, spec.tenant_dir.join("run/api.sock"));
     assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
+    // A second launch for the same tenant is refused and leaves the first VM alone.
+    assert!(matches!(
+        backend.launch(&spec, &jail(4)),
+        Err(BackendError::AlreadyRunning { .. })
+    ));
+    assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
     common::wait_until(Duration::from_secs(30), "hello on serial", || {
         serial(&spec).contains("hello\n").then_some(())
     });
@@ -171,6 +177,39 @@ fn vmm_guest_launches_reports_state_and_stops_through_the_socket() {
         }
     );
     cleanup(&spec);
+}
+
+/// `nr_throttled` from the cgroup's cpu.stat (v1 cpu hierarchy or v2 directory).
+fn nr_throttled(cgroup: &tenantvm::jail::CgroupHandle) -> u64 {
+    let dir = match cgroup {
+        tenantvm::jail::CgroupHandle::V1 { cpu, .. } => cpu,
+        tenantvm::jail::CgroupHandle::V2 { path } => path,
+    };
+    let stat = fs::read_to_string(dir.join("cpu.stat")).unwrap();
+    stat.lines()
+        .find_map(|l| l.strip_prefix("nr_throttled "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn vmm_spinning_guest_is_throttled_by_the_cpu_quota() {
+    require!();
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = spec(&tmp, "vcpu", HELLO_SPIN);
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let backend = backend();
+    // 10 ms of CPU per 100 ms for a guest that spins forever.
+    let mut jail = jail(14);
+    jail.limits.cpu_quota_us = 10_000;
+    let vm = backend.launch(&spec, &jail).unwrap();
+    common::wait_until(
+        Duration::from_secs(60),
+        "the cgroup to throttle the guest",
+        || (nr_throttled(&vm.cgroup) > 0).then_some(()),
+    );
+    assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
+    backend.kill(&vm).unwrap();
 }
 
 #[test]
@@ -191,6 +230,40 @@ fn vmm_recycled_pid_is_not_mistaken_for_the_vm() {
     assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
     backend.kill(&vm).unwrap();
     cleanup(&spec);
+}
+
+#[test]
+fn vmm_socket_swapped_for_another_tenants_is_refused() {
+    require!();
+    let tmp = tempfile::tempdir().unwrap();
+    let a = spec(&tmp, "vswapa", HELLO_SPIN);
+    let _cleanup_a = common::CleanupOnDrop::new(&a.tenant, &a.tenant_dir);
+    let b = spec(&tmp, "vswapb", HELLO_SPIN);
+    let _cleanup_b = common::CleanupOnDrop::new(&b.tenant, &b.tenant_dir);
+    let backend = backend();
+    let vm_a = backend.launch(&a, &jail(12)).unwrap();
+    let vm_b = backend.launch(&b, &jail(13)).unwrap();
+    // A compromised VMM of tenant A replaces its socket (in its writable /run) with a
+    // symlink to B's, hoping the daemon stops B when it stops A.
+    fs::remove_file(&vm_a.api_sock).unwrap();
+    std::os::unix::fs::symlink(&vm_b.api_sock, &vm_a.api_sock).unwrap();
+    let err = backend.state(&vm_a).unwrap_err();
+    assert!(err.to_string().contains("refusing"), "{err}");
+    assert_eq!(
+        backend.stop(&vm_a, Duration::from_secs(1)).unwrap(),
+        ExitReason::Signaled {
+            signal: libc::SIGKILL
+        }
+    );
+    assert_eq!(
+        backend.state(&vm_b).unwrap(),
+        VmState::Running,
+        "B is untouched"
+    );
+    assert_eq!(
+        backend.stop(&vm_b, Duration::from_secs(10)).unwrap(),
+        ExitReason::Stopped
+    );
 }
 
 #[test]
@@ -368,6 +441,13 @@ fn vmm_bad_kernel_fails_launch_with_reason_and_log() {
         }
         other => panic!("{other}"),
     }
+    // Nothing of the failed launch is left: no process, no cgroup.
+    let cgroup = RuntimeConfig::detect()
+        .unwrap()
+        .cgroups
+        .handle(&spec.tenant)
+        .unwrap();
+    assert!(cgroup.dirs().iter().all(|d| !d.exists()));
     cleanup(&spec);
 }
 

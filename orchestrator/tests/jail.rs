@@ -11,7 +11,7 @@ use std::time::Duration;
 use tenantvm::backend::ResourceLimits;
 use tenantvm::jail::process::{self, spawn_launcher};
 use tenantvm::jail::{
-    cleanup_tenant, list_tenant_cgroups, Cgroups, ExitRecord, JailPlan, JailRlimits,
+    cleanup_tenant, list_tenant_cgroups, Cgroups, ExitRecord, JailPlan, JailRlimits, Seal,
 };
 
 const RLIMITS: JailRlimits = JailRlimits {
@@ -29,6 +29,16 @@ struct Run {
 /// Runs `script` with /bin/sh in a jail for `tenant` with `limits`; returns its exit record
 /// and everything it printed.
 fn run_jailed(tag: &str, limits: ResourceLimits, script: &str) -> Run {
+    run_jailed_with(tag, limits, script, |_, _| {})
+}
+
+/// As [`run_jailed`], letting `customize` adjust the plan (given the tenant dir) first.
+fn run_jailed_with(
+    tag: &str,
+    limits: ResourceLimits,
+    script: &str,
+    customize: impl FnOnce(&mut JailPlan, &Path),
+) -> Run {
     let tmp = tempfile::tempdir().unwrap();
     let tenant = common::tenant(tag);
     let dir = common::tenant_dir(&tmp, &tenant);
@@ -48,6 +58,7 @@ fn run_jailed(tag: &str, limits: ResourceLimits, script: &str) -> Run {
     )
     .unwrap();
     plan.device(Path::new("/dev/null")).unwrap();
+    customize(&mut plan, &dir);
     let log_path = dir.join("vmm.log");
     let log = OpenOptions::new()
         .create(true)
@@ -150,6 +161,54 @@ fn jailed_program_runs_as_tenant_without_capabilities() {
         );
     }
     assert!(run.output.contains("NoNewPrivs: 1\n"), "{}", run.output);
+}
+
+#[test]
+fn writable_mount_is_sealed_once_the_trigger_file_appears() {
+    require_root!();
+    let uid = common::test_uid(0);
+    let run = run_jailed_with(
+        "seal",
+        common::roomy_limits(),
+        "echo x > /run/ready || exit 3; i=0; \
+         while [ $i -lt 100000 ]; do \
+           if ! (echo y > /run/probe$i) 2>/dev/null; then echo sealed; exit 0; fi; i=$((i+1)); \
+         done; echo never-sealed",
+        |plan, dir| {
+            let run = dir.join("run");
+            fs::create_dir(&run).unwrap();
+            std::os::unix::fs::chown(&run, Some(uid), Some(uid)).unwrap();
+            plan.bind(&run, Path::new("/run"), true).unwrap();
+            plan.seal = Some(Seal {
+                when_exists: "/run/ready".into(),
+                mount: "/run".into(),
+            });
+        },
+    );
+    assert_eq!(run.exit, ExitRecord::Code(0), "{}", run.output);
+    assert!(
+        run.output.contains("sealed\n") && !run.output.contains("never-sealed"),
+        "{}",
+        run.output
+    );
+}
+
+#[test]
+fn jailed_program_has_no_network_but_its_own_loopback() {
+    require_root!();
+    let run = run_jailed(
+        "net",
+        common::roomy_limits(),
+        "while read name rest; do echo \"if $name\"; done < /proc/self/net/dev",
+    );
+    assert_eq!(run.exit, ExitRecord::Code(0), "{}", run.output);
+    let interfaces: Vec<&str> = run
+        .output
+        .lines()
+        .filter_map(|l| l.strip_prefix("if "))
+        .filter(|n| n.ends_with(':'))
+        .collect();
+    assert_eq!(interfaces, vec!["lo:"], "{}", run.output);
 }
 
 #[test]

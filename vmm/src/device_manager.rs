@@ -45,10 +45,11 @@ pub fn attach_legacy_devices(
     let i8042 = Arc::new(Mutex::new(I8042Device::new(sink.clone())));
     pio.insert(i8042.clone(), I8042_DATA_PORT, 1)?;
     pio.insert(i8042, I8042_COMMAND_PORT, 1)?;
+    // The sleep control register and, next to it, the sleep status register (reads 0).
     pio.insert(
         Arc::new(Mutex::new(AcpiPowerDevice::new(sink.clone()))),
         ACPI_SLEEP_CONTROL_PORT,
-        1,
+        2,
     )?;
     pio.insert(
         Arc::new(Mutex::new(PvPanicDevice::new(sink))),

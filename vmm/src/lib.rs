@@ -10,6 +10,7 @@ pub mod boot;
 pub mod device_manager;
 pub mod exit;
 pub mod lifecycle;
+pub mod terminal;
 pub mod vstate;
 
 pub use exit::ExitReason;

@@ -15,6 +15,7 @@ use crate::api::{ApiError, ApiServer, SerialConfig, VmCommand, VmConfig, VmRespo
 use crate::boot::{self, BootConfig, BootError};
 use crate::device_manager::{attach_legacy_devices, DeviceManagerError};
 use crate::exit::{ExitReason, ExitState};
+use crate::terminal::RawTerminal;
 use crate::vstate::vcpu::{self, Buses, VcpuSet};
 use crate::vstate::vm::{create_guest_memory, Vm};
 use crate::vstate::VstateError;
@@ -129,7 +130,10 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
         vcpu::configure(&fd, id, config.vcpus, vm.supported_cpuid(), &mem, entry)?;
         fds.push(fd);
     }
+    // Restored when `run` returns, on every path out of the running VM.
+    let mut _raw_terminal = None;
     if config.serial == SerialConfig::Stdout {
+        _raw_terminal = RawTerminal::enable(libc::STDIN_FILENO);
         spawn_input_thread(serial, Box::new(std::io::stdin()))
             .map_err(|e| StartError::Devices(e.into()))?;
     }
@@ -187,8 +191,9 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
                         handle_command(command, &vcpus, &mut paused, config, started, &exit)
                     });
                     if state == ConnectionState::Closed {
-                        // The fd is already closed, which removes it from the epoll set.
+                        // Failing to unwatch is harmless: closing the fd unwatches it too.
                         let _ = epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
+                        api.close(fd);
                     }
                 }
             }
@@ -225,7 +230,9 @@ fn handle_command(
         },
         VmCommand::Pause => {
             if !*paused {
-                vcpus.pause();
+                if let Err(e) = vcpus.pause() {
+                    return VmResponse::error(e.to_string());
+                }
                 *paused = true;
             }
             VmResponse::Done {

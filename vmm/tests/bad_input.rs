@@ -181,3 +181,51 @@ fn unopenable_serial_file_exits_17() {
         "{stderr}"
     );
 }
+
+/// Runs the VMM in a private mount namespace where `/dev` is `setup`'s doing (needs root
+/// and unshare(1)); returns None, after saying why, when that is not possible here.
+fn run_with_private_dev(setup: &str, kernel: &str) -> Option<(Option<i32>, String)> {
+    let probe = std::process::Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "true"])
+        .output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        eprintln!("skipping: needs root and unshare(1) for a private mount namespace");
+        return None;
+    }
+    let script = format!("{setup} && exec \"$0\" --kernel \"$1\" --serial none");
+    let out = std::process::Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+        .arg(env!("CARGO_BIN_EXE_tenantvm-vmm"))
+        .arg(kernel)
+        .output()
+        .unwrap();
+    Some(status_and_stderr(&out))
+}
+
+#[test]
+fn missing_dev_kvm_exits_16() {
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = tiny_kernel(dir.path());
+    let Some((status, stderr)) = run_with_private_dev("mount -t tmpfs none /dev", &kernel) else {
+        return;
+    };
+    assert_eq!(status, Some(16), "{stderr}");
+    assert!(stderr.contains("Cannot open /dev/kvm"), "{stderr}");
+}
+
+#[test]
+fn dev_kvm_that_is_not_kvm_exits_16() {
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = tiny_kernel(dir.path());
+    let fake = write_file(dir.path(), "not-kvm", b"");
+    if !std::path::Path::new("/dev/kvm").exists() {
+        eprintln!("skipping dev_kvm_that_is_not_kvm_exits_16: no /dev/kvm to cover");
+        return;
+    }
+    let setup = format!("mount --bind {} /dev/kvm", fake.display());
+    let Some((status, stderr)) = run_with_private_dev(&setup, &kernel) else {
+        return;
+    };
+    assert_eq!(status, Some(16), "{stderr}");
+    assert!(stderr.contains("/dev/kvm"), "{stderr}");
+}

@@ -85,3 +85,63 @@ fn status_pause_resume_and_shutdown_exit_6() {
     assert_eq!(status.code(), Some(6));
     assert!(!sock.exists(), "the VMM removes its socket on exit");
 }
+
+#[test]
+fn pause_is_refused_not_half_done_when_a_vcpu_is_blocked_on_serial_output() {
+    if !common::kvm_available("pause_is_refused_not_half_done") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Floods COM1: mov dx, 0x3f8; out dx, al; jmp back to the out.
+    let flood = [0x66, 0xba, 0xf8, 0x03, 0xee, 0xeb, 0xfd];
+    let kernel = write_file(dir.path(), "flood.elf", &tiny_elf(&flood, 0));
+    let sock = dir.path().join("api.sock");
+    // stdout is a pipe this test never reads: the vCPU blocks once it is full.
+    let mut child = vmm()
+        .args(["--kernel", kernel.to_str().unwrap(), "--memory-mib", "32"])
+        .args(["--api-sock", sock.to_str().unwrap()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_until_pipe_full(child.stdout.as_ref().unwrap());
+    let mut stream = connect(&sock);
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+
+    let paused = request(&mut stream, &mut reader, r#"{"command":"pause"}"#);
+    assert_eq!(paused["ok"], false, "{paused}");
+    assert!(
+        paused["error"].as_str().unwrap().contains("left running"),
+        "{paused}"
+    );
+    let status = request(&mut stream, &mut reader, r#"{"command":"status"}"#);
+    assert_eq!(status["state"], "running");
+
+    let shutdown = request(&mut stream, &mut reader, r#"{"command":"shutdown"}"#);
+    assert_eq!(shutdown["ok"], true);
+    assert_eq!(child.wait().unwrap().code(), Some(6));
+}
+
+/// Waits until the VMM's stdout pipe holds a full default pipe buffer (64 KiB), so that
+/// its writer is blocked.
+fn wait_until_pipe_full(pipe: &impl std::os::fd::AsRawFd) {
+    let start = Instant::now();
+    loop {
+        let mut queued: libc::c_int = 0;
+        // SAFETY: FIONREAD stores one int into `queued`, which outlives the call.
+        let rc = unsafe { libc::ioctl(pipe.as_raw_fd(), libc::FIONREAD, &mut queued) };
+        assert_eq!(rc, 0, "FIONREAD on the stdout pipe");
+        if queued >= 64 * 1024 {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the guest never filled the pipe"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -1,5 +1,5 @@
 //! How a guest ends decides the VMM's exit status: power-off 0, reset 3, triple fault 4,
-//! pvpanic 5 (docs/vmm.md).
+//! pvpanic 5 (docs/vmm.md); a CPU exception in the guest is reported and ends as a crash.
 
 use tenantvm_testkit::{exit, guest, require_kvm, GuestImage, Verdict, VmRun};
 
@@ -72,4 +72,24 @@ fn unknown_test_name_is_reported_as_a_failure() {
     let report = out.report("no-such-test").unwrap();
     assert_eq!(report.verdict, Verdict::Fail, "{}", out.describe());
     assert!(report.detail.contains("Unknown test"), "{}", out.describe());
+}
+
+#[test]
+fn cpu_exception_in_the_guest_is_reported_and_exits_5() {
+    require_kvm!("cpu_exception_in_the_guest_is_reported_and_exits_5");
+    let out = run("page-fault");
+    let report = out.report("page-fault").unwrap();
+    assert_eq!(report.verdict, Verdict::Panic, "{}", out.describe());
+    assert!(
+        report.detail.starts_with("CPU exception 14 (#PF)"),
+        "{}",
+        out.describe()
+    );
+    assert_eq!(
+        report.field("cr2"),
+        Some("0x1000000000"),
+        "{}",
+        out.describe()
+    );
+    assert_eq!(out.status, Some(exit::GUEST_PANIC), "{}", out.describe());
 }

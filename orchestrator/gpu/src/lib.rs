@@ -4,6 +4,8 @@
 //! the `tenantvm host check` preflight.
 
 pub mod backend;
+pub mod check;
+pub mod cli;
 pub mod host;
 pub mod mig;
 pub mod migparted;

@@ -22,13 +22,29 @@ pub struct JsonLines {
 }
 
 impl JsonLines {
-    /// Connects with `timeout` for every read and write.
-    pub fn connect(path: &Path, timeout: Duration) -> Result<Self, BackendError> {
+    /// Connects with `timeout` for every read and write, and checks that the process
+    /// listening is the tenant's (`expected_uid`, from SO_PEERCRED). The socket lives in a
+    /// directory the tenant's VMM can write, so a compromised VMM could replace it with a
+    /// symlink to another tenant's socket: the credential check refuses that peer.
+    pub fn connect(
+        path: &Path,
+        timeout: Duration,
+        expected_uid: u32,
+    ) -> Result<Self, BackendError> {
         let err = |message: String| BackendError::Control {
             path: path.to_path_buf(),
             message,
         };
         let stream = UnixStream::connect(path).map_err(|e| err(format!("cannot connect: {e}")))?;
+        let creds =
+            nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials)
+                .map_err(|e| err(format!("cannot read the peer's credentials: {e}")))?;
+        if creds.uid() != expected_uid {
+            return Err(err(format!(
+                "the socket is served by uid {}, not the tenant's uid {expected_uid}; refusing to talk to it",
+                creds.uid()
+            )));
+        }
         stream
             .set_read_timeout(Some(timeout))
             .map_err(|e| err(e.to_string()))?;
@@ -110,10 +126,25 @@ mod tests {
         (dir, path, t)
     }
 
+    fn my_uid() -> u32 {
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() }
+    }
+
+    #[test]
+    fn socket_served_by_another_uid_is_refused() {
+        let (_d, path, t) = serve(b"{\"ok\":true}\n");
+        let err = JsonLines::connect(&path, Duration::from_secs(5), my_uid() + 1)
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("refusing"), "{err}");
+        t.join().unwrap();
+    }
+
     #[test]
     fn call_returns_the_answer_object() {
         let (_d, path, t) = serve(b"{\"ok\":true,\"state\":\"running\"}\n");
-        let mut c = JsonLines::connect(&path, Duration::from_secs(5)).unwrap();
+        let mut c = JsonLines::connect(&path, Duration::from_secs(5), my_uid()).unwrap();
         let v = c.call(&serde_json::json!({"command":"status"})).unwrap();
         assert_eq!(v["state"], "running");
         t.join().unwrap();
@@ -122,7 +153,7 @@ mod tests {
     #[test]
     fn garbage_answer_is_an_error() {
         let (_d, path, t) = serve(b"not json\n");
-        let mut c = JsonLines::connect(&path, Duration::from_secs(5)).unwrap();
+        let mut c = JsonLines::connect(&path, Duration::from_secs(5), my_uid()).unwrap();
         assert!(matches!(
             c.call(&serde_json::json!({})),
             Err(BackendError::Control { .. })
@@ -134,7 +165,7 @@ mod tests {
     fn oversized_answer_is_refused() {
         let big: &'static [u8] = Box::leak(vec![b'x'; 70 * 1024].into_boxed_slice());
         let (_d, path, t) = serve(big);
-        let mut c = JsonLines::connect(&path, Duration::from_secs(5)).unwrap();
+        let mut c = JsonLines::connect(&path, Duration::from_secs(5), my_uid()).unwrap();
         let err = c.call(&serde_json::json!({})).unwrap_err();
         assert!(err.to_string().contains("longer"), "{err}");
         t.join().unwrap();
@@ -143,7 +174,7 @@ mod tests {
     #[test]
     fn closed_connection_is_an_error() {
         let (_d, path, t) = serve(b"");
-        let mut c = JsonLines::connect(&path, Duration::from_secs(5)).unwrap();
+        let mut c = JsonLines::connect(&path, Duration::from_secs(5), my_uid()).unwrap();
         assert!(c.call(&serde_json::json!({})).is_err());
         t.join().unwrap();
     }
@@ -151,6 +182,8 @@ mod tests {
     #[test]
     fn missing_socket_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
-        assert!(JsonLines::connect(&dir.path().join("none"), Duration::from_secs(1)).is_err());
+        assert!(
+            JsonLines::connect(&dir.path().join("none"), Duration::from_secs(1), my_uid()).is_err()
+        );
     }
 }

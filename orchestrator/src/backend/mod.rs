@@ -223,6 +223,14 @@ pub enum BackendError {
         /// What went wrong.
         message: String,
     },
+    /// The tenant already has processes in its cgroup (a VM runs).
+    #[error("Tenant {tenant} already has running processes {pids:?}: stop or kill its VM before launching another")]
+    AlreadyRunning {
+        /// The tenant.
+        tenant: String,
+        /// The processes in its cgroup.
+        pids: Vec<i32>,
+    },
     /// The VM ended while starting.
     #[error("The VM ended while starting ({reason:?}); last lines of vmm.log:\n{log_tail}")]
     LaunchFailed {

@@ -15,6 +15,7 @@ use super::{
     BackendError, BackendKind, ExitReason, JailConfig, QemuAccel, RunningVm, VmBackend, VmSpec,
     VmState,
 };
+use crate::jail::Seal;
 
 /// Name of the QMP socket in the tenant's `run/` directory.
 pub const QMP_SOCK: &str = "qmp.sock";
@@ -25,6 +26,11 @@ const QEMU_DATA_DIRS: [&str; 3] = [
     "/usr/share/seabios",
     "/usr/lib/x86_64-linux-gnu/qemu",
 ];
+
+/// The CPU model under KVM: the host's, without IA32_ARCH_CAPABILITIES (MSR 0x10a), which
+/// nested hypervisors (this CI machine) refuse to set, aborting QEMU. Guests then assume
+/// they need every speculative-execution mitigation: slower at worst, never less safe.
+pub const KVM_CPU: &str = "host,-arch-capabilities";
 
 /// Runs VMs with QEMU.
 #[derive(Debug, Clone)]
@@ -59,7 +65,7 @@ impl QemuBackend {
             },
             "-cpu",
             match accel {
-                QemuAccel::Kvm => "host",
+                QemuAccel::Kvm => KVM_CPU,
                 QemuAccel::Tcg => "max",
             },
             "-smp",
@@ -106,9 +112,9 @@ impl QemuBackend {
         args
     }
 
-    /// Opens a QMP session (greeting read, capabilities negotiated).
-    fn qmp(&self, sock: &Path) -> Result<JsonLines, BackendError> {
-        let mut conn = JsonLines::connect(sock, self.config.control_timeout)?;
+    /// Opens a QMP session (served by `uid`; greeting read, capabilities negotiated).
+    fn qmp(&self, sock: &Path, uid: u32) -> Result<JsonLines, BackendError> {
+        let mut conn = JsonLines::connect(sock, self.config.control_timeout, uid)?;
         let greeting = conn.receive()?;
         if greeting.get("QMP").is_none() {
             return Err(BackendError::Control {
@@ -164,6 +170,11 @@ impl VmBackend for QemuBackend {
         if self.accel == QemuAccel::Kvm {
             plan.device(Path::new("/dev/kvm"))?;
         }
+        // Once the socket exists, /run turns read-only inside the jail.
+        plan.seal = Some(Seal {
+            when_exists: PathBuf::from(format!("/run/{QMP_SOCK}")),
+            mount: PathBuf::from("/run"),
+        });
         for dir in QEMU_DATA_DIRS {
             let dir = Path::new(dir);
             if dir.is_dir() {
@@ -183,7 +194,8 @@ impl VmBackend for QemuBackend {
             }
         }
         let this = self.clone();
-        let ready = move |sock: &Path| this.qmp(sock).is_ok();
+        let uid = jail.uid;
+        let ready = move |sock: &Path| this.qmp(sock, uid).is_ok();
         runner::start(
             &self.config,
             self.kind(),
@@ -208,7 +220,7 @@ impl VmBackend for QemuBackend {
             ProcessStatus::Alive => {}
         }
         let answer = self
-            .qmp(&vm.api_sock)
+            .qmp(&vm.api_sock, vm.uid)
             .and_then(|mut c| execute(&mut c, "query-status"));
         match answer {
             Ok(status) => match status["status"].as_str() {
@@ -236,7 +248,7 @@ impl VmBackend for QemuBackend {
             return Ok(ExitReason::from_qemu(record));
         }
         // Half the grace period for the guest to power off through ACPI...
-        if let Ok(mut conn) = self.qmp(&vm.api_sock) {
+        if let Ok(mut conn) = self.qmp(&vm.api_sock, vm.uid) {
             if execute(&mut conn, "system_powerdown").is_ok() {
                 if let ProcessStatus::Exited(record) = runner::wait_exit(vm, grace / 2)? {
                     return Ok(ExitReason::from_qemu(record));
@@ -244,7 +256,7 @@ impl VmBackend for QemuBackend {
             }
         }
         // ...then QEMU is told to quit, and killed if it does not.
-        if let Ok(mut conn) = self.qmp(&vm.api_sock) {
+        if let Ok(mut conn) = self.qmp(&vm.api_sock, vm.uid) {
             if execute(&mut conn, "quit").is_ok() {
                 match runner::wait_exit(vm, grace / 2)? {
                     ProcessStatus::Exited(crate::jail::ExitRecord::Code(0)) => {
@@ -298,6 +310,6 @@ mod tests {
         assert!(!args.contains("/host/"));
         assert!(QemuBackend::qemu_args(&spec, QemuAccel::Kvm)
             .join(" ")
-            .contains("-accel kvm -cpu host"));
+            .contains("-accel kvm -cpu host,-arch-capabilities"));
     }
 }

@@ -144,6 +144,15 @@ pub(crate) fn prepare(
             spec.tenant
         )));
     }
+    // One VM per tenant: kill and stop act on the whole cgroup, so a second VM in it would
+    // share the first one's fate. Checked before anything (sockets, limits) is touched.
+    let members = cfg.cgroups.handle(&spec.tenant)?.members()?;
+    if !members.is_empty() {
+        return Err(BackendError::AlreadyRunning {
+            tenant: spec.tenant.clone(),
+            pids: members,
+        });
+    }
     let parent = dir.parent().unwrap_or(Path::new("/"));
     let logs = TenantLogs::open(parent, &spec.tenant, LogPolicy::default())
         .map_err(|e| invalid(e.to_string()))?;
@@ -301,9 +310,34 @@ pub(crate) fn vmm_log_tail(spec: &VmSpec) -> String {
 
 /// Starts the launcher with `plan` and waits until `ready` says the VMM answers, the
 /// process ends (an error carrying its exit reason and vmm.log), or the timeout passes
-/// (the VM is killed).
+/// (the VM is killed). On any failure the cgroup is emptied and removed.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn start(
+    cfg: &RuntimeConfig,
+    kind: BackendKind,
+    spec: &VmSpec,
+    jail: &JailConfig,
+    prepared: &Prepared,
+    plan: &JailPlan,
+    api_sock: PathBuf,
+    decode: fn(ExitRecord) -> ExitReason,
+    ready: &dyn Fn(&Path) -> bool,
+) -> Result<RunningVm, BackendError> {
+    let result = start_and_wait(
+        cfg, kind, spec, jail, prepared, plan, api_sock, decode, ready,
+    );
+    if result.is_err() {
+        // Nothing of a failed launch is left running or accounted: kill whatever got
+        // started and remove the cgroup (cleanup_tenant stays idempotent after this).
+        if let Err(e) = prepared.cgroup.destroy(reap_exited) {
+            tracing::warn!(tenant = %spec.tenant, error = %e, "cannot remove the cgroup of a failed launch");
+        }
+    }
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+fn start_and_wait(
     cfg: &RuntimeConfig,
     kind: BackendKind,
     spec: &VmSpec,
@@ -354,5 +388,116 @@ pub(crate) fn start(
             });
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::ResourceLimits;
+    use crate::jail::CgroupLayout;
+
+    /// A config whose cgroups point into a fake tree (nothing here reaches them).
+    fn fake_config(dir: &Path) -> RuntimeConfig {
+        RuntimeConfig {
+            jail_binary: dir.join("tenantvm-jail"),
+            cgroups: Cgroups::with_layout(CgroupLayout::V2 {
+                root: dir.join("fake-cgroupfs"),
+            }),
+            ready_timeout: Duration::from_secs(1),
+            control_timeout: Duration::from_secs(1),
+        }
+    }
+
+    fn spec(dir: &Path, tenant: &str) -> VmSpec {
+        let kernel = dir.join("kernel");
+        fs::write(&kernel, b"k").unwrap();
+        VmSpec {
+            tenant: tenant.into(),
+            kernel,
+            initramfs: None,
+            cmdline: String::new(),
+            vcpus: 1,
+            memory_mib: 32,
+            disks: vec![],
+            tenant_dir: dir.join(tenant),
+        }
+    }
+
+    const JAIL: JailConfig = JailConfig {
+        uid: 4242,
+        gid: 4242,
+        limits: ResourceLimits {
+            memory_bytes: 64 << 20,
+            cpu_quota_us: 100_000,
+            cpu_period_us: 100_000,
+            pids_max: 32,
+        },
+    };
+
+    #[test]
+    fn prepare_requires_tenant_dir_named_after_the_tenant() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut spec = spec(tmp.path(), "alpha");
+        fs::create_dir(tmp.path().join("other")).unwrap();
+        spec.tenant_dir = tmp.path().join("other");
+        let err = prepare(&spec, &JAIL, &fake_config(tmp.path()))
+            .err()
+            .unwrap();
+        assert!(matches!(err, BackendError::InvalidSpec(_)), "{err}");
+    }
+
+    #[test]
+    fn prepare_refuses_a_symlinked_tenant_dir() {
+        let tmp = tempfile::tempdir().unwrap();
+        let spec = spec(tmp.path(), "alpha");
+        fs::create_dir(tmp.path().join("real")).unwrap();
+        std::os::unix::fs::symlink(tmp.path().join("real"), &spec.tenant_dir).unwrap();
+        let err = prepare(&spec, &JAIL, &fake_config(tmp.path()))
+            .err()
+            .unwrap();
+        assert!(matches!(err, BackendError::InvalidSpec(_)), "{err}");
+        assert!(!tmp.path().join("real/run").exists());
+    }
+
+    #[test]
+    fn prepare_rejects_relative_or_missing_guest_files() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = spec(tmp.path(), "alpha");
+        fs::create_dir(&base.tenant_dir).unwrap();
+        for bad in [
+            VmSpec {
+                kernel: "relative/kernel".into(),
+                ..base.clone()
+            },
+            VmSpec {
+                initramfs: Some(tmp.path().join("missing")),
+                ..base.clone()
+            },
+        ] {
+            assert!(matches!(
+                prepare(&bad, &JAIL, &fake_config(tmp.path())),
+                Err(BackendError::InvalidSpec(_))
+            ));
+        }
+        assert!(!base.tenant_dir.join("run").exists());
+    }
+
+    #[test]
+    fn socket_path_rejects_tenant_dirs_too_long_for_sockaddr_un() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut spec = spec(tmp.path(), "alpha");
+        assert!(socket_path(&spec, "api.sock").is_ok());
+        spec.tenant_dir = PathBuf::from(format!("/{}/alpha", "d".repeat(100)));
+        assert!(matches!(
+            socket_path(&spec, "api.sock"),
+            Err(BackendError::InvalidSpec(_))
+        ));
+    }
+
+    #[test]
+    fn missing_binaries_are_named() {
+        let err = check_binary("tenantvm-vmm", Path::new("/no/such/tenantvm-vmm")).unwrap_err();
+        assert!(err.to_string().contains("/no/such/tenantvm-vmm"), "{err}");
     }
 }

@@ -13,6 +13,7 @@ use super::runner::{
 use super::{
     BackendError, BackendKind, ExitReason, JailConfig, RunningVm, VmBackend, VmSpec, VmState,
 };
+use crate::jail::Seal;
 
 /// Name of the control socket in the tenant's `run/` directory.
 pub const API_SOCK: &str = "api.sock";
@@ -56,7 +57,7 @@ impl VmmBackend {
     }
 
     fn request(&self, vm: &RunningVm, command: &str) -> Result<serde_json::Value, BackendError> {
-        let mut conn = JsonLines::connect(&vm.api_sock, self.config.control_timeout)?;
+        let mut conn = JsonLines::connect(&vm.api_sock, self.config.control_timeout, vm.uid)?;
         let answer = conn.call(&json!({ "command": command }))?;
         if answer["ok"] != json!(true) {
             let message = answer["error"]
@@ -98,10 +99,16 @@ impl VmBackend for VmmBackend {
             Self::vmm_args(spec),
         )?;
         plan.device(Path::new("/dev/kvm"))?;
+        // Once the socket exists, /run turns read-only inside the jail.
+        plan.seal = Some(Seal {
+            when_exists: PathBuf::from(format!("/run/{API_SOCK}")),
+            mount: PathBuf::from("/run"),
+        });
         plan.env.push(("RUST_BACKTRACE".into(), "1".into()));
         let timeout = self.config.control_timeout;
+        let uid = jail.uid;
         let ready = move |sock: &Path| {
-            JsonLines::connect(sock, timeout)
+            JsonLines::connect(sock, timeout, uid)
                 .and_then(|mut c| c.call(&json!({"command": "status"})))
                 .is_ok()
         };

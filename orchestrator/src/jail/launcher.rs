@@ -16,6 +16,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
 
 use nix::mount::{mount, MsFlags};
 use nix::sched::{unshare, CloneFlags};
@@ -130,8 +131,18 @@ fn launch(plan: &JailPlan) -> Result<i32, JailError> {
         .parse()
         .map_err(|_| JailError::InvalidPlan("bad /proc/sys/kernel/cap_last_cap".into()))?;
     setup(
-        "unshare mount+pid namespaces",
-        unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWPID).map_err(nix_io),
+        "unshare the namespaces",
+        // Mount and pid namespaces for the chroot and the process view; network, IPC and
+        // UTS namespaces so a compromised VMM reaches no network (not even the host's
+        // loopback or abstract Unix sockets), no host SysV IPC, and cannot rename the host.
+        unshare(
+            CloneFlags::CLONE_NEWNS
+                | CloneFlags::CLONE_NEWPID
+                | CloneFlags::CLONE_NEWNET
+                | CloneFlags::CLONE_NEWIPC
+                | CloneFlags::CLONE_NEWUTS,
+        )
+        .map_err(nix_io),
     )?;
     // SAFETY: this process is single-threaded (a fresh tenantvm-jail), so the child may
     // run arbitrary code after fork.
@@ -194,12 +205,40 @@ fn init(plan: &JailPlan, cap_last: u32) -> Result<i32, JailError> {
         }
         ForkResult::Parent { child } => {
             install_forwarding(child.as_raw());
+            let mut seal = plan.seal.clone();
+            let seal_deadline = Instant::now() + SEAL_WAIT;
             // As pid 1, reap every orphan; stop when the program itself exits. Leaving then
             // makes the kernel SIGKILL whatever else is left in the namespace.
             loop {
+                // Poll while a seal is pending, block once it is done (or given up).
+                if let Some(s) = &seal {
+                    let present = jail_path(&plan.root, &s.when_exists).exists();
+                    if present && seal_mount(plan, &s.mount)? {
+                        seal = None;
+                    } else if Instant::now() > seal_deadline {
+                        if present {
+                            return Err(JailError::Setup {
+                                step: "seal a writable mount read-only (kept busy by the program)",
+                                source: std::io::Error::from_raw_os_error(libc::EBUSY),
+                            });
+                        }
+                        let _ = writeln!(
+                            std::io::stderr(),
+                            "tenantvm-jail: {} did not appear; {} stays writable",
+                            s.when_exists.display(),
+                            s.mount.display()
+                        );
+                        seal = None;
+                    }
+                }
+                let flags = if seal.is_some() { libc::WNOHANG } else { 0 };
                 let mut status = 0;
                 // SAFETY: waitpid with a valid out-pointer to a local.
-                let r = unsafe { libc::waitpid(-1, &mut status, 0) };
+                let r = unsafe { libc::waitpid(-1, &mut status, flags) };
+                if r == 0 {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                }
                 if r == child.as_raw() {
                     let record = ExitRecord::from_wait_status(status);
                     record.write(&plan.exit_file)?;
@@ -210,6 +249,30 @@ fn init(plan: &JailPlan, cap_last: u32) -> Result<i32, JailError> {
                 }
             }
         }
+    }
+}
+
+/// How long the init watches for the seal's file before leaving the mount writable.
+const SEAL_WAIT: Duration = Duration::from_secs(60);
+
+/// Remounts the jail's bind mount at `mount_point` read-only (the host's view is
+/// unaffected). Returns false while a file is open for writing through it (EBUSY): the
+/// caller retries until its deadline, after which a VMM that keeps it busy ends the jail.
+fn seal_mount(plan: &JailPlan, mount_point: &Path) -> Result<bool, JailError> {
+    let none: Option<&str> = None;
+    let target = jail_path(&plan.root, mount_point);
+    let flags = MsFlags::MS_REMOUNT
+        | MsFlags::MS_BIND
+        | MsFlags::MS_RDONLY
+        | MsFlags::MS_NOSUID
+        | MsFlags::MS_NODEV;
+    match mount(none, &target, none, flags, none) {
+        Ok(()) => Ok(true),
+        Err(nix::Error::EBUSY) => Ok(false),
+        Err(e) => Err(JailError::Setup {
+            step: "seal a writable mount read-only",
+            source: nix_io(e),
+        }),
     }
 }
 
@@ -468,4 +531,73 @@ fn check(r: i32) -> std::io::Result<()> {
 fn cstring(bytes: &[u8]) -> Result<CString, JailError> {
     CString::new(bytes)
         .map_err(|_| JailError::InvalidPlan("an argument or variable contains a NUL byte".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::jail::{CgroupHandle, JailRlimits};
+
+    #[test]
+    fn launcher_without_plan_prints_usage_and_fails() {
+        assert_eq!(main_with_args(&[]), JAIL_SETUP_FAILED);
+        assert_eq!(
+            main_with_args(&["--other".into(), "x".into()]),
+            JAIL_SETUP_FAILED
+        );
+    }
+
+    #[test]
+    fn launcher_rejects_malformed_plan_json() {
+        assert_eq!(
+            main_with_args(&["--plan".into(), "{not json".into()]),
+            JAIL_SETUP_FAILED
+        );
+        assert_eq!(
+            main_with_args(&["--plan".into(), "{\"tenant\":\"t\",\"bogus\":1}".into()]),
+            JAIL_SETUP_FAILED
+        );
+    }
+
+    #[test]
+    fn launcher_refuses_root_identity_and_records_the_failure() {
+        let dir = tempfile::tempdir().unwrap();
+        let plan = JailPlan {
+            tenant: "t".into(),
+            uid: 0,
+            gid: 0,
+            cgroup: CgroupHandle::V2 {
+                path: dir.path().join("cg"),
+            },
+            root: dir.path().join("root"),
+            exit_file: dir.path().join("vmm.exit"),
+            mounts: vec![],
+            devices: vec![],
+            seal: None,
+            mount_proc: true,
+            program: "/bin/true".into(),
+            args: vec![],
+            env: vec![],
+            rlimits: JailRlimits {
+                nofile: 64,
+                nproc: 8,
+                memlock_bytes: 0,
+                core_bytes: 0,
+            },
+        };
+        let json = serde_json::to_string(&plan).unwrap();
+        assert_eq!(main_with_args(&["--plan".into(), json]), JAIL_SETUP_FAILED);
+        assert_eq!(
+            ExitRecord::read(&plan.exit_file).unwrap(),
+            Some(ExitRecord::Code(JAIL_SETUP_FAILED))
+        );
+        // Nothing was joined or mounted.
+        assert!(!dir.path().join("cg").exists() && !plan.root.exists());
+    }
+
+    #[test]
+    fn exit_code_encodes_signals_like_a_shell() {
+        assert_eq!(exit_code(ExitRecord::Code(6)), 6);
+        assert_eq!(exit_code(ExitRecord::Signal(9)), 137);
+    }
 }

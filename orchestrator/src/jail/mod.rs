@@ -12,7 +12,7 @@ use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 
 pub use cgroup::{CgroupHandle, CgroupLayout, Cgroups};
-pub use plan::{BindMount, JailPlan, JailRlimits};
+pub use plan::{BindMount, JailPlan, JailRlimits, Seal};
 pub use process::{ExitRecord, Launched};
 
 /// Name of the jail root directory inside a tenant directory.

@@ -27,6 +27,17 @@ pub struct BindMount {
     pub writable: bool,
 }
 
+/// Seal `mount` (a jail path of a writable bind mount) read-only once `when_exists` (a
+/// jail path) exists.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Seal {
+    /// The jail path whose appearance triggers the seal.
+    pub when_exists: PathBuf,
+    /// The jail path of the mount to make read-only.
+    pub mount: PathBuf,
+}
+
 /// Per-process rlimits applied to the VMM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -65,6 +76,10 @@ pub struct JailPlan {
     /// owned by the tenant uid/gid with mode 0600 (so /dev/kvm opens without the host's
     /// `kvm` group, and the host's nodes keep their permissions).
     pub devices: Vec<PathBuf>,
+    /// A writable mount to make read-only once a file appears in it (the VMM's socket):
+    /// afterwards the VMM cannot create files there, so a compromised VMM cannot fill the
+    /// host's disk through it. The host keeps its own, writable view.
+    pub seal: Option<Seal>,
     /// Whether to mount a fresh /proc of the jail's pid namespace (hidepid=2).
     pub mount_proc: bool,
     /// The program to run, as a path inside the jail.
@@ -107,6 +122,7 @@ impl JailPlan {
             exit_file: tenant_dir.join(EXIT_FILE),
             mounts: Vec::new(),
             devices: Vec::new(),
+            seal: None,
             mount_proc: true,
             program: program.clone(),
             args,
@@ -170,6 +186,19 @@ impl JailPlan {
         check_jail_path(&self.program)?;
         for d in &self.devices {
             check_jail_path(d)?;
+        }
+        if let Some(seal) = &self.seal {
+            check_jail_path(&seal.when_exists)?;
+            if !self
+                .mounts
+                .iter()
+                .any(|m| m.target == seal.mount && m.writable)
+            {
+                return Err(JailError::InvalidPlan(format!(
+                    "seal target {} is not a writable bind mount of the plan",
+                    seal.mount.display()
+                )));
+            }
         }
         for m in &self.mounts {
             check_jail_path(&m.target)?;

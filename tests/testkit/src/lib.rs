@@ -13,7 +13,7 @@ mod run;
 pub use api::{api_request, ApiError};
 pub use guests::{guest, guests_dir, kvm_unavailable, GuestError, GuestImage};
 pub use report::{parse_report, Report, ReportError, Verdict};
-pub use run::{path_arg, RunError, RunOutcome, RunningVm, VmRun};
+pub use run::{RunError, RunOutcome, RunningVm, VmRun};
 
 /// Exit statuses of tenantvm-vmm (docs/vmm.md).
 pub mod exit {

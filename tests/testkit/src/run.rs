@@ -1,7 +1,7 @@
 //! Running tenantvm-vmm on a guest: arguments, a timeout, serial output and exit status.
 
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -336,15 +336,11 @@ impl RunOutcome {
     }
 }
 
-/// A path as a `String` for argument lists.
-pub fn path_arg(p: &Path) -> String {
-    p.display().to_string()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+    use std::path::Path;
 
     /// Writes an executable shell script standing in for the VMM (tests of the runner only).
     fn fake_vmm(dir: &Path, body: &str) -> PathBuf {

@@ -157,6 +157,21 @@ fn guest_moves_the_bar_and_the_device_follows() {
 }
 
 #[test]
+fn bar_move_through_ecam_remaps_the_mmio_bus() {
+    let p = Platform::new();
+    let (_file, config) = disk(1 << 20, false);
+    let slot = p.add_virtio(Box::new(Block::new(&config).unwrap()));
+    Driver::probe(&p, slot);
+    p.ecam_write(slot, 0x04, 0);
+    p.ecam_write(slot, 0x10, 0xd000_0000);
+    p.ecam_write(slot, 0x14, 0);
+    p.ecam_write(slot, 0x04, 0x6);
+    let moved = Driver::probe(&p, slot);
+    assert_eq!(moved.bar, 0xd000_0000);
+    moved.negotiate(0);
+}
+
+#[test]
 fn garbage_on_every_bus_never_panics() {
     let p = Platform::new();
     let (_file, config) = disk(1 << 20, false);

@@ -73,7 +73,8 @@ pub struct ApiServer {
 pub enum ConnectionState {
     /// Still open.
     Open,
-    /// Closed (end of file, error, or a client that does not read); forget its fd.
+    /// Closed (end of file, error, or a client that does not read): stop watching the fd,
+    /// then call [`ApiServer::close`].
     Closed,
 }
 
@@ -166,11 +167,14 @@ impl ApiServer {
         let Some(conn) = self.conns.get_mut(&fd) else {
             return ConnectionState::Closed;
         };
-        let state = conn.serve(&mut handle);
-        if state == ConnectionState::Closed {
-            self.conns.remove(&fd);
-        }
-        state
+        conn.serve(&mut handle)
+    }
+
+    /// Closes connection `fd`. Call after [`ApiServer::handle_readable`] reported it
+    /// closed, once the fd is out of the caller's epoll set (so that a reused fd number is
+    /// never confused with the old connection).
+    pub fn close(&mut self, fd: RawFd) {
+        self.conns.remove(&fd);
     }
 }
 

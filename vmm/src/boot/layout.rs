@@ -4,6 +4,7 @@
 //! ```text
 //! 0x0500  GDT                    0x7000  zero page (Linux boot)
 //! 0x0520  IDT (empty)            0x8ff0  initial stack pointer (grows down)
+//! 0xe0000 ACPI tables (RSDP first, where legacy scans look)
 //! 0x6000  PVH hvm_start_info     0x9000  PML4, 0xa000 PDPT, 0xb000-0xefff PDs
 //! 0x6040  PVH module list        0x20000 kernel command line
 //! 0x6100  PVH memory map         0x9fc00 EBDA start (reserved to 1 MiB)
@@ -36,6 +37,10 @@ pub const CMDLINE_START: u64 = 0x20000;
 pub const CMDLINE_MAX_SIZE: usize = 4096;
 /// Start of the Extended BIOS Data Area; RAM below it is usable.
 pub const EBDA_START: u64 = 0x9fc00;
+/// Guest address of the ACPI tables; the RSDP is their first structure.
+pub const ACPI_START: u64 = 0xe0000;
+/// Bytes reserved for the ACPI tables (up to the MP table).
+pub const ACPI_MAX_LEN: usize = 0x10000;
 /// Start of the MP table area (the floating pointer is at its start).
 pub const MPTABLE_START: u64 = 0xf0000;
 /// First byte of high memory; kernels load at or above it.

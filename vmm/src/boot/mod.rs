@@ -1,6 +1,7 @@
 //! Getting a kernel ready to run: image loading, initramfs, command line, and the boot
 //! information the kernel reads (zero page or PVH start info, MP table).
 
+pub mod acpi;
 pub mod kernel;
 pub mod layout;
 pub mod mptable;
@@ -135,6 +136,7 @@ pub fn load(mem: &GuestMemoryMmap, config: &BootConfig<'_>) -> Result<EntryPoint
     load_cmdline(mem, GuestAddress(layout::CMDLINE_START), &cmdline)
         .map_err(|e| BootError::Cmdline(e.to_string()))?;
     mptable::write(mem, config.vcpus)?;
+    let rsdp = acpi::write(mem, config.vcpus)?;
     match kernel.entry {
         EntryPoint::Linux64 { .. } => params::write_zero_page(
             mem,
@@ -142,8 +144,11 @@ pub fn load(mem: &GuestMemoryMmap, config: &BootConfig<'_>) -> Result<EntryPoint
             &kernel,
             config.cmdline.trim().len() + 1,
             initramfs,
+            rsdp,
         )?,
-        EntryPoint::Pvh { .. } => params::write_pvh_start_info(mem, config.mem_size, initramfs)?,
+        EntryPoint::Pvh { .. } => {
+            params::write_pvh_start_info(mem, config.mem_size, initramfs, rsdp)?
+        }
     }
     Ok(kernel.entry)
 }

@@ -35,6 +35,11 @@ const ISA_IRQS: u8 = 16;
 const FLOATING_POINTER_LEN: usize = 16;
 const TABLE_HEADER_LEN: usize = 44;
 
+/// The I/O APIC's id: the first id after the vCPUs' (0..num_cpus).
+pub fn ioapic_id(num_cpus: u32) -> u8 {
+    u8::try_from(num_cpus + 1).unwrap_or(u8::MAX)
+}
+
 fn checksum(bytes: &[u8]) -> u8 {
     0u8.wrapping_sub(bytes.iter().fold(0u8, |acc, b| acc.wrapping_add(*b)))
 }
@@ -48,7 +53,7 @@ pub fn build(num_cpus: u32) -> Result<Vec<u8>, BootError> {
             max: MAX_SUPPORTED_CPUS,
         });
     }
-    let ioapic_id = num_cpus as u8 + 1;
+    let ioapic_id = ioapic_id(num_cpus);
     let mut entries = Vec::new();
     let mut count: u16 = 0;
     for cpu in 0..num_cpus {

@@ -36,8 +36,12 @@ pub fn write_zero_page(
     kernel: &LoadedKernel,
     cmdline_len: usize,
     initramfs: Option<InitramfsPlacement>,
+    rsdp_addr: u64,
 ) -> Result<(), BootError> {
-    let mut params = boot_params::default();
+    let mut params = boot_params {
+        acpi_rsdp_addr: rsdp_addr,
+        ..Default::default()
+    };
     if let Some(hdr) = kernel.setup_header {
         params.hdr = hdr;
     }
@@ -78,6 +82,7 @@ pub fn write_pvh_start_info(
     mem: &GuestMemoryMmap,
     mem_size: u64,
     initramfs: Option<InitramfsPlacement>,
+    rsdp_addr: u64,
 ) -> Result<(), BootError> {
     let map: Vec<hvm_memmap_table_entry> = memory_map(mem_size)
         .iter()
@@ -94,6 +99,7 @@ pub fn write_pvh_start_info(
         cmdline_paddr: CMDLINE_START,
         memmap_paddr: PVH_MEMMAP_START,
         memmap_entries: map.len() as u32,
+        rsdp_paddr: rsdp_addr,
         ..Default::default()
     };
     let mut params = BootParams::new(&info, GuestAddress(PVH_INFO_START));
@@ -136,7 +142,7 @@ mod tests {
             addr: 0x300_0000,
             size: 0x1234,
         };
-        write_zero_page(&m, size, &kernel, 17, Some(initrd)).unwrap();
+        write_zero_page(&m, size, &kernel, 17, Some(initrd), 0xe0000).unwrap();
         let p: boot_params = m.read_obj(GuestAddress(ZERO_PAGE_START)).unwrap();
         let (ptr, img, rsize, magic) = (
             p.hdr.cmd_line_ptr,
@@ -149,6 +155,8 @@ mod tests {
             (CMDLINE_START as u32, 0x300_0000, 0x1234, KERNEL_HDR_MAGIC)
         );
         assert_eq!(p.e820_entries, 3);
+        let rsdp = p.acpi_rsdp_addr;
+        assert_eq!(rsdp, 0xe0000);
         let last = p.e820_table[2];
         let (addr, len) = (last.addr, last.size);
         assert_eq!(addr + len, size);
@@ -162,11 +170,12 @@ mod tests {
             addr: 0x300_0000,
             size: 0x1000,
         };
-        write_pvh_start_info(&m, size, Some(initrd)).unwrap();
+        write_pvh_start_info(&m, size, Some(initrd), 0xe0000).unwrap();
         let info: hvm_start_info = m.read_obj(GuestAddress(PVH_INFO_START)).unwrap();
         assert_eq!(info.magic, XEN_HVM_START_MAGIC_VALUE);
         assert_eq!(info.memmap_entries, 3);
         assert_eq!(info.nr_modules, 1);
+        assert_eq!(info.rsdp_paddr, 0xe0000);
         let module: hvm_modlist_entry = m.read_obj(GuestAddress(PVH_MODLIST_START)).unwrap();
         assert_eq!((module.paddr, module.size), (0x300_0000, 0x1000));
     }

@@ -134,6 +134,19 @@ pub fn install_kick_handler() -> Result<(), VstateError> {
     })
 }
 
+/// Not every vCPU stopped within [`PAUSE_TIMEOUT`]; the VM was left running.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "Only {parked} of {running} vCPUs stopped within 5 s, so the VM was left running; a vCPU \
+     is probably blocked on serial output nobody reads"
+)]
+pub struct VcpuPauseError {
+    /// vCPUs that had parked.
+    pub parked: usize,
+    /// vCPUs still alive.
+    pub running: usize,
+}
+
 /// The running vCPU threads.
 pub struct VcpuSet {
     threads: Vec<JoinHandle<()>>,
@@ -143,6 +156,8 @@ pub struct VcpuSet {
 /// How often the main thread re-kicks vCPUs that have not yet reacted (a kick sent just
 /// before a vCPU enters KVM_RUN is lost, so kicks repeat).
 const KICK_INTERVAL: Duration = Duration::from_millis(5);
+/// How long `pause` waits for every vCPU to park.
+pub const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long `stop` waits for vCPU threads before giving up on joining them.
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -189,14 +204,25 @@ impl VcpuSet {
     }
 
     /// Stops every vCPU at its next exit and waits until all are parked.
-    pub fn pause(&self) {
+    ///
+    /// A vCPU stuck in a device handler (say, writing serial output to a pipe nobody
+    /// reads) cannot park; after [`PAUSE_TIMEOUT`] the pause is undone and refused, so the
+    /// VM never ends up half paused.
+    pub fn pause(&self) -> Result<(), VcpuPauseError> {
         self.control.lock().paused = true;
+        let deadline = Instant::now() + PAUSE_TIMEOUT;
         loop {
             self.kick_all();
             let state = self.control.lock();
             let running = self.threads.iter().filter(|t| !t.is_finished()).count();
             if state.parked >= running || state.stop {
-                return;
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                let parked = state.parked;
+                drop(state);
+                self.resume();
+                return Err(VcpuPauseError { parked, running });
             }
             let _ = self.control.changed.wait_timeout(state, KICK_INTERVAL);
         }

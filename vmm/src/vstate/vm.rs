@@ -13,6 +13,9 @@ use super::{kvm_err, VstateError};
 use crate::boot::layout::{KVM_IDENTITY_MAP_ADDRESS, KVM_TSS_ADDRESS};
 use crate::boot::mptable::MAX_SUPPORTED_CPUS;
 
+/// The only KVM API version there has ever been.
+const KVM_API_VERSION: i32 = 12;
+
 /// Creates the guest's RAM: `size` bytes, split around the 32-bit hole.
 pub fn create_guest_memory(size: u64) -> Result<GuestMemoryMmap, VstateError> {
     let ranges: Vec<_> = crate::boot::layout::ram_ranges(size)
@@ -33,6 +36,12 @@ impl Vm {
     /// Opens /dev/kvm and creates a VM with the in-kernel irqchip and PIT.
     pub fn new() -> Result<Self, VstateError> {
         let kvm = Kvm::new().map_err(VstateError::KvmUnavailable)?;
+        // Anything but KVM's one stable API answers differently (or not at all: ENOTTY).
+        if kvm.get_api_version() != KVM_API_VERSION {
+            return Err(VstateError::KvmUnavailable(kvm_ioctls::Error::new(
+                libc::ENOTTY,
+            )));
+        }
         let supported_cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(kvm_err("report its supported CPUID"))?;

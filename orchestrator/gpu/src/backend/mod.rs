@@ -125,8 +125,11 @@ pub struct GpuInfo {
     pub memory_mib: u64,
     /// Current MIG mode.
     pub mig_enabled: bool,
-    /// Whether the GPU is handed out whole (sim only; NVML cannot know).
+    /// Whether the GPU is handed out whole (sim only: a GPU bound to vfio-pci is invisible
+    /// to NVML).
     pub assigned_whole: bool,
+    /// IOMMU group (from sysfs on a live host), if known.
+    pub iommu_group: Option<u32>,
     /// Existing GPU instances.
     pub instances: Vec<GpuInstance>,
 }

@@ -1,7 +1,8 @@
 //! The simulated GPU host: a JSON file that describes GPUs (model, PCI address, MIG mode,
 //! existing instances and which of them are in use). For CI and demos only; chosen with
 //! `--gpu-backend sim:FILE`. Every change is written back to the file (under an exclusive
-//! `flock` on `FILE.lock`, replaced atomically), so separate commands see one host.
+//! `flock` on a lock file in the temporary directory; the file is replaced atomically), so
+//! separate commands see one host.
 //!
 //! It enforces the hardware's rules through the same [`Layout`] the planner uses: overlap and
 //! maximum count give `InsufficientResources`, a disallowed start gives `InvalidPlacement`,
@@ -47,6 +48,9 @@ pub struct SimGpu {
     /// Whether the GPU is passed through whole.
     #[serde(default)]
     pub assigned_whole: bool,
+    /// IOMMU group.
+    #[serde(default)]
+    pub iommu_group: Option<u32>,
     /// Existing GPU instances.
     #[serde(default)]
     pub instances: Vec<SimInstance>,
@@ -173,6 +177,16 @@ impl SimBackend {
         Ok(b)
     }
 
+    /// The lock file: in the temporary directory, named after the host file's absolute path,
+    /// so that locking leaves nothing beside the host file.
+    fn lock_path(&self) -> PathBuf {
+        use std::hash::{Hash, Hasher};
+        let abs = std::fs::canonicalize(&self.path).unwrap_or_else(|_| self.path.clone());
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        abs.hash(&mut h);
+        std::env::temp_dir().join(format!("tenantvm-sim-{:016x}.lock", h.finish()))
+    }
+
     fn file_error(&self, detail: String) -> BackendError {
         BackendError::SimFile {
             path: self.path.display().to_string(),
@@ -188,9 +202,7 @@ impl SimBackend {
     where
         T: WriteBack,
     {
-        let mut lock_path = self.path.clone().into_os_string();
-        lock_path.push(".lock");
-        let _lock = FileLock::take(Path::new(&lock_path))
+        let _lock = FileLock::take(&self.lock_path())
             .map_err(|e| self.file_error(format!("cannot lock: {e}")))?;
         let text = std::fs::read_to_string(&self.path)
             .map_err(|e| self.file_error(format!("cannot read: {e}")))?;
@@ -291,6 +303,7 @@ impl GpuBackend for SimBackend {
                     memory_mib: model.memory_mib,
                     mig_enabled: g.mig_enabled,
                     assigned_whole: g.assigned_whole,
+                    iommu_group: g.iommu_group,
                     instances,
                 });
             }

@@ -93,7 +93,7 @@ pub struct PlanReport {
 
 fn describe(demand: &Demand) -> String {
     match demand {
-        Demand::Memory(b) => format!("a MIG instance with at least {}", gib(*b)),
+        Demand::Memory(b) => format!("a MIG instance (or whole GPU) with at least {}", gib(*b)),
         Demand::Profile(p) => format!("MIG profile {p}"),
         Demand::WholeGpu(0) => "a whole GPU".to_string(),
         Demand::WholeGpu(b) => format!("a whole GPU with at least {}", gib(*b)),
@@ -144,7 +144,8 @@ pub fn plan(
                     .iter()
                     .flat_map(|g| g.model.profiles.iter().map(|p| p.name))
                     .collect();
-                names.dedup();
+                let mut seen = std::collections::HashSet::new();
+                names.retain(|n| seen.insert(*n));
                 return Err(PlanError::UnknownProfile {
                     tenant: t.name.clone(),
                     profile: p.clone(),
@@ -261,7 +262,9 @@ fn share_text(s: &Share) -> String {
                 gib(memory_mib * 1024 * 1024)
             )
         }
-        Share::WholeGpu { memory_mib } => format!("whole GPU, {}", gib(memory_mib * 1024 * 1024)),
+        Share::WholeGpu { memory_mib } => {
+            format!("whole GPU (MIG off), {}", gib(memory_mib * 1024 * 1024))
+        }
     }
 }
 

@@ -44,7 +44,7 @@ pub struct HostGpu {
 /// What a request asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Demand {
-    /// Any MIG profile with at least this many bytes.
+    /// Any MIG profile, or else a whole GPU, with at least this many bytes.
     Memory(u64),
     /// A named MIG profile (on GPU models that have it).
     Profile(String),
@@ -118,7 +118,9 @@ fn candidates(demand: &Demand, model: &GpuModel) -> (Vec<usize>, bool) {
                 let p = &model.profiles[*i];
                 (p.size, p.compute_slices, p.max_count == 1 && p.size == 1)
             });
-            (c, false)
+            // A whole GPU (tried after every profile) serves a need between the largest
+            // profile and the GPU's full memory.
+            (c, model.memory_bytes() >= *bytes)
         }
         Demand::Profile(name) => (
             (0..model.profiles.len())
@@ -127,6 +129,14 @@ fn candidates(demand: &Demand, model: &GpuModel) -> (Vec<usize>, bool) {
             false,
         ),
         Demand::WholeGpu(bytes) => (Vec::new(), model.memory_bytes() >= *bytes),
+    }
+}
+
+/// The placement units an option covers.
+fn opt_mask(model: &GpuModel, opt: Opt) -> u32 {
+    match opt {
+        Opt::Mig { profile, start } => model.profiles[profile].mask_at(start),
+        Opt::Whole => (1u32 << model.placement_units) - 1,
     }
 }
 
@@ -151,6 +161,10 @@ struct Search<'a> {
     /// Per request, per GPU: (options in order, their costs).
     opts: Vec<OptsPerGpu>,
     suffix_min: Vec<u32>,
+    /// Per request `i`, per GPU: the units any option of requests `i..` could cover.
+    suffix_reach: Vec<Vec<u32>>,
+    /// Per request `i`, per GPU: the distinct option masks of requests `i..`, by end slot.
+    suffix_masks: Vec<Vec<Vec<u32>>>,
     memo: HashMap<(usize, Vec<u64>), Option<u32>>,
     nodes: u64,
     budget: u64,
@@ -216,12 +230,39 @@ impl<'a> Search<'a> {
         for i in (0..opts.len()).rev() {
             suffix_min[i] = suffix_min[i + 1].saturating_add(min_cost(&opts[i]));
         }
+        let mut suffix_reach = vec![vec![0u32; gpus.len()]; opts.len() + 1];
+        for i in (0..opts.len()).rev() {
+            for g in 0..gpus.len() {
+                let reach = opts[i][g]
+                    .iter()
+                    .fold(0u32, |m, (o, _)| m | opt_mask(gpus[g].model, *o));
+                suffix_reach[i][g] = suffix_reach[i + 1][g] | reach;
+            }
+        }
+        let mut suffix_masks = vec![vec![Vec::new(); gpus.len()]; opts.len() + 1];
+        for i in (0..opts.len()).rev() {
+            for g in 0..gpus.len() {
+                let mut m: Vec<u32> = suffix_masks[i + 1][g].clone();
+                m.extend(opts[i][g].iter().map(|(o, _)| opt_mask(gpus[g].model, *o)));
+                // Earliest end first (then latest start), as interval scheduling wants.
+                m.sort_by_key(|x| {
+                    (
+                        32 - x.leading_zeros(),
+                        std::cmp::Reverse(x.trailing_zeros()),
+                    )
+                });
+                m.dedup();
+                suffix_masks[i][g] = m;
+            }
+        }
         Search {
             gpus,
             model_idx,
             reqs,
             opts,
             suffix_min,
+            suffix_reach,
+            suffix_masks,
             memo: HashMap::new(),
             nodes: 0,
             budget,
@@ -276,15 +317,43 @@ impl<'a> Search<'a> {
         if self.nodes > self.budget {
             return Err(SearchError::Budget(self.budget));
         }
+        // Capacity bound: only free units that some remaining option can cover count (a 1g
+        // never covers slot 7 of an 8-slice GPU, so 57 1g requests on 8 GPUs fail here).
         let free: u32 = layouts
             .iter()
             .enumerate()
             .map(|(g, l)| {
-                l.free_units(self.gpus[g].model) * WHOLE / self.gpus[g].model.placement_units
+                let model = self.gpus[g].model;
+                let usable = if l.whole {
+                    0
+                } else {
+                    (!l.used & self.suffix_reach[i][g]).count_ones()
+                };
+                usable * WHOLE / model.placement_units
+            })
+            .sum();
+        // Count bound: each request needs its own instance; on each GPU, the most disjoint
+        // free option intervals (earliest-end greedy is exact for intervals) caps how many
+        // more instances fit.
+        let slots: usize = layouts
+            .iter()
+            .enumerate()
+            .map(|(g, l)| {
+                if l.whole {
+                    return 0;
+                }
+                let (mut last_end, mut n) = (0u32, 0usize);
+                for &m in &self.suffix_masks[i][g] {
+                    if m & l.used == 0 && m.trailing_zeros() >= last_end {
+                        last_end = 32 - m.leading_zeros();
+                        n += 1;
+                    }
+                }
+                n
             })
             .sum();
         let mut best: Option<u32> = None;
-        if free >= self.suffix_min[i] {
+        if free >= self.suffix_min[i] && slots >= self.reqs.len() - i {
             let mut tried: Vec<u64> = Vec::new();
             'gpus: for g in 0..self.gpus.len() {
                 let packed = pack(self.model_idx[g], self.gpus[g].model, &layouts[g]);
@@ -506,18 +575,27 @@ mod tests {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
         let models = ["h100-80gb", "a100-40gb", "rtx-pro-6000"];
         let mut feasible = 0;
-        for case in 0..300 {
+        for case in 0..400 {
+            // Every fourth host mixes models; the rest have one model.
             let model = model_by_key(models[case % models.len()]).unwrap();
-            let n_gpus = 1 + rng.below(2) as u32;
+            let n_gpus = 1 + rng.below(if case % 4 == 3 { 3 } else { 2 }) as u32;
             let mut gpus: Vec<HostGpu> = (0..n_gpus)
-                .map(|index| HostGpu {
-                    index,
-                    model,
-                    layout: Layout::empty(),
+                .map(|index| {
+                    let model = if case % 4 == 3 {
+                        model_by_key(models[rng.below(models.len() as u64) as usize]).unwrap()
+                    } else {
+                        model
+                    };
+                    HostGpu {
+                        index,
+                        model,
+                        layout: Layout::empty(),
+                    }
                 })
                 .collect();
             // Existing instances, placed at random where they fit.
             for g in &mut gpus {
+                let model = g.model;
                 for _ in 0..rng.below(3) {
                     let p = &model.profiles[rng.below(model.profiles.len() as u64) as usize];
                     let s = p.starts[rng.below(p.starts.len() as u64) as usize];
@@ -584,6 +662,44 @@ mod tests {
         let sol = place(&gpus, &r, DEFAULT_NODE_BUDGET).unwrap().unwrap();
         assert!(
             matches!(&sol.assignments[0].share, Share::Mig { profile, .. } if profile == "3g.40gb")
+        );
+    }
+
+    #[test]
+    fn a_need_between_the_7g_profile_and_the_whole_gpu_gets_the_whole_gpu() {
+        let gpus = host("h100-80gb", 1);
+        let m = gpus[0].model;
+        let between = m.profile("7g.80gb").unwrap().memory_bytes() + GIB / 8;
+        assert!(between <= m.memory_bytes());
+        let sol = place(
+            &gpus,
+            &[req("a", Demand::Memory(between))],
+            DEFAULT_NODE_BUDGET,
+        )
+        .unwrap()
+        .unwrap();
+        assert!(matches!(sol.assignments[0].share, Share::WholeGpu { .. }));
+        let at_7g = m.profile("7g.80gb").unwrap().memory_bytes();
+        let sol = place(
+            &gpus,
+            &[req("a", Demand::Memory(at_7g))],
+            DEFAULT_NODE_BUDGET,
+        )
+        .unwrap()
+        .unwrap();
+        assert!(
+            matches!(sol.assignments[0].share, Share::Mig { .. }),
+            "7g first at equal cost"
+        );
+        let beyond = m.memory_bytes() + 1;
+        assert_eq!(
+            place(
+                &gpus,
+                &[req("a", Demand::Memory(beyond))],
+                DEFAULT_NODE_BUDGET
+            )
+            .unwrap(),
+            None
         );
     }
 

@@ -141,8 +141,9 @@ common64:
     movq $__bss_start, %rdi
     movq $__bss_end, %rcx
     subq %rdi, %rcx
+    shrq $3, %rcx                /* .bss is 16-byte aligned at both ends */
     xorl %eax, %eax
-    rep stosb
+    rep stosq
     movq %cr0, %rax
     andq $0xffffffff9fffffff, %rax   /* caches on: clear CD and NW */
     movq %rax, %cr0
@@ -204,7 +205,7 @@ pd_low:
     .set i, i + 1
     .endr
 
-    .section .bss.boot_stack, "aw", @nobits
+    .section .noinit.boot_stack, "aw", @nobits
     .p2align 4
 boot_stack:
     .skip BOOT_STACK_SIZE

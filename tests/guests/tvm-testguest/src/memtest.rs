@@ -164,6 +164,74 @@ pub fn run(bi: &BootInfo, image: Span) -> Result<Detail, Detail> {
     Ok(d)
 }
 
+/// Stride of the sparse test: one word per 2 MiB (one guest large page).
+const SPARSE_STRIDE: u64 = 2 << 20;
+
+/// The sparse probe addresses of `span`: its first word and then every 2 MiB boundary.
+pub fn sparse_probes(span: Span) -> impl Iterator<Item = u64> {
+    let first_boundary = (span.start + SPARSE_STRIDE - 1) & !(SPARSE_STRIDE - 1);
+    core::iter::once(span.start)
+        .chain((first_boundary..span.end).step_by(SPARSE_STRIDE as usize))
+        .filter(move |a| *a + 8 <= span.end)
+        .scan(u64::MAX, |last, a| {
+            let dup = *last == a;
+            *last = a;
+            Some((a, dup))
+        })
+        .filter_map(|(a, dup)| (!dup).then_some(a))
+}
+
+/// Runs the `memory-sparse` test: one pattern word per 2 MiB of every RAM entry, so large
+/// guests (above 4 GiB, around the 32-bit hole) are checked in seconds.
+pub fn run_sparse(bi: &BootInfo, image: Span) -> Result<Detail, Detail> {
+    let top = bi.ram_top();
+    if crate::paging::map_up_to(top).is_none() {
+        return Err(Detail::fmt(format_args!(
+            "RAM reaches {top:#x}, above the {:#x} the guest maps; give it less memory",
+            crate::paging::MAP_LIMIT
+        )));
+    }
+    let (spans, n, _) = spans(bi.regions(), image);
+    let seed = crate::io::rdtsc() | 1;
+    let mut words = 0u64;
+    let mut above_4g = 0u64;
+    for span in &spans[..n] {
+        for a in sparse_probes(*span) {
+            fill(
+                Span {
+                    start: a,
+                    end: a + 8,
+                },
+                seed,
+            );
+            words += 1;
+            if a >= 1 << 32 {
+                above_4g += 1;
+            }
+        }
+    }
+    for span in &spans[..n] {
+        for a in sparse_probes(*span) {
+            if let Some((addr, found)) = verify(
+                Span {
+                    start: a,
+                    end: a + 8,
+                },
+                seed,
+            ) {
+                return Err(Detail::fmt(format_args!(
+                    "Word at {addr:#x} reads {found:#018x}, wrote {:#018x}",
+                    pattern(addr & !0xfff, seed)
+                )));
+            }
+        }
+    }
+    Ok(Detail::fmt(format_args!(
+        "words={words} above_4g={above_4g} ram={} top={top:#x} regions={n}",
+        bi.ram_bytes()
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,6 +301,22 @@ mod tests {
             ]
         );
         assert_eq!(unaligned, 5 + 3);
+    }
+
+    #[test]
+    fn sparse_probes_take_the_start_and_every_2_mib_boundary() {
+        let probes: std::vec::Vec<u64> = sparse_probes(Span {
+            start: 0x25b000,
+            end: 0x800000,
+        })
+        .collect();
+        assert_eq!(probes, [0x25b000, 0x400000, 0x600000]);
+        let aligned: std::vec::Vec<u64> = sparse_probes(Span {
+            start: 0x200000,
+            end: 0x400000,
+        })
+        .collect();
+        assert_eq!(aligned, [0x200000]);
     }
 
     #[test]

@@ -9,6 +9,8 @@ const EXTRA_PDS: usize = (MAP_LIMIT / GIB) as usize - 4;
 
 #[repr(C, align(4096))]
 struct PageDirectories([[u64; 512]; EXTRA_PDS]);
+/// Not zeroed at boot (see linker.ld): `map_up_to` writes every entry before use.
+#[link_section = ".noinit.page_directories"]
 static mut EXTRA: PageDirectories = PageDirectories([[0; 512]; EXTRA_PDS]);
 
 #[cfg(target_os = "none")]

@@ -39,6 +39,8 @@ static LAPIC_BASE: AtomicU64 = AtomicU64::new(0);
 
 #[repr(C, align(16))]
 struct ApStacks([[u8; AP_STACK_SIZE]; MAX_CPUS]);
+/// Not zeroed at boot (see linker.ld): a stack needs no initial contents.
+#[link_section = ".noinit.ap_stacks"]
 static mut AP_STACKS: ApStacks = ApStacks([[0; AP_STACK_SIZE]; MAX_CPUS]);
 
 #[cfg(target_os = "none")]
@@ -167,6 +169,7 @@ impl Lapic {
 
 /// Where the AP lands in long mode, on its own stack.
 extern "C" fn ap_entry() -> ! {
+    crate::idt::load();
     let id = Lapic::current().id();
     let slot = AP_SLOT.load(Ordering::Acquire);
     REPORTED[slot].store(id, Ordering::Release);
@@ -180,7 +183,7 @@ fn find_mp_config() -> Result<MpConfig, Detail> {
     let mut areas: [(u64, u64); 3] = [(0x9fc00, 0x400), (0xf0000, 0x10000), (0, 0)];
     if mem.read(0x40e, &mut ebda_seg).is_ok() {
         let ebda = u64::from(u16::from_le_bytes(ebda_seg)) << 4;
-        if ebda >= 0x1000 && ebda < 0xa0000 && ebda != 0x9fc00 {
+        if (0x1000..0xa0000).contains(&ebda) && ebda != 0x9fc00 {
             areas[2] = (ebda, 0x400);
         }
     }

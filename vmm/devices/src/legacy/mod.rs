@@ -10,7 +10,7 @@ mod power;
 mod serial;
 
 pub use i8042::I8042Device;
-pub use power::{AcpiPowerDevice, PvPanicDevice};
+pub use power::{AcpiPowerDevice, PvPanicDevice, ACPI_RESET_VALUE};
 pub use serial::{spawn_input_thread, IrqTrigger, SerialDevice, SerialOutput};
 
 /// COM1 base I/O port.
@@ -25,6 +25,8 @@ pub const I8042_DATA_PORT: u64 = 0x60;
 pub const I8042_COMMAND_PORT: u64 = 0x64;
 /// ACPI hardware-reduced sleep control (and reset) register.
 pub const ACPI_SLEEP_CONTROL_PORT: u64 = 0x600;
+/// ACPI hardware-reduced sleep status register (reads 0).
+pub const ACPI_SLEEP_STATUS_PORT: u64 = 0x601;
 /// pvpanic I/O port.
 pub const PVPANIC_PORT: u64 = 0x505;
 

@@ -213,7 +213,7 @@ impl MsixConfig {
             .update(vector, entry.message(), self.is_masked(vector))
         {
             self.metrics.sink_errors.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!("{e}");
+            warn_limited!("{e}");
         }
     }
 
@@ -238,7 +238,7 @@ impl MsixConfig {
             }
             Err(e) => {
                 self.metrics.sink_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!("{e}");
+                warn_limited!("{e}");
             }
         }
     }

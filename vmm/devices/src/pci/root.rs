@@ -189,7 +189,7 @@ impl PciRoot {
                     self.metrics
                         .bar_moves_refused
                         .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!("PCI slot {slot} BAR {}: {e}", mv.index);
+                    warn_limited!("PCI slot {slot} BAR {}: {e}", mv.index);
                     lock(device).bar_move_refused(&mv);
                 }
             }

@@ -144,3 +144,75 @@ pub fn scatter<M: GuestMemory + ?Sized>(
     }
     done == data.len()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::virtio::GuestMemoryMmap;
+    use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
+    use virtio_queue::mock::MockSplitQueue;
+    use virtio_queue::{Queue, QueueOwnedT};
+
+    const F_NEXT: u16 = 1;
+    const F_WRITE: u16 = 2;
+
+    fn first_chain(
+        m: &GuestMemoryMmap,
+        descs: &[RawDescriptor],
+    ) -> Result<Vec<Buffer>, ChainError> {
+        let vq = MockSplitQueue::new(m, 16);
+        vq.add_desc_chains(descs, 0).unwrap();
+        let mut q: Queue = vq.create_queue().unwrap();
+        let chain = q.iter(m).unwrap().next().unwrap();
+        collect(chain, m, 16, true)
+    }
+
+    fn mem() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap()
+    }
+
+    #[test]
+    fn collect_refuses_loops_direction_and_outside_buffers() {
+        let m = mem();
+        let looped = [
+            RawDescriptor::from(SplitDescriptor::new(0x8000, 16, F_NEXT | F_WRITE, 1)),
+            RawDescriptor::from(SplitDescriptor::new(0x9000, 16, F_NEXT | F_WRITE, 0)),
+        ];
+        assert_eq!(first_chain(&m, &looped), Err(ChainError::BadChain));
+        let readable = [RawDescriptor::from(SplitDescriptor::new(0x8000, 16, 0, 0))];
+        assert_eq!(first_chain(&m, &readable), Err(ChainError::WrongDirection));
+        let outside = [RawDescriptor::from(SplitDescriptor::new(
+            0xf_fff0, 32, F_WRITE, 0,
+        ))];
+        assert!(matches!(
+            first_chain(&m, &outside),
+            Err(ChainError::OutsideMemory { .. })
+        ));
+        let good = [RawDescriptor::from(SplitDescriptor::new(
+            0x8000, 16, F_WRITE, 0,
+        ))];
+        assert_eq!(first_chain(&m, &good).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn gather_and_scatter_cross_buffer_boundaries() {
+        let m = mem();
+        let bufs = [
+            Buffer {
+                addr: GuestAddress(0x8000),
+                len: 3,
+            },
+            Buffer {
+                addr: GuestAddress(0x9000),
+                len: 5,
+            },
+        ];
+        assert!(scatter(&m, &bufs, 1, b"abcdef"));
+        let mut out = [0u8; 6];
+        assert!(gather(&m, &bufs, 1, &mut out));
+        assert_eq!(&out, b"abcdef");
+        // Past the end of the buffers: refused.
+        assert!(!scatter(&m, &bufs, 4, b"abcdef"));
+        assert!(!gather(&m, &bufs, 0, &mut [0u8; 9]));
+    }
+}

@@ -160,12 +160,45 @@ impl Platform {
         self.pio.write(0xcfc, &value.to_le_bytes());
     }
 
+    /// The device under `addr`, with the bus lock released before the caller uses it (a
+    /// config write through ECAM may move a BAR, which needs the bus lock).
+    fn mmio_target(
+        &self,
+        addr: u64,
+        len: usize,
+    ) -> Option<(u64, tenantvm_devices::bus::SharedBusDevice)> {
+        let bus = self.mmio.lock().unwrap();
+        bus.resolve(addr, len)
+            .map(|(base, dev)| (base, dev.clone()))
+    }
+
     pub fn mmio_write(&self, addr: u64, data: &[u8]) -> bool {
-        self.mmio.lock().unwrap().write(addr, data)
+        match self.mmio_target(addr, data.len()) {
+            Some((base, dev)) => {
+                dev.lock().unwrap().write(base, addr - base, data);
+                true
+            }
+            None => false,
+        }
     }
 
     pub fn mmio_read(&self, addr: u64, data: &mut [u8]) -> bool {
-        self.mmio.lock().unwrap().read(addr, data)
+        match self.mmio_target(addr, data.len()) {
+            Some((base, dev)) => {
+                dev.lock().unwrap().read(base, addr - base, data);
+                true
+            }
+            None => {
+                data.fill(0xff);
+                false
+            }
+        }
+    }
+
+    /// Writes a config dword through ECAM.
+    pub fn ecam_write(&self, slot: u8, offset: u16, value: u32) {
+        let addr = ECAM_BASE + (u64::from(slot) << 15) + u64::from(offset);
+        self.mmio_write(addr, &value.to_le_bytes());
     }
 
     pub fn fired(&self) -> Vec<(u16, MsiMessage)> {

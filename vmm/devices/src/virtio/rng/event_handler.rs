@@ -65,7 +65,7 @@ impl RngHandler {
 
     fn mark_broken(&mut self, what: &str) {
         inc(&self.metrics.queue_errors);
-        tracing::warn!("virtio-rng: {what}; the device needs a reset");
+        warn_limited!("virtio-rng: {what}; the device needs a reset");
         self.broken = true;
         self.interrupt.signal_needs_reset();
     }

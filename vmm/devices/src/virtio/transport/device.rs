@@ -33,6 +33,7 @@ mod cfg_type {
     pub const NOTIFY: u8 = 2;
     pub const ISR: u8 = 3;
     pub const DEVICE: u8 = 4;
+    pub const PCI_CFG: u8 = 5;
 }
 
 /// Why a virtio-pci function could not be built (VMM configuration errors).
@@ -59,6 +60,8 @@ pub struct VirtioPciDevice {
     common: CommonConfig,
     msix: Arc<Mutex<MsixConfig>>,
     msix_cap_reg: usize,
+    /// Register index of the VIRTIO_PCI_CAP_PCI_CFG capability's first dword.
+    pci_cfg_reg: usize,
     interrupt: Arc<VirtioPciInterrupt>,
     queue_events: Vec<EventFd>,
     mem: GuestMemoryMmap,
@@ -148,6 +151,14 @@ impl VirtioPciDevice {
             &vendor_cap(cfg_type::DEVICE, DEVICE_CFG_OFFSET, DEVICE_CFG_SIZE, None),
             &[],
         )?;
+        // The configuration-space window into the BAR (virtio 4.1.4.9): the driver writes
+        // bar, offset and length, then accesses pci_cfg_data.
+        let mut pci_cfg = vendor_cap(cfg_type::PCI_CFG, 0, 0, Some(0));
+        pci_cfg[4] = 0;
+        let mut pci_cfg_writable = vec![0u8; pci_cfg.len()];
+        pci_cfg_writable[4] = 0xff;
+        pci_cfg_writable[8..20].fill(0xff);
+        let pci_cfg_reg = config.add_capability(&pci_cfg, &pci_cfg_writable)? / 4;
         // One vector per queue plus one for configuration changes.
         let msix = MsixConfig::new(sizes.len() as u16 + 1, msi_sink);
         let (cap, writable) = msix.capability(
@@ -172,6 +183,7 @@ impl VirtioPciDevice {
             common,
             msix,
             msix_cap_reg,
+            pci_cfg_reg,
             interrupt,
             queue_events,
             mem,
@@ -238,13 +250,15 @@ impl VirtioPciDevice {
             self.reset();
             return;
         }
+        // DEVICE_NEEDS_RESET belongs to the device; drivers that write back what they
+        // read (status | new bit) may carry it along.
+        let value = value & !status::DEVICE_NEEDS_RESET;
         let current = self.common.status;
         let added = value & !current;
         let valid = value & current == current
             && (added & status::DRIVER == 0 || value & status::ACKNOWLEDGE != 0)
             && (added & status::FEATURES_OK == 0 || value & status::DRIVER != 0)
-            && (added & status::DRIVER_OK == 0 || value & status::FEATURES_OK != 0)
-            && added & status::DEVICE_NEEDS_RESET == 0;
+            && (added & status::DRIVER_OK == 0 || value & status::FEATURES_OK != 0);
         if !valid {
             inc(&self.metrics.bad_status);
             return;
@@ -273,7 +287,7 @@ impl VirtioPciDevice {
         let mut queues = Vec::with_capacity(self.common.queues.len());
         for q in &self.common.queues {
             if !q.is_valid(&self.mem) {
-                tracing::warn!("virtio-pci: a queue is not ready or outside guest memory");
+                warn_limited!("virtio-pci: a queue is not ready or outside guest memory");
                 self.needs_reset();
                 return;
             }
@@ -308,7 +322,7 @@ impl VirtioPciDevice {
         let subscriber = match self.device.activate(ctx) {
             Ok(subscriber) => subscriber,
             Err(e) => {
-                tracing::warn!("virtio-pci: activation refused: {e}");
+                warn_limited!("virtio-pci: activation refused: {e}");
                 self.needs_reset();
                 return;
             }
@@ -345,6 +359,22 @@ impl VirtioPciDevice {
         inc(&self.metrics.resets);
     }
 
+    /// The BAR access the VIRTIO_PCI_CAP_PCI_CFG capability selects: BAR 0 only, 1, 2 or
+    /// 4 bytes, naturally aligned, inside the BAR.
+    fn pci_cfg_window(&self) -> Option<(usize, u64, usize)> {
+        let bar = (self.config.read_reg(self.pci_cfg_reg + 1) & 0xff) as usize;
+        let offset = u64::from(self.config.read_reg(self.pci_cfg_reg + 2));
+        let len = self.config.read_reg(self.pci_cfg_reg + 3) as usize;
+        let ok = bar == BAR_INDEX
+            && matches!(len, 1 | 2 | 4)
+            && offset % len as u64 == 0
+            && offset + len as u64 <= BAR_SIZE;
+        if !ok {
+            inc(&self.metrics.bad_access);
+        }
+        ok.then_some((bar, offset, len))
+    }
+
     fn notify(&mut self, offset: u64, len: usize) {
         let queue = offset / u64::from(NOTIFY_OFF_MULTIPLIER);
         let aligned = offset % u64::from(NOTIFY_OFF_MULTIPLIER) == 0 && matches!(len, 2 | 4);
@@ -360,10 +390,27 @@ impl VirtioPciDevice {
 
 impl PciDevice for VirtioPciDevice {
     fn config_read(&mut self, reg: usize) -> u32 {
+        if reg == self.pci_cfg_reg + 4 {
+            let mut value = [0u8; 4];
+            if let Some((bar, offset, len)) = self.pci_cfg_window() {
+                self.bar_read(bar, offset, &mut value[..len]);
+            }
+            return u32::from_le_bytes(value);
+        }
         self.config.read_reg(reg)
     }
 
     fn config_write(&mut self, reg: usize, offset: usize, data: &[u8]) -> Vec<BarMove> {
+        if reg == self.pci_cfg_reg + 4 {
+            if let Some((bar, bar_offset, len)) = self.pci_cfg_window() {
+                if offset == 0 && data.len() >= len {
+                    self.bar_write(bar, bar_offset, &data[..len]);
+                } else {
+                    inc(&self.metrics.bad_access);
+                }
+            }
+            return Vec::new();
+        }
         let moves = self.config.write(reg, offset, data);
         if reg == self.msix_cap_reg {
             let control = (self.config.read_reg(reg) >> 16) as u16;
@@ -627,7 +674,7 @@ mod tests {
             });
             ptr = usize::from(next);
         }
-        assert_eq!(kinds, vec![1, 2, 3, 4, cap_id::MSIX]);
+        assert_eq!(kinds, vec![1, 2, 3, 4, 5, cap_id::MSIX]);
         let mut cfg = [0u8; 8];
         r.dev.bar_read(0, DEVICE_CFG_OFFSET, &mut cfg);
         assert_eq!(&cfg, b"tenantvm");
@@ -696,13 +743,15 @@ mod tests {
         let mut r = rig();
         w8(&mut r.dev, 0x14, status::DRIVER_OK);
         w8(&mut r.dev, 0x14, status::ACKNOWLEDGE | status::FEATURES_OK);
+        assert_eq!(r.dev.status(), 0);
+        assert_eq!(r.dev.metrics().bad_status.load(Ordering::Relaxed), 2);
+        // The device-owned NEEDS_RESET bit in a write is ignored, not taken.
         w8(
             &mut r.dev,
             0x14,
             status::DEVICE_NEEDS_RESET | status::ACKNOWLEDGE,
         );
-        assert_eq!(r.dev.status(), 0);
-        assert_eq!(r.dev.metrics().bad_status.load(Ordering::Relaxed), 3);
+        assert_eq!(r.dev.status(), status::ACKNOWLEDGE);
     }
 
     #[test]
@@ -797,6 +846,41 @@ mod tests {
         }
         r.dev.bar_write(1, 0, &[1]);
         assert!(r.dev.metrics().bad_access.load(Ordering::Relaxed) > 0);
+    }
+
+    #[test]
+    fn pci_cfg_capability_reaches_the_bar_and_refuses_bad_windows() {
+        let mut r = rig();
+        let cap = r.dev.pci_cfg_reg;
+        assert_eq!((r.dev.config_read(cap) >> 24) as u8, 5);
+        // Read num_queues (common cfg 0x12, 2 bytes) through the window.
+        r.dev.config_write(cap + 1, 0, &[0]);
+        r.dev.config_write(cap + 2, 0, &0x12u32.to_le_bytes());
+        r.dev.config_write(cap + 3, 0, &2u32.to_le_bytes());
+        assert_eq!(r.dev.config_read(cap + 4), 2);
+        // Write the status register through it.
+        r.dev.config_write(cap + 2, 0, &0x14u32.to_le_bytes());
+        r.dev.config_write(cap + 3, 0, &1u32.to_le_bytes());
+        r.dev
+            .config_write(cap + 4, 0, &[status::ACKNOWLEDGE, 0, 0, 0]);
+        assert_eq!(r.dev.status(), status::ACKNOWLEDGE);
+        // Bad windows: another BAR, odd length, misaligned, past the end.
+        let before = r.dev.metrics().bad_access.load(Ordering::Relaxed);
+        for (bar, offset, len) in [
+            (1u8, 0u32, 4u32),
+            (0, 0, 3),
+            (0, 1, 2),
+            (0, BAR_SIZE as u32, 4),
+        ] {
+            r.dev.config_write(cap + 1, 0, &[bar]);
+            r.dev.config_write(cap + 2, 0, &offset.to_le_bytes());
+            r.dev.config_write(cap + 3, 0, &len.to_le_bytes());
+            assert_eq!(r.dev.config_read(cap + 4), 0);
+        }
+        assert_eq!(
+            r.dev.metrics().bad_access.load(Ordering::Relaxed),
+            before + 4
+        );
     }
 
     #[test]

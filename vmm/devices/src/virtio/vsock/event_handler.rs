@@ -108,7 +108,7 @@ impl VsockHandler {
 
     fn mark_broken(&mut self, what: &str) {
         inc(&self.metrics.queue_errors);
-        tracing::warn!("virtio-vsock: {what}; the device needs a reset");
+        warn_limited!("virtio-vsock: {what}; the device needs a reset");
         self.broken = true;
         self.interrupt.signal_needs_reset();
     }
@@ -193,9 +193,10 @@ impl VsockHandler {
                 Ok((hdr, payload)) => self.handle_packet(hdr, &payload, ops),
                 Err((e, hdr)) => {
                     inc(&self.metrics.bad_packets);
-                    tracing::debug!("virtio-vsock: {e}");
+                    debug_limited!("virtio-vsock: {e}");
+                    // A protocol error resets the connection it names (if any).
                     if let Some(h) = hdr.filter(|h| h.op != op::RST) {
-                        self.push_control(op::RST, h.dst_port, h.src_port, 0);
+                        self.close((h.dst_port, h.src_port), ops, true);
                     }
                 }
             }
@@ -316,7 +317,7 @@ impl VsockHandler {
                 Ok(stream) => stream,
                 Err(e) => {
                     inc(&self.metrics.connect_failures);
-                    tracing::debug!("virtio-vsock: guest connect to {path:?}: {e}");
+                    debug_limited!("virtio-vsock: guest connect to {path:?}: {e}");
                     return self.push_control(op::RST, key.0, key.1, 0);
                 }
             };

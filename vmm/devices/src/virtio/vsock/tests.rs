@@ -384,6 +384,34 @@ fn credit_overrun_resets_the_connection() {
 }
 
 #[test]
+fn protocol_error_on_a_live_connection_closes_it() {
+    let m = mem();
+    let (mut rig, mut guest) = rig(&m);
+    let service = UnixListener::bind(format!("{}_8", rig.uds.display())).unwrap();
+    guest.send(hdr(op::REQUEST, 200, 8), &[]);
+    rig.pump_until("the connection", |r| {
+        r.metrics.connections.load(Ordering::Relaxed) == 1
+    });
+    let (mut host, _) = service.accept().unwrap();
+    // A data packet whose length claims more than the chain holds (patched after
+    // `send`, before the loop runs).
+    let slot = guest.tx_slot;
+    guest.send(hdr(op::RW, 200, 8), b"");
+    let bad = PacketHeader {
+        len: 1000,
+        ..hdr(op::RW, 200, 8)
+    };
+    let addr = TX_BUFS + u64::from(slot) * BUF_SPAN;
+    m.write_slice(&bad.encode(), GuestAddress(addr)).unwrap();
+    rig.pump_until("the close", |r| {
+        r.handler.lock().unwrap().connection_count() == 0
+    });
+    host.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    assert_eq!(host.read(&mut [0u8; 4]).unwrap(), 0);
+}
+
+#[test]
 fn malformed_chains_and_handshakes_are_counted() {
     let m = mem();
     let (mut rig, mut guest) = rig(&m);

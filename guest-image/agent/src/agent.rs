@@ -1,0 +1,458 @@
+//! The agent's state machine: one [`Agent`] owns the disk and payload state and answers
+//! each [`Request`]. Channels (server.rs) only move frames.
+
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use crate::config::AgentConfig;
+use crate::disk::{self, DiskError};
+use crate::http1;
+use crate::logbuf::LogBuffer;
+use crate::protocol::{
+    AgentFailure, DiskKey, DiskState, ErrorCode, HttpRequest, Outcome, PayloadState, Reply,
+    Request, ShutdownReport, StatusReply, MAX_BODY_LEN, PROTOCOL_VERSION,
+};
+use crate::reaper::Reaper;
+
+/// Most log lines returned by one `logs` request.
+const MAX_LOG_LINES: u32 = 1000;
+/// Longest a `logs` request may wait for new lines.
+const MAX_LOG_WAIT_MS: u32 = 30_000;
+/// How long the payload gets to exit after SIGTERM.
+const PAYLOAD_STOP_GRACE: Duration = Duration::from_secs(10);
+/// How long one forwarded request may take (generation under emulation is slow).
+const INFER_TIMEOUT: Duration = Duration::from_secs(300);
+/// Largest payload answer forwarded (leaves room for the JSON envelope and escaping).
+const MAX_INFER_BODY: usize = (MAX_BODY_LEN as usize) / 2;
+
+/// What the channel must do after sending the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum After {
+    /// Keep serving.
+    Continue,
+    /// Power the machine off.
+    PowerOff,
+}
+
+struct State {
+    disk: DiskState,
+    payload_pid: Option<u32>,
+    payload_exit: Option<i32>,
+    shutting_down: bool,
+}
+
+/// The guest agent.
+pub struct Agent {
+    cfg: AgentConfig,
+    reaper: Reaper,
+    logs: Arc<LogBuffer>,
+    started: Instant,
+    channel: Mutex<String>,
+    state: Mutex<State>,
+}
+
+fn failure(code: ErrorCode, message: impl Into<String>) -> Outcome {
+    Outcome::Err(AgentFailure {
+        code,
+        message: message.into(),
+    })
+}
+
+fn disk_failure(e: DiskError) -> Outcome {
+    let code = match e {
+        DiskError::BadKey(_) => ErrorCode::BadKey,
+        DiskError::NoFileSystem => ErrorCode::WrongState,
+        _ => ErrorCode::Internal,
+    };
+    failure(code, e.to_string())
+}
+
+impl Agent {
+    /// An agent for `cfg`, spawning children through `reaper`.
+    pub fn new(cfg: AgentConfig, reaper: Reaper, logs: Arc<LogBuffer>) -> Self {
+        Self {
+            cfg,
+            reaper,
+            logs,
+            started: Instant::now(),
+            channel: Mutex::new("none".into()),
+            state: Mutex::new(State {
+                disk: DiskState::Locked,
+                payload_pid: None,
+                payload_exit: None,
+                shutting_down: false,
+            }),
+        }
+    }
+
+    /// Records which channel serves requests (reported by `status`).
+    pub fn set_channel(&self, name: &str) {
+        *self.channel.lock().unwrap_or_else(|p| p.into_inner()) = name.to_string();
+    }
+
+    /// Logs an agent line to the console and the log buffer. Never pass secrets.
+    pub fn log(&self, msg: &str) {
+        eprintln!("tenantvm-agent: {msg}");
+        self.logs.push("agent", msg);
+    }
+
+    /// The log buffer (agent and payload lines).
+    pub fn logs(&self) -> &LogBuffer {
+        &self.logs
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Answers one request.
+    pub fn handle(&self, req: Request) -> (Outcome, After) {
+        if self.state().shutting_down && !matches!(req, Request::Status) {
+            return (
+                failure(ErrorCode::WrongState, "The guest is shutting down"),
+                After::Continue,
+            );
+        }
+        match req {
+            Request::Status => (Outcome::Ok(Reply::Status(self.status())), After::Continue),
+            Request::UnlockDisk { key } => (self.unlock(&key), After::Continue),
+            Request::Mount { format_if_missing } => {
+                (self.mount(format_if_missing), After::Continue)
+            }
+            Request::StartPayload => (self.start_payload(), After::Continue),
+            Request::Health => (
+                Outcome::Ok(Reply::Health {
+                    payload: self.payload_state(),
+                }),
+                After::Continue,
+            ),
+            Request::Logs {
+                after,
+                max,
+                wait_ms,
+            } => {
+                let wait = Duration::from_millis(u64::from(wait_ms.min(MAX_LOG_WAIT_MS)));
+                let (lines, next) =
+                    self.logs
+                        .wait_since(after, max.min(MAX_LOG_LINES) as usize, wait);
+                (Outcome::Ok(Reply::Logs { lines, next }), After::Continue)
+            }
+            Request::Infer(http) => (self.infer(&http), After::Continue),
+            Request::Shutdown => (
+                Outcome::Ok(Reply::ShuttingDown(self.shutdown())),
+                After::PowerOff,
+            ),
+        }
+    }
+
+    fn status(&self) -> StatusReply {
+        let payload = self.payload_state();
+        StatusReply {
+            agent_version: env!("CARGO_PKG_VERSION").to_string(),
+            protocol: PROTOCOL_VERSION,
+            channel: self
+                .channel
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+            disk: self.state().disk,
+            payload,
+        }
+    }
+
+    fn unlock(&self, key: &DiskKey) -> Outcome {
+        if self.state().disk != DiskState::Locked {
+            return failure(ErrorCode::WrongState, "The disk is already unlocked");
+        }
+        self.log("unlocking the data disk");
+        match disk::unlock(&self.cfg.disk, &self.reaper, key) {
+            Ok(()) => {
+                self.state().disk = DiskState::Unlocked;
+                self.log("data disk unlocked");
+                Outcome::Ok(Reply::Unlocked)
+            }
+            Err(e) => {
+                self.log(&format!("unlock failed: {e}"));
+                disk_failure(e)
+            }
+        }
+    }
+
+    fn mount(&self, format_if_missing: bool) -> Outcome {
+        match self.state().disk {
+            DiskState::Locked => {
+                return failure(ErrorCode::WrongState, "Unlock the disk before mounting it")
+            }
+            DiskState::Mounted => return Outcome::Ok(Reply::Mounted { formatted: false }),
+            DiskState::Unlocked => {}
+        }
+        match disk::mount_data(&self.cfg.disk, &self.reaper, format_if_missing) {
+            Ok(formatted) => {
+                self.state().disk = DiskState::Mounted;
+                self.log(&format!(
+                    "data disk mounted at {} (formatted: {formatted})",
+                    self.cfg.disk.mount_point.display()
+                ));
+                Outcome::Ok(Reply::Mounted { formatted })
+            }
+            Err(e) => {
+                self.log(&format!("mount failed: {e}"));
+                disk_failure(e)
+            }
+        }
+    }
+
+    fn start_payload(&self) -> Outcome {
+        let mut st = self.state();
+        if st.disk != DiskState::Mounted {
+            return failure(
+                ErrorCode::WrongState,
+                "Mount the data disk before starting the payload",
+            );
+        }
+        if st.payload_pid.is_some() && st.payload_exit.is_none() {
+            return failure(ErrorCode::WrongState, "The payload is already running");
+        }
+        let p = &self.cfg.payload;
+        let mut cmd = Command::new(&p.command[0]);
+        cmd.args(&p.command[1..])
+            .env_clear()
+            .env("PATH", "/payload/bin:/sbin:/bin:/usr/sbin:/usr/bin")
+            .envs(&p.env)
+            .current_dir(&p.workdir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = match self.reaper.spawn(&mut cmd) {
+            Ok(c) => c,
+            Err(e) => {
+                return failure(
+                    ErrorCode::Internal,
+                    format!("Starting the payload {} failed: {e}", p.command[0]),
+                )
+            }
+        };
+        let pid = child.pid;
+        for (source, stream) in [
+            (
+                "payload-stdout",
+                child
+                    .stdout
+                    .take()
+                    .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+            ),
+            (
+                "payload-stderr",
+                child
+                    .stderr
+                    .take()
+                    .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+            ),
+        ] {
+            if let Some(stream) = stream {
+                let logs = Arc::clone(&self.logs);
+                let _ = std::thread::Builder::new()
+                    .name(source.into())
+                    .spawn(move || {
+                        for line in BufReader::new(stream).split(b'\n').map_while(Result::ok) {
+                            logs.push(source, &String::from_utf8_lossy(&line));
+                        }
+                    });
+            }
+        }
+        st.payload_pid = Some(pid);
+        st.payload_exit = None;
+        drop(st);
+        self.log(&format!("payload started, pid {pid}"));
+        Outcome::Ok(Reply::PayloadStarted { pid })
+    }
+
+    /// The payload's state, probing readiness with a GET of the health path.
+    fn payload_state(&self) -> PayloadState {
+        let pid = {
+            let mut st = self.state();
+            let Some(pid) = st.payload_pid else {
+                return PayloadState::NotStarted;
+            };
+            if st.payload_exit.is_none() {
+                st.payload_exit = self.reaper.try_status(pid);
+            }
+            if let Some(code) = st.payload_exit {
+                return PayloadState::Exited { code };
+            }
+            pid
+        };
+        let probe = HttpRequest {
+            method: "GET".into(),
+            path: self.cfg.payload.health_path.clone(),
+            headers: vec![],
+            body: String::new(),
+        };
+        let ready = self
+            .exchange(&probe, Duration::from_secs(2))
+            .is_ok_and(|r| r.status == 200);
+        PayloadState::Running { pid, ready }
+    }
+
+    fn exchange(
+        &self,
+        req: &HttpRequest,
+        timeout: Duration,
+    ) -> Result<crate::protocol::HttpResponse, String> {
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.cfg.payload.port));
+        let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+            .map_err(|e| format!("Cannot connect to the payload on {addr}: {e}"))?;
+        stream
+            .set_read_timeout(Some(timeout))
+            .and_then(|()| stream.set_write_timeout(Some(timeout)))
+            .map_err(|e| e.to_string())?;
+        http1::exchange(stream, &addr.to_string(), req, MAX_INFER_BODY).map_err(|e| e.to_string())
+    }
+
+    fn infer(&self, req: &HttpRequest) -> Outcome {
+        match self.payload_state() {
+            PayloadState::Running { .. } => {}
+            other => {
+                return failure(
+                    ErrorCode::PayloadUnavailable,
+                    format!("The payload is not running ({other:?}); start it first"),
+                )
+            }
+        }
+        match self.exchange(req, INFER_TIMEOUT) {
+            Ok(resp) => Outcome::Ok(Reply::Infer(resp)),
+            Err(e) => failure(ErrorCode::PayloadUnavailable, e),
+        }
+    }
+
+    /// Stops the payload, unmounts, closes dm-crypt and syncs. The caller powers off.
+    pub fn shutdown(&self) -> ShutdownReport {
+        let (pid, disk) = {
+            let mut st = self.state();
+            st.shutting_down = true;
+            (
+                st.payload_pid.filter(|_| st.payload_exit.is_none()),
+                st.disk,
+            )
+        };
+        self.log("shutdown requested");
+        let mut payload_stopped = false;
+        if let Some(pid) = pid {
+            let target = Pid::from_raw(pid as i32);
+            let _ = kill(target, Signal::SIGTERM);
+            let code = self.reaper.wait(pid, PAYLOAD_STOP_GRACE).or_else(|| {
+                self.log("payload ignored SIGTERM, killing it");
+                let _ = kill(target, Signal::SIGKILL);
+                self.reaper.wait(pid, Duration::from_secs(5))
+            });
+            payload_stopped = code.is_some();
+            self.state().payload_exit = code;
+        }
+        let mut unmounted = false;
+        if disk == DiskState::Mounted {
+            match disk::unmount_data(&self.cfg.disk) {
+                Ok(()) => {
+                    unmounted = true;
+                    self.state().disk = DiskState::Unlocked;
+                }
+                Err(e) => self.log(&format!("unmount failed: {e}")),
+            }
+        }
+        let mut disk_closed = false;
+        if self.state().disk == DiskState::Unlocked {
+            match disk::close(&self.cfg.disk, &self.reaper) {
+                Ok(()) => {
+                    disk_closed = true;
+                    self.state().disk = DiskState::Locked;
+                }
+                Err(e) => self.log(&format!("closing the disk failed: {e}")),
+            }
+        }
+        // SAFETY: sync(2) has no memory effects.
+        unsafe { libc::sync() };
+        self.log(&format!(
+            "shutdown done: payload_stopped={payload_stopped} unmounted={unmounted} disk_closed={disk_closed}"
+        ));
+        ShutdownReport {
+            payload_stopped,
+            unmounted,
+            disk_closed,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{DiskConfig, PayloadConfig};
+
+    fn agent(dir: &std::path::Path) -> Agent {
+        let cfg = AgentConfig {
+            modules: vec![],
+            disk: DiskConfig {
+                device: dir.join("disk.img"),
+                mapper_name: "t".into(),
+                mount_point: dir.join("data"),
+                cryptsetup: "/bin/false".into(),
+                mkfs: "/bin/false".into(),
+            },
+            payload: PayloadConfig {
+                command: vec!["/bin/true".into()],
+                env: Default::default(),
+                workdir: dir.to_path_buf(),
+                port: 1,
+                health_path: "/health".into(),
+            },
+        };
+        Agent::new(cfg, Reaper::start().unwrap(), Arc::new(LogBuffer::new(100)))
+    }
+
+    #[test]
+    fn after_shutdown_only_status_is_answered() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = agent(dir.path());
+        let (outcome, after) = a.handle(Request::Shutdown);
+        assert_eq!(after, After::PowerOff);
+        assert_eq!(
+            outcome,
+            Outcome::Ok(Reply::ShuttingDown(ShutdownReport {
+                payload_stopped: false,
+                unmounted: false,
+                disk_closed: false,
+            }))
+        );
+        let (outcome, _) = a.handle(Request::Health);
+        assert!(matches!(
+            outcome,
+            Outcome::Err(AgentFailure {
+                code: ErrorCode::WrongState,
+                ..
+            })
+        ));
+        assert!(matches!(
+            a.handle(Request::Status).0,
+            Outcome::Ok(Reply::Status(_))
+        ));
+    }
+
+    #[test]
+    fn status_reports_the_channel_and_a_locked_disk_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = agent(dir.path());
+        a.set_channel("vsock");
+        let Outcome::Ok(Reply::Status(s)) = a.handle(Request::Status).0 else {
+            panic!("status failed")
+        };
+        assert_eq!(s.channel, "vsock");
+        assert_eq!(s.disk, DiskState::Locked);
+        assert_eq!(s.payload, PayloadState::NotStarted);
+        assert_eq!(s.protocol, PROTOCOL_VERSION);
+    }
+}

@@ -1,0 +1,452 @@
+//! A small HTTP/1.1 message codec: what the agent needs to forward inference requests to
+//! the payload's port, and what the CI payload needs to serve them. Bounded everywhere:
+//! header block, header count and body have hard limits, and every field that is written
+//! onto the wire is checked for CR/LF so nothing can inject headers.
+
+use std::io::{self, BufRead, BufReader, Read, Write};
+
+use thiserror::Error;
+
+use crate::protocol::{HttpRequest, HttpResponse};
+
+/// Largest accepted header block.
+pub const MAX_HEAD_LEN: usize = 16 * 1024;
+/// Most header lines.
+pub const MAX_HEADERS: usize = 64;
+
+/// Why an HTTP message could not be read or written.
+#[derive(Debug, Error)]
+pub enum HttpCodecError {
+    /// The connection failed.
+    #[error("HTTP I/O failed: {0}")]
+    Io(#[from] io::Error),
+    /// The peer closed before a complete message.
+    #[error("HTTP peer closed the connection before a complete message")]
+    Truncated,
+    /// A malformed start line, header or chunk.
+    #[error("Malformed HTTP message: {0}")]
+    Malformed(&'static str),
+    /// A limit was exceeded.
+    #[error("HTTP {what} exceeds the {max} byte limit")]
+    TooLarge {
+        /// Which part.
+        what: &'static str,
+        /// The limit.
+        max: usize,
+    },
+    /// A field to be written holds characters that are not allowed there.
+    #[error("HTTP {0} contains characters that are not allowed (control characters, spaces in a token, or a path not starting with '/')")]
+    InvalidField(&'static str),
+}
+
+/// A parsed request head plus body, as the payload server sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedRequest {
+    /// Method.
+    pub method: String,
+    /// Target.
+    pub path: String,
+    /// Headers in order.
+    pub headers: Vec<(String, String)>,
+    /// Body bytes.
+    pub body: Vec<u8>,
+}
+
+fn is_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+fn is_field_value(s: &str) -> bool {
+    s.bytes().all(|b| b == b'\t' || (b >= 0x20 && b != 0x7f))
+}
+
+fn is_path(s: &str) -> bool {
+    s.starts_with('/') && s.bytes().all(|b| b > 0x20 && b != 0x7f)
+}
+
+/// Reads one line ending in LF, bounded by `budget` bytes in total.
+fn read_line(r: &mut impl BufRead, budget: &mut usize) -> Result<String, HttpCodecError> {
+    let mut line = Vec::new();
+    let n = r
+        .take(*budget as u64 + 1)
+        .read_until(b'\n', &mut line)
+        .map_err(HttpCodecError::Io)?;
+    if n == 0 {
+        return Err(HttpCodecError::Truncated);
+    }
+    if n > *budget {
+        return Err(HttpCodecError::TooLarge {
+            what: "header block",
+            max: MAX_HEAD_LEN,
+        });
+    }
+    *budget -= n;
+    if line.last() != Some(&b'\n') {
+        return Err(HttpCodecError::Truncated);
+    }
+    line.pop();
+    if line.last() == Some(&b'\r') {
+        line.pop();
+    }
+    String::from_utf8(line).map_err(|_| HttpCodecError::Malformed("header is not UTF-8"))
+}
+
+fn read_headers(
+    r: &mut impl BufRead,
+    budget: &mut usize,
+) -> Result<Vec<(String, String)>, HttpCodecError> {
+    let mut headers = Vec::new();
+    loop {
+        let line = read_line(r, budget)?;
+        if line.is_empty() {
+            return Ok(headers);
+        }
+        if headers.len() == MAX_HEADERS {
+            return Err(HttpCodecError::TooLarge {
+                what: "header count",
+                max: MAX_HEADERS,
+            });
+        }
+        let (name, value) = line
+            .split_once(':')
+            .ok_or(HttpCodecError::Malformed("header line without ':'"))?;
+        if !is_token(name) {
+            return Err(HttpCodecError::Malformed("bad header name"));
+        }
+        headers.push((name.to_string(), value.trim().to_string()));
+    }
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.as_str())
+}
+
+fn read_exact_body(r: &mut impl Read, len: usize) -> Result<Vec<u8>, HttpCodecError> {
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body).map_err(|e| match e.kind() {
+        io::ErrorKind::UnexpectedEof => HttpCodecError::Truncated,
+        _ => HttpCodecError::Io(e),
+    })?;
+    Ok(body)
+}
+
+fn read_chunked(r: &mut impl BufRead, max_body: usize) -> Result<Vec<u8>, HttpCodecError> {
+    let mut body = Vec::new();
+    loop {
+        let mut budget = 1024;
+        let line = read_line(r, &mut budget)?;
+        let size_text = line.split(';').next().unwrap_or("").trim();
+        let size = usize::from_str_radix(size_text, 16)
+            .map_err(|_| HttpCodecError::Malformed("bad chunk size"))?;
+        if size == 0 {
+            let mut budget = MAX_HEAD_LEN;
+            read_headers(r, &mut budget)?;
+            return Ok(body);
+        }
+        if body.len().saturating_add(size) > max_body {
+            return Err(HttpCodecError::TooLarge {
+                what: "body",
+                max: max_body,
+            });
+        }
+        body.extend(read_exact_body(r, size)?);
+        let mut budget = 2;
+        if !read_line(r, &mut budget)?.is_empty() {
+            return Err(HttpCodecError::Malformed("chunk not followed by CRLF"));
+        }
+    }
+}
+
+fn read_body(
+    r: &mut impl BufRead,
+    headers: &[(String, String)],
+    max_body: usize,
+    until_eof: bool,
+) -> Result<Vec<u8>, HttpCodecError> {
+    if header(headers, "transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
+        return read_chunked(r, max_body);
+    }
+    if let Some(len) = header(headers, "content-length") {
+        let len: usize = len
+            .parse()
+            .map_err(|_| HttpCodecError::Malformed("bad Content-Length"))?;
+        if len > max_body {
+            return Err(HttpCodecError::TooLarge {
+                what: "body",
+                max: max_body,
+            });
+        }
+        return read_exact_body(r, len);
+    }
+    if !until_eof {
+        return Ok(Vec::new());
+    }
+    let mut body = Vec::new();
+    r.take(max_body as u64 + 1).read_to_end(&mut body)?;
+    if body.len() > max_body {
+        return Err(HttpCodecError::TooLarge {
+            what: "body",
+            max: max_body,
+        });
+    }
+    Ok(body)
+}
+
+/// Reads a request (server side). `Ok(None)` when the peer closed before sending anything.
+pub fn read_request(
+    r: &mut impl BufRead,
+    max_body: usize,
+) -> Result<Option<ParsedRequest>, HttpCodecError> {
+    let mut budget = MAX_HEAD_LEN;
+    let start = match read_line(r, &mut budget) {
+        Err(HttpCodecError::Truncated) => return Ok(None),
+        other => other?,
+    };
+    let mut parts = start.split(' ');
+    let (Some(method), Some(path), Some(version), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(HttpCodecError::Malformed("bad request line"));
+    };
+    if !is_token(method) || !is_path(path) || !version.starts_with("HTTP/1.") {
+        return Err(HttpCodecError::Malformed("bad request line"));
+    }
+    let headers = read_headers(r, &mut budget)?;
+    let body = read_body(r, &headers, max_body, false)?;
+    Ok(Some(ParsedRequest {
+        method: method.to_string(),
+        path: path.to_string(),
+        headers,
+        body,
+    }))
+}
+
+/// Writes a complete response with `Connection: close`.
+pub fn write_response(
+    w: &mut impl Write,
+    status: u16,
+    content_type: &str,
+    body: &[u8],
+) -> io::Result<()> {
+    let reason = match status {
+        200 => "OK",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        413 => "Payload Too Large",
+        _ => "Error",
+    };
+    write!(
+        w,
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )?;
+    w.write_all(body)?;
+    w.flush()
+}
+
+/// Sends `req` to `stream` (a fresh connection to the payload) and reads the response.
+pub fn exchange<S: Read + Write>(
+    stream: S,
+    host: &str,
+    req: &HttpRequest,
+    max_body: usize,
+) -> Result<HttpResponse, HttpCodecError> {
+    if !is_token(&req.method) {
+        return Err(HttpCodecError::InvalidField("method"));
+    }
+    if !is_path(&req.path) {
+        return Err(HttpCodecError::InvalidField("path"));
+    }
+    let mut head = format!("{} {} HTTP/1.1\r\nHost: {host}\r\n", req.method, req.path);
+    for (name, value) in &req.headers {
+        if !is_token(name) || !is_field_value(value) {
+            return Err(HttpCodecError::InvalidField("header"));
+        }
+        let lower = name.to_ascii_lowercase();
+        if ["host", "content-length", "connection", "transfer-encoding"].contains(&lower.as_str()) {
+            continue;
+        }
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str(&format!(
+        "Content-Length: {}\r\nConnection: close\r\n\r\n",
+        req.body.len()
+    ));
+    let mut r = BufReader::new(stream);
+    r.get_mut().write_all(head.as_bytes())?;
+    r.get_mut().write_all(req.body.as_bytes())?;
+    r.get_mut().flush()?;
+
+    let mut budget = MAX_HEAD_LEN;
+    let status_line = read_line(&mut r, &mut budget)?;
+    let mut parts = status_line.splitn(3, ' ');
+    let version = parts.next().unwrap_or("");
+    let status: u16 = parts
+        .next()
+        .and_then(|s| s.parse().ok())
+        .filter(|s| (100..600).contains(s))
+        .ok_or(HttpCodecError::Malformed("bad status line"))?;
+    if !version.starts_with("HTTP/1.") {
+        return Err(HttpCodecError::Malformed("bad status line"));
+    }
+    let headers = read_headers(&mut r, &mut budget)?;
+    let body = read_body(&mut r, &headers, max_body, true)?;
+    Ok(HttpResponse {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Cursor;
+
+    /// A duplex test stream: reads from `input`, records writes.
+    struct Duplex {
+        input: Cursor<Vec<u8>>,
+        output: Vec<u8>,
+    }
+    impl Read for Duplex {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.input.read(buf)
+        }
+    }
+    impl Write for Duplex {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.output.extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn post(body: &str) -> HttpRequest {
+        HttpRequest {
+            method: "POST".into(),
+            path: "/v1/completions".into(),
+            headers: vec![("Content-Type".into(), "application/json".into())],
+            body: body.into(),
+        }
+    }
+
+    #[test]
+    fn request_written_by_exchange_is_parsed_by_read_request() {
+        let mut d = Duplex {
+            input: Cursor::new(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi".to_vec()),
+            output: Vec::new(),
+        };
+        let resp = exchange(&mut d, "127.0.0.1:8000", &post("{\"a\":1}"), 1024).unwrap();
+        assert_eq!(resp.status, 200);
+        assert_eq!(resp.body, "hi");
+        let parsed = read_request(&mut Cursor::new(d.output), 1024)
+            .unwrap()
+            .unwrap();
+        assert_eq!(parsed.method, "POST");
+        assert_eq!(parsed.path, "/v1/completions");
+        assert_eq!(parsed.body, b"{\"a\":1}");
+    }
+
+    #[test]
+    fn chunked_and_close_delimited_responses_are_read() {
+        let chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2;x=y\r\nde\r\n0\r\n\r\n";
+        let mut d = Duplex {
+            input: Cursor::new(chunked.to_vec()),
+            output: Vec::new(),
+        };
+        assert_eq!(exchange(&mut d, "h", &post(""), 100).unwrap().body, "abcde");
+        let mut d = Duplex {
+            input: Cursor::new(b"HTTP/1.0 404 Not Found\r\n\r\nnope".to_vec()),
+            output: Vec::new(),
+        };
+        let r = exchange(&mut d, "h", &post(""), 100).unwrap();
+        assert_eq!((r.status, r.body.as_str()), (404, "nope"));
+    }
+
+    #[test]
+    fn header_injection_is_refused() {
+        let mut d = Duplex {
+            input: Cursor::new(Vec::new()),
+            output: Vec::new(),
+        };
+        let mut req = post("");
+        req.headers = vec![("X".into(), "a\r\nEvil: 1".into())];
+        assert!(matches!(
+            exchange(&mut d, "h", &req, 10),
+            Err(HttpCodecError::InvalidField("header"))
+        ));
+        let mut req = post("");
+        req.path = "/a HTTP/1.1\r\n".into();
+        assert!(matches!(
+            exchange(&mut d, "h", &req, 10),
+            Err(HttpCodecError::InvalidField("path"))
+        ));
+        let mut req = post("");
+        req.method = "GET /".into();
+        assert!(matches!(
+            exchange(&mut d, "h", &req, 10),
+            Err(HttpCodecError::InvalidField("method"))
+        ));
+        assert!(d.output.is_empty());
+    }
+
+    #[test]
+    fn hostile_responses_are_errors() {
+        let cases: &[&[u8]] = &[
+            b"",
+            b"garbage\r\n\r\n",
+            b"HTTP/1.1 999 What\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 99999999\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\n",
+            b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n",
+        ];
+        for case in cases {
+            let mut d = Duplex {
+                input: Cursor::new(case.to_vec()),
+                output: Vec::new(),
+            };
+            assert!(
+                exchange(&mut d, "h", &post(""), 1000).is_err(),
+                "{}",
+                String::from_utf8_lossy(case)
+            );
+        }
+        let mut huge = b"HTTP/1.1 200 OK\r\n".to_vec();
+        huge.extend(std::iter::repeat_n(b'a', MAX_HEAD_LEN + 10));
+        let mut d = Duplex {
+            input: Cursor::new(huge),
+            output: Vec::new(),
+        };
+        assert!(matches!(
+            exchange(&mut d, "h", &post(""), 1000),
+            Err(HttpCodecError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn hostile_requests_are_errors() {
+        let cases: &[&[u8]] = &[
+            b"GET\r\n\r\n",
+            b"GET / HTTP/1.1 extra\r\n\r\n",
+            b"GET relative HTTP/1.1\r\n\r\n",
+            b"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
+            b"POST / HTTP/1.1\r\nContent-Length: 5000\r\n\r\n",
+        ];
+        for case in cases {
+            assert!(read_request(&mut Cursor::new(case.to_vec()), 1000).is_err());
+        }
+        assert!(read_request(&mut Cursor::new(Vec::new()), 10)
+            .unwrap()
+            .is_none());
+    }
+}

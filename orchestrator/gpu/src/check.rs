@@ -1,0 +1,448 @@
+//! `tenantvm host check`: the preflight. One line per check with pass, warn or fail and, when
+//! it is not a pass, the fix. Everything is read under a [`Sysfs`] root, so the checks run
+//! against the real host (`/`) or a fake tree.
+
+use std::fmt::Write as _;
+use std::os::fd::AsRawFd;
+
+use serde::Serialize;
+
+use crate::host::{vfio::VFIO_DRIVER, PciDevice, Sysfs};
+use crate::mig::{self, NVIDIA_VENDOR_ID};
+
+/// Outcome of one check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// Fine.
+    Pass,
+    /// Works, with a limitation.
+    Warn,
+    /// tenantvm cannot work like this.
+    Fail,
+}
+
+/// One check's result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CheckResult {
+    /// Short name (`kvm`, `iommu`, `gpu 0000:18:00.0`...).
+    pub name: String,
+    /// Outcome.
+    pub status: Status,
+    /// What was found.
+    pub detail: String,
+    /// What to do, when not a pass.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fix: Option<String>,
+}
+
+fn result(
+    name: impl Into<String>,
+    status: Status,
+    detail: impl Into<String>,
+    fix: Option<&str>,
+) -> CheckResult {
+    CheckResult {
+        name: name.into(),
+        status,
+        detail: detail.into(),
+        fix: fix.map(str::to_string),
+    }
+}
+
+/// KVM_GET_API_VERSION, _IO(0xAE, 0x00).
+const KVM_GET_API_VERSION: libc::c_ulong = 0xAE00;
+
+fn check_kvm(s: &Sysfs) -> CheckResult {
+    let path = s.path("dev/kvm");
+    match std::fs::File::options().read(true).write(true).open(&path) {
+        // SAFETY: KVM_GET_API_VERSION takes no argument and only returns an integer.
+        Ok(f) => match unsafe { libc::ioctl(f.as_raw_fd(), KVM_GET_API_VERSION as _, 0) } {
+            12 => result("kvm", Status::Pass, "/dev/kvm answers API version 12", None),
+            v => result(
+                "kvm",
+                Status::Fail,
+                format!("{} is not a usable KVM device (KVM_GET_API_VERSION gave {v})", path.display()),
+                Some("load kvm_intel or kvm_amd and check that /dev/kvm is the KVM device"),
+            ),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => result(
+            "kvm",
+            Status::Fail,
+            "/dev/kvm exists but cannot be opened",
+            Some("run tenantvmd as root (or a user in the kvm group)"),
+        ),
+        Err(_) => result(
+            "kvm",
+            Status::Fail,
+            "/dev/kvm is missing",
+            Some("enable virtualization (VT-x/AMD-V) in the firmware and `modprobe kvm_intel` or `modprobe kvm_amd`"),
+        ),
+    }
+}
+
+fn check_iommu(s: &Sysfs) -> CheckResult {
+    let groups = s.iommu_groups();
+    if groups.is_empty() {
+        let cmdline = s.read(&s.path("proc/cmdline")).unwrap_or_default();
+        return result(
+            "iommu",
+            Status::Fail,
+            format!("no IOMMU groups (kernel command line: `{cmdline}`)"),
+            Some("enable VT-d/AMD-Vi in the firmware and add intel_iommu=on (Intel) or amd_iommu=on (AMD), plus iommu=pt, to the kernel command line"),
+        );
+    }
+    result(
+        "iommu",
+        Status::Pass,
+        format!("{} IOMMU groups", groups.len()),
+        None,
+    )
+}
+
+fn check_vfio(s: &Sysfs) -> CheckResult {
+    let driver = s.has_driver(VFIO_DRIVER) || s.path("sys/module/vfio_pci").is_dir();
+    let container = s.path("dev/vfio/vfio").exists();
+    match (driver, container) {
+        (true, true) => result(
+            "vfio-pci",
+            Status::Pass,
+            "vfio-pci loaded, /dev/vfio/vfio present",
+            None,
+        ),
+        (true, false) => result(
+            "vfio-pci",
+            Status::Fail,
+            "vfio-pci loaded but /dev/vfio/vfio is missing",
+            Some("`modprobe vfio` and check udev created /dev/vfio/vfio"),
+        ),
+        (false, _) => result(
+            "vfio-pci",
+            Status::Fail,
+            "vfio-pci is not loaded",
+            Some("`modprobe vfio-pci` (and add it to /etc/modules-load.d/)"),
+        ),
+    }
+}
+
+fn nvidia_version(s: &Sysfs) -> Option<(String, u32)> {
+    let v = s.read(&s.path("sys/module/nvidia/version")).ok()?;
+    let major = v.split('.').next()?.parse().ok()?;
+    Some((v, major))
+}
+
+fn check_gpu(s: &Sysfs, d: &PciDevice, driver_major: Option<u32>) -> Vec<CheckResult> {
+    let name = format!("gpu {}", d.address);
+    let id = format!("{:04x}:{:04x}", d.vendor, d.device);
+    let mut out = Vec::new();
+    match mig::model_by_pci_device(d.device) {
+        Some(m) => {
+            let mut line = format!(
+                "{} ({id}): MIG supported, driver >= R{}",
+                m.name, m.min_driver
+            );
+            if !m.confirmed {
+                line.push_str(" (profile figures unconfirmed: NVML's win at run time)");
+            }
+            match driver_major {
+                Some(v) if v < m.min_driver => out.push(result(
+                    &name,
+                    Status::Warn,
+                    format!("{line}; loaded driver R{v} is too old for MIG"),
+                    Some("install a newer NVIDIA data-center driver; whole-GPU passthrough still works"),
+                )),
+                _ => out.push(result(&name, Status::Pass, line, None)),
+            }
+        }
+        None => out.push(result(
+            &name,
+            Status::Warn,
+            format!("{id}: this SKU has no MIG"),
+            Some("only whole-GPU passthrough is possible for this GPU"),
+        )),
+    }
+    if let Some(g) = d.iommu_group {
+        let others: Vec<String> = s
+            .group_members(g)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|m| !m.is_bridge() && m.address.slot() != d.address.slot())
+            .map(|m| {
+                format!(
+                    "{} ({})",
+                    m.address,
+                    m.driver.unwrap_or_else(|| "no driver".into())
+                )
+            })
+            .collect();
+        if !others.is_empty() {
+            out.push(result(
+                format!("{name} group"),
+                Status::Warn,
+                format!("IOMMU group {g} also holds {}", others.join(", ")),
+                Some("move the GPU or the other device to another slot, or enable ACS on the switch; tenantvm refuses to pass a group the host uses"),
+            ));
+        }
+    } else {
+        out.push(result(
+            format!("{name} group"),
+            Status::Fail,
+            "no IOMMU group",
+            Some("enable the IOMMU (see the iommu check)"),
+        ));
+    }
+    let dir = s.path("sys/bus/pci/devices").join(d.address.as_str());
+    let vfs: u32 = s
+        .read(&dir.join("sriov_totalvfs"))
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let mdev = dir.join("mdev_supported_types").is_dir();
+    let manager = s.path("sys/module/nvidia_vgpu_vfio").is_dir();
+    let (status, detail, fix) = match (vfs > 0, mdev, manager) {
+        (true, _, true) => (Status::Pass, format!("SR-IOV with {vfs} VFs, vGPU manager loaded (MIG-backed vGPU)"), None),
+        (false, true, _) => (Status::Pass, "mdev vGPU types present (older vGPU driver)".to_string(), None),
+        (true, _, false) => (
+            Status::Warn,
+            format!("SR-IOV with {vfs} VFs but no vGPU manager"),
+            Some("install NVIDIA's vGPU manager for MIG-backed vGPU; whole-GPU passthrough still works"),
+        ),
+        (false, false, _) => (
+            Status::Warn,
+            "no SR-IOV and no mdev types".to_string(),
+            Some("MIG-backed vGPU needs SR-IOV and NVIDIA's vGPU manager; whole-GPU passthrough still works"),
+        ),
+    };
+    out.push(CheckResult {
+        name: format!("{name} vgpu"),
+        status,
+        detail,
+        fix: fix.map(str::to_string),
+    });
+    out
+}
+
+fn check_cgroup(s: &Sysfs) -> CheckResult {
+    if s.path("sys/fs/cgroup/cgroup.controllers").exists() {
+        return result("cgroup", Status::Pass, "cgroup v2", None);
+    }
+    let v1: Vec<&str> = ["memory", "cpu", "pids"]
+        .into_iter()
+        .filter(|c| s.path("sys/fs/cgroup").join(c).is_dir())
+        .collect();
+    if v1.len() == 3 {
+        result(
+            "cgroup",
+            Status::Warn,
+            "cgroup v1 (memory, cpu, pids)",
+            Some("boot with systemd.unified_cgroup_hierarchy=1 for cgroup v2; v1 works with fewer guarantees"),
+        )
+    } else {
+        result(
+            "cgroup",
+            Status::Fail,
+            format!("no cgroup v2 and only {v1:?} of the v1 controllers"),
+            Some("mount cgroup v2 at /sys/fs/cgroup (or the v1 memory, cpu and pids controllers)"),
+        )
+    }
+}
+
+fn check_hugepages(s: &Sysfs) -> CheckResult {
+    let read = |size: &str| -> u64 {
+        s.read(&s.path(&format!(
+            "sys/kernel/mm/hugepages/hugepages-{size}/nr_hugepages"
+        )))
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+    };
+    let (two_m, one_g) = (read("2048kB"), read("1048576kB"));
+    if two_m == 0 && one_g == 0 {
+        return result(
+            "hugepages",
+            Status::Warn,
+            "no huge pages reserved",
+            Some("reserve 1 GiB pages for guests with GPUs (their memory is pinned for DMA): add hugepagesz=1G hugepages=N to the kernel command line"),
+        );
+    }
+    result(
+        "hugepages",
+        Status::Pass,
+        format!("{one_g} × 1 GiB, {two_m} × 2 MiB reserved"),
+        None,
+    )
+}
+
+/// Runs every check.
+pub fn host_check(s: &Sysfs) -> Vec<CheckResult> {
+    let mut out = vec![check_kvm(s), check_iommu(s), check_vfio(s)];
+    let driver = nvidia_version(s);
+    out.push(match &driver {
+        Some((v, _)) => result("nvidia driver", Status::Pass, format!("version {v}"), None),
+        None => result(
+            "nvidia driver",
+            Status::Warn,
+            "the nvidia module is not loaded",
+            Some("install the NVIDIA data-center driver for MIG and vGPU; whole-GPU passthrough does not need it"),
+        ),
+    });
+    let devices = s.devices().unwrap_or_default();
+    let gpus: Vec<&PciDevice> = devices
+        .iter()
+        .filter(|d| d.vendor == NVIDIA_VENDOR_ID && d.is_gpu())
+        .filter(|d| {
+            !s.path("sys/bus/pci/devices")
+                .join(d.address.as_str())
+                .join("physfn")
+                .exists()
+        })
+        .collect();
+    if gpus.is_empty() {
+        out.push(result(
+            "gpus",
+            Status::Warn,
+            "no NVIDIA GPUs found",
+            Some("tenants can run without GPUs; check `lspci -d 10de:`"),
+        ));
+    }
+    for d in gpus {
+        out.extend(check_gpu(s, d, driver.as_ref().map(|(_, m)| *m)));
+    }
+    let nvswitches = devices
+        .iter()
+        .filter(|d| d.vendor == NVIDIA_VENDOR_ID && d.class >> 8 == 0x0680)
+        .count();
+    if nvswitches > 0 {
+        out.push(result(
+            "nvswitch",
+            Status::Warn,
+            format!("{nvswitches} NVSwitches: SXM GPUs share an NVLink fabric"),
+            Some("for whole-GPU passthrough run NVIDIA Fabric Manager in the shared NVSwitch virtualization model and give one VM only GPUs of one fabric partition (`fmpm -l`)"),
+        ));
+    }
+    out.push(check_cgroup(s));
+    out.push(check_hugepages(s));
+    out
+}
+
+/// The results as text, one line each (and a fix line under non-passes).
+pub fn to_text(results: &[CheckResult]) -> String {
+    let mut out = String::new();
+    for r in results {
+        let tag = match r.status {
+            Status::Pass => "pass",
+            Status::Warn => "WARN",
+            Status::Fail => "FAIL",
+        };
+        let _ = writeln!(out, "{tag}  {:<24} {}", r.name, r.detail);
+        if let Some(f) = &r.fix {
+            let _ = writeln!(out, "      fix: {f}");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::fake::FakeHost;
+
+    fn by_name<'a>(r: &'a [CheckResult], name: &str) -> &'a CheckResult {
+        r.iter()
+            .find(|c| c.name == name)
+            .unwrap_or_else(|| panic!("no check {name}: {r:#?}"))
+    }
+
+    #[test]
+    fn h100_host_passes_iommu_vfio_gpus_and_vgpu() {
+        let host = FakeHost::build(&FakeHost::h100x8_spec()).unwrap();
+        let r = host_check(&host.sysfs());
+        assert_eq!(by_name(&r, "iommu").status, Status::Pass);
+        assert_eq!(by_name(&r, "vfio-pci").status, Status::Pass);
+        assert_eq!(by_name(&r, "cgroup").status, Status::Pass);
+        assert_eq!(by_name(&r, "hugepages").status, Status::Pass);
+        let g = by_name(&r, "gpu 0000:18:00.0");
+        assert_eq!(g.status, Status::Pass);
+        assert!(g.detail.contains("H100"), "{}", g.detail);
+        assert_eq!(by_name(&r, "gpu 0000:db:00.0 vgpu").status, Status::Pass);
+        assert_eq!(
+            r.iter().filter(|c| c.name.ends_with(" vgpu")).count(),
+            8,
+            "NVSwitches are not GPUs"
+        );
+        let fabric = by_name(&r, "nvswitch");
+        assert_eq!(fabric.status, Status::Warn);
+        assert!(
+            fabric.detail.starts_with("4 NVSwitches"),
+            "{}",
+            fabric.detail
+        );
+    }
+
+    #[test]
+    fn audio_host_warns_about_shared_group_sku_and_old_driver() {
+        let host = FakeHost::build(&FakeHost::audio_host_spec()).unwrap();
+        let r = host_check(&host.sysfs());
+        assert!(
+            r.iter().all(|c| c.name != "gpu 0000:01:00.0 group"),
+            "the audio function is the GPU's own slot"
+        );
+        let shared = by_name(&r, "gpu 0000:03:00.0 group");
+        assert_eq!(shared.status, Status::Warn);
+        assert!(
+            shared.detail.contains("0000:04:00.0 (ixgbe)"),
+            "{}",
+            shared.detail
+        );
+        let l40s = by_name(&r, "gpu 0000:03:00.0");
+        assert!(l40s.detail.contains("no MIG"), "{}", l40s.detail);
+        let rtx = by_name(&r, "gpu 0000:01:00.0");
+        assert_eq!(
+            rtx.status,
+            Status::Warn,
+            "R535 is older than R575: {}",
+            rtx.detail
+        );
+        assert_eq!(by_name(&r, "cgroup").status, Status::Warn);
+        assert!(by_name(&r, "hugepages")
+            .fix
+            .as_ref()
+            .unwrap()
+            .contains("hugepages"));
+        assert_eq!(
+            by_name(&r, "gpu 0000:05:00.0 vgpu").status,
+            Status::Pass,
+            "mdev types"
+        );
+        assert!(
+            r.iter().all(|c| c.name != "nvswitch"),
+            "no NVSwitch on this host"
+        );
+        let text = to_text(&r);
+        assert!(text.contains("WARN  gpu 0000:03:00.0 group"), "{text}");
+    }
+
+    #[test]
+    fn empty_root_fails_with_fixes() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = host_check(&Sysfs::new(dir.path()));
+        for name in ["kvm", "iommu", "vfio-pci", "cgroup"] {
+            let c = by_name(&r, name);
+            assert_eq!(c.status, Status::Fail, "{name}");
+            assert!(c.fix.is_some(), "{name}");
+        }
+        assert_eq!(by_name(&r, "gpus").status, Status::Warn);
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json[0]["status"], "fail");
+    }
+
+    #[test]
+    fn real_kvm_is_detected_when_present() {
+        if !std::path::Path::new("/dev/kvm").exists() {
+            eprintln!("skipping: /dev/kvm is absent on this machine");
+            return;
+        }
+        let c = check_kvm(&Sysfs::new("/"));
+        assert_eq!(c.status, Status::Pass, "{c:?}");
+    }
+}
