@@ -259,10 +259,18 @@ async fn receipts(
             format!("Bad receipt query: {}", r.body_text()),
         )
     })?;
-    Ok(respond(
-        StatusCode::OK,
-        run(svc, headers, TenantCommand::Receipts(query.tenant)).await?,
-    ))
+    let header = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let out = tokio::task::spawn_blocking(move || {
+        let caller = crate::tenant::departure::receipt_caller(svc.store(), header.as_deref())?;
+        svc.execute(&caller, TenantCommand::Receipts(query.tenant))
+            .map_err(ApiError::from)
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))??;
+    Ok(respond(StatusCode::OK, out))
 }
 
 async fn quarantine(

@@ -248,3 +248,23 @@ impl Store {
         Ok(())
     }
 }
+
+impl Store {
+    /// The tenant a token belonged to if it was revoked because that tenant departed (its
+    /// row is `destroyed`), with the stored hash for a constant-time comparison. Such a token
+    /// may still read its own receipt, and nothing else.
+    pub fn departed_token_owner(
+        &self,
+        sha256_hex: &str,
+    ) -> Result<Option<(String, i64)>, StoreError> {
+        let conn = self.lock();
+        Ok(conn
+            .query_row(
+                "SELECT k.sha256, k.tenant_id FROM tokens k JOIN tenants t ON t.id = k.tenant_id
+                 WHERE k.sha256 = ?1 AND k.role = 'tenant' AND k.revoked_ms IS NOT NULL AND t.state = 'destroyed'",
+                [sha256_hex],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?)
+    }
+}

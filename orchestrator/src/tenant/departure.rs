@@ -394,3 +394,31 @@ pub fn rescrub(svc: &TenantService, slice: &str) -> Result<RescrubOutcome, Tenan
         scrub: outcome,
     })
 }
+
+/// The caller of a receipt request: any live token as usual, and also the revoked token of a
+/// departed tenant (revoked at the end of its departure), which may read its own receipt only.
+pub fn receipt_caller(
+    store: &crate::store::Store,
+    header: Option<&str>,
+) -> Result<crate::auth::Caller, crate::auth::AuthError> {
+    use crate::auth::{self, AuthError, Caller};
+    match auth::authenticate(store, header) {
+        Err(AuthError::Invalid) => {
+            let token = header
+                .and_then(|h| h.strip_prefix("Bearer "))
+                .map(str::trim)
+                .filter(|t| t.starts_with(auth::TOKEN_PREFIX) && t.len() <= 128)
+                .ok_or(AuthError::Invalid)?;
+            let hash = auth::token_hash(token);
+            match store.departed_token_owner(&hash)? {
+                Some((stored, id))
+                    if auth::constant_time_eq(stored.as_bytes(), hash.as_bytes()) =>
+                {
+                    Ok(Caller::Tenant(id))
+                }
+                _ => Err(AuthError::Invalid),
+            }
+        }
+        other => other,
+    }
+}

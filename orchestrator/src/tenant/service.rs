@@ -412,6 +412,7 @@ impl TenantService {
         let only = match caller {
             Caller::Admin => name.map(str::to_string),
             Caller::Tenant(id) => {
+                // The tenant row may be destroyed: a departed tenant reads its own receipt.
                 let own = self.store.tenant_by_id(*id)?.name;
                 if name.is_some_and(|n| n != own) {
                     return Err(TenantServiceError::NotFound(

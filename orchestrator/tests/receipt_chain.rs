@@ -1,0 +1,97 @@
+//! Receipts through the real daemon and the CLI: every destroy appends one signed receipt;
+//! `tenantvm receipt verify` accepts the log and detects an edited, a removed and a reordered
+//! entry; `tenantvm receipt show` (through the API) shows the admin every receipt, a departed
+//! tenant's revoked token its own receipt only, and a live tenant's token none of another's. Skips without root or /dev/kvm.
+
+mod departure_common;
+mod support;
+
+use departure_common::{audit_log, cli, create, ok, receipts_of, text, verify};
+use support::daemon::{self, TestDaemon};
+
+#[test]
+fn receipt_chain_tampering_is_detected_through_the_cli() {
+    if daemon::should_skip("receipt_chain_tampering_is_detected_through_the_cli") {
+        return;
+    }
+    let mut d = TestDaemon::new();
+    d.start(None);
+    let names: Vec<String> = (0..3).map(|i| daemon::unique(&format!("rc{i}"))).collect();
+    for n in &names {
+        ok(create(&d, n, ""), "create", &d);
+        ok(cli(&d, None, &["destroy", n]), "destroy", &d);
+        assert_eq!(receipts_of(&d, n).len(), 1, "{n}");
+    }
+    // A departed tenant's (revoked) token still reads its own receipt, and nothing else.
+    let gone = d.dir.path().join(format!("{}.token", names[0]));
+    let own = ok(
+        cli(&d, Some(&gone), &["receipt", "show", "--json"]),
+        "departed tenant's receipt",
+        &d,
+    );
+    let list: serde_json::Value = serde_json::from_slice(&own.stdout).unwrap();
+    assert_eq!(list["receipts"].as_array().unwrap().len(), 1, "{list}");
+    assert_eq!(list["receipts"][0]["receipt"]["tenant"], names[0].as_str());
+    let o = cli(&d, Some(&gone), &["list"]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    let o = cli(&d, Some(&gone), &["receipt", "show", &names[1]]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    let v = ok(verify(&d), "verify", &d);
+    assert!(text(&v).contains("intact, 3 entries"), "{}", text(&v));
+
+    // Through the API: the admin sees all three; a live tenant's token sees none of them.
+    let shown = ok(cli(&d, None, &["receipt", "show", "--json"]), "show", &d);
+    let list: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(list["receipts"].as_array().unwrap().len(), 3);
+    let one = ok(
+        cli(&d, None, &["receipt", "show", &names[1], "--json"]),
+        "show one",
+        &d,
+    );
+    let list: serde_json::Value = serde_json::from_slice(&one.stdout).unwrap();
+    assert_eq!(list["receipts"][0]["receipt"]["tenant"], names[1].as_str());
+    let live = daemon::unique("rcl");
+    ok(create(&d, &live, ""), "create live", &d);
+    let tok = d.dir.path().join(format!("{live}.token"));
+    let mine = ok(
+        cli(&d, Some(&tok), &["receipt", "show", "--json"]),
+        "tenant show",
+        &d,
+    );
+    let list: serde_json::Value = serde_json::from_slice(&mine.stdout).unwrap();
+    assert!(list["receipts"].as_array().unwrap().is_empty(), "{list}");
+    let other = cli(&d, Some(&tok), &["receipt", "show", &names[0]]);
+    assert_eq!(other.status.code(), Some(5), "{}", text(&other));
+
+    let log = audit_log(&d);
+    let original = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<&str> = original.lines().collect();
+    let tampered = |content: String, what: &str| {
+        std::fs::write(&log, content).unwrap();
+        let o = verify(&d);
+        assert_eq!(
+            o.status.code(),
+            Some(1),
+            "{what} not detected: {}",
+            text(&o)
+        );
+        assert!(text(&o).contains("TAMPERED"), "{what}: {}", text(&o));
+    };
+    // Edited: one receipt's tenant renamed.
+    tampered(
+        original.replacen(&names[1], &names[2], 1),
+        "an edited entry",
+    );
+    // Removed: the middle entry.
+    tampered(format!("{}\n{}\n", lines[0], lines[2]), "a removed entry");
+    // Reordered: the last two swapped.
+    tampered(
+        format!("{}\n{}\n{}\n", lines[0], lines[2], lines[1]),
+        "reordered entries",
+    );
+    // Truncated: the last entry dropped (the signed head still names it).
+    tampered(format!("{}\n{}\n", lines[0], lines[1]), "a dropped tail");
+    std::fs::write(&log, &original).unwrap();
+    ok(verify(&d), "verify restored", &d);
+    d.stop();
+}
