@@ -173,3 +173,47 @@ where
     }
     out
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_that_ends_behind_the_daemons_back_turns_its_tenant_failed() {
+    if daemon::should_skip("a_vm_that_ends_behind_the_daemons_back_turns_its_tenant_failed") {
+        return;
+    }
+    let mut d = TestDaemon::new();
+    d.start(None);
+    let admin = d.admin();
+    let name = daemon::unique("gone");
+    let s = TenantSpec::from_toml(&format!(
+        "name = \"{name}\"\nmemory_mib = 32\n[image]\nname = \"idle\"\n"
+    ))
+    .unwrap();
+    admin.create(&s).await.unwrap();
+    wait_state(&d, &name, LifecycleState::Running).await;
+    // Stop the VMM through its own control socket, not through the daemon.
+    let sock = d
+        .state_dir()
+        .join("tenants")
+        .join(&name)
+        .join("run/api.sock");
+    let mut stream = tokio::net::UnixStream::connect(&sock).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut stream, b"{\"command\":\"shutdown\"}\n")
+        .await
+        .unwrap();
+    wait_state(&d, &name, LifecycleState::Failed).await;
+    let t = admin.status(&name).await.unwrap();
+    assert!(
+        t.error.as_deref().unwrap_or("").contains("on its own"),
+        "{t:?}"
+    );
+    assert!(t.pid.is_none());
+    admin.destroy(&name).await.unwrap();
+    let gone = eventually(Duration::from_secs(30), || {
+        let admin = admin.clone();
+        let name = name.clone();
+        async move { admin.status(&name).await.is_err() }
+    })
+    .await;
+    assert!(gone);
+    assert!(!daemon::cgroup_exists(&name));
+    d.stop();
+}

@@ -4,7 +4,7 @@
 
 pub mod types;
 
-use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -72,6 +72,7 @@ impl From<TenantServiceError> for ApiError {
         let (status, code) = match &e {
             E::Spec(_) => (StatusCode::BAD_REQUEST, "invalid_spec"),
             E::Image(_) => (StatusCode::BAD_REQUEST, "invalid_image"),
+            E::Unsupported(_) => (StatusCode::BAD_REQUEST, "unsupported"),
             E::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             E::Gpu(GpuPlanError::NoGpuBackend) | E::Gpu(GpuPlanError::Plan(_)) => {
                 (StatusCode::BAD_REQUEST, "gpu_unavailable")
@@ -193,8 +194,9 @@ async fn list(State(svc): State<TenantService>, headers: HeaderMap) -> Result<Re
 async fn status(
     State(svc): State<TenantService>,
     headers: HeaderMap,
-    Path(name): Path<String>,
+    name: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
     Ok(respond(
         StatusCode::OK,
         run(svc, headers, TenantCommand::Status(name)).await?,
@@ -204,8 +206,9 @@ async fn status(
 async fn destroy(
     State(svc): State<TenantService>,
     headers: HeaderMap,
-    Path(name): Path<String>,
+    name: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
     let out = run(svc, headers, TenantCommand::Destroy(name)).await?;
     Ok(respond(StatusCode::ACCEPTED, out))
 }
@@ -213,8 +216,9 @@ async fn destroy(
 async fn stop(
     State(svc): State<TenantService>,
     headers: HeaderMap,
-    Path(name): Path<String>,
+    name: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
     let out = run(svc, headers, TenantCommand::Stop(name)).await?;
     Ok(respond(StatusCode::ACCEPTED, out))
 }
@@ -222,8 +226,9 @@ async fn stop(
 async fn start(
     State(svc): State<TenantService>,
     headers: HeaderMap,
-    Path(name): Path<String>,
+    name: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
     let out = run(svc, headers, TenantCommand::Start(name)).await?;
     Ok(respond(StatusCode::ACCEPTED, out))
 }
@@ -231,9 +236,10 @@ async fn start(
 async fn logs(
     State(svc): State<TenantService>,
     headers: HeaderMap,
-    Path(name): Path<String>,
+    name: Result<Path<String>, PathRejection>,
     query: Result<Query<LogQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
     let Query(query) = query.map_err(|r| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -304,6 +310,25 @@ async fn rescrub(
     ))
 }
 
+/// A path segment that does not even decode names no tenant: answered like a missing one.
+fn tenant_name(name: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
+    name.map(|Path(n)| n).map_err(|_| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "No such tenant (check `tenantvm list`)",
+        )
+    })
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "Method not allowed on this endpoint; see docs/api/openapi.yaml",
+    )
+}
+
 async fn fallback() -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
@@ -325,6 +350,7 @@ pub fn router(svc: TenantService) -> Router {
         .route("/v1/gpu/quarantine", get(quarantine))
         .route("/v1/gpu/quarantine/scrub", post(rescrub))
         .fallback(fallback)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(svc)
 }

@@ -37,6 +37,10 @@ pub mod exit {
     pub const DAEMON_ERROR: u8 = 9;
     /// Forbidden: this token may not do that (e.g. a tenant token creating tenants).
     pub const FORBIDDEN: u8 = 10;
+    /// `plan`: the tenants do not all fit on the host.
+    pub const NO_FIT: u8 = 11;
+    /// `host check`: at least one check failed.
+    pub const HOST_CHECK_FAILED: u8 = 12;
 }
 
 const DEFAULT_SOCKET: &str = "/run/tenantvm/tenantvmd.sock";
@@ -55,9 +59,13 @@ const DEFAULT_TOKEN_FILE: &str = "/var/lib/tenantvm/admin.token";
 ///   tenantvm logs alice --follow
 ///   tenantvm destroy bob
 ///
+///   tenantvm plan -t tenants.toml --gpu h100-80gb --count 2   # GPU sizing, no daemon needed
+///   tenantvm host check                                       # host preflight
+///
 /// Exit statuses: 0 ok, 1 other error, 2 usage, 3 daemon unreachable, 4 token refused,
 /// 5 no such tenant, 6 conflict (name taken, busy, wrong state), 7 invalid request,
-/// 8 operation failed, 9 daemon error, 10 forbidden.
+/// 8 operation failed, 9 daemon error, 10 forbidden, 11 plan does not fit,
+/// 12 host check failed.
 #[derive(Debug, Parser)]
 #[command(name = "tenantvm", version, verbatim_doc_comment)]
 pub struct Cli {
@@ -106,6 +114,15 @@ pub enum Command {
     /// GPU slices: the quarantine of slices whose scrub did not verify.
     #[command(subcommand)]
     Gpu(GpuCommand),
+    /// Size tenants' GPU needs and place them on a host (live, simulated or hypothetical).
+    /// Runs locally; needs no daemon.
+    Plan(tenantvm_gpu::cli::PlanArgs),
+    /// Inspect this host.
+    Host {
+        /// What to do.
+        #[command(subcommand)]
+        command: HostCommand,
+    },
 }
 
 /// `tenantvm receipt ...`.
@@ -148,6 +165,13 @@ pub enum GpuCommand {
     /// CUDA_VISIBLE_DEVICES set to the device's UUID).
     #[command(hide = true)]
     ScrubDevice(crate::scrub::ScrubArgs),
+}
+
+/// `tenantvm host` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum HostCommand {
+    /// Preflight: IOMMU, VFIO, KVM, cgroups, GPUs and their drivers. Runs locally.
+    Check(tenantvm_gpu::cli::HostCheckArgs),
 }
 
 /// Flags of read commands.
@@ -406,6 +430,41 @@ pub async fn run(cli: Cli) -> u8 {
     }
 }
 
+fn gpu_failure(e: tenantvm_gpu::cli::GpuCliError) -> CliFailure {
+    use tenantvm_gpu::cli::GpuCliError as G;
+    let code = match e {
+        G::Usage(_) | G::Tenants(_) | G::Database(_) | G::MigParted(_) => exit::INVALID,
+        _ => exit::OTHER,
+    };
+    fail(code, e.to_string())
+}
+
+fn plan(args: &tenantvm_gpu::cli::PlanArgs) -> Result<(), CliFailure> {
+    let report =
+        tenantvm_gpu::cli::run_plan(args, &mut std::io::stdout().lock()).map_err(gpu_failure)?;
+    if report.fits {
+        Ok(())
+    } else {
+        Err(fail(
+            exit::NO_FIT,
+            "the tenants do not all fit (see the report above)",
+        ))
+    }
+}
+
+fn host_check(args: &tenantvm_gpu::cli::HostCheckArgs) -> Result<(), CliFailure> {
+    let results = tenantvm_gpu::cli::run_host_check(args, &mut std::io::stdout().lock())
+        .map_err(gpu_failure)?;
+    if tenantvm_gpu::cli::host_ok(&results) {
+        Ok(())
+    } else {
+        Err(fail(
+            exit::HOST_CHECK_FAILED,
+            "host check found failures (see above)",
+        ))
+    }
+}
+
 async fn run_inner(cli: Cli) -> Result<(), CliFailure> {
     // Commands that read local files only, and need no daemon or token.
     match &cli.command {
@@ -421,6 +480,10 @@ async fn run_inner(cli: Cli) -> Result<(), CliFailure> {
                 .map(|_| ())
                 .map_err(|e| fail(exit::OTHER, e.to_string()));
         }
+        Command::Plan(args) => return plan(args),
+        Command::Host {
+            command: HostCommand::Check(args),
+        } => return host_check(args),
         _ => {}
     }
     // Validate local input before looking for a token, so a bad spec says so first.
@@ -529,6 +592,7 @@ async fn run_inner(cli: Cli) -> Result<(), CliFailure> {
         Command::Receipt(ReceiptCommand::Verify(_)) | Command::Gpu(GpuCommand::ScrubDevice(_)) => {
             Err(fail(exit::OTHER, "local command reached the client"))
         }
+        Command::Plan(_) | Command::Host { .. } => Ok(()), // returned above
     }
 }
 

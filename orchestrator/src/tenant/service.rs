@@ -40,6 +40,9 @@ pub enum TenantServiceError {
     /// The state machine refused the command.
     #[error(transparent)]
     Lifecycle(#[from] LifecycleError),
+    /// The spec asks for something this daemon cannot provide yet.
+    #[error("Not supported yet: {0}")]
+    Unsupported(&'static str),
     /// The guest image cannot be found.
     #[error("Guest image: {0}")]
     Image(String),

@@ -18,7 +18,7 @@ impl OpenApi {
         let path =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/api/openapi.yaml");
         let text = std::fs::read_to_string(&path).expect("read openapi.yaml");
-        let root: Value = serde_yaml::from_str(&text).expect("openapi.yaml parses");
+        let root: Value = serde_yaml_ng::from_str(&text).expect("openapi.yaml parses");
         OpenApi { root }
     }
 
