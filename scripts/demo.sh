@@ -60,8 +60,10 @@ fi
 bold "Starting tenantvmd (state in $state)"
 # --keep-unknown-cgroups: this host may run other tenantvm daemons (tests); a production
 # daemon owns the host and removes tenant cgroups it does not know.
+# --kek-file/--keyslot-cost: a throwaway host KEK and the cheap test keyslot cost (demo only).
 "$bin/tenantvmd" --state-dir "$state" --socket "$sock" --image-dir "$work/images" \
-    --keep-unknown-cgroups >"$work/tenantvmd.log" 2>&1 &
+    --keep-unknown-cgroups --kek-file "$work/host-kek" --keyslot-cost test \
+    >"$work/tenantvmd.log" 2>&1 &
 daemon_pid=$!
 for _ in $(seq 1 200); do [ -S "$sock" ] && break; sleep 0.05; done
 [ -S "$sock" ] || { cat "$work/tenantvmd.log"; echo "demo: tenantvmd did not start" >&2; exit 1; }
@@ -107,6 +109,10 @@ run "$bin/tenantvm" --token-file "$work/alice.token" status bob || echo "(exit $
 
 bold "Destroying bob"
 tvm destroy bob
+
+bold "Bob's departure receipt, and the signed audit log's chain"
+tvm receipt show bob
+tvm receipt verify --log "$state/audit/receipts.jsonl" --public-key "$state/audit/receipt-signing.key.pub"
 
 bold "What is left"
 tvm list

@@ -178,6 +178,15 @@ async fn bind(socket: &Path) -> anyhow::Result<UnixListener> {
 
 /// Runs the daemon until a signal stops it.
 pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
+    // Unwrapped disk keys pass through this process (create-disk, crypto-shred): no core
+    // dumps and no ptrace by non-root users of the same uid.
+    // SAFETY: prctl(PR_SET_DUMPABLE, 0) only changes this process's dumpable flag.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        tracing::warn!(
+            error = %std::io::Error::last_os_error(),
+            "cannot disable core dumps; set LimitCORE=0 in the unit"
+        );
+    }
     make_state_dir(&args.state_dir)?;
     let fault = FaultHook::from_env()?;
     if fault.is_armed() {

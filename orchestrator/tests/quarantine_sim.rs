@@ -66,6 +66,7 @@ fn a_failed_scrub_keeps_the_slice_out_until_a_scrub_passes() {
     let o = create(&d, &b, GPU);
     assert_eq!(o.status.code(), Some(8), "{}", text(&o));
     assert!(text(&o).contains("reserve-gpu"), "{}", text(&o));
+    assert!(text(&o).contains("quarantined"), "{}", text(&o));
     ok(cli(&d, None, &["destroy", &b]), "destroy b", &d);
 
     // A re-scrub that fails again keeps it.

@@ -95,3 +95,34 @@ fn receipt_chain_tampering_is_detected_through_the_cli() {
     ok(verify(&d), "verify restored", &d);
     d.stop();
 }
+
+#[test]
+fn a_failed_destroy_step_stays_destroying_and_destroy_again_resumes() {
+    if daemon::should_skip("a_failed_destroy_step_stays_destroying_and_destroy_again_resumes") {
+        return;
+    }
+    let mut d = TestDaemon::new();
+    d.start(None);
+    let name = daemon::unique("rf");
+    ok(create(&d, &name, ""), "create", &d);
+    // A damaged audit log refuses appends, so write-receipt fails.
+    let log = audit_log(&d);
+    std::fs::create_dir_all(log.parent().unwrap()).unwrap();
+    std::fs::write(&log, "not an audit entry\n").unwrap();
+    let o = cli(&d, None, &["destroy", &name]);
+    assert_eq!(o.status.code(), Some(8), "{}", text(&o));
+    assert!(text(&o).contains("write-receipt"), "{}", text(&o));
+    assert!(text(&o).contains("again to resume"), "{}", text(&o));
+    let t = d.store().tenant(&name).unwrap().unwrap();
+    assert_eq!(
+        t.state,
+        tenantvm::tenant::lifecycle::LifecycleState::Destroying
+    );
+    // Fixed, destroy resumes the same departure and finishes it.
+    std::fs::remove_file(&log).unwrap();
+    ok(cli(&d, None, &["destroy", &name]), "destroy again", &d);
+    assert!(d.store().tenant(&name).unwrap().is_none());
+    assert_eq!(receipts_of(&d, &name).len(), 1);
+    ok(verify(&d), "verify", &d);
+    d.stop();
+}

@@ -424,3 +424,78 @@ async fn the_checker_rejects_bodies_that_break_the_spec() {
         .check_response("GET", "/v1/tenants", 401, &wrong)
         .is_err());
 }
+
+#[tokio::test]
+async fn departure_endpoints_match_the_spec_and_are_scoped() {
+    let api = Api::new();
+    let a = Some(api.admin.as_str());
+    let (s, created) = api
+        .checked(
+            "POST",
+            "/v1/tenants",
+            "/v1/tenants",
+            a,
+            Some(spec_json("dep")),
+        )
+        .await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+    let tenant_token = created["token"].as_str().unwrap().to_string();
+    api.idle().await;
+    let (s, _) = api
+        .checked("DELETE", "/v1/tenants/dep", "/v1/tenants/{name}", a, None)
+        .await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+    api.idle().await;
+
+    let (s, list) = api
+        .checked("GET", "/v1/receipts", "/v1/receipts", a, None)
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(list["receipts"].as_array().unwrap().len(), 1);
+    let (s, list) = api
+        .checked("GET", "/v1/receipts?tenant=nobody", "/v1/receipts", a, None)
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(list["receipts"].as_array().unwrap().is_empty());
+    // The departed tenant's revoked token reads its own receipt, and nothing else.
+    let t = Some(tenant_token.as_str());
+    let (s, list) = api
+        .checked("GET", "/v1/receipts", "/v1/receipts", t, None)
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(list["receipts"][0]["receipt"]["tenant"], "dep");
+    let (s, _) = api
+        .checked("GET", "/v1/tenants", "/v1/tenants", t, None)
+        .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _) = api
+        .checked("GET", "/v1/gpu/quarantine", "/v1/gpu/quarantine", t, None)
+        .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+
+    let (s, q) = api
+        .checked("GET", "/v1/gpu/quarantine", "/v1/gpu/quarantine", a, None)
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(q["slices"].as_array().unwrap().is_empty());
+    let (s, e) = api
+        .checked(
+            "POST",
+            "/v1/gpu/quarantine/scrub",
+            "/v1/gpu/quarantine/scrub",
+            a,
+            Some(json!({"slice": "0/none"}).to_string()),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND, "{e}");
+    let (s, _) = api
+        .checked(
+            "POST",
+            "/v1/gpu/quarantine/scrub",
+            "/v1/gpu/quarantine/scrub",
+            a,
+            Some("{\"nope\": 1}".to_string()),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+}

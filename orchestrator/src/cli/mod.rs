@@ -501,6 +501,7 @@ async fn run_inner(cli: Cli) -> Result<(), CliFailure> {
                 .map(|_| ())
                 .map_err(|e| fail(exit::OTHER, e.to_string()));
         }
+        // GPU planning and the host preflight run locally, without the daemon or a token.
         Command::Plan(args) => return plan(args),
         Command::Host {
             command: HostCommand::Check(args),

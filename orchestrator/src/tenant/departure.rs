@@ -256,7 +256,7 @@ pub(crate) fn record_existing_step(
         }
         Step::StopVm => plain(
             DepartureStep::AgentShutdown,
-            "VM shutdown through the VMM control socket, SIGKILL after 500 ms; no guest agent yet (issue 7)",
+            "VM shutdown through the VMM control socket, SIGKILL after 500 ms; the guest runs no agent (not a guest image set)",
             StepResult::Ok,
             Assurance::Unverified,
             started_at,
@@ -376,18 +376,13 @@ pub fn rescrub(svc: &TenantService, slice: &str) -> Result<RescrubOutcome, Tenan
         .quarantined()?
         .into_iter()
         .find(|q| q.id() == slice)
-        .ok_or_else(|| {
-            TenantServiceError::BadRequest(RescrubError::NotQuarantined(slice.into()).to_string())
-        })?;
+        .ok_or_else(|| RescrubError::NotQuarantined(slice.into()))?;
     let p = q.placement();
     let failed = |e: &dyn std::fmt::Display| {
-        TenantServiceError::BadRequest(
-            RescrubError::Failed {
-                slice: slice.to_string(),
-                message: e.to_string(),
-            }
-            .to_string(),
-        )
+        TenantServiceError::Rescrub(RescrubError::Failed {
+            slice: slice.to_string(),
+            message: e.to_string(),
+        })
     };
     svc.gpu.materialize(&p).map_err(|e| failed(&e))?;
     let outcome = svc.gpu.scrub(&p);

@@ -370,10 +370,9 @@ impl TenantService {
     fn create(&self, spec: TenantSpec) -> Result<CreateResponse, TenantServiceError> {
         spec.validate()?;
         if spec.disk_gib > 0 && !self.backend.supports_disks() {
-            return Err(TenantServiceError::Image(format!(
-                "the {:?} backend cannot attach disks yet: create the tenant with disk_gib = 0, or run tenantvmd --backend qemu-kvm",
-                self.backend.kind()
-            )));
+            return Err(TenantServiceError::Unsupported(
+                "this VM backend cannot attach disks yet (tenantvm-vmm has no virtio-blk): create the tenant with disk_gib = 0, or run tenantvmd --backend qemu-kvm",
+            ));
         }
         // Fail fast on what can be checked before anything is recorded.
         steps::resolve_image(&self.config, &spec)?;

@@ -246,9 +246,19 @@ fn run_step(
             if t.spec.gpu.wants_gpu() {
                 let candidates = svc.gpu.candidates(&t.spec.gpu)?;
                 if svc.store.reserve_gpu(t.id, &candidates)?.is_none() {
+                    let quarantined = svc.store.quarantined()?;
+                    let held_back = candidates.iter().any(|c| {
+                        quarantined
+                            .iter()
+                            .any(|q| q.gpu == c.gpu && q.slots.iter().any(|s| c.slots.contains(s)))
+                    });
                     return Err(step_err(
                         step,
-                        "every GPU placement that fits the request is taken; destroy a tenant or ask for a smaller profile",
+                        if held_back {
+                            "every GPU placement that fits the request is taken or quarantined (a scrub did not verify: see `tenantvm gpu quarantine`); destroy a tenant, re-scrub with `tenantvm gpu scrub`, or ask for a smaller profile"
+                        } else {
+                            "every GPU placement that fits the request is taken; destroy a tenant or ask for a smaller profile"
+                        },
                     ));
                 }
             }

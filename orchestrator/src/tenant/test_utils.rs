@@ -30,6 +30,8 @@ pub struct FakeHostState {
     pub fail_launch: bool,
     /// Limits each launch asked for.
     pub launched_with: Vec<JailConfig>,
+    /// The fake backend cannot attach disks (like tenantvm-vmm today).
+    pub no_disks: bool,
 }
 
 /// A fake host shared by [`FakeBackend`] and the fake jail cleaner.
@@ -49,6 +51,10 @@ pub struct FakeBackend(pub FakeHost);
 impl VmBackend for FakeBackend {
     fn kind(&self) -> BackendKind {
         BackendKind::TenantvmVmm
+    }
+
+    fn supports_disks(&self) -> bool {
+        !self.0.state().no_disks
     }
 
     fn launch(&self, spec: &VmSpec, jail: &JailConfig) -> Result<RunningVm, BackendError> {

@@ -70,7 +70,9 @@ pub fn create(d: &TestDaemon, name: &str, extra: &str) -> Output {
 /// The stock Debian kernel (scripts/setup.sh), which QEMU boots (the idle guest is for
 /// tenantvm-vmm only).
 pub fn stock_kernel() -> Option<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent()?.to_path_buf();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()?
+        .to_path_buf();
     let k = root.join(".cache/kernel/vmlinuz");
     k.is_file().then_some(k)
 }
