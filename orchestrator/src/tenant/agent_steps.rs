@@ -45,6 +45,8 @@ pub const INFER_TIMEOUT: Duration = Duration::from_secs(120);
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long each agent call of a step may take once the agent answers.
 const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long one round of waiting for the agent lasts before the VM is checked again.
+const AWAIT_ROUND: Duration = Duration::from_secs(5);
 /// What the stop step left for the departure receipt.
 const SHUTDOWN_RECORD: &str = "agent-shutdown.json";
 
@@ -162,26 +164,39 @@ pub(crate) fn run_step(
     match step {
         Step::AwaitAgent => {
             let started = Instant::now();
-            let (_, status) = AgentClient::wait_for_ready_with(
-                &mut |timeout| {
-                    // A VM that ended will never answer: stop waiting at once.
-                    if let Ok(VmState::Exited { .. } | VmState::Gone) = svc.backend.state(&vm) {
-                        return Err(AgentClientError::Closed);
-                    }
-                    connect(&vm, timeout)
-                },
-                svc.config.agent_timeout,
-            )
-            .map_err(|e| {
+            let deadline = started + svc.config.agent_timeout;
+            let waited = |e: &dyn std::fmt::Display| {
                 step_err(
                     step,
                     format!(
-                        "{e} (waited {:?}; see `tenantvm logs {} --stream serial`)",
+                        "{e} (waited {:.0?}; see `tenantvm logs {} --stream serial`)",
                         started.elapsed(),
                         t.name
                     ),
                 )
-            })?;
+            };
+            let status = loop {
+                // A VM that ended will never answer: stop waiting at once.
+                if let Ok(VmState::Exited { status }) = svc.backend.state(&vm) {
+                    return Err(waited(&format!(
+                        "the VM ended ({status:?}) before its agent answered"
+                    )));
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(waited(&"the guest agent did not answer in time"));
+                }
+                match AgentClient::wait_for_ready_with(
+                    &mut |timeout| connect(&vm, timeout),
+                    left.min(AWAIT_ROUND),
+                ) {
+                    Ok((_, status)) => break status,
+                    Err(e) if Instant::now() >= deadline => return Err(waited(&e)),
+                    Err(e) => {
+                        tracing::debug!(tenant = %t.name, error = %e, "agent not answering yet")
+                    }
+                }
+            };
             tracing::info!(
                 tenant = %t.name,
                 agent = %status.agent_version,
@@ -517,5 +532,49 @@ mod tests {
         assert!(err.contains("refusing to talk to it"), "{err}");
         let ok = RunningVm { uid: me, ..vm };
         assert!(connect(&ok, Duration::from_secs(1)).is_ok());
+    }
+
+    #[test]
+    fn infer_is_refused_for_unknown_foreign_and_agentless_tenants() {
+        use crate::auth::Caller;
+        use crate::tenant::fault::FaultHook;
+        use crate::tenant::service::{CommandOutcome, TenantCommand};
+        use crate::tenant::test_utils::Harness;
+        let h = Harness::new(FaultHook::default());
+        let mut ids = Vec::new();
+        for name in ["a", "b"] {
+            let spec =
+                TenantSpec::from_toml(&format!("name = \"{name}\"\n[image]\nname = \"hello\"\n"))
+                    .unwrap();
+            match h.svc.execute(&Caller::Admin, TenantCommand::Create(spec)) {
+                Ok(CommandOutcome::Created(c)) => ids.push(c.tenant.name),
+                other => panic!("{other:?}"),
+            }
+        }
+        h.svc.wait_idle();
+        let body = serde_json::json!({"prompt": "secret prompt"});
+        let infer = |caller: &Caller, name: &str| {
+            h.svc
+                .execute(caller, TenantCommand::Infer(name.into(), body.clone()))
+                .unwrap_err()
+        };
+        assert!(matches!(
+            infer(&Caller::Admin, "nobody"),
+            TenantServiceError::NotFound(_)
+        ));
+        let a = h.svc.store().tenant("a").unwrap().unwrap();
+        // Tenant a's token cannot reach b: answered like a missing tenant.
+        assert!(matches!(
+            infer(&Caller::Tenant(a.id), "b"),
+            TenantServiceError::NotFound(_)
+        ));
+        // The test guest runs no agent: a clear refusal that never echoes the prompt.
+        let err = infer(&Caller::Tenant(a.id), "a");
+        assert!(matches!(err, TenantServiceError::BadRequest(_)), "{err}");
+        assert!(
+            err.to_string().contains("does not run a guest image"),
+            "{err}"
+        );
+        assert!(!err.to_string().contains("secret prompt"));
     }
 }
