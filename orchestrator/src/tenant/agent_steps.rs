@@ -305,6 +305,12 @@ pub(crate) fn shutdown_before_stop(
     }
 }
 
+/// Forgets the shutdown report of an earlier run of the VM, so a departure never reports
+/// how a previous boot ended as its own (launch-vm calls it before a new boot).
+pub(crate) fn forget_shutdown(tenant_dir: &Path) {
+    let _ = std::fs::remove_file(tenant_dir.join(SHUTDOWN_RECORD));
+}
+
 /// The receipt record of the stop step of a guest-image tenant's departure, from what
 /// [`shutdown_before_stop`] found; `None` for tenants without an agent.
 pub(crate) fn shutdown_record(

@@ -403,6 +403,7 @@ fn launch(svc: &TenantService, t: &TenantRecord, step: Step) -> Result<(), Tenan
         .and_then(|r| r.key.parse::<u32>().ok())
         .ok_or_else(|| step_err(step, "no uid allocated"))?;
     let (kernel, initramfs, cmdline) = resolve_image(cfg, &t.spec)?;
+    agent_steps::forget_shutdown(&dir);
     let spec = VmSpec {
         tenant: t.name.clone(),
         kernel,
