@@ -159,9 +159,24 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
     vcpu::install_kick_handler()?;
     let started = Instant::now();
     let vcpus = VcpuSet::start(fds, Arc::new(buses), exit.clone())?;
+    let reason = event_loop(&epoll, api.as_mut(), &vcpus, &exit, config, started);
+    vcpus.stop();
+    drop(api);
+    Ok(reason)
+}
+
+/// Serves the control socket until an exit reason is recorded, and returns it.
+fn event_loop(
+    epoll: &Epoll,
+    mut api: Option<&mut ApiServer>,
+    vcpus: &VcpuSet,
+    exit: &ExitState,
+    config: &VmConfig,
+    started: Instant,
+) -> ExitReason {
     let mut paused = false;
     let mut events = vec![EpollEvent::default(); 32];
-    let reason = loop {
+    loop {
         if let Some(reason) = exit.reason() {
             break reason;
         }
@@ -174,21 +189,24 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
             match event.data() {
                 EXIT_TOKEN => {}
                 LISTENER_TOKEN => {
-                    let Some(api) = api.as_mut() else { continue };
+                    let Some(api) = api.as_deref_mut() else {
+                        continue;
+                    };
                     for fd in api.accept() {
-                        // A connection we cannot watch is simply never served.
-                        let _ = epoll.ctl(
-                            ControlOperation::Add,
-                            fd,
-                            EpollEvent::new(EventSet::IN, fd as u64),
-                        );
+                        let watch = EpollEvent::new(EventSet::IN, fd as u64);
+                        if epoll.ctl(ControlOperation::Add, fd, watch).is_err() {
+                            // A connection that cannot be watched could never be served.
+                            api.close(fd);
+                        }
                     }
                 }
                 token => {
-                    let Some(api) = api.as_mut() else { continue };
+                    let Some(api) = api.as_deref_mut() else {
+                        continue;
+                    };
                     let fd = token as i32;
                     let state = api.handle_readable(fd, |command| {
-                        handle_command(command, &vcpus, &mut paused, config, started, &exit)
+                        handle_command(command, vcpus, &mut paused, config, started, exit)
                     });
                     if state == ConnectionState::Closed {
                         // Failing to unwatch is harmless: closing the fd unwatches it too.
@@ -198,10 +216,7 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
                 }
             }
         }
-    };
-    vcpus.stop();
-    drop(api);
-    Ok(reason)
+    }
 }
 
 fn handle_command(

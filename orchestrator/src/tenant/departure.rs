@@ -104,6 +104,7 @@ fn step_err(step: Step, message: impl std::fmt::Display) -> TenantServiceError {
     }
 }
 
+/// The service's departure kit, its load failure as this step's error.
 pub(crate) fn kit(
     svc: &TenantService,
     step: Step,
@@ -315,7 +316,11 @@ fn scrub_or_quarantine(
     match svc.gpu.scrub(p) {
         Ok(outcome) => {
             let mut rec = outcome.step_record(started.to_string(), now_rfc3339());
-            if !outcome.passed {
+            if outcome.passed {
+                // A re-run after a crash may pass where the first run did not: a scrub that
+                // verifies is what lifts a quarantine.
+                svc.store.lift_quarantine(p)?;
+            } else {
                 svc.store
                     .quarantine_gpu(p, rec.error.as_deref().unwrap_or("scrub did not pass"))?;
             }

@@ -162,7 +162,9 @@ impl TestDaemon {
         let child = cmd.spawn().unwrap();
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(60);
-        while !self.socket().exists() {
+        // The socket file appears at bind(2), a moment before listen(2): until then a connect
+        // is refused. Wait for a connection, not for the file.
+        while std::os::unix::net::UnixStream::connect(self.socket()).is_err() {
             if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
                 panic!("tenantvmd exited at start ({status}):\n{}", self.log());
             }

@@ -314,6 +314,23 @@ mod tests {
     }
 
     #[test]
+    fn clients_beyond_the_limit_get_an_error_and_are_closed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("api.sock");
+        let mut server = ApiServer::bind(&path).unwrap();
+        let clients: Vec<UnixStream> = (0..MAX_CONNECTIONS)
+            .map(|_| UnixStream::connect(&path).unwrap())
+            .collect();
+        assert_eq!(server.accept().len(), MAX_CONNECTIONS);
+        let extra = UnixStream::connect(&path).unwrap();
+        assert!(server.accept().is_empty());
+        let mut line = String::new();
+        BufReader::new(extra).read_line(&mut line).unwrap();
+        assert!(line.contains("Too many control connections"), "{line}");
+        drop(clients);
+    }
+
+    #[test]
     fn live_socket_is_busy_and_stale_socket_is_replaced() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("api.sock");

@@ -59,7 +59,7 @@ pub fn write_zero_page(
     let map = memory_map(mem_size);
     if map.len() > E820_MAX_ENTRIES_ZEROPAGE {
         return Err(BootError::Internal(
-            "e820 map does not fit in the zero page".into(),
+            "The e820 map does not fit in the zero page".into(),
         ));
     }
     for (slot, entry) in params.e820_table.iter_mut().zip(&map) {

@@ -33,7 +33,7 @@ pub enum VstateError {
         source: kvm_ioctls::Error,
     },
     /// Guest memory could not be created or written.
-    #[error("Guest memory: {0}")]
+    #[error("{0}")]
     Memory(String),
 }
 

@@ -41,7 +41,8 @@ pub fn configure(
 ) -> Result<(), VstateError> {
     fd.set_cpuid2(&cpuid::filter(supported, id, count))
         .map_err(kvm_err("set CPUID"))?;
-    let msrs = regs::boot_msrs().map_err(|e| VstateError::Memory(format!("MSR list: {e:?}")))?;
+    let msrs = regs::boot_msrs()
+        .map_err(|e| VstateError::Memory(format!("Cannot build the boot MSR list: {e:?}")))?;
     let written = fd.set_msrs(&msrs).map_err(kvm_err("set MSRs"))?;
     if written != msrs.as_slice().len() {
         return Err(VstateError::Kvm {
@@ -56,8 +57,9 @@ pub fn configure(
     fd.set_lapic(&lapic).map_err(kvm_err("set the LAPIC"))?;
     if id == 0 {
         let sregs = fd.get_sregs().map_err(kvm_err("read special registers"))?;
-        let sregs =
-            regs::setup_sregs(mem, entry, sregs).map_err(|e| VstateError::Memory(e.to_string()))?;
+        let sregs = regs::setup_sregs(mem, entry, sregs).map_err(|e| {
+            VstateError::Memory(format!("Cannot write the GDT or page tables: {e}"))
+        })?;
         fd.set_sregs(&sregs)
             .map_err(kvm_err("set special registers"))?;
         fd.set_regs(&regs::boot_regs(entry))
@@ -360,5 +362,50 @@ fn vcpu_loop(mut fd: VcpuFd, buses: &Buses, control: &VcpuControl, exit: &ExitSt
             exit.stop(reason);
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wait_parked(control: &VcpuControl, n: usize) {
+        let mut state = control.lock();
+        while state.parked < n {
+            state = control.changed.wait(state).unwrap();
+        }
+    }
+
+    #[test]
+    fn paused_vcpu_parks_until_resumed() {
+        let control = Arc::new(VcpuControl::default());
+        control.lock().paused = true;
+        let c = control.clone();
+        let vcpu = std::thread::spawn(move || c.park_while_paused());
+        wait_parked(&control, 1);
+        control.lock().paused = false;
+        control.changed.notify_all();
+        assert!(vcpu.join().unwrap(), "a resumed vCPU keeps running");
+        assert_eq!(control.lock().parked, 0);
+    }
+
+    #[test]
+    fn stop_releases_a_parked_vcpu_for_good() {
+        let control = Arc::new(VcpuControl::default());
+        control.lock().paused = true;
+        let c = control.clone();
+        let vcpu = std::thread::spawn(move || c.park_while_paused());
+        wait_parked(&control, 1);
+        control.lock().stop = true;
+        control.changed.notify_all();
+        assert!(!vcpu.join().unwrap(), "a stopped vCPU does not run again");
+    }
+
+    #[test]
+    fn running_vcpu_does_not_park() {
+        let control = VcpuControl::default();
+        assert!(control.park_while_paused());
+        control.lock().stop = true;
+        assert!(!control.park_while_paused());
     }
 }

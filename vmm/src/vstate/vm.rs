@@ -22,7 +22,12 @@ pub fn create_guest_memory(size: u64) -> Result<GuestMemoryMmap, VstateError> {
         .into_iter()
         .map(|(start, len)| (vm_memory::GuestAddress(start), len as usize))
         .collect();
-    GuestMemoryMmap::from_ranges(&ranges).map_err(|e| VstateError::Memory(e.to_string()))
+    GuestMemoryMmap::from_ranges(&ranges).map_err(|e| {
+        VstateError::Memory(format!(
+            "Cannot reserve {} MiB of guest memory ({e}); lower --memory-mib",
+            size >> 20
+        ))
+    })
 }
 
 /// A KVM VM with its platform devices in the kernel.
@@ -81,7 +86,7 @@ impl Vm {
         for (slot, region) in mem.iter().enumerate() {
             let host = region
                 .get_host_address(vm_memory::MemoryRegionAddress(0))
-                .map_err(|e| VstateError::Memory(e.to_string()))?;
+                .map_err(|e| VstateError::Memory(format!("Guest memory region unmapped: {e}")))?;
             let region_desc = kvm_userspace_memory_region {
                 slot: slot as u32,
                 guest_phys_addr: region.start_addr().0,

@@ -11,7 +11,7 @@ mod serial;
 
 pub use i8042::I8042Device;
 pub use power::{AcpiPowerDevice, PvPanicDevice, ACPI_RESET_VALUE};
-pub use serial::{spawn_input_thread, IrqTrigger, SerialDevice, SerialOutput};
+pub use serial::{spawn_input_thread, IrqTrigger, SerialDevice, SerialOutput, SERIAL_FILE_LIMIT};
 
 /// COM1 base I/O port.
 pub const COM1_PORT: u64 = 0x3f8;

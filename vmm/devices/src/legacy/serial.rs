@@ -42,9 +42,58 @@ impl SerialOutput {
     fn into_writer(self) -> Box<dyn Write + Send> {
         match self {
             SerialOutput::Stdout => Box::new(io::stdout()),
-            SerialOutput::File(file) => Box::new(file),
+            SerialOutput::File(file) => Box::new(CappedWriter::new(file, SERIAL_FILE_LIMIT)),
             SerialOutput::Sink => Box::new(io::sink()),
         }
+    }
+}
+
+/// Most bytes of guest output one VMM appends to a serial file (64 MiB); a guest must not
+/// be able to fill the host's disk through its console.
+pub const SERIAL_FILE_LIMIT: u64 = 64 << 20;
+
+/// A writer that passes through up to `limit` bytes, then writes one notice and silently
+/// drops the rest.
+struct CappedWriter<W: Write> {
+    inner: W,
+    written: u64,
+    limit: u64,
+    noticed: bool,
+}
+
+impl<W: Write> CappedWriter<W> {
+    fn new(inner: W, limit: u64) -> Self {
+        Self {
+            inner,
+            written: 0,
+            limit,
+            noticed: false,
+        }
+    }
+}
+
+impl<W: Write> Write for CappedWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let room = self.limit.saturating_sub(self.written);
+        if room == 0 {
+            if !self.noticed {
+                self.noticed = true;
+                let notice = format!(
+                    "\n[tenantvm-vmm: serial output limit of {} bytes reached; the rest is dropped]\n",
+                    self.limit
+                );
+                self.inner.write_all(notice.as_bytes())?;
+            }
+            return Ok(buf.len());
+        }
+        let take = buf.len().min(usize::try_from(room).unwrap_or(usize::MAX));
+        let n = self.inner.write(&buf[..take])?;
+        self.written += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
     }
 }
 
@@ -185,6 +234,18 @@ mod tests {
         file.rewind().unwrap();
         file.read_to_string(&mut out).unwrap();
         assert_eq!(out, "hi\n");
+    }
+
+    #[test]
+    fn file_output_stops_at_the_limit_with_one_notice() {
+        let mut out = CappedWriter::new(Vec::new(), 4);
+        out.write_all(b"abcdef").unwrap();
+        out.write_all(b"gh").unwrap();
+        let text = String::from_utf8(out.inner).unwrap();
+        assert_eq!(
+            text,
+            "abcd\n[tenantvm-vmm: serial output limit of 4 bytes reached; the rest is dropped]\n"
+        );
     }
 
     #[test]
