@@ -312,6 +312,14 @@ fn linux_guest_tenant_serves_inference_keeps_its_disk_encrypted_and_leaves_nothi
         !file_contains(&img, &marker),
         "the marker reached the host disk image in plaintext"
     );
+    // A stopped tenant serves nothing: 409, CLI exit 6, with what to do.
+    let stopped = cli(&d, Some(&token), &["infer", &name, &prompt]);
+    assert_eq!(stopped.status.code(), Some(6), "{}", text(&stopped));
+    assert!(
+        text(&stopped).contains("tenantvm start"),
+        "{}",
+        text(&stopped)
+    );
     let t = Instant::now();
     must(
         cli(&d, None, &["start", &name, "--timeout-s", "900"]),
