@@ -183,6 +183,22 @@ impl Client {
         .await
     }
 
+    /// `POST /v1/tenants/{name}/infer`: a completion request to the tenant's inference
+    /// server; returns its JSON answer.
+    pub async fn infer(
+        &self,
+        name: &str,
+        request: &serde_json::Value,
+    ) -> Result<serde_json::Value, ClientError> {
+        let body = serde_json::to_vec(request).map_err(|e| ClientError::Http(e.to_string()))?;
+        self.call(
+            Method::POST,
+            &format!("/v1/tenants/{}/infer", encode(name)),
+            Some(body),
+        )
+        .await
+    }
+
     /// `POST /v1/tenants/{name}/start`.
     pub async fn start(&self, name: &str) -> Result<TenantView, ClientError> {
         self.call(

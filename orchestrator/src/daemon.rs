@@ -76,6 +76,10 @@ pub struct DaemonArgs {
     /// Seconds create/start wait for the VM to report running.
     #[arg(long, default_value_t = 30)]
     pub boot_timeout_s: u64,
+    /// Seconds a guest-image tenant's agent may take to answer after boot, and its payload
+    /// to become ready (software emulation boots a Linux guest in 30-60 s).
+    #[arg(long, default_value_t = 300)]
+    pub agent_timeout_s: u64,
     /// The host key-encryption key file (created 0600 at first start; ignored when the
     /// systemd credential `tenantvm-kek` is present).
     #[arg(long, env = "TENANTVMD_KEK_FILE", default_value = crate::keys::DEFAULT_KEK_FILE)]
@@ -207,6 +211,7 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
     cfg.uid_count = args.uid_range.1;
     cfg.stop_grace = Duration::from_secs(args.stop_grace_s);
     cfg.boot_timeout = Duration::from_secs(args.boot_timeout_s);
+    cfg.agent_timeout = Duration::from_secs(args.agent_timeout_s);
     cfg.departure.kek = crate::keys::KekSource::detect(&args.kek_file);
     cfg.departure.keyslot_cost = match args.keyslot_cost {
         KeyslotCostArg::Production => crate::disk::KeyslotCost::PRODUCTION,

@@ -216,17 +216,44 @@ impl AgentClient {
         })
     }
 
+    /// A client over a stream the caller connected itself (e.g. after checking the
+    /// listener's credentials): a serial channel, or a vsock stream past its handshake.
+    /// Its ids start from the clock (below 2^53, exact in JSON), so a late answer to an
+    /// earlier connection's request on the same serial channel is never taken for an
+    /// answer to this one's.
+    pub fn from_stream(stream: UnixStream) -> Self {
+        let micros = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_micros() as u64)
+            .unwrap_or(1);
+        Self {
+            stream,
+            decoder: FrameDecoder::default(),
+            next_id: micros.clamp(1, (1 << 53) - 1),
+            broken: false,
+        }
+    }
+
     /// Connects and polls `status` until the agent answers or `timeout` passes. Works
     /// while the guest is still booting: the channel socket exists before the agent does.
     pub fn wait_for_ready(
         endpoint: &AgentEndpoint,
         timeout: Duration,
     ) -> Result<(Self, StatusReply), AgentClientError> {
+        Self::wait_for_ready_with(&mut |t| Self::connect(endpoint, t), timeout)
+    }
+
+    /// [`Self::wait_for_ready`] with the caller's way of connecting (called again after
+    /// each failed attempt with the time it may take).
+    pub fn wait_for_ready_with(
+        connect: &mut dyn FnMut(Duration) -> Result<Self, AgentClientError>,
+        timeout: Duration,
+    ) -> Result<(Self, StatusReply), AgentClientError> {
         let deadline = Instant::now() + timeout;
         let mut last_err = None;
         while Instant::now() < deadline {
             let left = deadline.saturating_duration_since(Instant::now());
-            match Self::connect(endpoint, left.min(Duration::from_secs(5))) {
+            match connect(left.min(Duration::from_secs(5))) {
                 Ok(mut client) => {
                     let mut sent = Vec::new();
                     while Instant::now() < deadline {

@@ -84,6 +84,8 @@ impl From<TenantServiceError> for ApiError {
                 (StatusCode::CONFLICT, "invalid_state")
             }
             E::Busy(_) => (StatusCode::CONFLICT, "busy"),
+            E::NotServing(_) => (StatusCode::CONFLICT, "invalid_state"),
+            E::AgentUnavailable(_) => (StatusCode::BAD_GATEWAY, "guest_unavailable"),
             E::Rescrub(crate::tenant::departure::RescrubError::NotQuarantined(_)) => {
                 (StatusCode::NOT_FOUND, "not_found")
             }
@@ -149,6 +151,7 @@ fn respond(status: StatusCode, outcome: CommandOutcome) -> Response {
             (status, Json(types::QuarantineList { slices: q })).into_response()
         }
         CommandOutcome::Rescrubbed(r) => (status, Json(r)).into_response(),
+        CommandOutcome::Inferred(v) => (status, Json(v)).into_response(),
     }
 }
 
@@ -253,6 +256,38 @@ async fn logs(
     ))
 }
 
+/// Forwards a completion request to the tenant's inference server (tenant token or admin).
+/// The body is the tenant's data: it is never logged.
+async fn infer(
+    State(svc): State<TenantService>,
+    headers: HeaderMap,
+    name: Result<Path<String>, PathRejection>,
+    body: Result<Json<serde_json::Value>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let name = tenant_name(name)?;
+    let Json(body) = body.map_err(|r| match r.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("Request body is larger than {MAX_BODY_BYTES} bytes"),
+        ),
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "Send the completion request as JSON with `Content-Type: application/json`",
+        ),
+        _ => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "The completion request is not valid JSON; send {\"prompt\": \"...\", \"max_tokens\": 16}",
+        ),
+    })?;
+    Ok(respond(
+        StatusCode::OK,
+        run(svc, headers, TenantCommand::Infer(name, body)).await?,
+    ))
+}
+
 async fn receipts(
     State(svc): State<TenantService>,
     headers: HeaderMap,
@@ -346,6 +381,7 @@ pub fn router(svc: TenantService) -> Router {
         .route("/v1/tenants/{name}/stop", post(stop))
         .route("/v1/tenants/{name}/start", post(start))
         .route("/v1/tenants/{name}/logs", get(logs))
+        .route("/v1/tenants/{name}/infer", post(infer))
         .route("/v1/receipts", get(receipts))
         .route("/v1/gpu/quarantine", get(quarantine))
         .route("/v1/gpu/quarantine/scrub", post(rescrub))

@@ -499,3 +499,88 @@ async fn departure_endpoints_match_the_spec_and_are_scoped() {
         .await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
 }
+
+#[tokio::test]
+async fn infer_answers_match_the_spec_and_are_scoped() {
+    let api = Api::new();
+    let admin = api.admin.clone();
+    let a = Some(admin.as_str());
+    let (_, created) = api
+        .checked(
+            "POST",
+            "/v1/tenants",
+            "/v1/tenants",
+            a,
+            Some(spec_json("alice")),
+        )
+        .await;
+    let alice = created["token"].as_str().unwrap().to_string();
+    api.idle().await;
+    let t = "/v1/tenants/{name}/infer";
+    let body = Some(json!({"prompt": "hello", "max_tokens": 4}).to_string());
+    // No token, or another tenant's name: refused before anything reaches a guest.
+    let (s, _) = api
+        .checked("POST", "/v1/tenants/alice/infer", t, None, body.clone())
+        .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _) = api
+        .checked(
+            "POST",
+            "/v1/tenants/bob/infer",
+            t,
+            Some(&alice),
+            body.clone(),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    // Not JSON, too large: clear errors.
+    let (s, e) = api
+        .checked(
+            "POST",
+            "/v1/tenants/alice/infer",
+            t,
+            Some(&alice),
+            Some("prompt=hi".into()),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(e["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("not valid JSON"));
+    let huge = json!({ "prompt": "x".repeat(MAX_BODY_BYTES + 1) }).to_string();
+    let (s, _) = api
+        .checked(
+            "POST",
+            "/v1/tenants/alice/infer",
+            t,
+            Some(&alice),
+            Some(huge),
+        )
+        .await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
+    // Within the API's cap but above what is forwarded to a guest.
+    let big = json!({ "prompt": "x".repeat(crate::tenant::agent_steps::MAX_INFER_BODY) });
+    let (s, _) = api
+        .checked(
+            "POST",
+            "/v1/tenants/alice/infer",
+            t,
+            Some(&alice),
+            Some(big.to_string()),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    // The idle test guest runs no agent: a 400 that says so.
+    let (s, e) = api
+        .checked("POST", "/v1/tenants/alice/infer", t, Some(&alice), body)
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("does not run a guest image"),
+        "{e}"
+    );
+}

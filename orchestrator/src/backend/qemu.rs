@@ -19,6 +19,10 @@ use crate::jail::Seal;
 
 /// Name of the QMP socket in the tenant's `run/` directory.
 pub const QMP_SOCK: &str = "qmp.sock";
+/// Name of the guest agent's channel socket in the tenant's `run/` directory.
+pub const AGENT_SOCK: &str = "agent.sock";
+/// The virtio-serial port name the guest agent looks for.
+pub const AGENT_PORT_NAME: &str = "org.tenantvm.agent.0";
 /// Host directories QEMU reads firmware (SeaBIOS, option ROMs such as pvh.bin and
 /// linuxboot_dma.bin) and modules (accel-tcg) from; mounted read-only where they exist.
 const QEMU_DATA_DIRS: [&str; 3] = [
@@ -86,6 +90,15 @@ impl QemuBackend {
             &format!("file,id=serial0,path={JAIL_SERIAL_LOG},append=on"),
             "-serial",
             "chardev:serial0",
+            // The guest agent's channel (docs/guest-image.md): a virtio-serial port whose
+            // host end is a Unix socket in run/. Created before the QMP socket, whose
+            // appearance seals /run read-only inside the jail.
+            "-device",
+            "virtio-serial-pci,id=vser0",
+            "-chardev",
+            &format!("socket,id=agent,path=/run/{AGENT_SOCK},server=on,wait=off"),
+            "-device",
+            &format!("virtserialport,bus=vser0.0,chardev=agent,name={AGENT_PORT_NAME}"),
             "-qmp",
             &format!("unix:/run/{QMP_SOCK},server=on,wait=off"),
             // A guest reset ends the VM, as with tenantvm-vmm.
@@ -308,6 +321,14 @@ mod tests {
         assert!(args.contains("-qmp unix:/run/qmp.sock,server=on,wait=off"));
         assert!(args.contains("file=/vm/disk0,format=raw,if=virtio,aio=threads,readonly=on"));
         assert!(!args.contains("/host/"));
+        let agent = args
+            .find("path=/run/agent.sock,server=on,wait=off")
+            .expect(&args);
+        assert!(
+            agent < args.find("-qmp").unwrap(),
+            "agent socket before QMP: {args}"
+        );
+        assert!(args.contains("virtserialport,bus=vser0.0,chardev=agent,name=org.tenantvm.agent.0"));
         assert!(QemuBackend::qemu_args(&spec, QemuAccel::Kvm)
             .join(" ")
             .contains("-accel kvm -cpu host,-arch-capabilities"));

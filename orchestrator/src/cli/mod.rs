@@ -99,6 +99,9 @@ pub enum Command {
     },
     /// Print a tenant's serial console, VMM log or lifecycle events.
     Logs(LogsArgs),
+    /// Send a prompt to a tenant's inference server (a guest image's payload) and print
+    /// the completion. Not a gateway: no rate limits yet.
+    Infer(InferArgs),
     /// Stop a tenant's VM (clean shutdown, killed after a grace period); keeps its resources.
     Stop(OpArgs),
     /// Boot a stopped tenant's VM again.
@@ -172,6 +175,24 @@ pub enum GpuCommand {
 pub enum HostCommand {
     /// Preflight: IOMMU, VFIO, KVM, cgroups, GPUs and their drivers. Runs locally.
     Check(tenantvm_gpu::cli::HostCheckArgs),
+}
+
+/// `tenantvm infer`.
+#[derive(Debug, Args)]
+pub struct InferArgs {
+    /// Tenant name.
+    pub name: String,
+    /// The prompt.
+    pub prompt: String,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 32)]
+    pub max_tokens: u32,
+    /// Sampling temperature (0 = greedy, deterministic).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Print the server's whole JSON answer.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Flags of read commands.
@@ -540,6 +561,31 @@ async fn run_inner(cli: Cli) -> Result<(), CliFailure> {
             Ok(())
         }
         Command::Logs(a) => logs(&client, a).await,
+        Command::Infer(a) => {
+            let answer = client
+                .infer(
+                    &a.name,
+                    &serde_json::json!({
+                        "prompt": a.prompt,
+                        "max_tokens": a.max_tokens,
+                        "temperature": a.temperature,
+                    }),
+                )
+                .await?;
+            if a.json {
+                output::print_json(&answer);
+            } else {
+                let text = answer["choices"][0]["text"].as_str().ok_or_else(|| {
+                    fail(
+                        exit::OTHER,
+                        "the inference server's answer has no choices[0].text; rerun with --json",
+                    )
+                })?;
+                // Guest output is hostile: no terminal control characters.
+                println!("{}", crate::logs::sanitize(text));
+            }
+            Ok(())
+        }
         Command::Stop(a) => op(&client, a, "stop").await,
         Command::Start(a) => op(&client, a, "start").await,
         Command::Destroy(a) => op(&client, a, "destroy").await,

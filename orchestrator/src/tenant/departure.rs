@@ -249,9 +249,15 @@ pub(crate) fn record_existing_step(
     error: Option<&str>,
 ) -> Result<(), TenantServiceError> {
     let mut rec = match step {
+        Step::StopVm if crate::tenant::agent_steps::uses_agent(&svc.config, &t.spec) => {
+            match crate::tenant::agent_steps::shutdown_record(svc, t, started_at) {
+                Some(rec) => rec,
+                None => return Ok(()),
+            }
+        }
         Step::StopVm => plain(
             DepartureStep::AgentShutdown,
-            "VM shutdown through the VMM control socket, SIGKILL after 500 ms; no guest agent yet (issue 7)",
+            "VM shutdown through the VMM control socket, SIGKILL after 500 ms; the guest runs no agent (not a guest image set)",
             StepResult::Ok,
             Assurance::Unverified,
             started_at,

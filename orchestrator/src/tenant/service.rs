@@ -69,6 +69,12 @@ pub enum TenantServiceError {
     /// A re-scrub of a quarantined GPU slice was refused or could not run.
     #[error(transparent)]
     Rescrub(#[from] crate::tenant::departure::RescrubError),
+    /// The tenant is not running, so its guest cannot serve requests.
+    #[error("Tenant {0:?} is not running; start it (`tenantvm start {0}`) and retry")]
+    NotServing(String),
+    /// The guest agent or its payload could not answer.
+    #[error("The tenant's guest could not answer: {0}")]
+    AgentUnavailable(String),
     /// Reading the audit log failed.
     #[error(transparent)]
     Receipt(#[from] crate::receipt::ReceiptError),
@@ -98,6 +104,8 @@ pub enum TenantCommand {
     Quarantine,
     /// Re-run the scrub of a quarantined GPU slice `<gpu>/<label>` (admin).
     Rescrub(String),
+    /// Forward a completion request (a JSON object) to the tenant's inference server.
+    Infer(String, serde_json::Value),
 }
 
 /// What a command returns.
@@ -117,6 +125,8 @@ pub enum CommandOutcome {
     Quarantine(Vec<crate::store::QuarantinedSlice>),
     /// What a re-scrub found.
     Rescrubbed(crate::tenant::departure::RescrubOutcome),
+    /// The inference server's JSON answer.
+    Inferred(serde_json::Value),
 }
 
 /// Settings of the service.
@@ -138,6 +148,8 @@ pub struct ServiceConfig {
     pub vmm_overhead_mib: u64,
     /// Disk keys, keyslot cost, receipts.
     pub departure: crate::tenant::departure::DepartureConfig,
+    /// How long a guest-image tenant's agent, and then its payload, may take to answer.
+    pub agent_timeout: Duration,
 }
 
 impl ServiceConfig {
@@ -151,6 +163,7 @@ impl ServiceConfig {
             boot_timeout: Duration::from_secs(30),
             vmm_overhead_mib: 64,
             departure: crate::tenant::departure::DepartureConfig::under(&state_dir),
+            agent_timeout: Duration::from_secs(300),
             state_dir,
         }
     }
@@ -330,6 +343,10 @@ impl TenantService {
                 }
                 crate::tenant::departure::rescrub(self, &slice).map(CommandOutcome::Rescrubbed)
             }
+            TenantCommand::Infer(name, body) => {
+                let t = self.visible(caller, &name)?;
+                crate::tenant::agent_steps::infer(self, &t, body).map(CommandOutcome::Inferred)
+            }
             TenantCommand::Logs(name, query) => {
                 let t = self.visible(caller, &name)?;
                 crate::tenant::logs::read(self, &t, &query).map(CommandOutcome::Log)
@@ -359,6 +376,7 @@ impl TenantService {
         }
         // Fail fast on what can be checked before anything is recorded.
         steps::resolve_image(&self.config, &spec)?;
+        crate::tenant::agent_steps::check_create(&self.config, self.backend.kind(), &spec)?;
         if spec.gpu.wants_gpu() {
             self.gpu.candidates(&spec.gpu)?;
         }

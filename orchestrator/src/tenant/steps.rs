@@ -14,7 +14,7 @@ use crate::store::{ResourceKind, TenantRecord};
 use crate::tenant::fault::Boundary;
 use crate::tenant::service::{ServiceConfig, TenantService, TenantServiceError};
 use crate::tenant::spec::TenantSpec;
-use crate::tenant::{departure, disk_steps};
+use crate::tenant::{agent_steps, departure, disk_steps};
 
 /// An operation on a tenant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +70,14 @@ pub enum Step {
     CryptoShred,
     /// Departure: append the receipt to the signed audit log.
     WriteReceipt,
+    /// Guest image: wait until the guest agent answers on its channel.
+    AwaitAgent,
+    /// Guest image: deliver the disk key if the disk is locked, mount it if it is not.
+    UnlockDisk,
+    /// Guest image: start the payload unless it runs.
+    StartPayload,
+    /// Guest image: wait until the payload answers its health check.
+    AwaitPayload,
 }
 
 impl Op {
@@ -102,8 +110,19 @@ impl Op {
                 CreateDisk,
                 LaunchVm,
                 AwaitRunning,
+                AwaitAgent,
+                UnlockDisk,
+                StartPayload,
+                AwaitPayload,
             ],
-            Op::Start => &[LaunchVm, AwaitRunning],
+            Op::Start => &[
+                LaunchVm,
+                AwaitRunning,
+                AwaitAgent,
+                UnlockDisk,
+                StartPayload,
+                AwaitPayload,
+            ],
             Op::Stop => &[StopVm],
             Op::Destroy => &[
                 RouteOff,
@@ -156,6 +175,10 @@ impl Step {
             Step::ScrubGpu => "scrub-gpu",
             Step::CryptoShred => "crypto-shred",
             Step::WriteReceipt => "write-receipt",
+            Step::AwaitAgent => "await-agent",
+            Step::UnlockDisk => "unlock-disk",
+            Step::StartPayload => "start-payload",
+            Step::AwaitPayload => "await-payload",
         }
     }
 }
@@ -302,6 +325,8 @@ fn run_step(
                 } else {
                     cfg.stop_grace
                 };
+                // A guest with an agent first shuts down cleanly (disk closed, power-off).
+                agent_steps::shutdown_before_stop(svc, t, &vm, cfg.stop_grace);
                 match svc.backend.stop(&vm, grace) {
                     Ok(_) | Err(BackendError::NotRunning(_)) => {}
                     Err(e) => {
@@ -339,6 +364,9 @@ fn run_step(
         }
         Step::RevokeTokens => svc.store.revoke_tenant_tokens(t.id)?,
         Step::CreateDisk => disk_steps::create_disk(svc, t)?,
+        Step::AwaitAgent | Step::UnlockDisk | Step::StartPayload | Step::AwaitPayload => {
+            agent_steps::run_step(svc, t, step)?
+        }
         Step::RouteOff
         | Step::DeviceReset
         | Step::ScrubGpu
@@ -375,6 +403,7 @@ fn launch(svc: &TenantService, t: &TenantRecord, step: Step) -> Result<(), Tenan
         .and_then(|r| r.key.parse::<u32>().ok())
         .ok_or_else(|| step_err(step, "no uid allocated"))?;
     let (kernel, initramfs, cmdline) = resolve_image(cfg, &t.spec)?;
+    agent_steps::forget_shutdown(&dir);
     let spec = VmSpec {
         tenant: t.name.clone(),
         kernel,
@@ -468,6 +497,9 @@ pub fn resolve_image(
 ) -> Result<(PathBuf, Option<PathBuf>, String), TenantServiceError> {
     let img = &spec.image;
     let default_cmdline = "console=ttyS0 reboot=k panic=1".to_string();
+    if let Some(set) = agent_steps::image_set_dir(cfg, spec) {
+        return agent_steps::boot_files(&set);
+    }
     let (kernel, initramfs, cmdline) = match (&img.name, &img.kernel) {
         (Some(name), None) => {
             let Some(image_dir) = &cfg.image_dir else {
