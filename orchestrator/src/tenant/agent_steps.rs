@@ -93,7 +93,7 @@ pub(crate) fn check_create(
     };
     if backend == BackendKind::TenantvmVmm {
         return Err(TenantServiceError::Image(format!(
-            "{} is a Linux guest image set whose agent needs virtio-serial or vsock, which tenantvm-vmm does not offer yet; run tenantvmd with --backend qemu-tcg or --backend qemu-kvm for this tenant",
+            "{} is a Linux guest image set: its agent is reached over virtio-serial, which only the QEMU backends offer (the vsock path through tenantvm-vmm is not wired to the agent yet); run tenantvmd with --backend qemu-tcg or --backend qemu-kvm for this tenant",
             dir.display()
         )));
     }
