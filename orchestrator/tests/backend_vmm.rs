@@ -6,7 +6,7 @@
 mod common;
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use tenantvm::backend::runner::sibling_binary;
@@ -452,18 +452,33 @@ fn vmm_bad_kernel_fails_launch_with_reason_and_log() {
 }
 
 #[test]
-fn vmm_refuses_disks_until_it_has_virtio_blk() {
+fn vmm_attaches_a_rate_limited_disk_as_virtio_blk() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let mut spec = spec(&tmp, "vdisk", HELLO_SPIN);
     let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let image = tmp.path().join("disk.img");
+    fs::write(&image, vec![0u8; 1 << 20]).unwrap();
     spec.disks.push(tenantvm::backend::DiskAttachment {
-        path: spec.kernel.clone(),
+        path: image,
         read_only: true,
+        limit: Some(tenantvm::backend::DiskRateLimit {
+            bytes_per_s: 1 << 20,
+            ops_per_s: 100,
+        }),
     });
-    assert!(matches!(
-        backend().launch(&spec, &jail(8)),
-        Err(BackendError::InvalidSpec(_))
-    ));
-    assert!(!Path::new(&spec.tenant_dir.join("run")).exists());
+    let backend = backend();
+    let vm = backend.launch(&spec, &jail(8)).unwrap();
+    assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
+    // The VMM reports the disk's device counters under the id the backend gave it.
+    let mut sock = std::os::unix::net::UnixStream::connect(&vm.api_sock).unwrap();
+    std::io::Write::write_all(&mut sock, b"{\"command\":\"metrics\"}\n").unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(&sock), &mut line).unwrap();
+    let answer: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(answer["ok"], serde_json::json!(true), "{line}");
+    let devices = answer["devices"].as_object().unwrap();
+    assert!(devices.keys().any(|k| k.starts_with("disk0")), "{line}");
+    backend.kill(&vm).unwrap();
+    cleanup(&spec);
 }

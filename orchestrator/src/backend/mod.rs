@@ -55,6 +55,20 @@ pub struct DiskAttachment {
     pub path: PathBuf,
     /// Whether the guest may only read it.
     pub read_only: bool,
+    /// The tenant's disk I/O quota, enforced by the VMM per disk (a token bucket in
+    /// tenantvm-vmm, block throttling in QEMU). `None`: unlimited.
+    #[serde(default)]
+    pub limit: Option<DiskRateLimit>,
+}
+
+/// A disk I/O quota: sustained bytes and operations per second.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskRateLimit {
+    /// Bytes per second.
+    pub bytes_per_s: u64,
+    /// Requests per second.
+    pub ops_per_s: u64,
 }
 
 /// What to run: the guest and its size. All paths are host paths; the backend bind-mounts

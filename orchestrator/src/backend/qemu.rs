@@ -116,11 +116,18 @@ impl QemuBackend {
         }
         for (i, disk) in spec.disks.iter().enumerate() {
             args.push("-drive".into());
-            args.push(format!(
+            let mut drive = format!(
                 "file={},format=raw,if=virtio,aio=threads,readonly={}",
                 vm.join(format!("disk{i}")).display(),
                 if disk.read_only { "on" } else { "off" }
-            ));
+            );
+            if let Some(limit) = disk.limit {
+                drive.push_str(&format!(
+                    ",throttling.bps-total={},throttling.iops-total={}",
+                    limit.bytes_per_s, limit.ops_per_s
+                ));
+            }
+            args.push(drive);
         }
         args
     }
@@ -308,6 +315,10 @@ mod tests {
             disks: vec![DiskAttachment {
                 path: "/host/d".into(),
                 read_only: true,
+                limit: Some(crate::backend::DiskRateLimit {
+                    bytes_per_s: 1 << 20,
+                    ops_per_s: 50,
+                }),
             }],
             tenant_dir: "/var/lib/tenantvm/tenants/t".into(),
         };
@@ -319,7 +330,9 @@ mod tests {
         assert!(args.contains("-kernel /vm/kernel"));
         assert!(args.contains("path=/log/serial.log,append=on"));
         assert!(args.contains("-qmp unix:/run/qmp.sock,server=on,wait=off"));
-        assert!(args.contains("file=/vm/disk0,format=raw,if=virtio,aio=threads,readonly=on"));
+        assert!(args.contains(
+            "file=/vm/disk0,format=raw,if=virtio,aio=threads,readonly=on,throttling.bps-total=1048576,throttling.iops-total=50"
+        ));
         assert!(!args.contains("/host/"));
         let agent = args
             .find("path=/run/agent.sock,server=on,wait=off")

@@ -61,6 +61,12 @@ impl VmmBackend {
             if disk.read_only {
                 value.push_str(",readonly=on");
             }
+            if let Some(limit) = disk.limit {
+                value.push_str(&format!(
+                    ",bps={},iops={}",
+                    limit.bytes_per_s, limit.ops_per_s
+                ));
+            }
             args.push(value);
         }
         args
@@ -222,10 +228,15 @@ mod tests {
                 super::super::DiskAttachment {
                     path: "/host/tenants/t/disk.img".into(),
                     read_only: false,
+                    limit: Some(super::super::DiskRateLimit {
+                        bytes_per_s: 100 << 20,
+                        ops_per_s: 1000,
+                    }),
                 },
                 super::super::DiskAttachment {
                     path: "/host/base.img".into(),
                     read_only: true,
+                    limit: None,
                 },
             ],
             tenant_dir: "/var/lib/tenantvm/tenants/t".into(),
@@ -239,7 +250,7 @@ mod tests {
         assert_eq!(
             disks,
             vec![
-                "path=/vm/disk0,id=disk0",
+                "path=/vm/disk0,id=disk0,bps=104857600,iops=1000",
                 "path=/vm/disk1,id=disk1,readonly=on"
             ]
         );

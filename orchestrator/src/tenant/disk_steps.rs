@@ -8,7 +8,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 
-use crate::backend::DiskAttachment;
+use crate::backend::{DiskAttachment, DiskRateLimit};
 use crate::disk::create_image;
 use crate::keys::DiskKey;
 use crate::store::{ResourceKind, TenantRecord};
@@ -33,6 +33,10 @@ pub fn attachments(cfg: &ServiceConfig, spec: &TenantSpec) -> Vec<DiskAttachment
     vec![DiskAttachment {
         path: image_path(cfg, &spec.name),
         read_only: false,
+        limit: Some(DiskRateLimit {
+            bytes_per_s: u64::from(spec.quotas.disk_mib_per_s) << 20,
+            ops_per_s: u64::from(spec.quotas.disk_iops),
+        }),
     }]
 }
 
