@@ -25,12 +25,8 @@ fn skip() -> Option<String> {
     if let Some(reason) = common::skip_reason() {
         return Some(reason);
     }
-    if let Err(e) = fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-    {
-        return Some(format!("/dev/kvm is not usable ({e})"));
+    if let Some(reason) = common::kvm_unusable() {
+        return Some(reason);
     }
     if !guest().exists() {
         return Some(format!(

@@ -136,12 +136,8 @@ fn qemu_kvm_accel_opens_the_jails_kvm_node() {
         eprintln!("skipping: {reason}");
         return;
     }
-    if let Err(e) = fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-    {
-        eprintln!("skipping: /dev/kvm is not usable ({e})");
+    if let Some(reason) = common::kvm_unusable() {
+        eprintln!("skipping: {reason}");
         return;
     }
     let tmp = tempfile::tempdir().unwrap();

@@ -21,6 +21,16 @@ pub fn skip_reason() -> Option<String> {
     None
 }
 
+/// Why /dev/kvm cannot be used here, if it cannot (the VM tests then skip).
+pub fn kvm_unusable() -> Option<String> {
+    fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .err()
+        .map(|e| format!("/dev/kvm is not usable ({e})"))
+}
+
 /// Skips the calling test (printing why) when privileged tests cannot run here.
 #[macro_export]
 macro_rules! require_root {
