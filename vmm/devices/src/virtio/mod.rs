@@ -64,6 +64,8 @@ pub mod features {
     pub const VERSION_1: u64 = 1 << 32;
     /// The driver may use indirect descriptors.
     pub const RING_INDIRECT_DESC: u64 = 1 << 28;
+    /// `used_event` / `avail_event` in the rings suppress notifications both ways.
+    pub const RING_EVENT_IDX: u64 = 1 << 29;
 }
 
 /// The largest queue this crate's devices offer.

@@ -4,6 +4,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use virtio_queue::QueueT;
+
 use serde::{Deserialize, Serialize};
 
 use super::disk::{DiskError, DiskFile};
@@ -71,6 +73,7 @@ impl Block {
         }
         let mut avail_features = common_features::VERSION_1
             | common_features::RING_INDIRECT_DESC
+            | common_features::RING_EVENT_IDX
             | features::SEG_MAX
             | features::FLUSH;
         if disk.read_only() {
@@ -141,9 +144,11 @@ impl VirtioDevice for Block {
             read_only: self.disk.read_only(),
             acked_features: ctx.acked_features & self.avail_features,
         };
+        let mut queue = ctx.queues.remove(0);
+        queue.set_event_idx(geometry.acked_features & common_features::RING_EVENT_IDX != 0);
         let handler = BlockHandler::new(
             ctx.mem,
-            ctx.queues.remove(0),
+            queue,
             ctx.queue_events.remove(0),
             ctx.interrupt,
             self.disk.clone(),
@@ -206,6 +211,7 @@ mod tests {
         );
         let rw = Block::new(&config(file.path().into(), false)).unwrap();
         assert_eq!(rw.avail_features() & features::RO, 0);
+        assert_ne!(rw.avail_features() & common_features::RING_EVENT_IDX, 0);
         let mut capacity = [0u8; 8];
         rw.read_config(0, &mut capacity);
         assert_eq!(u64::from_le_bytes(capacity), 16);

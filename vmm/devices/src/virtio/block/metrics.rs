@@ -35,6 +35,11 @@ counters! {
         queue_errors,
         /// Times the rate limiter deferred work.
         throttled,
+        /// Interrupts sent to the driver.
+        interrupts,
+        /// Interrupts the driver said it did not need (EVENT_IDX's `used_event`, or the
+        /// available ring's NO_INTERRUPT flag).
+        interrupts_suppressed,
         /// Batches cut at the queue size (the rest is handled next round).
         batches_cut,
     }
