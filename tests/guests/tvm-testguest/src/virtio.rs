@@ -1,7 +1,7 @@
 //! A minimal virtio-pci modern driver: capabilities, feature negotiation, split queues in a
 //! fixed DMA area of guest RAM, MSI-X vectors delivered to the local APIC.
 
-use core::sync::atomic::{fence, AtomicU64, Ordering};
+use core::sync::atomic::{compiler_fence, fence, AtomicU64, Ordering};
 
 use crate::idt::{IRQS, IRQ_BASE, IRQ_COUNT};
 use crate::pci::{self, ConfigAccess, Function};
@@ -171,15 +171,26 @@ pub struct Virtq {
     pub used: u64,
     /// Notify register address.
     pub notify: u64,
+    /// VIRTIO_F_RING_EVENT_IDX was negotiated: notifications both ways go by the
+    /// `used_event` / `avail_event` fields instead of the ring flags.
+    pub event_idx: bool,
     next_desc: u16,
     avail_idx: u16,
     last_used: u16,
+    /// The available index when the driver last decided whether to kick.
+    notified_idx: u16,
 }
 
 /// Descriptor flags.
 pub const DESC_NEXT: u16 = 1;
 /// Device-writable.
 pub const DESC_WRITE: u16 = 2;
+/// Used-ring flag: the device does not need notifications now.
+pub const USED_F_NO_NOTIFY: u16 = 1;
+/// Available-ring flag: the driver does not want interrupts.
+pub const AVAIL_F_NO_INTERRUPT: u16 = 1;
+/// VIRTIO_F_RING_EVENT_IDX.
+pub const F_EVENT_IDX: u64 = 1 << 29;
 
 impl Virtq {
     /// Writes descriptor `i` raw (hostile tests write what they like).
@@ -230,6 +241,104 @@ impl Virtq {
     /// Kicks the device.
     pub fn kick(&self) {
         w(self.notify, self.index);
+    }
+
+    /// Kicks the device only if it asked for it, as Linux's virtqueue_kick_prepare
+    /// decides: with EVENT_IDX when the chains published since the last decision pass
+    /// its `avail_event`; without, unless it set VIRTQ_USED_F_NO_NOTIFY (it is working
+    /// through the ring and looks again before it re-enables notifications). Returns
+    /// whether it kicked.
+    pub fn kick_if_needed(&mut self) -> bool {
+        // The avail index written by `publish` must be visible before the device's
+        // answer is read.
+        fence(Ordering::SeqCst);
+        let (new, old) = (self.avail_idx, self.notified_idx);
+        self.notified_idx = new;
+        let needed = if self.event_idx {
+            let avail_event: u16 = r(self.used + 4 + 8 * u64::from(self.size));
+            new.wrapping_sub(avail_event).wrapping_sub(1) < new.wrapping_sub(old)
+        } else {
+            r::<u16>(self.used) & USED_F_NO_NOTIFY == 0
+        };
+        if needed {
+            self.kick();
+        }
+        needed
+    }
+
+    /// EVENT_IDX: asks for the next interrupt only once `n` more chains are used (what
+    /// Linux's virtqueue_enable_cb_delayed does), by writing `used_event`.
+    pub fn interrupt_after(&self, n: u16) {
+        let at = self.avail + 4 + 2 * u64::from(self.size);
+        w(at, self.last_used.wrapping_add(n.max(1) - 1));
+        fence(Ordering::SeqCst);
+    }
+
+    /// Asks the device not to interrupt (a driver that polls): with EVENT_IDX by moving
+    /// `used_event` half the index space ahead of what it has taken (call again after
+    /// taking entries), without it by the available ring's NO_INTERRUPT flag.
+    pub fn suppress_interrupts(&self) {
+        if self.event_idx {
+            let at = self.avail + 4 + 2 * u64::from(self.size);
+            w(at, self.last_used.wrapping_add(0x8000));
+        } else {
+            w(self.avail, AVAIL_F_NO_INTERRUPT);
+        }
+        fence(Ordering::SeqCst);
+    }
+
+    /// Used entries not yet taken.
+    pub fn used_pending(&self) -> u16 {
+        // Loads are not reordered with loads on x86: keep the compiler from doing it.
+        compiler_fence(Ordering::Acquire);
+        r::<u16>(self.used + 2).wrapping_sub(self.last_used)
+    }
+
+    /// Puts `head` (a chain already in the descriptor table) in the available ring
+    /// without publishing it; [`Virtq::commit`] publishes every staged head at once.
+    pub fn stage(&mut self, head: u16) {
+        // Split queue sizes are powers of two (checked in `VirtioPci::queue`): a mask,
+        // not a division.
+        w(
+            self.avail + 4 + 2 * u64::from(self.avail_idx & (self.size - 1)),
+            head,
+        );
+        self.avail_idx = self.avail_idx.wrapping_add(1);
+    }
+
+    /// Publishes the staged heads with one index update.
+    pub fn commit(&self) {
+        fence(Ordering::SeqCst);
+        w(self.avail + 2, self.avail_idx);
+    }
+
+    /// Takes every used entry there now, handing each chain id to `f`; returns how many.
+    pub fn drain(&mut self, mut f: impl FnMut(u32)) -> u16 {
+        let n = self.used_pending();
+        compiler_fence(Ordering::Acquire);
+        for _ in 0..n {
+            let at = self.used + 4 + 8 * u64::from(self.last_used & (self.size - 1));
+            f(r(at));
+            self.last_used = self.last_used.wrapping_add(1);
+        }
+        n
+    }
+
+    /// Halts until at least `n` used entries are waiting (checked again with interrupts
+    /// off before each halt, as in [`Virtq::wait_halt`]). For requests that always
+    /// complete and interrupt, with `used_event` set by [`Virtq::interrupt_after`].
+    pub fn halt_until(&self, n: u16) {
+        while self.used_pending() < n {
+            // SAFETY: cli only masks interrupts on this CPU until the sti below.
+            unsafe { core::arch::asm!("cli", options(nomem, nostack)) };
+            if self.used_pending() >= n {
+                // SAFETY: re-enables interrupts (the IDT handles every device vector).
+                unsafe { core::arch::asm!("sti", options(nomem, nostack)) };
+                break;
+            }
+            // SAFETY: as above; hlt returns on the next interrupt.
+            unsafe { core::arch::asm!("sti", "hlt", options(nomem, nostack)) };
+        }
     }
 
     /// The next used entry `(id, len)`, if any.
@@ -495,6 +604,11 @@ impl VirtioPci {
     pub fn queue(&self, q: u16, size: u16) -> Result<Virtq, Detail> {
         self.wc16(common::Q_SELECT, q);
         let max = self.c16(common::Q_SIZE);
+        if !size.is_power_of_two() {
+            return Err(Detail::fmt(format_args!(
+                "Queue size {size} is not a power of two"
+            )));
+        }
         if max < size {
             return Err(Detail::fmt(format_args!("Queue {q} holds {max} < {size}")));
         }
@@ -529,9 +643,11 @@ impl VirtioPci {
             avail,
             used,
             notify: self.notify + u64::from(noff) * u64::from(self.notify_mult),
+            event_idx: false,
             next_desc: 0,
             avail_idx: 0,
             last_used: 0,
+            notified_idx: 0,
         })
     }
 
