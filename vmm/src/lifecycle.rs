@@ -12,6 +12,7 @@ use tenantvm_devices::pci::{PciWindows, MMIO64_DEFAULT_SIZE};
 use tenantvm_devices::virtio::block::{Block, BlockError};
 use tenantvm_devices::virtio::rng::Rng;
 use tenantvm_devices::virtio::vsock::{Vsock, VsockError};
+use tenantvm_devices::virtio::ThreadInit;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::api::server::ConnectionState;
@@ -20,6 +21,7 @@ use crate::boot::{self, BootConfig, BootError};
 use crate::device_manager::{attach_legacy_devices, DeviceManagerError};
 use crate::exit::{ExitReason, ExitState};
 use crate::pci::{host_bridge, host_phys_bits, DeviceCounters, PciPlatform, PciSetupError};
+use crate::seccomp::{install_sigsys_handler, Filters, SeccompError, ThreadKind};
 use crate::terminal::RawTerminal;
 use crate::vstate::vcpu::{self, Buses, VcpuSet};
 use crate::vstate::vm::{create_guest_memory, Vm};
@@ -67,6 +69,9 @@ pub enum StartError {
     /// The vsock socket cannot be used.
     #[error("Cannot set up vsock: {0}")]
     Vsock(#[source] VsockError),
+    /// The seccomp filters could not be built or installed.
+    #[error(transparent)]
+    Seccomp(#[from] SeccompError),
 }
 
 impl StartError {
@@ -92,7 +97,10 @@ impl StartError {
             StartError::Pci(PciSetupError::Windows(_)) => 2,
             StartError::Disk { .. } => 18,
             StartError::Vsock(_) => 19,
-            StartError::Devices(_) | StartError::Host(_) | StartError::Pci(_) => 1,
+            StartError::Devices(_)
+            | StartError::Host(_)
+            | StartError::Pci(_)
+            | StartError::Seccomp(_) => 1,
         }
     }
 }
@@ -102,6 +110,12 @@ const LISTENER_TOKEN: u64 = u64::MAX - 1;
 
 /// Builds the VM described by `config`, runs it until it ends, and returns why it ended.
 pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
+    // Compiled before anything else, so that a filter that cannot be built stops the VMM
+    // before it opens a single guest file.
+    let filters = Filters::build(config.seccomp)?.map(Arc::new);
+    if filters.is_some() {
+        install_sigsys_handler()?;
+    }
     let serial_output = match &config.serial {
         SerialConfig::Stdout => SerialOutput::Stdout,
         SerialConfig::None => SerialOutput::Sink,
@@ -160,6 +174,7 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
         windows,
         &mut buses.pio,
         buses.mmio.clone(),
+        thread_init(&filters, ThreadKind::Device),
     )?;
     attach_virtio_devices(&mut pci, config)?;
     let counters = pci.take_counters();
@@ -173,8 +188,12 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
     let mut _raw_terminal = None;
     if config.serial == SerialConfig::Stdout {
         _raw_terminal = RawTerminal::enable(libc::STDIN_FILENO);
-        spawn_input_thread(serial, Box::new(std::io::stdin()))
-            .map_err(|e| StartError::Devices(e.into()))?;
+        spawn_input_thread(
+            serial,
+            Box::new(std::io::stdin()),
+            thread_init(&filters, ThreadKind::SerialInput),
+        )
+        .map_err(|e| StartError::Devices(e.into()))?;
     }
 
     let epoll = Epoll::new().map_err(StartError::Host)?;
@@ -197,7 +216,14 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
 
     vcpu::install_kick_handler()?;
     let started = Instant::now();
-    let vcpus = VcpuSet::start(fds, Arc::new(buses), exit.clone())?;
+    let vcpus = VcpuSet::start(fds, Arc::new(buses), exit.clone(), filters.clone())?;
+    // The main thread's own filter goes on once it has started every thread it will.
+    if let Some(filters) = &filters {
+        if let Err(e) = filters.apply(ThreadKind::Main) {
+            vcpus.stop();
+            return Err(e.into());
+        }
+    }
     let reason = event_loop(
         &epoll,
         api.as_mut(),
@@ -212,6 +238,14 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
     drop(pci);
     drop(api);
     Ok(reason)
+}
+
+/// The start-up hook that installs `kind`'s seccomp filter on a new thread.
+fn thread_init(filters: &Option<Arc<Filters>>, kind: ThreadKind) -> Option<ThreadInit> {
+    let filters = filters.clone()?;
+    Some(Box::new(move || {
+        filters.apply(kind).map_err(|e| e.to_string())
+    }))
 }
 
 /// Serves the control socket until an exit reason is recorded, and returns it.

@@ -32,6 +32,7 @@ use tenantvm_vmm::boot::BootProtocol;
 ///  17  serial output file cannot be opened
 ///  18  a disk image is missing, unreadable or unusable
 ///  19  the vsock socket path is busy, not a socket or not writable
+///  20  a VMM thread made a system call its seccomp filter does not allow
 ///
 /// Example:
 ///   tenantvm-vmm --kernel vmlinux --memory-mib 512 --vcpus 2 \
@@ -79,9 +80,14 @@ struct Cli {
     /// A virtio-rng device fed from the host's getrandom [default: on].
     #[arg(long, value_name = "on|off", value_parser = parse_on_off)]
     rng: Option<bool>,
+    /// Seccomp filters on every VMM thread: on (calls outside a thread's list end the
+    /// process with status 20), log (allowed, logged by the kernel; for debugging), off
+    /// [default: on].
+    #[arg(long, value_name = "on|log|off")]
+    seccomp: Option<tenantvm_vmm::seccomp::SeccompMode>,
     /// JSON file with the same fields (kernel, initramfs, cmdline, memory_mib, vcpus,
-    /// serial, api_sock, boot, disks, vsock, rng); unknown fields are refused; flags
-    /// override it.
+    /// serial, api_sock, boot, disks, vsock, rng, seccomp); unknown fields are refused;
+    /// flags override it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
 }
@@ -141,6 +147,7 @@ fn main() -> ExitCode {
         disks,
         vsock,
         rng: cli.rng,
+        seccomp: cli.seccomp,
     };
     let config = match VmConfig::resolve(file.overridden_by(flags)) {
         Ok(config) => config,

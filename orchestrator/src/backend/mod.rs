@@ -183,12 +183,15 @@ pub enum ExitReason {
     Stopped,
     /// KVM could not run the guest (status 7).
     GuestRunFailure,
-    /// The VM could not start (statuses 10..=17: kernel, initramfs, memory, vCPUs, socket,
-    /// /dev/kvm, serial file); `code` says which.
+    /// The VM could not start (statuses 10..=19: kernel, initramfs, memory, vCPUs, socket,
+    /// /dev/kvm, serial file, disk, vsock socket); `code` says which.
     StartFailure {
         /// The exit status.
         code: i32,
     },
+    /// A VMM thread made a system call outside its seccomp filter (status 20): either a
+    /// path the filters do not know yet or a compromised VMM; vmm.log names the call.
+    SeccompViolation,
     /// The jail could not be set up (status 120 of the jail launcher; details in vmm.log).
     JailFailure,
     /// Any other exit status.
@@ -310,7 +313,8 @@ impl ExitReason {
                 5 => ExitReason::GuestPanic,
                 6 => ExitReason::Stopped,
                 7 => ExitReason::GuestRunFailure,
-                10..=17 => ExitReason::StartFailure { code },
+                10..=19 => ExitReason::StartFailure { code },
+                20 => ExitReason::SeccompViolation,
                 crate::jail::process::JAIL_SETUP_FAILED => ExitReason::JailFailure,
                 _ => ExitReason::OtherStatus { code },
             },
@@ -350,9 +354,14 @@ impl ExitReason {
                     14 => "vCPU count not allowed on this host",
                     15 => "control socket path busy or not writable",
                     16 => "/dev/kvm missing or not usable",
-                    _ => "serial output file cannot be opened",
+                    17 => "serial output file cannot be opened",
+                    18 => "a disk image is missing, unreadable or unusable",
+                    _ => "the vsock socket path is busy, not a socket or not writable",
                 }
             ),
+            ExitReason::SeccompViolation => {
+                "a VMM thread made a system call its seccomp filter refuses (see vmm.log)".into()
+            }
             ExitReason::JailFailure => "the jail could not be set up (see vmm.log)".into(),
             ExitReason::OtherStatus { code } => format!("exited with status {code}"),
             ExitReason::Signaled { signal } => format!("killed by signal {signal}"),
@@ -377,6 +386,8 @@ mod tests {
             (7, ExitReason::GuestRunFailure),
             (10, ExitReason::StartFailure { code: 10 }),
             (17, ExitReason::StartFailure { code: 17 }),
+            (19, ExitReason::StartFailure { code: 19 }),
+            (20, ExitReason::SeccompViolation),
             (120, ExitReason::JailFailure),
             (42, ExitReason::OtherStatus { code: 42 }),
         ];

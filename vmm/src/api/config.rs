@@ -10,6 +10,7 @@ use tenantvm_devices::virtio::vsock::VsockConfig;
 
 use super::devices::DeviceFlagError;
 use crate::boot::BootProtocol;
+use crate::seccomp::SeccompMode;
 
 /// Guest RAM when none is given.
 pub const DEFAULT_MEMORY_MIB: u64 = 128;
@@ -48,6 +49,8 @@ pub struct VmConfigFile {
     pub vsock: Option<VsockConfig>,
     /// Whether the guest gets a virtio-rng device (default true).
     pub rng: Option<bool>,
+    /// Seccomp filters on the VMM's threads: `on` (default), `log` or `off`.
+    pub seccomp: Option<SeccompMode>,
 }
 
 impl VmConfigFile {
@@ -77,6 +80,7 @@ impl VmConfigFile {
             disks: over.disks.or(self.disks),
             vsock: over.vsock.or(self.vsock),
             rng: over.rng.or(self.rng),
+            seccomp: over.seccomp.or(self.seccomp),
         }
     }
 }
@@ -132,6 +136,8 @@ pub struct VmConfig {
     pub vsock: Option<VsockConfig>,
     /// Whether a virtio-rng device is present.
     pub rng: bool,
+    /// Seccomp filters on the VMM's threads.
+    pub seccomp: SeccompMode,
 }
 
 impl VmConfig {
@@ -171,6 +177,7 @@ impl VmConfig {
             disks,
             vsock: file.vsock,
             rng,
+            seccomp: file.seccomp.unwrap_or_default(),
         })
     }
 }
@@ -236,6 +243,21 @@ mod tests {
             kernel: Some("/k".into()),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn seccomp_defaults_on_and_reads_from_the_file() {
+        assert_eq!(
+            VmConfig::resolve(with_kernel()).unwrap().seccomp,
+            SeccompMode::On
+        );
+        let file: VmConfigFile =
+            serde_json::from_str(r#"{"kernel":"/k","seccomp":"log"}"#).unwrap();
+        assert_eq!(VmConfig::resolve(file).unwrap().seccomp, SeccompMode::Log);
+        let err = serde_json::from_str::<VmConfigFile>(r#"{"kernel":"/k","seccomp":"maybe"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("maybe"), "{err}");
     }
 
     #[test]

@@ -16,7 +16,9 @@ use tenantvm_devices::pci::{
     ECAM_BASE, ECAM_BUS_SIZE, PCI_CONFIG_IO_PORT, PCI_CONFIG_IO_PORT_LEN,
 };
 use tenantvm_devices::virtio::transport::{VirtioPciDevice, VirtioPciError, BAR_SIZE};
-use tenantvm_devices::virtio::{EventLoopError, EventLoopThread, GuestMemoryMmap, VirtioDevice};
+use tenantvm_devices::virtio::{
+    EventLoopError, EventLoopThread, GuestMemoryMmap, ThreadInit, VirtioDevice,
+};
 use vmm_sys_util::eventfd::EventFd;
 
 use self::interrupts::{GsiRouting, KvmMsiSink, MsiRoutingError};
@@ -198,13 +200,15 @@ pub struct PciPlatform {
 }
 
 impl PciPlatform {
-    /// Puts the root on the buses and starts the device thread.
+    /// Puts the root on the buses and starts the device thread, which runs
+    /// `device_thread_init` (its seccomp filter) before it serves anything.
     pub fn new(
         vm: Arc<Vm>,
         mem: GuestMemoryMmap,
         windows: PciWindows,
         pio: &mut Bus,
         mmio: Arc<RwLock<Bus>>,
+        device_thread_init: Option<ThreadInit>,
     ) -> Result<Self, PciSetupError> {
         let relocation = Arc::new(VmmBarRelocation {
             vm: vm.clone(),
@@ -247,7 +251,10 @@ impl PciPlatform {
             mmio,
             root,
             relocation,
-            event_loop: Arc::new(EventLoopThread::spawn("tenantvm-dev")?),
+            event_loop: Arc::new(EventLoopThread::spawn_with(
+                "tenantvm-dev",
+                device_thread_init,
+            )?),
             counters,
         })
     }
@@ -344,7 +351,7 @@ mod tests {
             PciWindows::new(16 << 20, 46, tenantvm_devices::pci::MMIO64_DEFAULT_SIZE).unwrap();
         let mut pio = Bus::new();
         let mmio = Arc::new(RwLock::new(Bus::new()));
-        let mut pci = PciPlatform::new(vm, mem, windows, &mut pio, mmio.clone()).unwrap();
+        let mut pci = PciPlatform::new(vm, mem, windows, &mut pio, mmio.clone(), None).unwrap();
         let slot = pci
             .add_virtio("rng", Box::new(Rng::new()), Box::new(Vec::new))
             .unwrap();

@@ -19,6 +19,7 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 use super::{cpuid, kvm_err, regs, VstateError};
 use crate::boot::EntryPoint;
 use crate::exit::{ExitReason, ExitState};
+use crate::seccomp::{Filters, ThreadKind};
 
 /// The port and memory buses a vCPU dispatches its exits to.
 #[derive(Debug, Default)]
@@ -198,18 +199,28 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl VcpuSet {
     /// Starts one thread per vCPU.
+    /// With `filters`, each thread installs the vCPU seccomp filter on itself before it
+    /// first enters the guest (and ends the VM if it cannot).
     pub fn start(
         vcpus: Vec<VcpuFd>,
         buses: Arc<Buses>,
         exit: Arc<ExitState>,
+        filters: Option<Arc<Filters>>,
     ) -> Result<Self, VstateError> {
         let control = Arc::new(VcpuControl::default());
         let mut threads = Vec::with_capacity(vcpus.len());
         for (id, fd) in vcpus.into_iter().enumerate() {
             let (buses, exit, control) = (buses.clone(), exit.clone(), control.clone());
+            let filters = filters.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("vcpu{id}"))
-                .spawn(move || run_vcpu(fd, &buses, &control, &exit))
+                .spawn(move || {
+                    if let Some(Err(e)) = filters.map(|f| f.apply(ThreadKind::Vcpu)) {
+                        exit.stop(ExitReason::VmmError(e.to_string()));
+                        return;
+                    }
+                    run_vcpu(fd, &buses, &control, &exit)
+                })
                 .map_err(|e| VstateError::Kvm {
                     what: "start a vCPU thread",
                     source: kvm_ioctls::Error::new(e.raw_os_error().unwrap_or(libc::EAGAIN)),

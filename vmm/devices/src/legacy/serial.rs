@@ -16,6 +16,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::LegacyDeviceError;
 use crate::bus::BusDevice;
+use crate::virtio::ThreadInit;
 
 /// An interrupt line backed by an eventfd registered with KVM as an irqfd.
 pub struct IrqTrigger(pub EventFd);
@@ -164,9 +165,12 @@ impl BusDevice for SerialDevice {
 const INPUT_RETRY_MS: i32 = 100;
 
 /// Starts a thread that copies `input` into the UART's receive FIFO until end of file.
+/// `init` runs on the thread first (its seccomp filter); if it fails the thread logs
+/// why and ends without reading anything.
 pub fn spawn_input_thread(
     serial: Arc<Mutex<SerialDevice>>,
     mut input: Box<dyn Read + Send>,
+    init: Option<ThreadInit>,
 ) -> Result<JoinHandle<()>, LegacyDeviceError> {
     let ready = lock(&serial)
         .ready_fd()
@@ -174,6 +178,10 @@ pub fn spawn_input_thread(
     std::thread::Builder::new()
         .name("serial-input".into())
         .spawn(move || {
+            if let Some(Err(e)) = init.map(|init| init()) {
+                tracing::error!("Serial input stays off: {e}");
+                return;
+            }
             let mut buf = [0u8; 256];
             loop {
                 let n = match input.read(&mut buf) {
@@ -295,7 +303,7 @@ mod tests {
         ));
         let data: Vec<u8> = (0..200u8).collect();
         let handle =
-            spawn_input_thread(dev.clone(), Box::new(io::Cursor::new(data.clone()))).unwrap();
+            spawn_input_thread(dev.clone(), Box::new(io::Cursor::new(data.clone())), None).unwrap();
         let mut got = Vec::new();
         while got.len() < data.len() {
             let mut lsr = [0u8];

@@ -22,7 +22,14 @@ pub enum EventLoopError {
     /// The event manager could not be created on the thread.
     #[error("Could not create the device event manager")]
     Create,
+    /// The thread's start-up hook failed (its seccomp filter, say); the loop never ran.
+    #[error("The device event loop thread could not be prepared: {0}")]
+    Init(String),
 }
+
+/// Work a new thread does on itself before it serves anything (installing its seccomp
+/// filter, say). An error stops the thread before it handles any guest input.
+pub type ThreadInit = Box<dyn FnOnce() -> Result<(), String> + Send>;
 
 /// Where the transport puts activated devices' handlers. The VMM implements this with
 /// its device thread; [`EventLoopThread`] is a ready implementation.
@@ -63,6 +70,12 @@ pub struct EventLoopThread {
 impl EventLoopThread {
     /// Starts the loop.
     pub fn spawn(name: &str) -> Result<Self, EventLoopError> {
+        Self::spawn_with(name, None)
+    }
+
+    /// Starts the loop; `init` runs on its thread once the event manager exists and
+    /// before the first event is served.
+    pub fn spawn_with(name: &str, init: Option<ThreadInit>) -> Result<Self, EventLoopError> {
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = std::sync::mpsc::channel();
         let thread_stop = stop.clone();
@@ -76,7 +89,11 @@ impl EventLoopThread {
                         return;
                     }
                 };
-                if tx.send(manager.remote_endpoint()).is_err() {
+                if let Some(Err(e)) = init.map(|init| init()) {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+                if tx.send(Ok(manager.remote_endpoint())).is_err() {
                     return;
                 }
                 while !thread_stop.load(Ordering::Acquire) {
@@ -87,7 +104,10 @@ impl EventLoopThread {
                 }
             })
             .map_err(EventLoopError::Spawn)?;
-        let endpoint = rx.recv().map_err(|_| EventLoopError::Create)?;
+        let endpoint = rx
+            .recv()
+            .map_err(|_| EventLoopError::Create)?
+            .map_err(EventLoopError::Init)?;
         Ok(Self {
             endpoint,
             stop,

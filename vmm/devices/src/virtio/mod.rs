@@ -24,7 +24,7 @@ use event_manager::MutEventSubscriber;
 use virtio_queue::Queue;
 use vmm_sys_util::eventfd::EventFd;
 
-pub use event_loop::{DeviceEventLoop, EventLoopError, EventLoopThread};
+pub use event_loop::{DeviceEventLoop, EventLoopError, EventLoopThread, ThreadInit};
 
 /// Guest memory as the devices see it.
 pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<()>;
