@@ -419,6 +419,12 @@ fn linux_guest_tenant_serves_inference_keeps_its_disk_encrypted_and_leaves_nothi
     let receipts = departure_common::receipts_of(&d, &name);
     assert_eq!(receipts.len(), 1, "one receipt");
     let steps = &receipts[0].receipt.steps;
+    // The inference route was closed first (the daemon's admission gate refuses from then).
+    let route = steps
+        .iter()
+        .find(|s| s.step == DepartureStep::GatewayRouteOff)
+        .expect("gateway-route-off recorded");
+    assert_eq!(route.result, StepResult::Ok, "{route:?}");
     let shutdown = steps
         .iter()
         .find(|s| s.step == DepartureStep::AgentShutdown)

@@ -27,6 +27,8 @@ pub struct ApiError {
     status: StatusCode,
     code: &'static str,
     message: String,
+    /// Seconds for a `Retry-After` header (429 answers).
+    retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -35,6 +37,7 @@ impl ApiError {
             status,
             code,
             message: message.into(),
+            retry_after: None,
         }
     }
 }
@@ -47,7 +50,13 @@ impl IntoResponse for ApiError {
                 message: self.message,
             },
         };
-        (self.status, Json(body)).into_response()
+        let mut response = (self.status, Json(body)).into_response();
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        response
     }
 }
 
@@ -68,7 +77,20 @@ impl From<AuthError> for ApiError {
 
 impl From<TenantServiceError> for ApiError {
     fn from(e: TenantServiceError) -> Self {
+        use crate::tenant::admission::Refused;
         use TenantServiceError as E;
+        if let E::QuotaExceeded(refused) = &e {
+            let code = match refused {
+                Refused::Rate { .. } => "rate_limited",
+                Refused::Concurrency { .. } => "too_many_in_flight",
+                Refused::Closed { .. } => {
+                    return ApiError::new(StatusCode::CONFLICT, "invalid_state", e.to_string())
+                }
+            };
+            let mut error = ApiError::new(StatusCode::TOO_MANY_REQUESTS, code, e.to_string());
+            error.retry_after = Some(refused.retry_after_secs());
+            return error;
+        }
         let (status, code) = match &e {
             E::Spec(_) => (StatusCode::BAD_REQUEST, "invalid_spec"),
             E::Image(_) => (StatusCode::BAD_REQUEST, "invalid_image"),

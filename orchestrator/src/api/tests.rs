@@ -41,6 +41,17 @@ impl Api {
         token: Option<&str>,
         body: Option<String>,
     ) -> (StatusCode, Value) {
+        let (status, _, value) = self.call_with_headers(method, uri, token, body).await;
+        (status, value)
+    }
+
+    async fn call_with_headers(
+        &self,
+        method: &str,
+        uri: &str,
+        token: Option<&str>,
+        body: Option<String>,
+    ) -> (StatusCode, axum::http::HeaderMap, Value) {
         let mut req = Request::builder().method(method).uri(uri);
         if let Some(t) = token {
             req = req.header("authorization", format!("Bearer {t}"));
@@ -54,12 +65,13 @@ impl Api {
         .unwrap();
         let resp = router(self.h.svc.clone()).oneshot(req).await.unwrap();
         let status = resp.status();
+        let headers = resp.headers().clone();
         let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
             .await
             .unwrap();
         let value: Value = serde_json::from_slice(&bytes)
             .unwrap_or_else(|_| panic!("non-JSON body for {method} {uri}: {bytes:?}"));
-        (status, value)
+        (status, headers, value)
     }
 
     /// Calls and checks the response against the spec.
@@ -583,4 +595,71 @@ async fn infer_answers_match_the_spec_and_are_scoped() {
             .contains("does not run a guest image"),
         "{e}"
     );
+}
+
+#[tokio::test]
+async fn infer_is_held_to_each_tenants_request_rate() {
+    let api = Api::new();
+    let admin = api.admin.clone();
+    let a = Some(admin.as_str());
+    let mut tokens = Vec::new();
+    for name in ["carol", "dave"] {
+        let spec = json!({"name": name, "vcpus": 1, "memory_mib": 64,
+                          "image": {"name": "hello"},
+                          "quotas": {"requests_per_s": 2, "max_concurrency": 1}});
+        let (s, created) = api
+            .checked(
+                "POST",
+                "/v1/tenants",
+                "/v1/tenants",
+                a,
+                Some(spec.to_string()),
+            )
+            .await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{created}");
+        tokens.push(created["token"].as_str().unwrap().to_string());
+    }
+    api.idle().await;
+    let t = "/v1/tenants/{name}/infer";
+    let body = json!({"prompt": "hello", "max_tokens": 4}).to_string();
+    // Two requests a second: both admitted (and then refused further on, since the test
+    // guest runs no inference server), the third is over the rate.
+    for _ in 0..2 {
+        let (s, _) = api
+            .checked(
+                "POST",
+                "/v1/tenants/carol/infer",
+                t,
+                Some(&tokens[0]),
+                Some(body.clone()),
+            )
+            .await;
+        assert_eq!(s, StatusCode::BAD_REQUEST);
+    }
+    let (s, headers, e) = api
+        .call_with_headers(
+            "POST",
+            "/v1/tenants/carol/infer",
+            Some(&tokens[0]),
+            Some(body.clone()),
+        )
+        .await;
+    api.spec
+        .check_response("POST", t, s.as_u16(), &e)
+        .unwrap_or_else(|err| panic!("429 does not match the spec: {err}\n{e:#}"));
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{e}");
+    assert_eq!(e["error"]["code"], "rate_limited", "{e}");
+    let retry: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=1).contains(&retry), "Retry-After {retry}");
+    // Carol's spent budget is hers alone: Dave is admitted.
+    let (s, _) = api
+        .checked(
+            "POST",
+            "/v1/tenants/dave/infer",
+            t,
+            Some(&tokens[1]),
+            Some(body),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
 }

@@ -41,6 +41,8 @@ pub mod exit {
     pub const NO_FIT: u8 = 11;
     /// `host check`: at least one check failed.
     pub const HOST_CHECK_FAILED: u8 = 12;
+    /// Over the tenant's request rate or concurrency (429): retry later.
+    pub const QUOTA: u8 = 13;
 }
 
 const DEFAULT_SOCKET: &str = "/run/tenantvm/tenantvmd.sock";
@@ -65,7 +67,7 @@ const DEFAULT_TOKEN_FILE: &str = "/var/lib/tenantvm/admin.token";
 /// Exit statuses: 0 ok, 1 other error, 2 usage, 3 daemon unreachable, 4 token refused,
 /// 5 no such tenant, 6 conflict (name taken, busy, wrong state), 7 invalid request,
 /// 8 operation failed, 9 daemon error, 10 forbidden, 11 plan does not fit,
-/// 12 host check failed.
+/// 12 host check failed, 13 over the tenant's request rate or concurrency (retry later).
 #[derive(Debug, Parser)]
 #[command(name = "tenantvm", version, verbatim_doc_comment)]
 pub struct Cli {
@@ -344,6 +346,7 @@ impl From<ClientError> for CliFailure {
                     403 => exit::FORBIDDEN,
                     404 => exit::NOT_FOUND,
                     409 => exit::CONFLICT,
+                    429 => exit::QUOTA,
                     400 | 413 | 415 | 422 => exit::INVALID,
                     500..=599 => exit::DAEMON_ERROR,
                     _ => exit::OTHER,

@@ -360,6 +360,12 @@ pub(crate) fn shutdown_record(
     })
 }
 
+/// The admission state's key for `t`: its row id and name, so that a new tenant under a
+/// destroyed one's name starts afresh.
+pub(crate) fn admission_key(t: &TenantRecord) -> String {
+    format!("{}:{}", t.id, t.name)
+}
+
 /// Forwards an OpenAI-style completion request (a JSON object) to the tenant's payload
 /// and returns its JSON answer. The body is never logged: it is the tenant's data.
 pub(crate) fn infer(
@@ -367,6 +373,11 @@ pub(crate) fn infer(
     t: &TenantRecord,
     body: serde_json::Value,
 ) -> Result<serde_json::Value, TenantServiceError> {
+    // The quota gate comes first: every request counts, whether or not it would succeed,
+    // and a refused one costs nothing further. Held until the answer is back.
+    let _permit =
+        svc.admission
+            .admit(&admission_key(t), &t.name, &t.spec.quotas, Instant::now())?;
     if !uses_agent(&svc.config, &t.spec) {
         return Err(TenantServiceError::BadRequest(format!(
             "tenant {:?} does not run a guest image with an inference server",

@@ -147,19 +147,41 @@ pub(crate) fn run_step(
     let started = now_rfc3339();
     match step {
         Step::RouteOff => {
-            // Honest: no gateway exists yet, so the tenant never had a route to remove.
             svc.store.begin_departure(t.id, &t.name)?;
-            record(
-                svc,
-                t,
+            // The daemon's inference route is the only way to a guest's server: closing
+            // the tenant's admission gate refuses every later request.
+            let key = crate::tenant::agent_steps::admission_key(t);
+            let in_flight = svc.admission.close(&key);
+            // Checked, not assumed: a request now is refused. (After a daemon restart the
+            // gate is new, and the tenant's destroying state refuses requests instead.)
+            let refused = svc
+                .admission
+                .admit(&key, &t.name, &t.spec.quotas, std::time::Instant::now())
+                .is_err();
+            if !refused {
+                return Err(step_err(step, "the inference route did not close"));
+            }
+            let rec = if crate::tenant::agent_steps::uses_agent(&svc.config, &t.spec) {
                 plain(
                     DepartureStep::GatewayRouteOff,
-                    "no gateway: tenantvm has no gateway yet, so no route existed",
+                    &format!(
+                        "inference route closed: later requests are refused; {in_flight} \
+                         request(s) were in flight and end with the guest's shutdown"
+                    ),
+                    StepResult::Ok,
+                    Assurance::Verified,
+                    &started,
+                )
+            } else {
+                plain(
+                    DepartureStep::GatewayRouteOff,
+                    "no inference server: the tenant runs no guest image, so it had no route",
                     StepResult::Skipped,
                     Assurance::NotApplicable,
                     &started,
-                ),
-            )
+                )
+            };
+            record(svc, t, rec)
         }
         Step::DeviceReset => {
             let rec = match svc.store.gpu_placement(t.id)? {

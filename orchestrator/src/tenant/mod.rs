@@ -1,6 +1,7 @@
 //! Tenants: the spec, the lifecycle state machine, and the steps of create, start, stop
 //! and destroy that the [`service::TenantService`] runs and records.
 
+pub mod admission;
 pub mod agent_steps;
 pub mod departure;
 pub mod disk_steps;

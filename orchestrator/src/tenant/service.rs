@@ -72,6 +72,9 @@ pub enum TenantServiceError {
     /// The tenant is not running, so its guest cannot serve requests.
     #[error("Tenant {0:?} is not running; start it (`tenantvm start {0}`) and retry")]
     NotServing(String),
+    /// The tenant is over its request rate or concurrency quota.
+    #[error(transparent)]
+    QuotaExceeded(#[from] crate::tenant::admission::Refused),
     /// The guest agent or its payload could not answer.
     #[error("The tenant's guest could not answer: {0}")]
     AgentUnavailable(String),
@@ -183,6 +186,8 @@ pub struct TenantService {
     pub(crate) gpu: Arc<dyn GpuPlanner>,
     pub(crate) config: Arc<ServiceConfig>,
     pub(crate) fault: Arc<FaultHook>,
+    /// Per-tenant request rate and concurrency of inference requests.
+    pub(crate) admission: Arc<crate::tenant::admission::Admission>,
     departure: Arc<Mutex<Option<Arc<crate::tenant::departure::DepartureKit>>>>,
     busy: Arc<Mutex<HashSet<String>>>,
     workers: Arc<Mutex<Vec<std::thread::JoinHandle<()>>>>,
@@ -221,6 +226,7 @@ impl TenantService {
             gpu,
             config: Arc::new(config),
             fault: Arc::new(fault),
+            admission: Arc::default(),
             departure: Arc::default(),
             busy: Arc::default(),
             workers: Arc::default(),
