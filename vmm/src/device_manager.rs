@@ -8,6 +8,7 @@ use tenantvm_devices::legacy::{
     SerialOutput, ACPI_SLEEP_CONTROL_PORT, COM1_IRQ, COM1_LEN, COM1_PORT, I8042_COMMAND_PORT,
     I8042_DATA_PORT, PVPANIC_PORT,
 };
+use tenantvm_devices::virtio::ThreadInit;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::vstate::vm::Vm;
@@ -37,10 +38,15 @@ pub fn attach_legacy_devices(
     pio: &mut Bus,
     serial_output: SerialOutput,
     sink: Arc<dyn GuestRequestSink>,
+    serial_output_init: Option<ThreadInit>,
 ) -> Result<Arc<Mutex<SerialDevice>>, DeviceManagerError> {
     let irq = EventFd::new(EFD_NONBLOCK).map_err(DeviceManagerError::EventFd)?;
     vm.register_irqfd(&irq, COM1_IRQ)?;
-    let serial = Arc::new(Mutex::new(SerialDevice::new(irq, serial_output)?));
+    let serial = Arc::new(Mutex::new(SerialDevice::new(
+        irq,
+        serial_output,
+        serial_output_init,
+    )?));
     pio.insert(serial.clone(), COM1_PORT, COM1_LEN)?;
     let i8042 = Arc::new(Mutex::new(I8042Device::new(sink.clone())));
     pio.insert(i8042.clone(), I8042_DATA_PORT, 1)?;

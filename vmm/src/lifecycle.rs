@@ -167,7 +167,17 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
     vm.register_memory(&mem)?;
     let exit = Arc::new(ExitState::new().map_err(StartError::Host)?);
     let mut buses = Buses::default();
-    let serial = attach_legacy_devices(&vm, &mut buses.pio, serial_output, exit.clone())?;
+    let serial = attach_legacy_devices(
+        &vm,
+        &mut buses.pio,
+        serial_output,
+        exit.clone(),
+        thread_init(&filters, ThreadKind::SerialOutput),
+    )?;
+    let serial_flush = serial
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .output_flush();
     let mut pci = PciPlatform::new(
         vm.clone(),
         mem.clone(),
@@ -234,6 +244,10 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
         &counters,
     );
     vcpus.stop();
+    // The guest's last console bytes (a line without its newline) go out before exit.
+    if let Some(flush) = &serial_flush {
+        flush.flush_now();
+    }
     // The device thread stops after the vCPUs, so no notification is left unserved.
     drop(pci);
     drop(api);

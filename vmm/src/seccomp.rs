@@ -49,6 +49,8 @@ pub enum ThreadKind {
     Device,
     /// The thread that copies stdin into the UART.
     SerialInput,
+    /// The thread that writes out batched guest console output.
+    SerialOutput,
 }
 
 /// Why filters could not be built or installed.
@@ -82,6 +84,7 @@ pub struct Filters {
     vcpu: BpfProgram,
     device: BpfProgram,
     serial_input: BpfProgram,
+    serial_output: BpfProgram,
 }
 
 impl Filters {
@@ -103,6 +106,7 @@ impl Filters {
             vcpu: compile(ThreadKind::Vcpu)?,
             device: compile(ThreadKind::Device)?,
             serial_input: compile(ThreadKind::SerialInput)?,
+            serial_output: compile(ThreadKind::SerialOutput)?,
         }))
     }
 
@@ -114,6 +118,7 @@ impl Filters {
             ThreadKind::Vcpu => &self.vcpu,
             ThreadKind::Device => &self.device,
             ThreadKind::SerialInput => &self.serial_input,
+            ThreadKind::SerialOutput => &self.serial_output,
         };
         seccompiler::apply_filter(program).map_err(|source| SeccompError::Install { kind, source })
     }
@@ -297,6 +302,8 @@ fn rules_for(kind: ThreadKind) -> Result<Rules, seccompiler::BackendError> {
         ThreadKind::SerialInput => {
             allow(&mut rules, &[libc::SYS_poll, libc::SYS_ppoll]);
         }
+        // Waits on a condvar and writes to stdout or the serial file: the common set.
+        ThreadKind::SerialOutput => {}
     }
     Ok(rules)
 }

@@ -106,6 +106,7 @@ fn pause_is_refused_not_half_done_when_a_vcpu_is_blocked_on_serial_output() {
         .spawn()
         .unwrap();
     wait_until_pipe_full(child.stdout.as_ref().unwrap());
+    wait_until_vcpu_sleeps(child.id());
     let mut stream = connect(&sock);
     stream
         .set_read_timeout(Some(Duration::from_secs(60)))
@@ -126,8 +127,42 @@ fn pause_is_refused_not_half_done_when_a_vcpu_is_blocked_on_serial_output() {
     assert_eq!(child.wait().unwrap().code(), Some(6));
 }
 
-/// Waits until the VMM's stdout pipe holds a full default pipe buffer (64 KiB), so that
-/// its writer is blocked.
+/// Waits until `vcpu0` of VMM `pid` sleeps in the kernel for a while: a guest that only
+/// floods its serial port never halts, so a sleeping vCPU is one blocked on its output
+/// (serial output is batched, so it blocks once its batch is full, not at once).
+fn wait_until_vcpu_sleeps(pid: u32) {
+    let start = Instant::now();
+    let mut asleep = 0;
+    while asleep < 5 {
+        let state = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .filter_map(|t| {
+                let dir = t.ok()?.path();
+                let comm = std::fs::read_to_string(dir.join("comm")).ok()?;
+                (comm.trim() == "vcpu0").then(|| std::fs::read_to_string(dir.join("stat")).ok())?
+            })
+            .next()
+            .and_then(|stat| {
+                // The state follows the parenthesised name.
+                stat.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().next().map(str::to_string))
+            });
+        asleep = if state.as_deref() == Some("S") {
+            asleep + 1
+        } else {
+            0
+        };
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "vcpu0 never blocked on its output (state {state:?})"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Waits until the VMM's stdout pipe (64 KiB by default) is as full as the VMM's batched
+/// serial output can make it: within one batch (4 KiB, written whole or not at all) of the
+/// top, so that its writer is blocked.
 fn wait_until_pipe_full(pipe: &impl std::os::fd::AsRawFd) {
     let start = Instant::now();
     loop {
@@ -135,7 +170,7 @@ fn wait_until_pipe_full(pipe: &impl std::os::fd::AsRawFd) {
         // SAFETY: FIONREAD stores one int into `queued`, which outlives the call.
         let rc = unsafe { libc::ioctl(pipe.as_raw_fd(), libc::FIONREAD, &mut queued) };
         assert_eq!(rc, 0, "FIONREAD on the stdout pipe");
-        if queued >= 64 * 1024 {
+        if queued >= 64 * 1024 - tenantvm_devices::legacy::BATCH_BYTES as libc::c_int {
             return;
         }
         assert!(

@@ -79,6 +79,7 @@ fn every_kind_allows_plain_work_and_refuses_opening_files() {
         ThreadKind::Vcpu,
         ThreadKind::Device,
         ThreadKind::SerialInput,
+        ThreadKind::SerialOutput,
     ] {
         let ok = in_child(&f, kind, || {
             // SAFETY: getpid and a write of zero bytes to stderr have no effect.

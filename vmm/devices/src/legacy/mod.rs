@@ -8,10 +8,12 @@
 mod i8042;
 mod power;
 mod serial;
+mod serial_out;
 
 pub use i8042::I8042Device;
 pub use power::{AcpiPowerDevice, PvPanicDevice, ACPI_RESET_VALUE};
 pub use serial::{spawn_input_thread, IrqTrigger, SerialDevice, SerialOutput, SERIAL_FILE_LIMIT};
+pub use serial_out::{BatchedOutput, OutputFlush, BATCH_BYTES, FLUSH_DELAY};
 
 /// COM1 base I/O port.
 pub const COM1_PORT: u64 = 0x3f8;
@@ -56,6 +58,9 @@ pub enum LegacyDeviceError {
     /// Starting the serial input thread failed.
     #[error("Cannot start the serial input thread")]
     SpawnInput(#[source] std::io::Error),
+    /// Starting the serial output flusher thread failed.
+    #[error("Cannot start the serial output thread")]
+    SpawnOutput(#[source] std::io::Error),
 }
 
 #[cfg(test)]

@@ -18,6 +18,8 @@ use super::LegacyDeviceError;
 use crate::bus::BusDevice;
 use crate::virtio::ThreadInit;
 
+use super::serial_out::{BatchedOutput, OutputFlush};
+
 /// An interrupt line backed by an eventfd registered with KVM as an irqfd.
 pub struct IrqTrigger(pub EventFd);
 
@@ -40,12 +42,19 @@ pub enum SerialOutput {
 }
 
 impl SerialOutput {
-    fn into_writer(self) -> Box<dyn Write + Send> {
-        match self {
+    /// The UART's writer: batched (serial_out.rs) unless output is discarded; `init`
+    /// runs on the batching flusher thread first.
+    fn into_writer(
+        self,
+        init: Option<ThreadInit>,
+    ) -> io::Result<(Box<dyn Write + Send>, Option<OutputFlush>)> {
+        let out: Box<dyn Write + Send> = match self {
             SerialOutput::Stdout => Box::new(io::stdout()),
             SerialOutput::File(file) => Box::new(CappedWriter::new(file, SERIAL_FILE_LIMIT)),
-            SerialOutput::Sink => Box::new(io::sink()),
-        }
+            SerialOutput::Sink => return Ok((Box::new(io::sink()), None)),
+        };
+        let (batched, flush, _flusher) = BatchedOutput::new(out, init)?;
+        Ok((Box::new(batched), Some(flush)))
     }
 }
 
@@ -114,15 +123,30 @@ impl SerialEvents for InputReady {
 /// The COM1 UART as a bus device.
 pub struct SerialDevice {
     uart: Serial<IrqTrigger, InputReady, Box<dyn Write + Send>>,
+    flush: Option<OutputFlush>,
 }
 
 impl SerialDevice {
-    /// Creates the UART; `irq` is the eventfd registered as its irqfd.
-    pub fn new(irq: EventFd, output: SerialOutput) -> Result<Self, LegacyDeviceError> {
+    /// Creates the UART; `irq` is the eventfd registered as its irqfd. Output is batched
+    /// (serial_out.rs) by a `serial-output` thread that runs `init` first.
+    pub fn new(
+        irq: EventFd,
+        output: SerialOutput,
+        init: Option<ThreadInit>,
+    ) -> Result<Self, LegacyDeviceError> {
         let ready = EventFd::new(EFD_NONBLOCK).map_err(LegacyDeviceError::EventFd)?;
+        let (writer, flush) = output
+            .into_writer(init)
+            .map_err(LegacyDeviceError::SpawnOutput)?;
         Ok(Self {
-            uart: Serial::with_events(IrqTrigger(irq), InputReady(ready), output.into_writer()),
+            uart: Serial::with_events(IrqTrigger(irq), InputReady(ready), writer),
+            flush,
         })
+    }
+
+    /// Writes out guest output still waiting in the batch (call when the VM ends).
+    pub fn output_flush(&self) -> Option<OutputFlush> {
+        self.flush.clone()
     }
 
     /// Free space in the receive FIFO.
@@ -234,7 +258,7 @@ mod tests {
         let mut file = tempfile::tempfile().unwrap();
         let irq = EventFd::new(EFD_NONBLOCK).unwrap();
         let mut dev =
-            SerialDevice::new(irq, SerialOutput::File(file.try_clone().unwrap())).unwrap();
+            SerialDevice::new(irq, SerialOutput::File(file.try_clone().unwrap()), None).unwrap();
         for b in b"hi\n" {
             dev.write(0x3f8, RBR_THR, &[*b]);
         }
@@ -260,7 +284,7 @@ mod tests {
     fn input_is_readable_by_guest_and_raises_interrupt() {
         let irq = EventFd::new(EFD_NONBLOCK).unwrap();
         let irq_seen = irq.try_clone().unwrap();
-        let mut dev = SerialDevice::new(irq, SerialOutput::Sink).unwrap();
+        let mut dev = SerialDevice::new(irq, SerialOutput::Sink, None).unwrap();
         dev.write(0x3f8, IER, &[0x01]); // receive-data interrupt on
         assert_eq!(dev.enqueue(b"ab"), 2);
         assert_eq!(irq_seen.read().unwrap(), 1);
@@ -275,7 +299,7 @@ mod tests {
     #[test]
     fn enqueue_never_overfills_the_fifo() {
         let irq = EventFd::new(EFD_NONBLOCK).unwrap();
-        let mut dev = SerialDevice::new(irq, SerialOutput::Sink).unwrap();
+        let mut dev = SerialDevice::new(irq, SerialOutput::Sink, None).unwrap();
         let big = [b'x'; 1000];
         let first = dev.enqueue(&big);
         assert!(first < big.len());
@@ -285,7 +309,7 @@ mod tests {
     #[test]
     fn out_of_range_offsets_and_empty_accesses_do_not_panic() {
         let irq = EventFd::new(EFD_NONBLOCK).unwrap();
-        let mut dev = SerialDevice::new(irq, SerialOutput::Sink).unwrap();
+        let mut dev = SerialDevice::new(irq, SerialOutput::Sink, None).unwrap();
         dev.write(0x3f8, 300, &[1]);
         dev.write(0x3f8, 0, &[]);
         let mut empty: [u8; 0] = [];
@@ -299,7 +323,7 @@ mod tests {
     fn input_thread_delivers_all_bytes_as_guest_drains() {
         let irq = EventFd::new(EFD_NONBLOCK).unwrap();
         let dev = Arc::new(Mutex::new(
-            SerialDevice::new(irq, SerialOutput::Sink).unwrap(),
+            SerialDevice::new(irq, SerialOutput::Sink, None).unwrap(),
         ));
         let data: Vec<u8> = (0..200u8).collect();
         let handle =
