@@ -20,9 +20,11 @@ pub const RUN_DIR: &str = "run";
 pub const JAIL_VM_DIR: &str = "/vm";
 /// Where serial.log appears inside the jail.
 pub const JAIL_SERIAL_LOG: &str = "/log/serial.log";
-/// How long `state` waits for a VMM whose socket failed to finish exiting (a guest that
-/// powers off closes the socket a moment before the process ends).
-pub(crate) const EXIT_SETTLE: Duration = Duration::from_secs(1);
+/// How long `state` waits for a VMM whose socket failed to finish exiting. A guest that
+/// ends closes the VMM's socket a moment before the process, its jail init and the
+/// launcher have all exited; on a loaded host (CI runs QEMU TCG guests beside it) that
+/// took more than a second. Only an error path waits this long.
+pub(crate) const EXIT_SETTLE: Duration = Duration::from_secs(5);
 /// Open files a VMM may hold (vCPU fds, eventfds, disks, sockets).
 const VMM_NOFILE: u64 = 4096;
 
