@@ -3,7 +3,8 @@
 # directory, creates two tenants that each run a test guest in their own jailed KVM VM,
 # shows list, status and logs, destroys one, shows what is left, then runs a Linux guest
 # tenant (guest image, encrypted disk, inference) under QEMU software emulation through
-# create, infer, destroy and its receipt, then stops the daemons and removes everything.
+# create, infer, a second request refused by its rate quota, destroy and its receipt, then
+# stops the daemons and removes everything.
 #
 # usage: scripts/demo.sh          (as root, on a host with /dev/kvm; run scripts/setup.sh first)
 set -euo pipefail
@@ -148,6 +149,9 @@ memory_mib = 512
 disk_gib = 1
 [image]
 name = "linux"
+[quotas]
+requests_per_s = 1
+max_concurrency = 1
 TOML
     cat "$work/carol.toml"
     bold "Creating carol: boot, agent, key delivery, unlock + mount, payload ready (software emulation: about a minute)"
@@ -156,6 +160,12 @@ TOML
     echo "create to payload ready: $(( $(date +%s) - start_s )) s"
     bold "Inference with carol's own token"
     run "$bin/tenantvm" --token-file "$work/carol.token" infer carol "four score and seven years" --max-tokens 12
+    bold "A second request right away: carol's quota is 1 request per second (over it: 429, exit status 13)"
+    if run "$bin/tenantvm" --token-file "$work/carol.token" infer carol "we hold these truths" --max-tokens 4; then
+        echo "(admitted: the first request took over a second, so carol's token was back)"
+    else
+        echo "(refused with exit status $?, as the quota says; nothing reached the guest)"
+    fi
     bold "Destroying carol: agent shutdown (disk closed), crypto-shred, receipt"
     tvm destroy carol
     tvm receipt show carol
