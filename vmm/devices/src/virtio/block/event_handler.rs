@@ -72,10 +72,10 @@ impl Signal {
 
 /// What one batch of chains came to.
 enum Batch {
-    /// All taken chains were handled (this many).
+    /// All taken chains were handled (this many, returned or refused).
     Done(usize),
-    /// The worker stopped early (throttled or broken) after this many.
-    Stopped(usize),
+    /// The worker stopped early (throttled or broken).
+    Stopped,
 }
 
 /// What one chain came to.
@@ -137,14 +137,14 @@ impl BlockHandler {
         }
         let size = usize::from(self.queue.size());
         let mem = self.mem.clone();
+        let used_before = self.queue.next_used();
         let mut signal = Signal::new();
         let mut handled = 0usize;
-        let mut completed = false;
         let mut more = false;
         loop {
             if let Err(e) = self.queue.disable_notification(&mem) {
                 self.mark_broken(&format!("cannot write the used ring flags: {e}"));
-                return completed;
+                break;
             }
             match self.process_batch(size - handled, &mut signal) {
                 Batch::Done(0) if more => {
@@ -152,15 +152,8 @@ impl BlockHandler {
                     self.mark_broken("available ring entries unreadable");
                     break;
                 }
-                Batch::Done(n) => {
-                    completed |= n > 0;
-                    handled += n;
-                }
-                Batch::Stopped(n) => {
-                    completed |= n > 0;
-                    self.flush_signal(&mut signal);
-                    return completed;
-                }
+                Batch::Done(n) => handled += n,
+                Batch::Stopped => break,
             }
             if handled >= size {
                 // More may be waiting: come back on the next loop round, after other
@@ -181,7 +174,7 @@ impl BlockHandler {
             }
         }
         self.flush_signal(&mut signal);
-        completed
+        self.queue.next_used() != used_before
     }
 
     /// Handles at most `limit` of the chains available now (a snapshot: a head offered
@@ -193,7 +186,7 @@ impl BlockHandler {
             Ok(iter) => iter.take(limit).collect(),
             Err(e) => {
                 self.mark_broken(&format!("bad available ring: {e}"));
-                return Batch::Stopped(0);
+                return Batch::Stopped;
             }
         };
         let mut seen = vec![false; usize::from(size)];
@@ -220,7 +213,7 @@ impl BlockHandler {
                 Outcome::Used(len) => {
                     if let Err(e) = self.queue.add_used(&mem, head, len) {
                         self.mark_broken(&format!("cannot return a chain: {e}"));
-                        return Batch::Stopped(done);
+                        return Batch::Stopped;
                     }
                     done += 1;
                     signal.pending = true;
@@ -238,7 +231,7 @@ impl BlockHandler {
                         tracing::error!("virtio-blk: rate limiter timer: {e}");
                         self.throttled = false;
                     }
-                    return Batch::Stopped(done);
+                    return Batch::Stopped;
                 }
             }
         }
