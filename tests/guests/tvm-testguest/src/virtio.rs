@@ -204,13 +204,8 @@ impl Virtq {
 
     /// Publishes `head` in the available ring.
     pub fn publish(&mut self, head: u16) {
-        w(
-            self.avail + 4 + 2 * u64::from(self.avail_idx % self.size),
-            head,
-        );
-        self.avail_idx = self.avail_idx.wrapping_add(1);
-        fence(Ordering::SeqCst);
-        w(self.avail + 2, self.avail_idx);
+        self.stage(head);
+        self.commit();
         fence(Ordering::SeqCst);
     }
 
@@ -329,15 +324,7 @@ impl Virtq {
     /// complete and interrupt, with `used_event` set by [`Virtq::interrupt_after`].
     pub fn halt_until(&self, n: u16) {
         while self.used_pending() < n {
-            // SAFETY: cli only masks interrupts on this CPU until the sti below.
-            unsafe { core::arch::asm!("cli", options(nomem, nostack)) };
-            if self.used_pending() >= n {
-                // SAFETY: re-enables interrupts (the IDT handles every device vector).
-                unsafe { core::arch::asm!("sti", options(nomem, nostack)) };
-                break;
-            }
-            // SAFETY: as above; hlt returns on the next interrupt.
-            unsafe { core::arch::asm!("sti", "hlt", options(nomem, nostack)) };
+            self.halt_unless_pending(n);
         }
     }
 
@@ -357,11 +344,17 @@ impl Virtq {
     /// Halts until the next interrupt unless this queue already has a used entry (checked
     /// with interrupts off, so a completion cannot slip in between).
     pub fn halt_unless_used(&self) {
+        self.halt_unless_pending(1);
+    }
+
+    /// Halts until the next interrupt unless at least `n` used entries are waiting
+    /// (checked with interrupts off, so a completion cannot slip in between).
+    fn halt_unless_pending(&self, n: u16) {
         // SAFETY: cli only masks interrupts on this CPU until the sti below.
         unsafe { core::arch::asm!("cli", options(nomem, nostack)) };
         fence(Ordering::SeqCst);
-        let idx: u16 = r(self.used + 2);
-        if idx != self.last_used {
+        let waiting = r::<u16>(self.used + 2).wrapping_sub(self.last_used);
+        if waiting >= n {
             // SAFETY: re-enables interrupts (the IDT handles every device vector).
             unsafe { core::arch::asm!("sti", options(nomem, nostack)) };
         } else {
