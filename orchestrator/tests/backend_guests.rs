@@ -128,18 +128,9 @@ fn idle_guest_runs_and_stops(
     ));
 }
 
-/// These tests boot jailed guests under QEMU (TCG and KVM) and tenantvm-vmm; run one at a
-/// time so that control sockets answer and exits settle within their timeouts on a
-/// two-core machine (CI saw a state query race a guest's exit with all five at once).
-fn one_guest_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    ONE.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 #[test]
 fn vmm_backend_runs_the_test_guest() {
-    let _one = one_guest_at_a_time();
+    let _one = common::one_guest_at_a_time();
     require!();
     let Some(backend) = vmm_backend() else { return };
     idle_guest_runs_and_stops(&backend, "gvmm", 20, &[ExitReason::Stopped]);
@@ -147,7 +138,7 @@ fn vmm_backend_runs_the_test_guest() {
 
 #[test]
 fn qemu_kvm_backend_runs_the_test_guest() {
-    let _one = one_guest_at_a_time();
+    let _one = common::one_guest_at_a_time();
     require!();
     let Some(backend) = qemu_backend(QemuAccel::Kvm) else {
         return;
@@ -158,7 +149,7 @@ fn qemu_kvm_backend_runs_the_test_guest() {
 
 #[test]
 fn qemu_tcg_backend_runs_the_test_guest() {
-    let _one = one_guest_at_a_time();
+    let _one = common::one_guest_at_a_time();
     require!();
     let Some(backend) = qemu_backend(QemuAccel::Tcg) else {
         return;
@@ -195,7 +186,7 @@ fn run_to_end(
 
 #[test]
 fn vmm_backend_smp_guest_passes_inside_the_jail() {
-    let _one = one_guest_at_a_time();
+    let _one = common::one_guest_at_a_time();
     require!();
     let Some(backend) = vmm_backend() else { return };
     let (reason, serial) = run_to_end(&backend, "gsmp", "smp", 2, 23);
@@ -205,7 +196,7 @@ fn vmm_backend_smp_guest_passes_inside_the_jail() {
 
 #[test]
 fn vmm_backend_reports_guest_panic() {
-    let _one = one_guest_at_a_time();
+    let _one = common::one_guest_at_a_time();
     require!();
     let Some(backend) = vmm_backend() else { return };
     let (reason, serial) = run_to_end(&backend, "gpanic", "panic", 1, 24);

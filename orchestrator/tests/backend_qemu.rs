@@ -77,18 +77,9 @@ fn uid_of(pid: i32) -> Option<u32> {
         .and_then(|v| v.parse().ok())
 }
 
-/// These tests boot guests that each keep a core busy (QEMU TCG spins on a panicked
-/// kernel); run one at a time so that control sockets answer within their timeouts on a
-/// two-core machine (CI saw a QMP query time out with three at once).
-fn one_guest_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    ONE.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 #[test]
 fn qemu_guest_launches_reports_state_and_stops() {
-    let _one = one_guest_at_a_time();
+    let _one = common::one_guest_at_a_time();
     if let Some(reason) = skip() {
         eprintln!("skipping: {reason}");
         return;
@@ -142,7 +133,7 @@ fn qemu_guest_launches_reports_state_and_stops() {
 
 #[test]
 fn qemu_kvm_accel_opens_the_jails_kvm_node() {
-    let _one = one_guest_at_a_time();
+    let _one = common::one_guest_at_a_time();
     if let Some(reason) = skip() {
         eprintln!("skipping: {reason}");
         return;
@@ -175,7 +166,7 @@ fn qemu_kvm_accel_opens_the_jails_kvm_node() {
 
 #[test]
 fn qemu_kill_is_final_and_idempotent() {
-    let _one = one_guest_at_a_time();
+    let _one = common::one_guest_at_a_time();
     if let Some(reason) = skip() {
         eprintln!("skipping: {reason}");
         return;

@@ -224,25 +224,29 @@ fn common() -> Result<Rules, seccompiler::BackendError> {
     Ok(rules)
 }
 
+/// An epoll loop (the main thread's control socket, the device thread's event manager).
+const EPOLL_LOOP: &[i64] = &[
+    libc::SYS_epoll_wait,
+    libc::SYS_epoll_pwait,
+    libc::SYS_epoll_ctl,
+];
+
+/// Serving accepted Unix stream connections (control socket, vsock host side).
+const STREAM_SERVER: &[i64] = &[
+    libc::SYS_accept4,
+    libc::SYS_recvfrom,
+    libc::SYS_sendto,
+    libc::SYS_shutdown,
+];
+
 /// The allowlist of one thread kind.
 fn rules_for(kind: ThreadKind) -> Result<Rules, seccompiler::BackendError> {
     let mut rules = common()?;
     match kind {
         ThreadKind::Main => {
-            allow(
-                &mut rules,
-                &[
-                    libc::SYS_epoll_wait,
-                    libc::SYS_epoll_pwait,
-                    libc::SYS_epoll_ctl,
-                    libc::SYS_accept4,
-                    libc::SYS_recvfrom,
-                    libc::SYS_sendto,
-                    libc::SYS_shutdown,
-                    libc::SYS_unlink,
-                    libc::SYS_tgkill,
-                ],
-            );
+            allow(&mut rules, EPOLL_LOOP);
+            allow(&mut rules, STREAM_SERVER);
+            allow(&mut rules, &[libc::SYS_unlink, libc::SYS_tgkill]);
             allow_ioctls(
                 &mut rules,
                 &[
@@ -270,12 +274,11 @@ fn rules_for(kind: ThreadKind) -> Result<Rules, seccompiler::BackendError> {
             )?;
         }
         ThreadKind::Device => {
+            allow(&mut rules, EPOLL_LOOP);
+            allow(&mut rules, STREAM_SERVER);
             allow(
                 &mut rules,
                 &[
-                    libc::SYS_epoll_wait,
-                    libc::SYS_epoll_pwait,
-                    libc::SYS_epoll_ctl,
                     libc::SYS_eventfd2,
                     libc::SYS_timerfd_create,
                     libc::SYS_timerfd_settime,
@@ -287,11 +290,7 @@ fn rules_for(kind: ThreadKind) -> Result<Rules, seccompiler::BackendError> {
                     libc::SYS_fdatasync,
                     libc::SYS_fsync,
                     libc::SYS_fallocate,
-                    libc::SYS_accept4,
                     libc::SYS_connect,
-                    libc::SYS_recvfrom,
-                    libc::SYS_sendto,
-                    libc::SYS_shutdown,
                     libc::SYS_getsockopt,
                 ],
             );

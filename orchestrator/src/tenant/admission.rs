@@ -62,6 +62,18 @@ struct Gate {
     closed: bool,
 }
 
+impl Gate {
+    /// A gate first seen at `now`, holding `tokens`.
+    fn new(tokens: f64, now: Instant, closed: bool) -> Self {
+        Gate {
+            tokens,
+            refilled: now,
+            in_flight: 0,
+            closed,
+        }
+    }
+}
+
 /// The admission state of every tenant.
 #[derive(Debug, Default)]
 pub struct Admission {
@@ -101,12 +113,9 @@ impl Admission {
         let rate = f64::from(quotas.requests_per_s.max(1));
         let burst = rate;
         let mut gates = self.lock();
-        let gate = gates.entry(tenant_id.to_string()).or_insert(Gate {
-            tokens: burst,
-            refilled: now,
-            in_flight: 0,
-            closed: false,
-        });
+        let gate = gates
+            .entry(tenant_id.to_string())
+            .or_insert_with(|| Gate::new(burst, now, false));
         if gate.closed {
             return Err(Refused::Closed {
                 tenant: name.to_string(),
@@ -140,12 +149,9 @@ impl Admission {
     /// many requests were still in flight (they end with the guest's shutdown).
     pub fn close(&self, tenant_id: &str) -> u32 {
         let mut gates = self.lock();
-        let gate = gates.entry(tenant_id.to_string()).or_insert(Gate {
-            tokens: 0.0,
-            refilled: Instant::now(),
-            in_flight: 0,
-            closed: true,
-        });
+        let gate = gates
+            .entry(tenant_id.to_string())
+            .or_insert_with(|| Gate::new(0.0, Instant::now(), true));
         gate.closed = true;
         gate.in_flight
     }

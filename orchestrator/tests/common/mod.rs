@@ -117,3 +117,13 @@ impl Drop for CleanupOnDrop {
         }
     }
 }
+
+/// These tests boot jailed guests that keep a core busy (QEMU TCG; tenantvm-vmm);
+/// tests that take this lock run one guest at a time, so that control sockets answer and
+/// exits settle within their timeouts on a two-core machine (CI saw a QMP query time out,
+/// and a state query race a guest's exit, with several at once).
+pub fn one_guest_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
