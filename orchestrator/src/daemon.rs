@@ -14,11 +14,11 @@ use tokio::net::UnixListener;
 use crate::backend::{
     runner::sibling_binary, QemuAccel, QemuBackend, RuntimeConfig, VmBackend, VmmBackend,
 };
+use crate::domain::lifecycle::LifecycleState;
 use crate::reconcile::{reconcile, ReconcileOptions};
 use crate::store::Store;
 use crate::tenant::fault::{FaultHook, CRASH_ENV};
 use crate::tenant::host::{GpuPlanner, NoGpus};
-use crate::tenant::lifecycle::LifecycleState;
 use crate::tenant::service::{ServiceConfig, TenantService};
 
 /// Which backend runs the VMs.

@@ -15,8 +15,8 @@ use std::fs;
 
 use thiserror::Error;
 
+use crate::domain::lifecycle::LifecycleState;
 use crate::store::{ResourceKind, StoreError};
-use crate::tenant::lifecycle::LifecycleState;
 use crate::tenant::service::{TenantService, TenantServiceError};
 use crate::tenant::steps::{self, Op};
 
@@ -95,7 +95,7 @@ pub fn reconcile(
                     )?
                     .expect("op id");
                 svc.finish_op(&t, op_id, Op::Destroy);
-                report.rolled_back.push(t.name.clone());
+                report.rolled_back.push(t.name.to_string());
             }
             LifecycleState::Provisioning
             | LifecycleState::Stopping
@@ -105,7 +105,7 @@ pub fn reconcile(
                     (Some(op), Some(op_id)) => {
                         tracing::info!(tenant = %t.name, op = op.name(), "resuming interrupted operation");
                         svc.finish_op(&t, op_id, op);
-                        report.resumed.push(t.name.clone());
+                        report.resumed.push(t.name.to_string());
                     }
                     _ => {
                         steps::kill_vm(svc, &t)?;
@@ -115,7 +115,7 @@ pub fn reconcile(
                             None,
                             Some("interrupted operation not recorded; destroy and recreate"),
                         )?;
-                        report.failed.push(t.name.clone());
+                        report.failed.push(t.name.to_string());
                     }
                 }
             }
@@ -127,7 +127,7 @@ pub fn reconcile(
                             "adopt",
                             &format!("adopted VMM pid {}", vm.pid),
                         )?;
-                        report.adopted.push(t.name.clone());
+                        report.adopted.push(t.name.to_string());
                     }
                     other => {
                         let why = match other {
@@ -136,7 +136,7 @@ pub fn reconcile(
                         };
                         steps::kill_vm(svc, &t)?;
                         store.transition(t.id, LifecycleState::Failed, None, Some(&why))?;
-                        report.failed.push(t.name.clone());
+                        report.failed.push(t.name.to_string());
                     }
                 },
                 None => {
@@ -146,7 +146,7 @@ pub fn reconcile(
                         None,
                         Some("running, but no VM is recorded"),
                     )?;
-                    report.failed.push(t.name.clone());
+                    report.failed.push(t.name.to_string());
                 }
             },
             LifecycleState::Stopped | LifecycleState::Failed | LifecycleState::Destroyed => {

@@ -11,9 +11,9 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use tenantvm::domain::lifecycle::LifecycleState;
+use tenantvm::domain::spec::TenantSpec;
 use tenantvm::store::ResourceKind;
-use tenantvm::tenant::lifecycle::LifecycleState;
-use tenantvm::tenant::spec::TenantSpec;
 use tenantvm::tenant::steps::Op;
 
 use support::daemon::{self, TestDaemon};

@@ -12,10 +12,10 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 
 use crate::auth::{self, AuthError, Caller};
+use crate::domain::spec::TenantSpec;
 use crate::store::StoreError;
 use crate::tenant::host::GpuPlanError;
 use crate::tenant::service::{CommandOutcome, TenantCommand, TenantService, TenantServiceError};
-use crate::tenant::spec::TenantSpec;
 use types::{ErrorBody, ErrorDetail, Health, LogQuery};
 
 /// Largest request body accepted (a tenant spec is far smaller).

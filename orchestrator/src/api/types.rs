@@ -3,9 +3,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::domain::lifecycle::LifecycleState;
+use crate::domain::spec::TenantSpec;
 use crate::store::{EventRecord, GpuPlacement, StepRecord};
-use crate::tenant::lifecycle::LifecycleState;
-use crate::tenant::spec::TenantSpec;
 
 /// A tenant as the API shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -10,8 +10,9 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::api::types::{LogQuery, LogStream, TenantView};
 use crate::client::{Client, ClientError};
-use crate::tenant::lifecycle::LifecycleState;
-use crate::tenant::spec::{GpuRequest, GuestImage, Quotas, TenantSpec};
+use crate::domain::lifecycle::LifecycleState;
+use crate::domain::spec::{GpuRequest, GuestImage, Quotas, TenantSpec};
+use crate::domain::TenantName;
 
 /// Exit statuses of `tenantvm` (docs/orchestrator.md lists them too).
 pub mod exit {
@@ -403,6 +404,7 @@ pub fn spec_from_args(a: &CreateArgs) -> Result<TenantSpec, CliFailure> {
             })?,
         },
     };
+    let name = TenantName::new(name).map_err(|e| fail(exit::INVALID, e.to_string()))?;
     let spec = TenantSpec {
         name,
         vcpus: a.vcpus,

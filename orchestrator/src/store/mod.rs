@@ -19,8 +19,9 @@ use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::tenant::lifecycle::{LifecycleError, LifecycleState};
-use crate::tenant::spec::TenantSpec;
+use crate::domain::lifecycle::{LifecycleError, LifecycleState};
+use crate::domain::spec::TenantSpec;
+use crate::domain::TenantName;
 
 /// Store failures.
 #[derive(Debug, Error)]
@@ -89,7 +90,7 @@ pub struct TenantRecord {
     /// Row id.
     pub id: i64,
     /// Tenant name.
-    pub name: String,
+    pub name: TenantName,
     /// Lifecycle state.
     pub state: LifecycleState,
     /// The spec it was created with.
@@ -231,14 +232,14 @@ impl Store {
         let now = now_ms();
         let res = conn.execute(
             "INSERT INTO tenants (name, state, spec, created_ms, updated_ms) VALUES (?1, 'pending', ?2, ?3, ?3)",
-            params![spec.name, spec_json, now],
+            params![spec.name.as_str(), spec_json, now],
         );
         match res {
             Ok(_) => {}
             Err(rusqlite::Error::SqliteFailure(e, _))
                 if e.code == rusqlite::ErrorCode::ConstraintViolation =>
             {
-                return Err(StoreError::DuplicateName(spec.name.clone()))
+                return Err(StoreError::DuplicateName(spec.name.to_string()))
             }
             Err(e) => return Err(e.into()),
         }
@@ -669,12 +670,13 @@ const TENANT_COLS: &str =
     "SELECT id, name, state, spec, op, op_id, error, created_ms, updated_ms FROM tenants";
 
 fn row_to_tenant(r: &rusqlite::Row<'_>) -> rusqlite::Result<Result<TenantRecord, StoreError>> {
+    let name: String = r.get(1)?;
     let state: String = r.get(2)?;
     let spec: String = r.get(3)?;
     let parsed = (|| {
         Ok(TenantRecord {
             id: r.get(0)?,
-            name: r.get(1)?,
+            name: TenantName::new(name).map_err(|e| StoreError::Corrupt(e.to_string()))?,
             state: state.parse()?,
             spec: serde_json::from_str(&spec).map_err(|e| StoreError::Corrupt(e.to_string()))?,
             op: r.get(4)?,

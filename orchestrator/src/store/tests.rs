@@ -1,7 +1,7 @@
 use std::sync::{Arc, Barrier};
 
 use super::*;
-use crate::tenant::spec::{GuestImage, TenantSpec};
+use crate::domain::spec::{GuestImage, TenantSpec};
 
 fn spec(name: &str) -> TenantSpec {
     TenantSpec::from_toml(&format!("name = \"{name}\"\n[image]\nname = \"hello\"\n")).unwrap()

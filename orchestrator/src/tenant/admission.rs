@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::spec::Quotas;
+use crate::domain::spec::Quotas;
 
 /// Why a request was not admitted.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -28,11 +28,11 @@ use tenantvm_agent::image::ImageSet;
 use tenantvm_agent::protocol::{DiskKey as AgentDiskKey, DiskState, HttpRequest, PayloadState};
 
 use crate::backend::{qemu::AGENT_SOCK, BackendKind, RunningVm, VmState};
+use crate::domain::spec::TenantSpec;
 use crate::receipt::{now_rfc3339, Assurance, DepartureStep, StepRecord, StepResult};
 use crate::store::TenantRecord;
 use crate::tenant::disk_steps;
 use crate::tenant::service::{ServiceConfig, TenantService, TenantServiceError};
-use crate::tenant::spec::TenantSpec;
 use crate::tenant::steps::{recorded_vm, Step};
 
 /// The file in a guest image set that marks it as one (with the hashes of its boot files).
@@ -384,8 +384,8 @@ pub(crate) fn infer(
             t.name
         )));
     }
-    if t.state != crate::tenant::lifecycle::LifecycleState::Running {
-        return Err(TenantServiceError::NotServing(t.name.clone()));
+    if t.state != crate::domain::lifecycle::LifecycleState::Running {
+        return Err(TenantServiceError::NotServing(t.name.to_string()));
     }
     if !body.is_object() {
         return Err(TenantServiceError::BadRequest(
@@ -399,7 +399,8 @@ pub(crate) fn infer(
             body.len()
         )));
     }
-    let vm = recorded_vm(svc, t)?.ok_or_else(|| TenantServiceError::NotServing(t.name.clone()))?;
+    let vm =
+        recorded_vm(svc, t)?.ok_or_else(|| TenantServiceError::NotServing(t.name.to_string()))?;
     let started = Instant::now();
     let unavailable = |e: AgentClientError| TenantServiceError::AgentUnavailable(e.to_string());
     let mut agent = connect(&vm, Duration::from_secs(5)).map_err(unavailable)?;
@@ -452,7 +453,7 @@ pub(crate) fn infer(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tenant::spec::TenantSpec;
+    use crate::domain::spec::TenantSpec;
 
     fn spec(name: &str, disk_gib: u32) -> TenantSpec {
         TenantSpec::from_toml(&format!(

@@ -3,13 +3,13 @@
 
 use crate::auth::Caller;
 use crate::disk::key_opens;
+use crate::domain::lifecycle::LifecycleState;
+use crate::domain::spec::TenantSpec;
 use crate::receipt::{DepartureStep, StepResult};
 use crate::reconcile::{reconcile, ReconcileOptions};
 use crate::tenant::disk_steps::image_path;
 use crate::tenant::fault::{Boundary, FaultHook};
-use crate::tenant::lifecycle::LifecycleState;
 use crate::tenant::service::{CommandOutcome, TenantCommand};
-use crate::tenant::spec::TenantSpec;
 use crate::tenant::steps::Op;
 use crate::tenant::test_utils::Harness;
 

@@ -10,11 +10,11 @@ use std::path::PathBuf;
 
 use crate::backend::{DiskAttachment, DiskRateLimit};
 use crate::disk::create_image;
+use crate::domain::spec::TenantSpec;
 use crate::keys::DiskKey;
 use crate::store::{ResourceKind, TenantRecord};
 use crate::tenant::departure::kit;
 use crate::tenant::service::{ServiceConfig, TenantService, TenantServiceError};
-use crate::tenant::spec::TenantSpec;
 use crate::tenant::steps::Step;
 
 /// File name of the image in the tenant directory.

@@ -5,9 +5,9 @@ use std::path::Path;
 
 use thiserror::Error;
 
+use crate::domain::spec::GpuRequest;
 use crate::jail::{self, Cgroups, JailError};
 use crate::store::GpuPlacement;
-use crate::tenant::spec::GpuRequest;
 
 /// Tears down what the jail left on the host. Implemented for the real [`Cgroups`].
 pub trait JailCleaner: Send + Sync {

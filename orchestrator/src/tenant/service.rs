@@ -12,11 +12,11 @@ use thiserror::Error;
 use crate::api::types::{CreateResponse, LogChunk, LogQuery, TenantList, TenantView};
 use crate::auth::{self, Caller};
 use crate::backend::{RunningVm, VmBackend};
+use crate::domain::lifecycle::{LifecycleError, LifecycleState};
+use crate::domain::spec::{TenantSpec, TenantSpecError};
 use crate::store::{ResourceKind, Store, StoreError, TenantRecord, TokenOwner};
 use crate::tenant::fault::{FaultError, FaultHook};
 use crate::tenant::host::{GpuPlanError, GpuPlanner, JailCleaner};
-use crate::tenant::lifecycle::{LifecycleError, LifecycleState};
-use crate::tenant::spec::{TenantSpec, TenantSpecError};
 use crate::tenant::steps::{self, Op};
 
 /// Why a command failed.
@@ -364,7 +364,7 @@ impl TenantService {
     /// it exists, so a tenant token cannot probe for other tenants' names.
     fn visible(&self, caller: &Caller, name: &str) -> Result<TenantRecord, TenantServiceError> {
         let not_found = || TenantServiceError::NotFound(name.to_string());
-        if crate::tenant::spec::validate_name(name).is_err() {
+        if crate::domain::TenantName::check(name).is_err() {
             return Err(not_found());
         }
         match self.store.tenant(name)? {
@@ -439,8 +439,8 @@ impl TenantService {
             Caller::Admin => name.map(str::to_string),
             Caller::Tenant(id) => {
                 // The tenant row may be destroyed: a departed tenant reads its own receipt.
-                let own = self.store.tenant_by_id(*id)?.name;
-                if name.is_some_and(|n| n != own) {
+                let own = self.store.tenant_by_id(*id)?.name.to_string();
+                if name.is_some_and(|n| own != n) {
                     return Err(TenantServiceError::NotFound(
                         name.unwrap_or_default().into(),
                     ));
@@ -560,7 +560,7 @@ impl TenantService {
             steps::kill_vm(self, &t)?;
             self.store
                 .transition(t.id, LifecycleState::Failed, None, Some(&why))?;
-            marked.push(t.name.clone());
+            marked.push(t.name.to_string());
         }
         Ok(marked)
     }
@@ -599,7 +599,7 @@ impl TenantService {
             }
         }
         Ok(TenantView {
-            name: t.name.clone(),
+            name: t.name.to_string(),
             state: t.state,
             op: t.op.clone(),
             error: t.error.clone(),

@@ -10,10 +10,10 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::backend::{BackendError, JailConfig, ResourceLimits, RunningVm, VmSpec, VmState};
+use crate::domain::spec::TenantSpec;
 use crate::store::{ResourceKind, TenantRecord};
 use crate::tenant::fault::Boundary;
 use crate::tenant::service::{ServiceConfig, TenantService, TenantServiceError};
-use crate::tenant::spec::TenantSpec;
 use crate::tenant::{agent_steps, departure, disk_steps};
 
 /// An operation on a tenant.
@@ -142,8 +142,8 @@ impl Op {
     }
 
     /// Where the tenant goes when every step succeeded.
-    pub fn success_state(self) -> crate::tenant::lifecycle::LifecycleState {
-        use crate::tenant::lifecycle::LifecycleState::*;
+    pub fn success_state(self) -> crate::domain::lifecycle::LifecycleState {
+        use crate::domain::lifecycle::LifecycleState::*;
         match self {
             Op::Create | Op::Start => Running,
             Op::Stop => Stopped,
@@ -405,7 +405,7 @@ fn launch(svc: &TenantService, t: &TenantRecord, step: Step) -> Result<(), Tenan
     let (kernel, initramfs, cmdline) = resolve_image(cfg, &t.spec)?;
     agent_steps::forget_shutdown(&dir);
     let spec = VmSpec {
-        tenant: t.name.clone(),
+        tenant: t.name.to_string(),
         kernel,
         initramfs,
         cmdline,
@@ -529,7 +529,7 @@ pub fn resolve_image(
             img.initramfs.clone(),
             img.cmdline.clone().unwrap_or(default_cmdline),
         ),
-        _ => return Err(crate::tenant::spec::TenantSpecError::ImageChoice.into()),
+        _ => return Err(crate::domain::spec::TenantSpecError::ImageChoice.into()),
     };
     if !kernel.is_file() {
         return Err(TenantServiceError::Image(format!(

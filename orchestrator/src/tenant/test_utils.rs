@@ -10,12 +10,12 @@ use std::time::Duration;
 use crate::backend::{
     BackendError, BackendKind, ExitReason, JailConfig, RunningVm, VmBackend, VmSpec, VmState,
 };
+use crate::domain::spec::GpuRequest;
 use crate::jail::{CgroupHandle, JailError};
 use crate::store::{GpuPlacement, Store};
 use crate::tenant::fault::FaultHook;
 use crate::tenant::host::{GpuPlanError, GpuPlanner, JailCleaner};
 use crate::tenant::service::{ServiceConfig, TenantService};
-use crate::tenant::spec::GpuRequest;
 
 /// What the fake host holds.
 #[derive(Debug, Default)]

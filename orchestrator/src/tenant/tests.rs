@@ -2,12 +2,12 @@
 //! ([`super::test_utils`]).
 
 use crate::auth::Caller;
+use crate::domain::lifecycle::LifecycleState;
+use crate::domain::spec::TenantSpec;
 use crate::reconcile::{reconcile, ReconcileOptions};
 use crate::store::ResourceKind;
 use crate::tenant::fault::{Boundary, FaultHook};
-use crate::tenant::lifecycle::LifecycleState;
 use crate::tenant::service::{CommandOutcome, TenantCommand, TenantServiceError};
-use crate::tenant::spec::TenantSpec;
 use crate::tenant::steps::Op;
 use crate::tenant::test_utils::Harness;
 

@@ -261,7 +261,7 @@ impl Drop for TestDaemon {
                         .list_tenants(true)
                         .unwrap_or_default()
                         .into_iter()
-                        .map(|t| t.name),
+                        .map(|t| t.name.to_string()),
                 );
             }
             for name in all {
