@@ -119,7 +119,7 @@ fn read_events(
             offset: last,
         },
         skipped: false,
-        events,
+        events: events.into_iter().map(crate::tenant::view::event).collect(),
     })
 }
 

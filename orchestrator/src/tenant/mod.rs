@@ -12,6 +12,7 @@ pub mod host;
 pub mod logs;
 pub mod service;
 pub mod steps;
+pub mod view;
 
 #[cfg(test)]
 mod departure_tests;

@@ -125,7 +125,7 @@ pub enum CommandOutcome {
     /// Audit log entries.
     Receipts(Vec<crate::receipt::LogEntry>),
     /// Quarantined GPU slices.
-    Quarantine(Vec<crate::store::QuarantinedSlice>),
+    Quarantine(Vec<crate::api::types::QuarantinedSliceView>),
     /// What a re-scrub found.
     Rescrubbed(crate::tenant::departure::RescrubOutcome),
     /// The inference server's JSON answer.
@@ -341,7 +341,13 @@ impl TenantService {
                 if !matches!(caller, Caller::Admin) {
                     return Err(TenantServiceError::AdminOnly("list quarantined GPU slices"));
                 }
-                Ok(CommandOutcome::Quarantine(self.store.quarantined()?))
+                Ok(CommandOutcome::Quarantine(
+                    self.store
+                        .quarantined()?
+                        .into_iter()
+                        .map(crate::tenant::view::quarantined)
+                        .collect(),
+                ))
             }
             TenantCommand::Rescrub(slice) => {
                 if !matches!(caller, Caller::Admin) {
@@ -580,7 +586,12 @@ impl TenantService {
     /// The API view of a tenant.
     pub fn view(&self, t: &TenantRecord) -> Result<TenantView, TenantServiceError> {
         let steps = match t.op_id {
-            Some(op) => self.store.steps(op)?,
+            Some(op) => self
+                .store
+                .steps(op)?
+                .into_iter()
+                .map(crate::tenant::view::step)
+                .collect(),
             None => Vec::new(),
         };
         let mut uid = None;
@@ -607,7 +618,10 @@ impl TenantService {
             spec: t.spec.clone(),
             uid,
             pid,
-            gpu: self.store.gpu_placement(t.id)?,
+            gpu: self
+                .store
+                .gpu_placement(t.id)?
+                .map(crate::tenant::view::gpu_slice),
             created_ms: t.created_ms,
             updated_ms: t.updated_ms,
         })
