@@ -17,8 +17,9 @@ use thiserror::Error;
 
 use crate::domain::lifecycle::LifecycleState;
 use crate::store::{ResourceKind, StoreError};
+use crate::tenant::context::{error_chain, StepError, Tenant};
 use crate::tenant::service::{TenantService, TenantServiceError};
-use crate::tenant::steps::{self, Op};
+use crate::tenant::steps::{vm::kill_vm, Op};
 
 /// Reconciliation failures (individual tenants that cannot be fixed are logged and marked
 /// failed instead).
@@ -30,6 +31,9 @@ pub enum ReconcileError {
     /// A tenant operation failed in a way that stops reconciliation.
     #[error(transparent)]
     Service(#[from] TenantServiceError),
+    /// Killing a VM or loading a tenant failed.
+    #[error(transparent)]
+    Tenant(#[from] StepError),
     /// Listing cgroups or directories failed.
     #[error("Cannot list {what}: {message}")]
     List {
@@ -82,6 +86,7 @@ pub fn reconcile(
 ) -> Result<ReconcileReport, ReconcileError> {
     let mut report = ReconcileReport::default();
     let store = svc.store();
+    let ctx = svc.ctx();
     for t in store.list_tenants(false)? {
         let _guard = svc.mark_busy(&t.name)?;
         match t.state {
@@ -108,7 +113,7 @@ pub fn reconcile(
                         report.resumed.push(t.name.to_string());
                     }
                     _ => {
-                        steps::kill_vm(svc, &t)?;
+                        kill_vm(&ctx, &mut Tenant::load(&ctx, &t)?)?;
                         store.transition(
                             t.id,
                             LifecycleState::Failed,
@@ -119,8 +124,8 @@ pub fn reconcile(
                     }
                 }
             }
-            LifecycleState::Running => match steps::recorded_vm(svc, &t)? {
-                Some(vm) => match svc.backend.state(&vm) {
+            LifecycleState::Running => match Tenant::load(&ctx, &t)?.vm {
+                Some(vm) => match ctx.backend.state(&vm) {
                     Ok(crate::backend::VmState::Running | crate::backend::VmState::Paused) => {
                         store.add_event(
                             Some(t.id),
@@ -134,7 +139,7 @@ pub fn reconcile(
                             Ok(s) => format!("the VM ended while tenantvmd was down ({s:?})"),
                             Err(e) => format!("the recorded VM cannot be reached: {e}"),
                         };
-                        steps::kill_vm(svc, &t)?;
+                        kill_vm(&ctx, &mut Tenant::load(&ctx, &t)?)?;
                         store.transition(t.id, LifecycleState::Failed, None, Some(&why))?;
                         report.failed.push(t.name.to_string());
                     }
@@ -150,7 +155,7 @@ pub fn reconcile(
                 }
             },
             LifecycleState::Stopped | LifecycleState::Failed | LifecycleState::Destroyed => {
-                steps::kill_vm(svc, &t)?;
+                kill_vm(&ctx, &mut Tenant::load(&ctx, &t)?)?;
             }
         }
     }
@@ -164,6 +169,7 @@ fn release_leaks(
     report: &mut ReconcileReport,
 ) -> Result<(), ReconcileError> {
     let store = svc.store();
+    let ctx = svc.ctx();
     let all = store.list_tenants(true)?;
     let live: HashMap<&str, LifecycleState> = all
         .iter()
@@ -173,9 +179,9 @@ fn release_leaks(
     let known: std::collections::HashSet<&str> = all.iter().map(|t| t.name.as_str()).collect();
 
     // Cgroups: only a running tenant may have one with processes in it.
-    let cgroups = svc.jail.list().map_err(|e| ReconcileError::List {
+    let cgroups = ctx.jail.list().map_err(|e| ReconcileError::List {
         what: "tenant cgroups",
-        message: steps::error_chain(&e),
+        message: error_chain(&e),
     })?;
     for name in cgroups {
         let state = live.get(name.as_str()).copied();
@@ -185,13 +191,13 @@ fn release_leaks(
             continue;
         }
         let dir = svc.config().tenant_dir(&name);
-        match svc.jail.cleanup(&name, &dir) {
+        match ctx.jail.cleanup(&name, &dir) {
             Ok(()) => {
                 store.remove_resource(ResourceKind::Cgroup, &name)?;
                 report.cgroups_removed.push(name);
             }
             Err(e) => {
-                tracing::error!(tenant = %name, error = %steps::error_chain(&e), "cannot remove leaked cgroup")
+                tracing::error!(tenant = %name, error = %error_chain(&e), "cannot remove leaked cgroup")
             }
         }
     }
@@ -222,7 +228,7 @@ fn release_leaks(
         if gone.contains(&r.tenant_id) {
             if r.kind == ResourceKind::Process {
                 if let Some(t) = all.iter().find(|t| t.id == r.tenant_id) {
-                    steps::kill_vm(svc, t)?;
+                    kill_vm(&ctx, &mut Tenant::load(&ctx, t)?)?;
                 }
             }
             store.remove_resource(r.kind, &r.key)?;

@@ -572,7 +572,7 @@ async fn infer_answers_match_the_spec_and_are_scoped() {
         .await;
     assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
     // Within the API's cap but above what is forwarded to a guest.
-    let big = json!({ "prompt": "x".repeat(crate::tenant::agent_steps::MAX_INFER_BODY) });
+    let big = json!({ "prompt": "x".repeat(crate::tenant::infer::MAX_INFER_BODY) });
     let (s, _) = api
         .checked(
             "POST",

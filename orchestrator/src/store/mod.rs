@@ -21,7 +21,7 @@ use thiserror::Error;
 
 use crate::domain::lifecycle::{LifecycleError, LifecycleState};
 use crate::domain::spec::TenantSpec;
-use crate::domain::TenantName;
+use crate::domain::{GuestKind, TenantName};
 
 /// Store failures.
 #[derive(Debug, Error)]
@@ -95,6 +95,9 @@ pub struct TenantRecord {
     pub state: LifecycleState,
     /// The spec it was created with.
     pub spec: TenantSpec,
+    /// What runs in its guest, decided at create; `None` for a row written before this was
+    /// stored (schema version 3), until the daemon decides and stores it.
+    pub guest: Option<GuestKind>,
     /// The operation in progress or last run (`create`, `start`, `stop`, `destroy`).
     pub op: Option<String>,
     /// Row id of that operation.
@@ -224,15 +227,20 @@ impl Store {
 
     // ---- tenants -------------------------------------------------------------------
 
-    /// Records a new tenant in `pending`. Fails if a live tenant has the name.
-    pub fn insert_tenant(&self, spec: &TenantSpec) -> Result<TenantRecord, StoreError> {
+    /// Records a new tenant in `pending`, with what runs in its guest. Fails if a live tenant
+    /// has the name.
+    pub fn insert_tenant(
+        &self,
+        spec: &TenantSpec,
+        guest: GuestKind,
+    ) -> Result<TenantRecord, StoreError> {
         let conn = self.lock();
         let spec_json =
             serde_json::to_string(spec).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let now = now_ms();
         let res = conn.execute(
-            "INSERT INTO tenants (name, state, spec, created_ms, updated_ms) VALUES (?1, 'pending', ?2, ?3, ?3)",
-            params![spec.name.as_str(), spec_json, now],
+            "INSERT INTO tenants (name, state, spec, guest, created_ms, updated_ms) VALUES (?1, 'pending', ?2, ?4, ?3, ?3)",
+            params![spec.name.as_str(), spec_json, now, guest.as_str()],
         );
         match res {
             Ok(_) => {}
@@ -247,6 +255,16 @@ impl Store {
         insert_event(&conn, Some(id), "state", "pending: tenant recorded")?;
         drop(conn);
         self.tenant_by_id(id)
+    }
+
+    /// Stores what runs in a tenant's guest (for rows written before it was stored).
+    pub fn set_guest(&self, tenant_id: i64, guest: GuestKind) -> Result<(), StoreError> {
+        let conn = self.lock();
+        conn.execute(
+            "UPDATE tenants SET guest = ?2 WHERE id = ?1",
+            params![tenant_id, guest.as_str()],
+        )?;
+        Ok(())
     }
 
     /// The live (not destroyed) tenant with this name.
@@ -667,12 +685,13 @@ impl Store {
 }
 
 const TENANT_COLS: &str =
-    "SELECT id, name, state, spec, op, op_id, error, created_ms, updated_ms FROM tenants";
+    "SELECT id, name, state, spec, op, op_id, error, created_ms, updated_ms, guest FROM tenants";
 
 fn row_to_tenant(r: &rusqlite::Row<'_>) -> rusqlite::Result<Result<TenantRecord, StoreError>> {
     let name: String = r.get(1)?;
     let state: String = r.get(2)?;
     let spec: String = r.get(3)?;
+    let guest: Option<String> = r.get(9)?;
     let parsed = (|| {
         Ok(TenantRecord {
             id: r.get(0)?,
@@ -684,6 +703,10 @@ fn row_to_tenant(r: &rusqlite::Row<'_>) -> rusqlite::Result<Result<TenantRecord,
             error: r.get(6)?,
             created_ms: r.get(7)?,
             updated_ms: r.get(8)?,
+            guest: guest
+                .map(|g| g.parse::<GuestKind>())
+                .transpose()
+                .map_err(|e| StoreError::Corrupt(e.to_string()))?,
         })
     })();
     Ok(parsed)

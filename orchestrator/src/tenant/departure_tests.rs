@@ -7,9 +7,9 @@ use crate::domain::lifecycle::LifecycleState;
 use crate::domain::spec::TenantSpec;
 use crate::receipt::{DepartureStep, StepResult};
 use crate::reconcile::{reconcile, ReconcileOptions};
-use crate::tenant::disk_steps::image_path;
 use crate::tenant::fault::{Boundary, FaultHook};
 use crate::tenant::service::{CommandOutcome, TenantCommand};
+use crate::tenant::steps::disk::image_path;
 use crate::tenant::steps::Op;
 use crate::tenant::test_utils::Harness;
 

@@ -160,7 +160,7 @@ fn crlf_to_lf(text: String) -> String {
 fn log_err(e: crate::logs::LogError) -> TenantServiceError {
     match e {
         crate::logs::LogError::InvalidRequest(m) => TenantServiceError::BadRequest(m),
-        other => TenantServiceError::Log(crate::tenant::steps::error_chain(&other)),
+        other => TenantServiceError::Log(crate::tenant::context::error_chain(&other)),
     }
 }
 

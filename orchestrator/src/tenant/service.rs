@@ -1,11 +1,10 @@
 //! The tenant service: the one place that changes tenants. The API turns requests into
 //! [`TenantCommand`]s; [`TenantService::execute`] authorises them and runs them: state
-//! changes in the store, then the operation's steps ([`super::steps`]) on a worker thread.
+//! changes in the store, then the operation's steps ([`super::runner`]) on a worker thread.
+//! Steps never see the service: they get a [`StepCtx`] built from its parts.
 
 use std::collections::HashSet;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use thiserror::Error;
 
@@ -14,10 +13,18 @@ use crate::auth::{self, Caller};
 use crate::backend::{RunningVm, VmBackend};
 use crate::domain::lifecycle::{LifecycleError, LifecycleState};
 use crate::domain::spec::{TenantSpec, TenantSpecError};
+use crate::domain::TenantName;
 use crate::store::{ResourceKind, Store, StoreError, TenantRecord, TokenOwner};
-use crate::tenant::fault::{FaultError, FaultHook};
+use crate::tenant::admission::Admission;
+use crate::tenant::context::{StepCtx, StepError, StopFlag, Tenant};
+use crate::tenant::departure::{DepartureError, DepartureKit, Kit};
+use crate::tenant::fault::FaultHook;
 use crate::tenant::host::{GpuPlanError, GpuPlanner, JailCleaner};
-use crate::tenant::steps::{self, Op};
+use crate::tenant::infer::InferError;
+use crate::tenant::runner::{self, Ended};
+use crate::tenant::steps::{vm, OnFailure, Op};
+
+pub use crate::tenant::config::ServiceConfig;
 
 /// Why a command failed.
 #[derive(Debug, Error)]
@@ -57,9 +64,6 @@ pub enum TenantServiceError {
     /// The GPU planner refused.
     #[error(transparent)]
     Gpu(#[from] GpuPlanError),
-    /// The test fault hook fired (in-process tests only).
-    #[error(transparent)]
-    Fault(#[from] FaultError),
     /// Reading a log failed.
     #[error("Cannot read the log: {0}")]
     Log(String),
@@ -72,12 +76,18 @@ pub enum TenantServiceError {
     /// The tenant is not running, so its guest cannot serve requests.
     #[error("Tenant {0:?} is not running; start it (`tenantvm start {0}`) and retry")]
     NotServing(String),
+    /// The departure machinery (disk keys, receipts) could not be loaded.
+    #[error(transparent)]
+    Departure(#[from] DepartureError),
     /// The tenant is over its request rate or concurrency quota.
     #[error(transparent)]
     QuotaExceeded(#[from] crate::tenant::admission::Refused),
     /// The guest agent or its payload could not answer.
     #[error("The tenant's guest could not answer: {0}")]
     AgentUnavailable(String),
+    /// A step's error outside an operation (a VM check, reconciliation).
+    #[error("{0}")]
+    Tenant(#[from] StepError),
     /// Reading the audit log failed.
     #[error(transparent)]
     Receipt(#[from] crate::receipt::ReceiptError),
@@ -132,63 +142,19 @@ pub enum CommandOutcome {
     Inferred(serde_json::Value),
 }
 
-/// Settings of the service.
-#[derive(Debug, Clone)]
-pub struct ServiceConfig {
-    /// The daemon's state directory; tenants live in `<state_dir>/tenants/<name>`.
-    pub state_dir: PathBuf,
-    /// Named images: `<image_dir>/<name>/kernel` (+ `initramfs`, `cmdline`).
-    pub image_dir: Option<PathBuf>,
-    /// First uid handed to tenants.
-    pub uid_first: u32,
-    /// How many uids from `uid_first`.
-    pub uid_count: u32,
-    /// How long `stop` waits for a clean guest shutdown before killing.
-    pub stop_grace: Duration,
-    /// How long `await-running` waits for the VM to report running.
-    pub boot_timeout: Duration,
-    /// Memory added to guest memory for the VMM itself, in MiB.
-    pub vmm_overhead_mib: u64,
-    /// Disk keys, keyslot cost, receipts.
-    pub departure: crate::tenant::departure::DepartureConfig,
-    /// How long a guest-image tenant's agent, and then its payload, may take to answer.
-    pub agent_timeout: Duration,
-}
-
-impl ServiceConfig {
-    /// Defaults under `state_dir`.
-    pub fn new(state_dir: PathBuf) -> ServiceConfig {
-        ServiceConfig {
-            image_dir: None,
-            uid_first: 200_000,
-            uid_count: 65_536,
-            stop_grace: Duration::from_secs(5),
-            boot_timeout: Duration::from_secs(30),
-            vmm_overhead_mib: 64,
-            departure: crate::tenant::departure::DepartureConfig::under(&state_dir),
-            agent_timeout: Duration::from_secs(300),
-            state_dir,
-        }
-    }
-
-    /// A tenant's directory.
-    pub fn tenant_dir(&self, name: &str) -> PathBuf {
-        self.state_dir.join("tenants").join(name)
-    }
-}
-
 /// Runs tenant commands. Cheap to clone (all shared state is behind `Arc`s).
 #[derive(Clone)]
 pub struct TenantService {
-    pub(crate) store: Arc<Store>,
-    pub(crate) backend: Arc<dyn VmBackend>,
-    pub(crate) jail: Arc<dyn JailCleaner>,
-    pub(crate) gpu: Arc<dyn GpuPlanner>,
-    pub(crate) config: Arc<ServiceConfig>,
-    pub(crate) fault: Arc<FaultHook>,
+    store: Arc<Store>,
+    backend: Arc<dyn VmBackend>,
+    jail: Arc<dyn JailCleaner>,
+    gpu: Arc<dyn GpuPlanner>,
+    config: Arc<ServiceConfig>,
+    fault: Arc<FaultHook>,
     /// Per-tenant request rate and concurrency of inference requests.
-    pub(crate) admission: Arc<crate::tenant::admission::Admission>,
-    departure: Arc<Mutex<Option<Arc<crate::tenant::departure::DepartureKit>>>>,
+    admission: Arc<Admission>,
+    kit: Arc<Kit>,
+    stop: Arc<StopFlag>,
     busy: Arc<Mutex<HashSet<String>>>,
     workers: Arc<Mutex<Vec<std::thread::JoinHandle<()>>>>,
 }
@@ -224,10 +190,11 @@ impl TenantService {
             backend,
             jail,
             gpu,
+            kit: Arc::new(Kit::new(config.departure.clone())),
             config: Arc::new(config),
             fault: Arc::new(fault),
             admission: Arc::default(),
-            departure: Arc::default(),
+            stop: Arc::default(),
             busy: Arc::default(),
             workers: Arc::default(),
         }
@@ -246,19 +213,28 @@ impl TenantService {
     /// The departure machinery (host KEK, key store, receipt signer, audit log), loaded and
     /// created on first use; the daemon calls this at start so that the KEK exists from
     /// initialisation on and a bad KEK stops the daemon before it serves.
-    pub fn departure_kit(
-        &self,
-    ) -> Result<Arc<crate::tenant::departure::DepartureKit>, crate::tenant::departure::DepartureError>
-    {
-        let mut slot = lock(&self.departure);
-        if let Some(kit) = slot.as_ref() {
-            return Ok(kit.clone());
+    pub fn departure_kit(&self) -> Result<Arc<DepartureKit>, DepartureError> {
+        self.kit.get()
+    }
+
+    /// What steps (and reconciliation) may use of this service.
+    pub(crate) fn ctx(&self) -> StepCtx<'_> {
+        StepCtx {
+            store: &self.store,
+            backend: self.backend.as_ref(),
+            jail: self.jail.as_ref(),
+            gpu: self.gpu.as_ref(),
+            keys: &self.kit,
+            admission: &self.admission,
+            config: &self.config,
+            stop: &self.stop,
         }
-        let kit = Arc::new(crate::tenant::departure::DepartureKit::open(
-            &self.config.departure,
-        )?);
-        *slot = Some(kit.clone());
-        Ok(kit)
+    }
+
+    /// Asks every running operation to give up at its next wait (the daemon is stopping);
+    /// each is left as a crash would leave it and resumes at the next start.
+    pub fn request_stop(&self) {
+        self.stop.set();
     }
 
     /// Name of the backend, for `/v1/health`.
@@ -353,11 +329,15 @@ impl TenantService {
                 if !matches!(caller, Caller::Admin) {
                     return Err(TenantServiceError::AdminOnly("scrub GPU slices"));
                 }
-                crate::tenant::departure::rescrub(self, &slice).map(CommandOutcome::Rescrubbed)
+                crate::tenant::departure::rescrub(&self.store, self.gpu.as_ref(), &slice)
+                    .map(CommandOutcome::Rescrubbed)
+                    .map_err(TenantServiceError::from)
             }
             TenantCommand::Infer(name, body) => {
                 let t = self.visible(caller, &name)?;
-                crate::tenant::agent_steps::infer(self, &t, body).map(CommandOutcome::Inferred)
+                crate::tenant::infer::infer(&self.ctx(), &t, body)
+                    .map(CommandOutcome::Inferred)
+                    .map_err(TenantServiceError::from)
             }
             TenantCommand::Logs(name, query) => {
                 let t = self.visible(caller, &name)?;
@@ -370,7 +350,7 @@ impl TenantService {
     /// it exists, so a tenant token cannot probe for other tenants' names.
     fn visible(&self, caller: &Caller, name: &str) -> Result<TenantRecord, TenantServiceError> {
         let not_found = || TenantServiceError::NotFound(name.to_string());
-        if crate::domain::TenantName::check(name).is_err() {
+        if TenantName::check(name).is_err() {
             return Err(not_found());
         }
         match self.store.tenant(name)? {
@@ -386,14 +366,16 @@ impl TenantService {
                 "this VM backend cannot attach disks: create the tenant with disk_gib = 0, or run tenantvmd with a backend that can (tenantvm-vmm, qemu-kvm, qemu-tcg)",
             ));
         }
-        // Fail fast on what can be checked before anything is recorded.
-        steps::resolve_image(&self.config, &spec)?;
-        crate::tenant::agent_steps::check_create(&self.config, self.backend.kind(), &spec)?;
+        // Fail fast on what can be checked before anything is recorded. What runs in the
+        // guest is decided here, once, and stored with the tenant.
+        let guest = crate::tenant::image::guest_kind(&self.config, &spec);
+        crate::tenant::image::check_create(&self.config, self.backend.kind(), &spec, guest)
+            .map_err(|e| TenantServiceError::Image(e.to_string()))?;
         if spec.gpu.wants_gpu() {
             self.gpu.candidates(&spec.gpu)?;
         }
         let guard = self.mark_busy(&spec.name)?;
-        let record = self.store.insert_tenant(&spec)?;
+        let record = self.store.insert_tenant(&spec, guest)?;
         let token = auth::new_token();
         self.store
             .insert_token(&auth::token_hash(&token), &TokenOwner::Tenant(record.id))?;
@@ -496,45 +478,54 @@ impl TenantService {
     }
 
     /// Runs (or resumes) an operation's remaining steps and moves the tenant to the state
-    /// it ends in. Errors end in `failed`, except a simulated crash, which leaves the store
-    /// exactly as a real crash would.
+    /// it ends in. What a failure leaves is the operation's [`OnFailure`]; an abandoned run
+    /// (a simulated crash, the daemon stopping) leaves the store exactly as a crash would.
     pub(crate) fn finish_op(&self, record: &TenantRecord, op_id: i64, op: Op) {
-        match steps::run(self, record, op_id, op) {
-            Ok(()) => {
-                if let Err(e) = self
-                    .store
-                    .transition(record.id, op.success_state(), None, None)
-                {
-                    tracing::error!(tenant = %record.name, error = %e, "cannot record success");
+        let ctx = self.ctx();
+        let ended = match Tenant::load(&ctx, record) {
+            Ok(mut t) => {
+                let ended = runner::run(&ctx, &self.fault, &mut t, op_id, op);
+                if let Ended::Failed { .. } = ended {
+                    if op.on_failure() == OnFailure::Fail {
+                        // A failed tenant keeps its resources for inspection until
+                        // destroyed, but never a running VMM.
+                        if let Err(e) = vm::kill_vm(&ctx, &mut t) {
+                            tracing::error!(tenant = %record.name, error = %e, "cannot kill VM of failed tenant");
+                        }
+                    }
                 }
+                ended
             }
-            Err(TenantServiceError::Fault(e)) => {
-                tracing::warn!(tenant = %record.name, error = %e, "operation abandoned");
+            Err(e) => Ended::Failed {
+                step: op.name(),
+                message: format!("cannot load the tenant: {e}"),
+            },
+        };
+        let result = match ended {
+            Ended::Done => self
+                .store
+                .transition(record.id, op.success_state(), None, None)
+                .map(|_| ()),
+            Ended::Abandoned(why) => {
+                tracing::warn!(tenant = %record.name, op = op.name(), why, "operation abandoned; it resumes at the next start");
+                Ok(())
             }
-            Err(e) if op == Op::Destroy => {
-                // A departure never gives up half-way: the tenant stays `destroying` with the
-                // error, and `destroy` again resumes from the failed step.
-                let message = e.to_string();
-                tracing::warn!(tenant = %record.name, error = %message, "destroy stopped at a failed step");
-                if let Err(e2) = self.store.set_tenant_error(record.id, Some(&message)) {
-                    tracing::error!(tenant = %record.name, error = %e2, "cannot record the error");
-                }
-            }
-            Err(e) => {
-                let message = e.to_string();
+            Ended::Failed { step, message } => {
+                let message = TenantServiceError::Step { step, message }.to_string();
                 tracing::warn!(tenant = %record.name, op = op.name(), error = %message, "operation failed");
-                // A failed tenant keeps its resources for inspection until destroyed, but
-                // never a running VMM.
-                if let Err(kill_err) = steps::kill_vm(self, record) {
-                    tracing::error!(tenant = %record.name, error = %kill_err, "cannot kill VM of failed tenant");
-                }
-                if let Err(e2) =
-                    self.store
+                match op.on_failure() {
+                    // The tenant stays where it is with the error; the same operation
+                    // again resumes from the failed step.
+                    OnFailure::Resume => self.store.set_tenant_error(record.id, Some(&message)),
+                    OnFailure::Fail => self
+                        .store
                         .transition(record.id, LifecycleState::Failed, None, Some(&message))
-                {
-                    tracing::error!(tenant = %record.name, error = %e2, "cannot record failure");
+                        .map(|_| ()),
                 }
             }
+        };
+        if let Err(e) = result {
+            tracing::error!(tenant = %record.name, error = %e, "cannot record how the operation ended");
         }
     }
 
@@ -557,13 +548,15 @@ impl TenantService {
             if t.state != LifecycleState::Running || self.vm_is_up(&t)? {
                 continue;
             }
-            let why = match steps::recorded_vm(self, &t)?.map(|vm| self.backend.state(&vm)) {
+            let ctx = self.ctx();
+            let mut tenant = Tenant::load(&ctx, &t)?;
+            let why = match tenant.vm.as_ref().map(|vm| self.backend.state(vm)) {
                 Some(Ok(crate::backend::VmState::Exited { status })) => {
                     format!("the VM exited on its own ({status:?})")
                 }
                 _ => "the VM process is gone".to_string(),
             };
-            steps::kill_vm(self, &t)?;
+            vm::kill_vm(&ctx, &mut tenant)?;
             self.store
                 .transition(t.id, LifecycleState::Failed, None, Some(&why))?;
             marked.push(t.name.to_string());
@@ -574,7 +567,7 @@ impl TenantService {
     /// Whether the tenant's recorded VM runs; a VM that does not answer its control socket
     /// counts as up (not answering is no proof of death; the next check looks again).
     fn vm_is_up(&self, t: &TenantRecord) -> Result<bool, TenantServiceError> {
-        let Some(vm) = steps::recorded_vm(self, t)? else {
+        let Some(vm) = Tenant::load(&self.ctx(), t)?.vm else {
             return Ok(false);
         };
         Ok(!matches!(
@@ -625,5 +618,17 @@ impl TenantService {
             created_ms: t.created_ms,
             updated_ms: t.updated_ms,
         })
+    }
+}
+
+impl From<InferError> for TenantServiceError {
+    fn from(e: InferError) -> Self {
+        match e {
+            InferError::Quota(r) => TenantServiceError::QuotaExceeded(r),
+            InferError::BadRequest(m) => TenantServiceError::BadRequest(m),
+            InferError::NotServing(n) => TenantServiceError::NotServing(n),
+            InferError::Unavailable(m) => TenantServiceError::AgentUnavailable(m),
+            InferError::Store(e) => TenantServiceError::Store(e),
+        }
     }
 }

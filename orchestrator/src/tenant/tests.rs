@@ -362,7 +362,10 @@ fn pending_tenants_are_rolled_back() {
     let mut h = Harness::new(FaultHook::default());
     h.svc
         .store()
-        .insert_tenant(&spec("p", "{ kind = \"none\" }"))
+        .insert_tenant(
+            &spec("p", "{ kind = \"none\" }"),
+            crate::domain::GuestKind::Plain,
+        )
         .unwrap();
     h.restart(FaultHook::default());
     let report = reconcile(&h.svc, &ReconcileOptions::default()).unwrap();
@@ -412,4 +415,92 @@ fn disks_are_refused_by_a_backend_that_cannot_attach_them() {
         .unwrap_err();
     assert!(matches!(err, TenantServiceError::Unsupported(_)), "{err}");
     assert!(h.svc.store().list_tenants(true).unwrap().is_empty());
+}
+
+#[test]
+fn infer_is_refused_for_unknown_foreign_and_agentless_tenants() {
+    let h = Harness::new(FaultHook::default());
+    for name in ["a", "b"] {
+        create(&h, name);
+    }
+    h.svc.wait_idle();
+    let body = serde_json::json!({"prompt": "secret prompt"});
+    let infer = |caller: &Caller, name: &str| {
+        h.svc
+            .execute(caller, TenantCommand::Infer(name.into(), body.clone()))
+            .unwrap_err()
+    };
+    assert!(matches!(
+        infer(&Caller::Admin, "nobody"),
+        TenantServiceError::NotFound(_)
+    ));
+    let a = h.svc.store().tenant("a").unwrap().unwrap();
+    // Tenant a's token cannot reach b: answered like a missing tenant.
+    assert!(matches!(
+        infer(&Caller::Tenant(a.id), "b"),
+        TenantServiceError::NotFound(_)
+    ));
+    // The test guest runs no agent: a clear refusal that never echoes the prompt.
+    let err = infer(&Caller::Tenant(a.id), "a");
+    assert!(matches!(err, TenantServiceError::BadRequest(_)), "{err}");
+    assert!(
+        err.to_string().contains("does not run a guest image"),
+        "{err}"
+    );
+    assert!(!err.to_string().contains("secret prompt"));
+}
+
+#[test]
+fn hostile_names_reach_no_tenant_through_any_command() {
+    let h = Harness::new(FaultHook::default());
+    create(&h, "alice");
+    h.svc.wait_idle();
+    let long = "a".repeat(64);
+    for bad in [
+        "", "../alice", "ALICE", "alice/", "alice\0", &long, "älice", ".",
+    ] {
+        for cmd in [
+            TenantCommand::Status(bad.into()),
+            TenantCommand::Stop(bad.into()),
+            TenantCommand::Start(bad.into()),
+            TenantCommand::Destroy(bad.into()),
+            TenantCommand::Logs(bad.into(), Default::default()),
+            TenantCommand::Infer(bad.into(), serde_json::json!({})),
+        ] {
+            let err = h.svc.execute(&Caller::Admin, cmd).unwrap_err();
+            assert!(
+                matches!(err, TenantServiceError::NotFound(_)),
+                "{bad:?}: {err}"
+            );
+        }
+    }
+    assert_eq!(state(&h, "alice"), Some(LifecycleState::Running));
+    // Nothing was created outside the tenants directory.
+    let entries: Vec<_> = std::fs::read_dir(h.svc.config().tenants_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(entries, vec![std::ffi::OsString::from("alice")]);
+}
+
+#[test]
+fn the_guest_kind_is_decided_at_create_and_stored() {
+    let h = Harness::new(FaultHook::default());
+    create(&h, "alice");
+    h.svc.wait_idle();
+    let t = h.svc.store().tenant("alice").unwrap().unwrap();
+    assert_eq!(t.guest, Some(crate::domain::GuestKind::Plain));
+    // An image that later gains a manifest does not turn the tenant into an agent tenant:
+    // the fact was decided at create.
+    let images = h.dir.path().join("images/hello");
+    std::fs::write(images.join("manifest.json"), "{}").unwrap();
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Stop("alice".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Start("alice".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    assert_eq!(state(&h, "alice"), Some(LifecycleState::Running));
 }

@@ -1,0 +1,328 @@
+//! The guest agent's steps (docs/guest-image.md). Tenants whose guest runs the agent (a
+//! guest image set) boot, and once the VM runs, create and start
+//!
+//! 1. `await-agent`: wait until the agent answers `status` on its channel;
+//! 2. `unlock-disk`: deliver the disk key (unwrapped from the tenant's wrapped key, zeroized
+//!    after use) if the guest reports the disk locked, and mount it if it is not mounted;
+//! 3. `start-payload`: start the inference server unless the guest reports it running;
+//! 4. `await-payload`: wait until the payload answers its health check.
+//!
+//! For other tenants each is a no-op. Each asks the guest first and skips what it reports
+//! done, so re-running one after a daemon crash is safe. Stop and destroy ask the agent for
+//! a clean shutdown ([`shutdown`]) before the backend's own stop.
+//!
+//! How the agent is reached is decided in one place, [`agent_endpoint`]; every connection
+//! goes through [`connect`], which checks that the socket is served by the tenant's uid
+//! (SO_PEERCRED), so a socket swapped for another tenant's never receives this tenant's key.
+//! Everything the guest sends is hostile: the agent crate's client bounds frames and
+//! deadlines.
+
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use tenantvm_agent::client::{AgentClient, AgentClientError, AgentEndpoint};
+use tenantvm_agent::protocol::{DiskKey as AgentDiskKey, DiskState, PayloadState};
+
+use crate::backend::{qemu::AGENT_SOCK, RunningVm, VmBackend, VmState};
+use crate::receipt::StepRecord;
+use crate::tenant::context::{StepCtx, StepError, Tenant};
+use crate::tenant::steps::{disk, Op};
+
+/// How long the agent gets to answer `shutdown` (it stops the payload: up to 10 s).
+const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long each agent call of a step may take once the agent answers.
+const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long one round of waiting lasts before the VM and the stop flag are checked again.
+const AWAIT_ROUND: Duration = Duration::from_secs(5);
+/// How long connecting to the channel may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Where the agent of `vm` listens: the one place the tenant layer decides how to reach a
+/// guest's agent. Today that is QEMU's virtio-serial port behind `<tenant dir>/run/`;
+/// when the backend says so itself, this asks the backend.
+pub fn agent_endpoint(_backend: &dyn VmBackend, vm: &RunningVm) -> AgentEndpoint {
+    AgentEndpoint::Serial(vm.tenant_dir.join("run").join(AGENT_SOCK))
+}
+
+/// Connects to the agent of `vm`, refusing a socket not served by the tenant's uid.
+pub fn connect(
+    backend: &dyn VmBackend,
+    vm: &RunningVm,
+    timeout: Duration,
+) -> Result<AgentClient, AgentClientError> {
+    let path = match agent_endpoint(backend, vm) {
+        AgentEndpoint::Serial(path) => path,
+        AgentEndpoint::HybridVsock { path, .. } => {
+            return Err(AgentClientError::Connect {
+                path,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::Unsupported,
+                    "this daemon reaches guest agents over virtio-serial only",
+                ),
+            })
+        }
+    };
+    let refuse = |message: String| AgentClientError::Connect {
+        path: path.clone(),
+        source: std::io::Error::new(std::io::ErrorKind::PermissionDenied, message),
+    };
+    let stream = UnixStream::connect(&path).map_err(|source| AgentClientError::Connect {
+        path: path.clone(),
+        source,
+    })?;
+    let creds = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(|e| refuse(format!("cannot read the peer's credentials: {e}")))?;
+    if creds.uid() != vm.uid {
+        return Err(refuse(format!(
+            "the socket is served by uid {}, not the tenant's uid {}; refusing to talk to it",
+            creds.uid(),
+            vm.uid
+        )));
+    }
+    stream.set_write_timeout(Some(timeout))?;
+    Ok(AgentClient::from_stream(stream))
+}
+
+/// The VM of an agent step, or `None` for a tenant whose guest runs no agent.
+fn agent_vm(t: &Tenant) -> Result<Option<&RunningVm>, StepError> {
+    if !t.has_agent() {
+        return Ok(None);
+    }
+    t.vm.as_ref()
+        .map(Some)
+        .ok_or_else(|| StepError::failed("no VM is recorded for this tenant"))
+}
+
+/// await-agent: waits (up to the agent timeout) until the agent answers `status`.
+pub fn await_agent(
+    ctx: &StepCtx<'_>,
+    t: &mut Tenant,
+    _op: Op,
+) -> Result<Option<StepRecord>, StepError> {
+    let Some(vm) = agent_vm(t)? else {
+        return Ok(None);
+    };
+    let started = Instant::now();
+    let deadline = started + ctx.config.agent_timeout;
+    let waited = |e: &dyn std::fmt::Display| {
+        StepError::failed(format!(
+            "{e} (waited {:.0?}; see `tenantvm logs {} --stream serial`)",
+            started.elapsed(),
+            t.name
+        ))
+    };
+    let status = loop {
+        ctx.stop.check()?;
+        // A VM that ended will never answer: stop waiting at once.
+        if let Ok(VmState::Exited { status }) = ctx.backend.state(vm) {
+            return Err(waited(&format!(
+                "the VM ended ({status:?}) before its agent answered"
+            )));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(waited(&"the guest agent did not answer in time"));
+        }
+        match AgentClient::wait_for_ready_with(
+            &mut |timeout| connect(ctx.backend, vm, timeout),
+            left.min(AWAIT_ROUND),
+        ) {
+            Ok((_, status)) => break status,
+            Err(e) if Instant::now() >= deadline => return Err(waited(&e)),
+            Err(e) => {
+                tracing::debug!(tenant = %t.name, error = %e, "agent not answering yet");
+                // A refused connection returns at once: do not spin.
+                ctx.stop.sleep(Duration::from_millis(200))?;
+            }
+        }
+    };
+    tracing::info!(
+        tenant = %t.name,
+        agent = %status.agent_version,
+        channel = %status.channel,
+        after_ms = started.elapsed().as_millis() as u64,
+        "guest agent ready"
+    );
+    Ok(None)
+}
+
+/// unlock-disk: delivers the disk key if the guest reports its disk locked, and has it
+/// mounted unless it is.
+pub fn unlock_disk(
+    ctx: &StepCtx<'_>,
+    t: &mut Tenant,
+    _op: Op,
+) -> Result<Option<StepRecord>, StepError> {
+    let Some(vm) = agent_vm(t)? else {
+        return Ok(None);
+    };
+    let mut agent = connect(ctx.backend, vm, CALL_TIMEOUT).map_err(StepError::failed)?;
+    let status = agent.status(CALL_TIMEOUT).map_err(StepError::failed)?;
+    if status.disk == DiskState::Locked {
+        let key = disk::disk_key(ctx, &t.name)?;
+        let key = AgentDiskKey::new(key.expose()).map_err(StepError::failed)?;
+        agent
+            .unlock_disk(&key, CALL_TIMEOUT)
+            .map_err(StepError::failed)?;
+        // `key` (and the orchestrator's copy above) are zeroized when dropped here.
+    }
+    if status.disk != DiskState::Mounted {
+        let formatted = agent.mount(true, CALL_TIMEOUT).map_err(StepError::failed)?;
+        tracing::info!(tenant = %t.name, formatted, "tenant disk mounted in the guest");
+    }
+    Ok(None)
+}
+
+/// start-payload: starts the inference server unless the guest reports it running.
+pub fn start_payload(
+    ctx: &StepCtx<'_>,
+    t: &mut Tenant,
+    _op: Op,
+) -> Result<Option<StepRecord>, StepError> {
+    let Some(vm) = agent_vm(t)? else {
+        return Ok(None);
+    };
+    let mut agent = connect(ctx.backend, vm, CALL_TIMEOUT).map_err(StepError::failed)?;
+    let status = agent.status(CALL_TIMEOUT).map_err(StepError::failed)?;
+    if !matches!(status.payload, PayloadState::Running { .. }) {
+        agent
+            .start_payload(CALL_TIMEOUT)
+            .map_err(StepError::failed)?;
+    }
+    Ok(None)
+}
+
+/// await-payload: waits (up to the agent timeout) until the payload reports ready.
+pub fn await_payload(
+    ctx: &StepCtx<'_>,
+    t: &mut Tenant,
+    _op: Op,
+) -> Result<Option<StepRecord>, StepError> {
+    let Some(vm) = agent_vm(t)? else {
+        return Ok(None);
+    };
+    let deadline = Instant::now() + ctx.config.agent_timeout;
+    let mut agent = connect(ctx.backend, vm, CALL_TIMEOUT).map_err(StepError::failed)?;
+    loop {
+        ctx.stop.check()?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        match agent.wait_payload_ready(left.min(AWAIT_ROUND)) {
+            Ok(()) => return Ok(None),
+            Err(AgentClientError::PayloadNotReady { last, .. })
+                if !left.is_zero()
+                    && !matches!(last, PayloadState::Exited { .. })
+                    && Instant::now() < deadline => {}
+            Err(AgentClientError::PayloadNotReady { last, .. }) => {
+                return Err(StepError::failed(AgentClientError::PayloadNotReady {
+                    timeout: ctx.config.agent_timeout,
+                    last,
+                }))
+            }
+            Err(e) => return Err(StepError::failed(e)),
+        }
+    }
+}
+
+/// What the agent reported when asked to shut down.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShutdownOutcome {
+    /// The agent answered `shutdown`.
+    pub answered: bool,
+    /// It stopped the payload.
+    pub payload_stopped: bool,
+    /// It unmounted the disk.
+    pub unmounted: bool,
+    /// It closed dm-crypt.
+    pub disk_closed: bool,
+    /// The VM exited by itself afterwards (power-off).
+    pub powered_off: bool,
+    /// Why the agent could not be asked, if it could not.
+    pub error: Option<String>,
+}
+
+/// Before the backend stops a guest-image VM: ask the agent for a clean shutdown (payload
+/// stopped, disk unmounted, dm-crypt closed, power-off) and wait up to `grace` for the VM
+/// to exit. Never fails: whatever is left, the backend's stop and kill end it. `None` when
+/// the VM did not report running.
+pub fn shutdown(
+    ctx: &StepCtx<'_>,
+    t: &Tenant,
+    vm: &RunningVm,
+    grace: Duration,
+) -> Option<ShutdownOutcome> {
+    if !matches!(
+        ctx.backend.state(vm),
+        Ok(VmState::Running | VmState::Paused)
+    ) {
+        return None;
+    }
+    let mut outcome = ShutdownOutcome {
+        answered: false,
+        payload_stopped: false,
+        unmounted: false,
+        disk_closed: false,
+        powered_off: false,
+        error: None,
+    };
+    match connect(ctx.backend, vm, CONNECT_TIMEOUT).and_then(|mut a| a.shutdown(SHUTDOWN_TIMEOUT)) {
+        Ok(report) => {
+            outcome.answered = true;
+            outcome.payload_stopped = report.payload_stopped;
+            outcome.unmounted = report.unmounted;
+            outcome.disk_closed = report.disk_closed;
+            let deadline = Instant::now() + grace;
+            while Instant::now() < deadline && !ctx.stop.is_set() {
+                if let Ok(VmState::Exited { .. } | VmState::Gone) = ctx.backend.state(vm) {
+                    outcome.powered_off = true;
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Err(e) => {
+            tracing::warn!(tenant = %t.name, error = %e, "the guest agent did not shut down cleanly; stopping the VM");
+            outcome.error = Some(e.to_string());
+        }
+    }
+    Some(outcome)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::BackendKind;
+
+    #[test]
+    fn a_channel_served_by_another_uid_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(tmp.path().join("run")).unwrap();
+        let sock = tmp.path().join("run").join(AGENT_SOCK);
+        let _listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let me = nix::unistd::getuid().as_raw();
+        let vm = RunningVm {
+            backend: BackendKind::Qemu {
+                accel: crate::backend::QemuAccel::Tcg,
+            },
+            tenant: "a".into(),
+            pid: 1,
+            start_time_ticks: 0,
+            api_sock: tmp.path().join("run/qmp.sock"),
+            tenant_dir: tmp.path().to_path_buf(),
+            cgroup: crate::jail::CgroupHandle::V1 {
+                memory: "/nonexistent".into(),
+                cpu: "/nonexistent".into(),
+                pids: "/nonexistent".into(),
+            },
+            uid: me.wrapping_add(1),
+        };
+        let host = crate::tenant::test_utils::FakeHost::default();
+        let backend = crate::tenant::test_utils::FakeBackend(host);
+        let err = connect(&backend, &vm, Duration::from_secs(1))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("refusing to talk to it"), "{err}");
+        let ok = RunningVm { uid: me, ..vm };
+        assert!(connect(&backend, &ok, Duration::from_secs(1)).is_ok());
+    }
+}

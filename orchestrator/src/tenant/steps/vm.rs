@@ -1,0 +1,256 @@
+//! The VM's steps: the tenant's uid, launching the VMM in its jail, waiting for it to run,
+//! stopping it, and cleaning the jail up.
+
+use std::time::{Duration, Instant};
+
+use crate::backend::{BackendError, JailConfig, ResourceLimits, RunningVm, VmSpec, VmState};
+use crate::domain::spec::TenantSpec;
+use crate::receipt::{now_rfc3339, Assurance, DepartureStep, StepRecord, StepResult};
+use crate::store::{ResourceKind, StoreError};
+use crate::tenant::config::ServiceConfig;
+use crate::tenant::context::{error_chain, StepCtx, StepError, Tenant};
+use crate::tenant::steps::{disk, guest, Op};
+
+/// allocate-uid: the uid (= gid) the tenant's VMM runs as, unique among tenants.
+pub fn allocate_uid(
+    ctx: &StepCtx<'_>,
+    t: &mut Tenant,
+    _op: Op,
+) -> Result<Option<StepRecord>, StepError> {
+    let cfg = ctx.config;
+    t.uid = Some(ctx.store.allocate_uid(t.id, cfg.uid_first, cfg.uid_count)?);
+    Ok(None)
+}
+
+/// release-uid: returns the uid to the pool.
+pub fn release_uid(
+    ctx: &StepCtx<'_>,
+    t: &mut Tenant,
+    _op: Op,
+) -> Result<Option<StepRecord>, StepError> {
+    if let Some(uid) = t.uid.take() {
+        ctx.store
+            .remove_resource(ResourceKind::Uid, &uid.to_string())?;
+    }
+    Ok(None)
+}
+
+/// launch-vm: adopts a VM an interrupted run of this step launched if it still runs;
+/// otherwise empties the tenant's cgroup (a VMM launched just before a crash but never
+/// recorded dies there), launches the VMM and records its process and cgroup.
+pub fn launch(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepRecord>, StepError> {
+    let cfg = ctx.config;
+    let dir = cfg.tenant_dir(&t.name);
+    if let Some(vm) = t.vm.clone() {
+        if matches!(
+            ctx.backend.state(&vm),
+            Ok(VmState::Running | VmState::Paused)
+        ) {
+            return Ok(None);
+        }
+        ctx.backend.kill(&vm).map_err(StepError::failed)?;
+        forget_vm(ctx, t)?;
+    }
+    ctx.jail
+        .cleanup(&t.name, &dir)
+        .map_err(|e| StepError::failed(error_chain(&e)))?;
+    let uid = t.uid()?;
+    let boot = crate::tenant::image::boot_files(cfg, &t.spec, t.guest)
+        .map_err(|e| StepError::failed(format!("guest image: {e}")))?;
+    let spec = VmSpec {
+        tenant: t.name.to_string(),
+        kernel: boot.kernel,
+        initramfs: boot.initramfs,
+        cmdline: boot.cmdline,
+        vcpus: t.spec.vcpus,
+        memory_mib: t.spec.memory_mib,
+        disks: disk::attachments(cfg, &t.spec),
+        tenant_dir: dir,
+    };
+    let jail = JailConfig {
+        uid,
+        gid: uid,
+        limits: limits_for(cfg, &t.spec),
+    };
+    let vm = ctx
+        .backend
+        .launch(&spec, &jail)
+        .map_err(|e| StepError::failed(error_chain(&e)))?;
+    let detail = serde_json::to_string(&vm).map_err(StepError::failed)?;
+    let cgroup = serde_json::to_string(&vm.cgroup).map_err(StepError::failed)?;
+    ctx.store
+        .add_resource(t.id, ResourceKind::Cgroup, &t.name, Some(&cgroup))?;
+    ctx.store.add_resource(
+        t.id,
+        ResourceKind::Process,
+        &process_key(&vm),
+        Some(&detail),
+    )?;
+    t.vm = Some(vm);
+    Ok(None)
+}
+
+/// await-running: waits until the VMM reports the guest running (or paused).
+pub fn await_running(
+    ctx: &StepCtx<'_>,
+    t: &mut Tenant,
+    _op: Op,
+) -> Result<Option<StepRecord>, StepError> {
+    let vm = recorded(t)?;
+    let deadline = Instant::now() + ctx.config.boot_timeout;
+    loop {
+        match ctx.backend.state(vm) {
+            Ok(VmState::Running) | Ok(VmState::Paused) => return Ok(None),
+            Ok(VmState::Exited { status }) => {
+                return Err(StepError::failed(format!(
+                    "the VM exited while booting ({status:?}); see `tenantvm logs {} --stream vmm`",
+                    t.name
+                )))
+            }
+            Ok(VmState::Gone) => return Err(StepError::failed("the VM process is gone")),
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!(tenant = %t.name, error = %e, "VM not answering yet");
+            }
+            Err(e) => return Err(StepError::failed(e)),
+        }
+        if Instant::now() >= deadline {
+            return Err(StepError::failed("the VM did not report running in time"));
+        }
+        ctx.stop.sleep(Duration::from_millis(50))?;
+    }
+}
+
+/// stop-vm: a guest with an agent first shuts down cleanly (payload stopped, disk closed,
+/// power-off); then the backend stops the VMM (graceful, killed after the grace period; a
+/// destroy gives it `destroy_grace`, a stop `stop_grace`), or kills it if that fails. The
+/// process record is forgotten. Returns the departure's record of it.
+pub fn stop(ctx: &StepCtx<'_>, t: &mut Tenant, op: Op) -> Result<Option<StepRecord>, StepError> {
+    let started_at = now_rfc3339();
+    let Some(vm) = t.vm.clone() else {
+        let rec = |method: &str| {
+            StepRecord::new(
+                DepartureStep::AgentShutdown,
+                method,
+                StepResult::Skipped,
+                Assurance::NotApplicable,
+                started_at.clone(),
+                now_rfc3339(),
+            )
+        };
+        return Ok(Some(rec("the VM was not running; nothing to shut down")));
+    };
+    let grace = if op == Op::Destroy {
+        ctx.config.destroy_grace
+    } else {
+        ctx.config.stop_grace
+    };
+    let shutdown = if t.has_agent() {
+        guest::shutdown(ctx, t, &vm, ctx.config.stop_grace)
+    } else {
+        None
+    };
+    match ctx.backend.stop(&vm, grace) {
+        Ok(_) | Err(BackendError::NotRunning(_)) => {}
+        Err(e) => {
+            tracing::warn!(tenant = %t.name, error = %e, "graceful stop failed, killing");
+            ctx.backend.kill(&vm).map_err(StepError::failed)?;
+        }
+    }
+    forget_vm(ctx, t)?;
+    let rec = |method: &str, result, assurance| {
+        StepRecord::new(
+            DepartureStep::AgentShutdown,
+            method,
+            result,
+            assurance,
+            started_at.clone(),
+            now_rfc3339(),
+        )
+    };
+    Ok(Some(match (t.has_agent(), shutdown) {
+        (false, _) => rec(
+            "VM shutdown through the VMM control socket, SIGKILL after 500 ms; the guest runs no agent (not a guest image set)",
+            StepResult::Ok,
+            Assurance::Unverified,
+        ),
+        (true, Some(o)) if o.answered => rec(
+            "guest agent shutdown over the control channel (payload stopped, disk unmounted, dm-crypt closed, power-off), then the VMM stopped",
+            StepResult::Ok,
+            // The guest reports it; the host cannot check inside the guest.
+            Assurance::Unverified,
+        )
+        .with_evidence("payload_stopped", o.payload_stopped)
+        .with_evidence("unmounted", o.unmounted)
+        .with_evidence("disk_closed", o.disk_closed)
+        .with_evidence("powered_off", o.powered_off),
+        (true, Some(o)) => rec(
+            "the guest agent did not answer shutdown; VM stopped through the VMM, SIGKILL after 500 ms",
+            StepResult::Ok,
+            Assurance::Unverified,
+        )
+        .with_evidence("agent_error", o.error.unwrap_or_default()),
+        (true, None) => rec(
+            "the VM was not running; nothing to shut down",
+            StepResult::Skipped,
+            Assurance::NotApplicable,
+        ),
+    }))
+}
+
+/// cleanup-jail: kills whatever is left in the tenant's cgroup, removes the cgroup and the
+/// jail root.
+pub fn cleanup_jail(
+    ctx: &StepCtx<'_>,
+    t: &mut Tenant,
+    _op: Op,
+) -> Result<Option<StepRecord>, StepError> {
+    ctx.jail
+        .cleanup(&t.name, &ctx.config.tenant_dir(&t.name))
+        .map_err(|e| StepError::failed(error_chain(&e)))?;
+    ctx.store.remove_resource(ResourceKind::Cgroup, &t.name)?;
+    Ok(None)
+}
+
+/// The store key of a VM process: pid and start time together defeat pid reuse.
+pub fn process_key(vm: &RunningVm) -> String {
+    format!("{}:{}", vm.pid, vm.start_time_ticks)
+}
+
+/// The VM a step needs, or its error.
+fn recorded(t: &Tenant) -> Result<&RunningVm, StepError> {
+    t.vm.as_ref()
+        .ok_or_else(|| StepError::failed("no VM is recorded for this tenant"))
+}
+
+/// Forgets the tenant's recorded VM (after it was stopped or killed).
+fn forget_vm(ctx: &StepCtx<'_>, t: &mut Tenant) -> Result<(), StoreError> {
+    if let Some(vm) = t.vm.take() {
+        ctx.store
+            .remove_resource(ResourceKind::Process, &process_key(&vm))?;
+    }
+    Ok(())
+}
+
+/// Kills a tenant's VM, if one is recorded, and forgets it (a failed operation, a VM found
+/// dead, reconciliation).
+pub fn kill_vm(ctx: &StepCtx<'_>, t: &mut Tenant) -> Result<(), StepError> {
+    if let Some(vm) = &t.vm {
+        ctx.backend
+            .kill(vm)
+            .map_err(|e| StepError::failed(error_chain(&e)))?;
+        forget_vm(ctx, t)?;
+    }
+    Ok(())
+}
+
+/// Cgroup limits for a spec: memory = guest memory + VMM overhead; CPU quota = one period
+/// per vCPU; pids = a fixed allowance plus one per vCPU thread.
+pub fn limits_for(cfg: &ServiceConfig, spec: &TenantSpec) -> ResourceLimits {
+    let period = 100_000;
+    ResourceLimits {
+        memory_bytes: (u64::from(spec.memory_mib) + cfg.vmm_overhead_mib) << 20,
+        cpu_quota_us: u64::from(spec.vcpus) * period,
+        cpu_period_us: period,
+        pids_max: 32 + u64::from(spec.vcpus),
+    }
+}
