@@ -97,6 +97,12 @@ impl Drop for Permit {
 }
 
 impl Admission {
+    /// The gate's key for a tenant: its row id and name, so that a new tenant under a
+    /// destroyed one's name starts afresh.
+    pub fn key(id: i64, name: &str) -> String {
+        format!("{id}:{name}")
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Gate>> {
         self.gates.lock().unwrap_or_else(PoisonError::into_inner)
     }

@@ -174,7 +174,7 @@ impl GpuPlanner for BackendPlanner {
     fn reset(
         &self,
         placement: &GpuPlacement,
-    ) -> Result<crate::tenant::gpu_scrub::DeviceResetOutcome, GpuPlanError> {
+    ) -> Result<crate::tenant::host::DeviceResetOutcome, GpuPlanError> {
         crate::tenant::gpu_scrub::reset(self.backend.as_ref(), placement)
     }
 

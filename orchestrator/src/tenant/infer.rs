@@ -11,7 +11,7 @@ use thiserror::Error;
 
 use crate::domain::lifecycle::LifecycleState;
 use crate::store::{StoreError, TenantRecord};
-use crate::tenant::admission::Refused;
+use crate::tenant::admission::{Admission, Refused};
 use crate::tenant::context::{StepCtx, StepError, Tenant};
 use crate::tenant::steps::guest;
 
@@ -40,12 +40,6 @@ pub enum InferError {
     Store(#[from] StoreError),
 }
 
-/// The admission state's key for a tenant: its row id and name, so that a new tenant under
-/// a destroyed one's name starts afresh.
-pub fn admission_key(id: i64, name: &str) -> String {
-    format!("{id}:{name}")
-}
-
 /// Forwards an OpenAI-style completion request (a JSON object) to the tenant's payload and
 /// returns its JSON answer.
 pub fn infer(
@@ -56,7 +50,7 @@ pub fn infer(
     // The quota gate comes first: every request counts, whether or not it would succeed,
     // and a refused one costs nothing further. Held until the answer is back.
     let _permit = ctx.admission.admit(
-        &admission_key(record.id, &record.name),
+        &Admission::key(record.id, &record.name),
         &record.name,
         &record.spec.quotas,
         Instant::now(),

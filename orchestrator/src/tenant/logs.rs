@@ -4,8 +4,22 @@
 
 use crate::api::types::{LogChunk, LogPosition, LogQuery, LogStream};
 use crate::logs::{LogCursor, LogKind, LogPolicy, TenantLogs, MAX_CHUNK_BYTES, MAX_TAIL_LINES};
-use crate::store::TenantRecord;
-use crate::tenant::service::{TenantService, TenantServiceError};
+use crate::store::{Store, StoreError, TenantRecord};
+use crate::tenant::config::ServiceConfig;
+
+/// Why a log could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum LogReadError {
+    /// The query is out of range.
+    #[error("Bad request: {0}")]
+    BadRequest(String),
+    /// The log files could not be read.
+    #[error("Cannot read the log: {0}")]
+    Log(String),
+    /// The store failed (events).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
 
 /// Lines (or events) returned when no cursor and no `tail` is given.
 pub const DEFAULT_TAIL: u64 = 100;
@@ -14,10 +28,11 @@ pub const DEFAULT_MAX_BYTES: u64 = 64 << 10;
 
 /// Reads a chunk of one of a tenant's logs.
 pub fn read(
-    svc: &TenantService,
+    store: &Store,
+    config: &ServiceConfig,
     t: &TenantRecord,
     q: &LogQuery,
-) -> Result<LogChunk, TenantServiceError> {
+) -> Result<LogChunk, LogReadError> {
     let tail = q
         .tail
         .unwrap_or(DEFAULT_TAIL)
@@ -25,9 +40,9 @@ pub fn read(
     let kind = match q.stream {
         LogStream::Serial => LogKind::Serial,
         LogStream::Vmm => LogKind::Vmm,
-        LogStream::Events => return read_events(svc, t, q, tail),
+        LogStream::Events => return read_events(store, t, q, tail),
     };
-    let root = svc.config().state_dir.join("tenants");
+    let root = config.tenants_dir();
     if !root.join(&t.name).is_dir() {
         // Nothing provisioned yet (or already removed): an empty log, not an error.
         return Ok(LogChunk {
@@ -88,12 +103,11 @@ pub fn read(
 }
 
 fn read_events(
-    svc: &TenantService,
+    store: &Store,
     t: &TenantRecord,
     q: &LogQuery,
     tail: u64,
-) -> Result<LogChunk, TenantServiceError> {
-    let store = svc.store();
+) -> Result<LogChunk, LogReadError> {
     let events = match q.offset {
         Some(after) => store.events(t.id, i64::try_from(after).unwrap_or(i64::MAX), 1000)?,
         None => {
@@ -157,10 +171,10 @@ fn crlf_to_lf(text: String) -> String {
     }
 }
 
-fn log_err(e: crate::logs::LogError) -> TenantServiceError {
+fn log_err(e: crate::logs::LogError) -> LogReadError {
     match e {
-        crate::logs::LogError::InvalidRequest(m) => TenantServiceError::BadRequest(m),
-        other => TenantServiceError::Log(crate::tenant::context::error_chain(&other)),
+        crate::logs::LogError::InvalidRequest(m) => LogReadError::BadRequest(m),
+        other => LogReadError::Log(crate::tenant::context::error_chain(&other)),
     }
 }
 

@@ -341,7 +341,9 @@ impl TenantService {
             }
             TenantCommand::Logs(name, query) => {
                 let t = self.visible(caller, &name)?;
-                crate::tenant::logs::read(self, &t, &query).map(CommandOutcome::Log)
+                crate::tenant::logs::read(&self.store, &self.config, &t, &query)
+                    .map(CommandOutcome::Log)
+                    .map_err(TenantServiceError::from)
             }
         }
     }
@@ -629,6 +631,17 @@ impl From<InferError> for TenantServiceError {
             InferError::NotServing(n) => TenantServiceError::NotServing(n),
             InferError::Unavailable(m) => TenantServiceError::AgentUnavailable(m),
             InferError::Store(e) => TenantServiceError::Store(e),
+        }
+    }
+}
+
+impl From<crate::tenant::logs::LogReadError> for TenantServiceError {
+    fn from(e: crate::tenant::logs::LogReadError) -> Self {
+        use crate::tenant::logs::LogReadError as E;
+        match e {
+            E::BadRequest(m) => TenantServiceError::BadRequest(m),
+            E::Log(m) => TenantServiceError::Log(m),
+            E::Store(e) => TenantServiceError::Store(e),
         }
     }
 }

@@ -161,8 +161,8 @@ impl GpuPlanner for FakeGpus {
     fn reset(
         &self,
         _placement: &GpuPlacement,
-    ) -> Result<crate::tenant::gpu_scrub::DeviceResetOutcome, GpuPlanError> {
-        Ok(crate::tenant::gpu_scrub::DeviceResetOutcome {
+    ) -> Result<crate::tenant::host::DeviceResetOutcome, GpuPlanError> {
+        Ok(crate::tenant::host::DeviceResetOutcome {
             method: "simulated: fake planner".into(),
             result: crate::receipt::StepResult::Ok,
             assurance: crate::receipt::Assurance::Simulated,

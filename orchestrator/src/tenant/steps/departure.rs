@@ -5,8 +5,8 @@
 use std::time::Instant;
 
 use crate::receipt::{now_rfc3339, Assurance, DepartureStep, StepRecord, StepResult};
+use crate::tenant::admission::Admission;
 use crate::tenant::context::{StepCtx, StepError, Tenant};
-use crate::tenant::infer::admission_key;
 use crate::tenant::steps::Op;
 
 /// route-off: begins the departure (its id is fixed from here on) and closes the tenant's
@@ -20,7 +20,7 @@ pub fn route_off(
     ctx.store.begin_departure(t.id, &t.name)?;
     // The daemon's inference route is the only way to a guest's server: closing the
     // tenant's admission gate refuses every later request.
-    let key = admission_key(t.id, &t.name);
+    let key = Admission::key(t.id, &t.name);
     let in_flight = ctx.admission.close(&key);
     // Checked, not assumed: a request now is refused. (After a daemon restart the gate is
     // new, and the tenant's destroying state refuses requests instead.)
