@@ -17,7 +17,6 @@ use crate::backend::{
 use crate::domain::lifecycle::LifecycleState;
 use crate::reconcile::{reconcile, ReconcileOptions};
 use crate::store::Store;
-use crate::tenant::fault::{FaultHook, CRASH_ENV};
 use crate::tenant::host::{GpuPlanner, NoGpus};
 use crate::tenant::service::{ServiceConfig, TenantService};
 
@@ -154,6 +153,26 @@ fn make_gpu(spec: &str) -> anyhow::Result<Arc<dyn GpuPlanner>> {
     }
 }
 
+/// Arms the crash hook from `TENANTVM_TEST_CRASH_AT` (builds with the `test-hooks` feature,
+/// for the crash-safety tests).
+#[cfg(feature = "test-hooks")]
+fn with_test_hooks(svc: TenantService) -> anyhow::Result<TenantService> {
+    use crate::tenant::fault::{FaultHook, CRASH_ENV};
+    let fault = FaultHook::from_env()?;
+    if fault.is_armed() {
+        tracing::warn!(
+            "{CRASH_ENV} is set: this daemon will SIGKILL itself at a step boundary (tests only)"
+        );
+    }
+    Ok(svc.with_fault_hook(fault))
+}
+
+/// Production builds have no crash hook.
+#[cfg(not(feature = "test-hooks"))]
+fn with_test_hooks(svc: TenantService) -> anyhow::Result<TenantService> {
+    Ok(svc)
+}
+
 /// Binds the socket, refusing to steal one a live daemon answers on.
 async fn bind(socket: &Path) -> anyhow::Result<UnixListener> {
     if let Some(parent) = socket.parent() {
@@ -188,12 +207,6 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
         );
     }
     make_state_dir(&args.state_dir)?;
-    let fault = FaultHook::from_env()?;
-    if fault.is_armed() {
-        tracing::warn!(
-            "{CRASH_ENV} is set: this daemon will SIGKILL itself at a step boundary (tests only)"
-        );
-    }
     let store = Arc::new(
         Store::open(&args.state_dir.join("state.db")).context("Cannot open the state store")?,
     );
@@ -223,8 +236,8 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
         Arc::new(cgroups),
         make_gpu(&args.gpu_backend)?,
         cfg,
-        fault,
     );
+    let svc = with_test_hooks(svc)?;
 
     // The host KEK and the receipt signing key exist from initialisation on.
     svc.departure_kit()

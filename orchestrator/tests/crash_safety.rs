@@ -160,7 +160,9 @@ fn crash_and_restart(d: &mut TestDaemon, case: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn create_converges_after_sigkill_at_every_step_boundary() {
-    if daemon::should_skip("create_converges_after_sigkill_at_every_step_boundary") {
+    if daemon::should_skip("create_converges_after_sigkill_at_every_step_boundary")
+        || daemon::skip_without_crash_hook("create_converges_after_sigkill_at_every_step_boundary")
+    {
         return;
     }
     for (i, step) in Op::Create.steps().iter().enumerate() {
@@ -196,7 +198,9 @@ async fn create_converges_after_sigkill_at_every_step_boundary() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn destroy_converges_after_sigkill_at_every_step_boundary() {
-    if daemon::should_skip("destroy_converges_after_sigkill_at_every_step_boundary") {
+    if daemon::should_skip("destroy_converges_after_sigkill_at_every_step_boundary")
+        || daemon::skip_without_crash_hook("destroy_converges_after_sigkill_at_every_step_boundary")
+    {
         return;
     }
     for (i, step) in Op::Destroy.steps().iter().enumerate() {

@@ -15,6 +15,7 @@ pub mod admission;
 pub mod config;
 pub mod context;
 pub mod departure;
+#[cfg(any(test, feature = "test-hooks"))]
 pub mod fault;
 pub mod gpu;
 pub mod gpu_scrub;

@@ -18,6 +18,7 @@ use crate::store::{ResourceKind, Store, StoreError, TenantRecord, TokenOwner};
 use crate::tenant::admission::Admission;
 use crate::tenant::context::{StepCtx, StepError, StopFlag, Tenant};
 use crate::tenant::departure::{DepartureError, DepartureKit, Kit};
+#[cfg(any(test, feature = "test-hooks"))]
 use crate::tenant::fault::FaultHook;
 use crate::tenant::host::{GpuPlanError, GpuPlanner, JailCleaner};
 use crate::tenant::infer::InferError;
@@ -150,6 +151,8 @@ pub struct TenantService {
     jail: Arc<dyn JailCleaner>,
     gpu: Arc<dyn GpuPlanner>,
     config: Arc<ServiceConfig>,
+    /// The crash hook (test builds only).
+    #[cfg(any(test, feature = "test-hooks"))]
     fault: Arc<FaultHook>,
     /// Per-tenant request rate and concurrency of inference requests.
     admission: Arc<Admission>,
@@ -183,7 +186,6 @@ impl TenantService {
         jail: Arc<dyn JailCleaner>,
         gpu: Arc<dyn GpuPlanner>,
         config: ServiceConfig,
-        fault: FaultHook,
     ) -> TenantService {
         TenantService {
             store,
@@ -192,7 +194,8 @@ impl TenantService {
             gpu,
             kit: Arc::new(Kit::new(config.departure.clone())),
             config: Arc::new(config),
-            fault: Arc::new(fault),
+            #[cfg(any(test, feature = "test-hooks"))]
+            fault: Arc::default(),
             admission: Arc::default(),
             stop: Arc::default(),
             busy: Arc::default(),
@@ -215,6 +218,30 @@ impl TenantService {
     /// initialisation on and a bad KEK stops the daemon before it serves.
     pub fn departure_kit(&self) -> Result<Arc<DepartureKit>, DepartureError> {
         self.kit.get()
+    }
+
+    /// Arms the crash hook (test builds only): the daemon from `TENANTVM_TEST_CRASH_AT`,
+    /// in-process tests with [`FaultHook::fail_at`].
+    #[cfg(any(test, feature = "test-hooks"))]
+    pub fn with_fault_hook(mut self, hook: FaultHook) -> TenantService {
+        self.fault = Arc::new(hook);
+        self
+    }
+
+    /// Runs `op`'s remaining steps with this build's boundary hook.
+    fn run_steps(&self, ctx: &StepCtx<'_>, t: &mut Tenant, op_id: i64, op: Op) -> Ended {
+        #[cfg(any(test, feature = "test-hooks"))]
+        {
+            let fault = self.fault.clone();
+            let hook = move |op: &str, step: &str, side: runner::Boundary| {
+                fault.check(op, step, side).map_err(|e| e.to_string())
+            };
+            runner::run(ctx, &hook, t, op_id, op)
+        }
+        #[cfg(not(any(test, feature = "test-hooks")))]
+        {
+            runner::run(ctx, &runner::no_hook, t, op_id, op)
+        }
     }
 
     /// What steps (and reconciliation) may use of this service.
@@ -486,7 +513,7 @@ impl TenantService {
         let ctx = self.ctx();
         let ended = match Tenant::load(&ctx, record) {
             Ok(mut t) => {
-                let ended = runner::run(&ctx, &self.fault, &mut t, op_id, op);
+                let ended = self.run_steps(&ctx, &mut t, op_id, op);
                 if let Ended::Failed { .. } = ended {
                     if op.on_failure() == OnFailure::Fail {
                         // A failed tenant keeps its resources for inspection until

@@ -237,7 +237,7 @@ impl Harness {
                 fail_scrub: fail_scrub.clone(),
             }),
             cfg,
-            fault,
         )
+        .with_fault_hook(fault)
     }
 }

@@ -34,6 +34,18 @@ pub fn skip_reason() -> Option<String> {
     None
 }
 
+/// Whether tenantvmd lacks the crash hook (built without `--features test-hooks`, which
+/// scripts/test.sh passes): prints `SKIP <test>: <reason>` and returns true if so.
+pub fn skip_without_crash_hook(test: &str) -> bool {
+    if cfg!(feature = "test-hooks") {
+        return false;
+    }
+    eprintln!(
+        "SKIP {test}: tenantvmd is built without its crash hook; run `cargo test -p tenantvm --features test-hooks` (scripts/test.sh does)"
+    );
+    true
+}
+
 /// Prints why a test skips and returns true if it must.
 pub fn should_skip(test: &str) -> bool {
     match skip_reason() {
@@ -128,6 +140,10 @@ impl TestDaemon {
     /// Starts the daemon (with `crash_at` armed if given) and waits for its socket.
     pub fn start(&mut self, crash_at: Option<&str>) {
         assert!(self.child.is_none(), "daemon already running");
+        assert!(
+            crash_at.is_none() || cfg!(feature = "test-hooks"),
+            "the crash hook needs `--features test-hooks` (check skip_without_crash_hook first)"
+        );
         let _ = fs::remove_file(self.socket());
         let log = fs::OpenOptions::new()
             .create(true)
