@@ -32,6 +32,9 @@ pub struct FakeHostState {
     pub launched_with: Vec<JailConfig>,
     /// The fake backend cannot attach disks, so the refusal path stays tested.
     pub no_disks: bool,
+    /// Fake processes that run but whose control socket does not answer (a wedged VMM):
+    /// `state` fails, and `stop` ends with the kill after its grace.
+    pub unresponsive: BTreeSet<i32>,
 }
 
 /// A fake host shared by [`FakeBackend`] and the fake jail cleaner.
@@ -82,7 +85,14 @@ impl VmBackend for FakeBackend {
     }
 
     fn state(&self, vm: &RunningVm) -> Result<VmState, BackendError> {
-        Ok(if self.0.state().processes.contains_key(&vm.pid) {
+        let h = self.0.state();
+        if h.unresponsive.contains(&vm.pid) && h.processes.contains_key(&vm.pid) {
+            return Err(BackendError::Control {
+                path: vm.api_sock.clone(),
+                message: "no answer within 5s (fake)".into(),
+            });
+        }
+        Ok(if h.processes.contains_key(&vm.pid) {
             VmState::Running
         } else {
             VmState::Gone
@@ -90,7 +100,10 @@ impl VmBackend for FakeBackend {
     }
 
     fn stop(&self, vm: &RunningVm, _grace: Duration) -> Result<ExitReason, BackendError> {
-        match self.0.state().processes.remove(&vm.pid) {
+        let mut h = self.0.state();
+        let wedged = h.unresponsive.remove(&vm.pid);
+        match h.processes.remove(&vm.pid) {
+            Some(_) if wedged => Ok(ExitReason::Signaled { signal: 9 }),
             Some(_) => Ok(ExitReason::Stopped),
             None => Err(BackendError::NotRunning(ExitReason::Signaled { signal: 9 })),
         }

@@ -21,9 +21,9 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use tenantvm_agent::client::{AgentClient, AgentClientError, AgentEndpoint};
-use tenantvm_agent::protocol::{DiskKey as AgentDiskKey, DiskState, PayloadState};
+use tenantvm_agent::protocol::{DiskKey as AgentDiskKey, DiskState, PayloadState, ShutdownReport};
 
-use crate::backend::{qemu::AGENT_SOCK, RunningVm, VmBackend, VmState};
+use crate::backend::{qemu::AGENT_SOCK, BackendError, RunningVm, VmBackend, VmState};
 use crate::receipt::StepRecord;
 use crate::tenant::context::{StepCtx, StepError, Tenant};
 use crate::tenant::steps::{disk, Op};
@@ -223,68 +223,102 @@ pub fn await_payload(
     }
 }
 
-/// What the agent reported when asked to shut down.
+/// What happened when the agent was asked to shut down: measured, for the receipt.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ShutdownOutcome {
-    /// The agent answered `shutdown`.
-    pub answered: bool,
-    /// It stopped the payload.
-    pub payload_stopped: bool,
-    /// It unmounted the disk.
-    pub unmounted: bool,
-    /// It closed dm-crypt.
-    pub disk_closed: bool,
-    /// The VM exited by itself afterwards (power-off).
-    pub powered_off: bool,
-    /// Why the agent could not be asked, if it could not.
-    pub error: Option<String>,
+pub enum AgentShutdown {
+    /// It was not asked (the VM had already ended, or the daemon is stopping).
+    NotAsked(String),
+    /// The channel could not be reached or did not answer `shutdown`.
+    NotReached {
+        /// Why.
+        error: String,
+        /// How long trying took.
+        after_ms: u64,
+    },
+    /// It answered.
+    Answered {
+        /// What the guest reports it did.
+        report: ShutdownReport,
+        /// When its answer came.
+        after_ms: u64,
+        /// When the VM was then seen to end on its own (power-off), if it did within the
+        /// grace period.
+        powered_off_ms: Option<u64>,
+    },
 }
 
-/// Before the backend stops a guest-image VM: ask the agent for a clean shutdown (payload
-/// stopped, disk unmounted, dm-crypt closed, power-off) and wait up to `grace` for the VM
-/// to exit. Never fails: whatever is left, the backend's stop and kill end it. `None` when
-/// the VM did not report running.
+impl AgentShutdown {
+    /// One line for the receipt.
+    pub fn describe(&self) -> String {
+        match self {
+            AgentShutdown::NotAsked(why) => format!("not asked: {why}"),
+            AgentShutdown::NotReached { error, after_ms } => {
+                format!("not reached after {after_ms} ms: {error}")
+            }
+            AgentShutdown::Answered {
+                report,
+                after_ms,
+                powered_off_ms,
+            } => format!(
+                "answered shutdown after {after_ms} ms (reported: payload stopped {}, disk unmounted {}, dm-crypt closed {}); {}",
+                report.payload_stopped,
+                report.unmounted,
+                report.disk_closed,
+                match powered_off_ms {
+                    Some(ms) => format!("the VM powered off after {ms} ms"),
+                    None => "the VM did not power off within the grace period".into(),
+                }
+            ),
+        }
+    }
+}
+
+/// Before the backend stops a guest-image VM: asks the agent for a clean shutdown (payload
+/// stopped, disk unmounted, dm-crypt closed, power-off) and waits up to `grace` for the VM
+/// to exit. `found` is what the backend said of the VM just before: an agent is asked
+/// unless the VM had ended (a VMM that does not answer its control socket may still run a
+/// guest that answers). Never fails: whatever is left, the backend's stop and kill end it.
 pub fn shutdown(
     ctx: &StepCtx<'_>,
     t: &Tenant,
     vm: &RunningVm,
+    found: &Result<VmState, BackendError>,
     grace: Duration,
-) -> Option<ShutdownOutcome> {
-    if !matches!(
-        ctx.backend.state(vm),
-        Ok(VmState::Running | VmState::Paused)
-    ) {
-        return None;
+) -> AgentShutdown {
+    if let Ok(VmState::Exited { .. } | VmState::Gone) = found {
+        return AgentShutdown::NotAsked("the VM had already ended".into());
     }
-    let mut outcome = ShutdownOutcome {
-        answered: false,
-        payload_stopped: false,
-        unmounted: false,
-        disk_closed: false,
-        powered_off: false,
-        error: None,
-    };
+    if ctx.stop.is_set() {
+        return AgentShutdown::NotAsked("the daemon is stopping".into());
+    }
+    let clock = Instant::now();
+    let ms = |c: Instant| c.elapsed().as_millis() as u64;
     match connect(ctx.backend, vm, CONNECT_TIMEOUT).and_then(|mut a| a.shutdown(SHUTDOWN_TIMEOUT)) {
         Ok(report) => {
-            outcome.answered = true;
-            outcome.payload_stopped = report.payload_stopped;
-            outcome.unmounted = report.unmounted;
-            outcome.disk_closed = report.disk_closed;
+            let after_ms = ms(clock);
             let deadline = Instant::now() + grace;
+            let mut powered_off_ms = None;
             while Instant::now() < deadline && !ctx.stop.is_set() {
                 if let Ok(VmState::Exited { .. } | VmState::Gone) = ctx.backend.state(vm) {
-                    outcome.powered_off = true;
+                    powered_off_ms = Some(ms(clock));
                     break;
                 }
                 std::thread::sleep(Duration::from_millis(100));
             }
+            AgentShutdown::Answered {
+                report,
+                after_ms,
+                powered_off_ms,
+            }
         }
         Err(e) => {
             tracing::warn!(tenant = %t.name, error = %e, "the guest agent did not shut down cleanly; stopping the VM");
-            outcome.error = Some(e.to_string());
+            AgentShutdown::NotReached {
+                error: e.to_string(),
+                after_ms: ms(clock),
+            }
         }
     }
-    Some(outcome)
 }
 
 #[cfg(test)]

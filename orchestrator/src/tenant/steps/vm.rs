@@ -3,7 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use crate::backend::{BackendError, JailConfig, ResourceLimits, RunningVm, VmSpec, VmState};
+use crate::backend::{
+    BackendError, ExitReason, JailConfig, ResourceLimits, RunningVm, VmSpec, VmState,
+};
 use crate::domain::spec::TenantSpec;
 use crate::receipt::{now_rfc3339, Assurance, DepartureStep, StepRecord, StepResult};
 use crate::store::{ResourceKind, StoreError};
@@ -121,80 +123,128 @@ pub fn await_running(
 }
 
 /// stop-vm: a guest with an agent first shuts down cleanly (payload stopped, disk closed,
-/// power-off); then the backend stops the VMM (graceful, killed after the grace period; a
-/// destroy gives it `destroy_grace`, a stop `stop_grace`), or kills it if that fails. The
-/// process record is forgotten. Returns the departure's record of it.
+/// power-off); then the backend stops the VMM (a stop request, killed after the grace
+/// period: a destroy gives it `destroy_grace`, a stop `stop_grace`), or kills its cgroup if
+/// the request fails; then the host checks that it ended. The process record is forgotten.
+///
+/// Returns the departure's record of it: measured, not assumed. How the VM was found, what
+/// was sent, what the agent answered and when, how the VMM ended and how long it all took.
 pub fn stop(ctx: &StepCtx<'_>, t: &mut Tenant, op: Op) -> Result<Option<StepRecord>, StepError> {
     let started_at = now_rfc3339();
+    let clock = Instant::now();
     let Some(vm) = t.vm.clone() else {
-        let rec = |method: &str| {
+        return Ok(Some(
             StepRecord::new(
                 DepartureStep::AgentShutdown,
-                method,
+                "no VM was recorded for the tenant (it was stopped before, or an interrupted run of this step already stopped it): nothing was sent",
                 StepResult::Skipped,
                 Assurance::NotApplicable,
-                started_at.clone(),
+                started_at,
                 now_rfc3339(),
             )
-        };
-        return Ok(Some(rec("the VM was not running; nothing to shut down")));
+            .with_evidence("found", "no VM recorded"),
+        ));
     };
     let grace = if op == Op::Destroy {
         ctx.config.destroy_grace
     } else {
         ctx.config.stop_grace
     };
-    let shutdown = if t.has_agent() {
-        guest::shutdown(ctx, t, &vm, ctx.config.stop_grace)
-    } else {
-        None
-    };
-    match ctx.backend.stop(&vm, grace) {
-        Ok(_) | Err(BackendError::NotRunning(_)) => {}
+    let found = ctx.backend.state(&vm);
+    let agent = t
+        .has_agent()
+        .then(|| guest::shutdown(ctx, t, &vm, &found, ctx.config.stop_grace));
+    let grace_ms = grace.as_millis();
+    let (sent, ended, killed) = match ctx.backend.stop(&vm, grace) {
+        Ok(reason) => (
+            format!("a stop request to the VMM, to be killed after {grace_ms} ms"),
+            reason.describe(),
+            matches!(reason, ExitReason::Signaled { .. }),
+        ),
+        Err(BackendError::NotRunning(reason)) => (
+            "nothing: the VMM had already exited".to_string(),
+            reason.describe(),
+            false,
+        ),
         Err(e) => {
-            tracing::warn!(tenant = %t.name, error = %e, "graceful stop failed, killing");
+            tracing::warn!(tenant = %t.name, error = %e, "stop request failed, killing");
             ctx.backend.kill(&vm).map_err(StepError::failed)?;
+            (
+                format!("a stop request to the VMM, which failed ({e}); then SIGKILL to the tenant's cgroup"),
+                "killed by SIGKILL".to_string(),
+                true,
+            )
+        }
+    };
+    // Checked, not assumed: the backend's view of the process afterwards.
+    let after = ctx.backend.state(&vm);
+    let gone = matches!(after, Ok(VmState::Exited { .. } | VmState::Gone));
+    forget_vm(ctx, t)?;
+    let elapsed_ms = clock.elapsed().as_millis() as u64;
+    let found = describe_state(&found);
+    let mut method = format!("found {found}; ");
+    if let Some(a) = &agent {
+        method.push_str(&format!("guest agent {}; ", a.describe()));
+    }
+    method.push_str(&format!(
+        "sent {sent}; the VMM ended: {ended}{}; {elapsed_ms} ms in all",
+        if killed { " (SIGKILL)" } else { "" }
+    ));
+    if !gone {
+        method.push_str(&format!(
+            "; afterwards the VM is {}",
+            describe_state(&after)
+        ));
+    }
+    let answered = matches!(agent, Some(guest::AgentShutdown::Answered { .. }));
+    let mut rec = StepRecord::new(
+        DepartureStep::AgentShutdown,
+        &method,
+        StepResult::Ok,
+        // The VM's end is checked on the host; what an agent says it did inside the guest
+        // cannot be.
+        if gone && !answered {
+            Assurance::Verified
+        } else {
+            Assurance::Unverified
+        },
+        started_at,
+        now_rfc3339(),
+    )
+    .with_evidence("found", found)
+    .with_evidence("sent", sent)
+    .with_evidence("ended", ended)
+    .with_evidence("killed", killed)
+    .with_evidence("vm_gone_after", gone)
+    .with_evidence("grace_ms", grace_ms)
+    .with_evidence("elapsed_ms", elapsed_ms);
+    if let Some(a) = agent {
+        rec = rec.with_evidence("agent", a.describe());
+        if let guest::AgentShutdown::Answered {
+            report,
+            powered_off_ms,
+            ..
+        } = a
+        {
+            rec = rec
+                .with_evidence("payload_stopped", report.payload_stopped)
+                .with_evidence("unmounted", report.unmounted)
+                .with_evidence("disk_closed", report.disk_closed)
+                .with_evidence("powered_off", powered_off_ms.is_some());
         }
     }
-    forget_vm(ctx, t)?;
-    let rec = |method: &str, result, assurance| {
-        StepRecord::new(
-            DepartureStep::AgentShutdown,
-            method,
-            result,
-            assurance,
-            started_at.clone(),
-            now_rfc3339(),
-        )
-    };
-    Ok(Some(match (t.has_agent(), shutdown) {
-        (false, _) => rec(
-            "VM shutdown through the VMM control socket, SIGKILL after 500 ms; the guest runs no agent (not a guest image set)",
-            StepResult::Ok,
-            Assurance::Unverified,
-        ),
-        (true, Some(o)) if o.answered => rec(
-            "guest agent shutdown over the control channel (payload stopped, disk unmounted, dm-crypt closed, power-off), then the VMM stopped",
-            StepResult::Ok,
-            // The guest reports it; the host cannot check inside the guest.
-            Assurance::Unverified,
-        )
-        .with_evidence("payload_stopped", o.payload_stopped)
-        .with_evidence("unmounted", o.unmounted)
-        .with_evidence("disk_closed", o.disk_closed)
-        .with_evidence("powered_off", o.powered_off),
-        (true, Some(o)) => rec(
-            "the guest agent did not answer shutdown; VM stopped through the VMM, SIGKILL after 500 ms",
-            StepResult::Ok,
-            Assurance::Unverified,
-        )
-        .with_evidence("agent_error", o.error.unwrap_or_default()),
-        (true, None) => rec(
-            "the VM was not running; nothing to shut down",
-            StepResult::Skipped,
-            Assurance::NotApplicable,
-        ),
-    }))
+    Ok(Some(rec))
+}
+
+/// How the backend found a VM, for receipts.
+fn describe_state(state: &Result<VmState, BackendError>) -> String {
+    match state {
+        Ok(VmState::Running) => "running".into(),
+        Ok(VmState::Paused) => "paused".into(),
+        Ok(VmState::Exited { status }) => format!("exited ({})", status.describe()),
+        Ok(VmState::Gone) => "gone (no process, no exit status)".into(),
+        Err(e) => format!("not answering its control socket ({})", error_chain(e)),
+    }
 }
 
 /// cleanup-jail: kills whatever is left in the tenant's cgroup, removes the cgroup and the
