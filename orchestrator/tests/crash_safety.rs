@@ -154,7 +154,7 @@ fn crash_and_restart(d: &mut TestDaemon, case: &str) {
         "{case}: daemon ended with {status}\n{}",
         d.log()
     );
-    // Reconciliation runs before the socket appears.
+    // start() waits for the recovery that runs once the socket is up.
     d.start(None);
 }
 

@@ -105,7 +105,7 @@ impl From<TenantServiceError> for ApiError {
             E::Store(StoreError::Lifecycle(_)) | E::Lifecycle(_) => {
                 (StatusCode::CONFLICT, "invalid_state")
             }
-            E::Busy(_) => (StatusCode::CONFLICT, "busy"),
+            E::Busy(_) | E::Recovering(_) => (StatusCode::CONFLICT, "busy"),
             E::NotServing(_) => (StatusCode::CONFLICT, "invalid_state"),
             E::AgentUnavailable(_) => (StatusCode::BAD_GATEWAY, "guest_unavailable"),
             E::Rescrub(crate::tenant::departure::RescrubError::NotQuarantined(_)) => {
@@ -186,6 +186,7 @@ async fn health(
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     let backend = svc.backend_name();
+    let recovering = svc.recovering();
     tokio::task::spawn_blocking(move || auth::authenticate(svc.store(), header.as_deref()))
         .await
         .map_err(|e| {
@@ -195,6 +196,7 @@ async fn health(
         status: "ok".into(),
         version: env!("CARGO_PKG_VERSION").into(),
         backend,
+        recovering,
     })
     .into_response())
 }

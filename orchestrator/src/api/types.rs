@@ -36,6 +36,11 @@ pub struct TenantView {
     pub created_ms: i64,
     /// Last state change, ms since the epoch.
     pub updated_ms: i64,
+    /// The daemon restarted and has not finished recovering this tenant yet (checking its
+    /// VM, or resuming its interrupted operation): its state is the last one recorded, and
+    /// commands on it are refused until recovery is done.
+    #[serde(default)]
+    pub recovering: bool,
 }
 
 /// One step of a tenant's operation.
@@ -188,6 +193,10 @@ pub struct Health {
     pub version: String,
     /// Backend in use.
     pub backend: String,
+    /// The daemon's recovery after a restart is still going through tenants (the API
+    /// answers meanwhile; tenants not yet recovered say `recovering`).
+    #[serde(default)]
+    pub recovering: bool,
 }
 
 /// Every error response.

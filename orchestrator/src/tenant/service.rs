@@ -3,8 +3,10 @@
 //! changes in the store, then the operation's steps ([`super::runner`]) on a worker thread.
 //! Steps never see the service: they get a [`StepCtx`] built from its parts.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
@@ -45,6 +47,9 @@ pub enum TenantServiceError {
     /// Another operation on this tenant is in progress.
     #[error("Tenant {0:?} is busy with another operation; wait for it (`tenantvm status {0}`) and retry")]
     Busy(String),
+    /// The daemon has restarted and not yet checked this tenant (or resumed its operation).
+    #[error("Tenant {0:?} is being recovered after a daemon restart; wait until `tenantvm status {0}` no longer says recovering, and retry")]
+    Recovering(String),
     /// The state machine refused the command.
     #[error(transparent)]
     Lifecycle(#[from] LifecycleError),
@@ -158,13 +163,24 @@ pub struct TenantService {
     admission: Arc<Admission>,
     kit: Arc<Kit>,
     stop: Arc<StopFlag>,
-    busy: Arc<Mutex<HashSet<String>>>,
+    busy: Arc<Mutex<HashMap<String, BusyWith>>>,
+    /// Set from the start of a daemon's recovery pass until it has gone through every tenant.
+    recovering: Arc<AtomicBool>,
     workers: Arc<Mutex<Vec<std::thread::JoinHandle<()>>>>,
+}
+
+/// What holds a tenant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BusyWith {
+    /// An operation (or a VM check) runs on it.
+    Operation,
+    /// The daemon's recovery after a restart has not finished with it.
+    Recovery,
 }
 
 /// Marks a tenant busy for as long as it lives.
 pub(crate) struct BusyGuard {
-    busy: Arc<Mutex<HashSet<String>>>,
+    busy: Arc<Mutex<HashMap<String, BusyWith>>>,
     name: String,
 }
 
@@ -199,6 +215,7 @@ impl TenantService {
             admission: Arc::default(),
             stop: Arc::default(),
             busy: Arc::default(),
+            recovering: Arc::default(),
             workers: Arc::default(),
         }
     }
@@ -269,15 +286,74 @@ impl TenantService {
         format!("{:?}", self.backend.kind())
     }
 
-    pub(crate) fn mark_busy(&self, name: &str) -> Result<BusyGuard, TenantServiceError> {
+    fn hold(&self, name: &str, with: BusyWith) -> Result<BusyGuard, TenantServiceError> {
         let mut busy = lock(&self.busy);
-        if !busy.insert(name.to_string()) {
-            return Err(TenantServiceError::Busy(name.to_string()));
+        match busy.get(name) {
+            Some(BusyWith::Operation) => Err(TenantServiceError::Busy(name.to_string())),
+            Some(BusyWith::Recovery) => Err(TenantServiceError::Recovering(name.to_string())),
+            None => {
+                busy.insert(name.to_string(), with);
+                Ok(BusyGuard {
+                    busy: self.busy.clone(),
+                    name: name.to_string(),
+                })
+            }
         }
-        Ok(BusyGuard {
-            busy: self.busy.clone(),
-            name: name.to_string(),
-        })
+    }
+
+    /// Holds a tenant for an operation; refused while another holds it.
+    pub(crate) fn mark_busy(&self, name: &str) -> Result<BusyGuard, TenantServiceError> {
+        self.hold(name, BusyWith::Operation)
+    }
+
+    /// Holds a tenant for the recovery pass after a restart: commands on it are refused
+    /// (saying so) and its view says `recovering` until the guard drops.
+    pub(crate) fn mark_recovering(&self, name: &str) -> Result<BusyGuard, TenantServiceError> {
+        self.hold(name, BusyWith::Recovery)
+    }
+
+    /// Whether anything holds the tenant now.
+    pub(crate) fn is_busy(&self, name: &str) -> bool {
+        lock(&self.busy).contains_key(name)
+    }
+
+    fn is_recovering(&self, name: &str) -> bool {
+        lock(&self.busy).get(name) == Some(&BusyWith::Recovery)
+    }
+
+    /// Whether the daemon's recovery after a restart is still going through tenants
+    /// (`GET /v1/health` says so).
+    pub fn recovering(&self) -> bool {
+        self.recovering.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn set_recovering(&self, on: bool) {
+        self.recovering.store(on, Ordering::SeqCst);
+    }
+
+    /// Keeps a background thread of the daemon (the recovery pass) among those that
+    /// [`TenantService::wait_idle`] waits for.
+    pub(crate) fn track(&self, handle: std::thread::JoinHandle<()>) {
+        lock(&self.workers).push(handle);
+    }
+
+    /// Waits up to `timeout` for every operation started so far (shutdown); false if some
+    /// still run (they are left as a crash would leave them, and resume at the next start).
+    pub fn wait_idle_for(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            {
+                let mut workers = lock(&self.workers);
+                workers.retain(|h| !h.is_finished());
+                if workers.is_empty() {
+                    return true;
+                }
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Waits for every operation started so far (tests and shutdown).
@@ -565,7 +641,8 @@ impl TenantService {
     pub fn check_vms(&self) -> Result<Vec<String>, TenantServiceError> {
         let mut marked = Vec::new();
         for t in self.store.list_tenants(false)? {
-            if t.state != LifecycleState::Running || self.vm_is_up(&t)? {
+            // Tenants held by an operation or by the recovery pass are theirs to check.
+            if t.state != LifecycleState::Running || self.is_busy(&t.name) || self.vm_is_up(&t)? {
                 continue;
             }
             // Only a VM that looked dead takes the tenant's guard (so user operations are
@@ -646,6 +723,7 @@ impl TenantService {
                 .map(crate::tenant::view::gpu_slice),
             created_ms: t.created_ms,
             updated_ms: t.updated_ms,
+            recovering: self.is_recovering(&t.name),
         })
     }
 }

@@ -35,6 +35,11 @@ pub struct FakeHostState {
     /// Fake processes that run but whose control socket does not answer (a wedged VMM):
     /// `state` fails, and `stop` ends with the kill after its grace.
     pub unresponsive: BTreeSet<i32>,
+    /// Launch every new VM unresponsive (its boot never reports running).
+    pub launch_unresponsive: bool,
+    /// Fake processes whose `state` blocks (a silent VMM) until removed from this set, or
+    /// 30 s at most.
+    pub stalled: BTreeSet<i32>,
 }
 
 /// A fake host shared by [`FakeBackend`] and the fake jail cleaner.
@@ -68,6 +73,9 @@ impl VmBackend for FakeBackend {
         h.next_pid += 1;
         let pid = 1000 + h.next_pid;
         h.processes.insert(pid, spec.tenant.clone());
+        if h.launch_unresponsive {
+            h.unresponsive.insert(pid);
+        }
         h.cgroups.insert(spec.tenant.clone());
         h.launched_with.push(jail.clone());
         Ok(RunningVm {
@@ -85,6 +93,10 @@ impl VmBackend for FakeBackend {
     }
 
     fn state(&self, vm: &RunningVm) -> Result<VmState, BackendError> {
+        let until = std::time::Instant::now() + Duration::from_secs(30);
+        while self.0.state().stalled.contains(&vm.pid) && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let h = self.0.state();
         if h.unresponsive.contains(&vm.pid) && h.processes.contains_key(&vm.pid) {
             return Err(BackendError::Control {
@@ -203,6 +215,8 @@ pub struct Harness {
     pub svc: TenantService,
     /// Placement labels whose fake scrub fails.
     pub fail_scrub: Arc<Mutex<BTreeSet<String>>>,
+    /// How long await-running waits (2 s unless a test needs a long wait).
+    pub boot_timeout: Duration,
 }
 
 impl Harness {
@@ -214,31 +228,47 @@ impl Harness {
         std::fs::write(images.join("kernel"), b"not really a kernel").unwrap();
         let host = FakeHost::default();
         let fail_scrub = Arc::default();
-        let svc = Self::service(dir.path(), &host, &fail_scrub, fault);
+        let boot_timeout = Duration::from_secs(2);
+        let svc = Self::service(dir.path(), &host, &fail_scrub, boot_timeout, fault);
         Harness {
             dir,
             host,
             svc,
             fail_scrub,
+            boot_timeout,
         }
     }
 
     /// A new service over the same store file and host: a daemon restart.
     pub fn restart(&mut self, fault: FaultHook) {
         self.svc.wait_idle();
-        self.svc = Self::service(self.dir.path(), &self.host, &self.fail_scrub, fault);
+        self.svc = Self::service(
+            self.dir.path(),
+            &self.host,
+            &self.fail_scrub,
+            self.boot_timeout,
+            fault,
+        );
+    }
+
+    /// The same harness with another boot timeout (a new service over the same store).
+    pub fn with_boot_timeout(mut self, boot_timeout: Duration) -> Harness {
+        self.boot_timeout = boot_timeout;
+        self.restart(FaultHook::default());
+        self
     }
 
     fn service(
         root: &Path,
         host: &FakeHost,
         fail_scrub: &Arc<Mutex<BTreeSet<String>>>,
+        boot_timeout: Duration,
         fault: FaultHook,
     ) -> TenantService {
         let store = Arc::new(Store::open(&root.join("state.db")).unwrap());
         let mut cfg = ServiceConfig::new(root.join("state"));
         cfg.image_dir = Some(root.join("images"));
-        cfg.boot_timeout = Duration::from_secs(2);
+        cfg.boot_timeout = boot_timeout;
         cfg.departure.kek = crate::keys::KekSource::File(root.join("host-kek"));
         cfg.departure.keyslot_cost = crate::disk::KeyslotCost::TEST;
         TenantService::new(

@@ -504,3 +504,103 @@ fn the_guest_kind_is_decided_at_create_and_stored() {
     h.svc.wait_idle();
     assert_eq!(state(&h, "alice"), Some(LifecycleState::Running));
 }
+
+#[test]
+fn the_service_answers_while_a_silent_tenant_is_recovered() {
+    let mut h = Harness::new(FaultHook::default());
+    create(&h, "slow");
+    create(&h, "quick");
+    h.svc.wait_idle();
+    let slow_pid = h
+        .host
+        .state()
+        .processes
+        .iter()
+        .find(|(_, t)| *t == "slow")
+        .map(|(p, _)| *p)
+        .unwrap();
+    // After a restart, the slow tenant's VMM does not answer while it is checked.
+    h.host.state().stalled.insert(slow_pid);
+    h.restart(FaultHook::default());
+    let plan = crate::reconcile::plan(&h.svc).unwrap();
+    assert!(h.svc.recovering());
+    let svc = h.svc.clone();
+    let recovery = std::thread::spawn(move || {
+        crate::reconcile::recover(&svc, plan, &ReconcileOptions::default()).unwrap()
+    });
+    let view = |name: &str| match h
+        .svc
+        .execute(&Caller::Admin, TenantCommand::Status(name.into()))
+        .unwrap()
+    {
+        CommandOutcome::Tenant(v) => v,
+        other => panic!("{other:?}"),
+    };
+    // The quick tenant is through; the slow one says it is still being recovered, with
+    // its last recorded state, and commands on it say why they are refused.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while view("quick").recovering {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "quick never recovered"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let slow = view("slow");
+    assert!(slow.recovering);
+    assert_eq!(slow.state, LifecycleState::Running);
+    let err = h
+        .svc
+        .execute(&Caller::Admin, TenantCommand::Stop("slow".into()))
+        .unwrap_err();
+    assert!(matches!(err, TenantServiceError::Recovering(_)), "{err}");
+    assert!(err.to_string().contains("being recovered"), "{err}");
+    assert!(h.svc.recovering());
+    // The quick tenant takes commands meanwhile.
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Stop("quick".into()))
+        .unwrap();
+    h.host.state().stalled.clear();
+    let report = recovery.join().unwrap();
+    assert_eq!(
+        report.adopted,
+        vec!["quick".to_string(), "slow".to_string()]
+    );
+    assert!(!h.svc.recovering());
+    assert!(!view("slow").recovering);
+    h.svc.wait_idle();
+    assert_eq!(state(&h, "quick"), Some(LifecycleState::Stopped));
+}
+
+#[test]
+fn a_stop_request_ends_an_operation_waiting_on_a_silent_vm_as_a_crash_would() {
+    let h =
+        Harness::new(FaultHook::default()).with_boot_timeout(std::time::Duration::from_secs(300));
+    h.host.state().launch_unresponsive = true;
+    create(&h, "mute");
+    // await-running waits (up to 300 s) for a VMM that never answers.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let t = h.svc.store().tenant("mute").unwrap().unwrap();
+        let steps = h.svc.store().steps(t.op_id.unwrap()).unwrap();
+        if steps.iter().any(|s| s.step == "await-running") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{steps:?}");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let asked = std::time::Instant::now();
+    h.svc.request_stop();
+    assert!(
+        h.svc.wait_idle_for(std::time::Duration::from_secs(5)),
+        "the operation did not give up"
+    );
+    assert!(asked.elapsed() < std::time::Duration::from_secs(5));
+    // Left as a crash leaves it: still provisioning, the step started, not failed.
+    let t = h.svc.store().tenant("mute").unwrap().unwrap();
+    assert_eq!(t.state, LifecycleState::Provisioning);
+    assert_eq!(t.error, None);
+    let steps = h.svc.store().steps(t.op_id.unwrap()).unwrap();
+    let step = steps.iter().find(|s| s.step == "await-running").unwrap();
+    assert_eq!(step.status, "started");
+}

@@ -33,7 +33,7 @@ const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long each agent call of a step may take once the agent answers.
 const CALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long one round of waiting lasts before the VM and the stop flag are checked again.
-const AWAIT_ROUND: Duration = Duration::from_secs(5);
+const AWAIT_ROUND: Duration = Duration::from_secs(1);
 /// How long connecting to the channel may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
