@@ -52,7 +52,14 @@ pub(super) fn print_table(tenants: &[TenantView]) {
 
 pub(super) fn print_status(t: &TenantView) {
     println!("name:       {}", t.name);
-    println!("state:      {}", t.state);
+    if t.recovering {
+        println!(
+            "state:      {} (last recorded; the daemon restarted and is still recovering this tenant)",
+            t.state
+        );
+    } else {
+        println!("state:      {}", t.state);
+    }
     if let Some(e) = &t.error {
         println!("error:      {}", crate::logs::sanitize(e));
     }
