@@ -93,7 +93,7 @@ pub enum TenantServiceError {
     AgentUnavailable(String),
     /// A step's error outside an operation (a VM check, reconciliation).
     #[error("{0}")]
-    Tenant(#[from] StepError),
+    Host(#[from] StepError),
     /// Reading the audit log failed.
     #[error(transparent)]
     Receipt(#[from] crate::receipt::ReceiptError),
