@@ -156,7 +156,7 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
         },
     )?;
 
-    let vm = Arc::new(Vm::new()?);
+    let vm = Arc::new(Vm::new(&mem)?);
     if config.vcpus > vm.max_vcpus() {
         return Err(VstateError::TooManyVcpus {
             requested: config.vcpus,
@@ -164,7 +164,6 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
         }
         .into());
     }
-    vm.register_memory(&mem)?;
     let exit = Arc::new(ExitState::new().map_err(StartError::Host)?);
     let mut buses = Buses::default();
     let serial = attach_legacy_devices(
