@@ -118,6 +118,17 @@ pub fn reason(status: u16) -> &'static str {
     }
 }
 
+/// A parsed request head and how its body is framed.
+struct Head {
+    /// Bytes of the head.
+    len: usize,
+    /// The request, body still empty.
+    req: Request,
+    content_length: Option<usize>,
+    chunked: bool,
+    expect_continue: bool,
+}
+
 /// One client connection.
 pub struct Connection {
     stream: TcpStream,
@@ -195,7 +206,13 @@ impl Connection {
             }
         }
         self.served += 1;
-        let (head_len, mut req, content_length, chunked, expect_continue) = loop {
+        let Head {
+            len: head_len,
+            mut req,
+            content_length,
+            chunked,
+            expect_continue,
+        } = loop {
             match self.parse_head()? {
                 Some(parsed) => break parsed,
                 None if self.buf.len() >= self.limits.max_header_bytes => {
@@ -239,10 +256,7 @@ impl Connection {
     }
 
     /// Parses the head in `buf`: `None` if incomplete.
-    #[allow(clippy::type_complexity)]
-    fn parse_head(
-        &self,
-    ) -> Result<Option<(usize, Request, Option<usize>, bool, bool)>, HttpReadError> {
+    fn parse_head(&self) -> Result<Option<Head>, HttpReadError> {
         let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut parsed = httparse::Request::new(&mut slots);
         let head_len = match parsed.parse(&self.buf) {
@@ -311,13 +325,13 @@ impl Connection {
             http11,
             keep_alive,
         };
-        Ok(Some((
-            head_len,
+        Ok(Some(Head {
+            len: head_len,
             req,
             content_length,
             chunked,
             expect_continue,
-        )))
+        }))
     }
 
     fn read_chunked_body(&mut self, deadline: Instant) -> Result<Vec<u8>, HttpReadError> {

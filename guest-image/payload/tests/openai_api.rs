@@ -258,7 +258,9 @@ fn streamed_chat_opens_with_the_role_and_closes_with_an_empty_delta() {
 #[test]
 fn each_bad_input_gets_an_openai_error() {
     let addr = start(test_config(), None);
-    let cases: Vec<(&str, String, u16, Option<&str>, Option<&str>)> = vec![
+    // (path, body, status, param, code)
+    type Case<'a> = (&'a str, String, u16, Option<&'a str>, Option<&'a str>);
+    let cases: Vec<Case> = vec![
         ("/v1/completions", "{not json".into(), 400, None, None),
         (
             "/v1/completions",

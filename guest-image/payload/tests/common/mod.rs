@@ -4,7 +4,7 @@
 
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -259,7 +259,13 @@ impl EventStream {
 pub fn wait_for_stats(addr: SocketAddr, limit: Duration, pred: impl Fn(&Value) -> bool) -> Value {
     let start = Instant::now();
     loop {
-        let s = get(addr, "/v1/tenantvm/stats");
+        // A server at its connection limit answers 503: ask again.
+        let r = call(addr, "GET", "/v1/tenantvm/stats", None);
+        let s = if r.status == 200 {
+            r.json()
+        } else {
+            Value::Null
+        };
         if pred(&s) {
             return s;
         }
