@@ -79,7 +79,7 @@ struct ServeArgs {
     #[arg(long, default_value_t = 64)]
     prefix_cache_mib: usize,
     /// Mixing rounds per token of prefill and decode: the cost model's knob (see
-    /// docs/guest-image.md; 2048 is about 8 µs per token on a current x86 core).
+    /// docs/guest-image.md; 2048 rounds cost about 20 µs per token on a loaded 2-core VM).
     #[arg(long, default_value_t = tenantvm_ngram::prefill::DEFAULT_ROUNDS_PER_TOKEN,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     prefill_rounds: u32,

@@ -26,8 +26,8 @@ use serde::Serialize;
 
 /// Tokens per cached block.
 pub const BLOCK_TOKENS: usize = 16;
-/// Default mixing rounds per token (about 8-10 µs per token on a 2020s x86 core in a
-/// release build; see docs/benchmarks.md).
+/// Default mixing rounds per token (18-20 µs per token on the shared 2-core development
+/// machine in a release build; see docs/benchmarks.md).
 pub const DEFAULT_ROUNDS_PER_TOKEN: u32 = 2048;
 /// Bookkeeping bytes charged per cache entry on top of its tokens (map slots, LRU node).
 const ENTRY_OVERHEAD_BYTES: usize = 160;
