@@ -7,7 +7,7 @@ use std::io::{self, BufRead, BufReader, Read, Write};
 
 use thiserror::Error;
 
-use crate::protocol::{HttpRequest, HttpResponse};
+use tenantvm_agent_protocol::{HttpRequest, HttpResponse};
 
 /// Largest accepted header block.
 pub const MAX_HEAD_LEN: usize = 16 * 1024;
