@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use tenantvm_agent::client::{AgentClient, AgentEndpoint};
+use tenantvm_agent_protocol::{AgentClient, AgentEndpoint};
 
 use departure_common::{cli, ok, text};
 use support::daemon::{self, TestDaemon};
@@ -70,7 +70,7 @@ fn image_set() -> PathBuf {
         return PathBuf::from(dir);
     }
     let out = repo_root().join("target/guest-image-test");
-    if tenantvm_agent::image::ImageSet::open(&out).is_ok() {
+    if tenantvm_agent_protocol::ImageSet::open(&out).is_ok() {
         eprintln!("reusing the image set in {}", out.display());
         return out;
     }

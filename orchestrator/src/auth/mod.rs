@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use rand::RngCore;
 use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
 use thiserror::Error;
 
 use crate::store::{Store, StoreError, TokenOwner};
@@ -71,16 +72,9 @@ pub fn token_hash(token: &str) -> String {
     hex::encode(Sha256::digest(token.as_bytes()))
 }
 
-/// Compares two byte strings in time that depends only on their lengths.
+/// Compares two byte strings in time that depends only on their lengths (`subtle`).
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut diff = 0u8;
-    for (x, y) in a.iter().zip(b) {
-        diff |= x ^ y;
-    }
-    std::hint::black_box(diff) == 0
+    a.ct_eq(b).into()
 }
 
 /// Resolves an `Authorization` header value to a caller.

@@ -102,7 +102,8 @@ pub enum Command {
     /// Print a tenant's serial console, VMM log or lifecycle events.
     Logs(LogsArgs),
     /// Send a prompt to a tenant's inference server (a guest image's payload) and print
-    /// the completion. Not a gateway: no rate limits yet.
+    /// the completion. Each request passes the tenant's quotas first (requests per second,
+    /// concurrency): over either, the daemon answers 429.
     Infer(InferArgs),
     /// Stop a tenant's VM (clean shutdown, killed after a grace period); keeps its resources.
     Stop(OpArgs),

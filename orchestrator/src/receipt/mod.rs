@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 
 pub use cli::{run_show, run_verify, write_entries, ReceiptShowArgs, ReceiptVerifyArgs};
 pub use log::{AuditLog, ChainProblem, LogEntry, ReceiptSigner, VerifyReport};
-pub use time::{now_rfc3339, rfc3339};
+pub use time::{now_rfc3339, rfc3339, rfc3339_from_millis};
 
 /// Default audit log location.
 pub const DEFAULT_LOG: &str = "/var/lib/tenantvm/audit/receipts.jsonl";

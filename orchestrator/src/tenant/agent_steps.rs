@@ -16,16 +16,17 @@
 //! The channel is QEMU's virtio-serial port behind `<tenant dir>/run/agent.sock`; every
 //! connection checks that the socket is served by the tenant's uid (SO_PEERCRED), so a
 //! socket swapped for another tenant's never receives this tenant's key. Everything the
-//! guest sends is hostile: the agent crate's client bounds frames and deadlines, and
-//! [`infer`] returns the payload's answer only if it is a JSON object.
+//! guest sends is hostile: the protocol crate's client bounds frames and puts a deadline
+//! on every connect, read and write, and [`infer`] returns the payload's answer only if
+//! it is a JSON object.
 
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use tenantvm_agent::client::{AgentClient, AgentClientError};
-use tenantvm_agent::image::ImageSet;
-use tenantvm_agent::protocol::{DiskKey as AgentDiskKey, DiskState, HttpRequest, PayloadState};
+use tenantvm_agent_protocol::{
+    AgentClient, AgentClientError, AgentEndpoint, DiskKey as AgentDiskKey, DiskState, HttpRequest,
+    ImageSet, PayloadState,
+};
 
 use crate::backend::{qemu::AGENT_SOCK, BackendKind, RunningVm, VmState};
 use crate::receipt::{now_rfc3339, Assurance, DepartureStep, StepRecord, StepResult};
@@ -118,28 +119,10 @@ pub fn channel_path(vm: &RunningVm) -> PathBuf {
     vm.tenant_dir.join("run").join(AGENT_SOCK)
 }
 
-/// Connects to the agent channel of `vm`, refusing a socket not served by the tenant's uid.
+/// Connects to the agent channel of `vm` within `timeout`, refusing a socket not served
+/// by the tenant's uid.
 fn connect(vm: &RunningVm, timeout: Duration) -> Result<AgentClient, AgentClientError> {
-    let path = channel_path(vm);
-    let refuse = |message: String| AgentClientError::Connect {
-        path: path.clone(),
-        source: std::io::Error::new(std::io::ErrorKind::PermissionDenied, message),
-    };
-    let stream = UnixStream::connect(&path).map_err(|source| AgentClientError::Connect {
-        path: path.clone(),
-        source,
-    })?;
-    let creds = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials)
-        .map_err(|e| refuse(format!("cannot read the peer's credentials: {e}")))?;
-    if creds.uid() != vm.uid {
-        return Err(refuse(format!(
-            "the socket is served by uid {}, not the tenant's uid {}; refusing to talk to it",
-            creds.uid(),
-            vm.uid
-        )));
-    }
-    stream.set_write_timeout(Some(timeout))?;
-    Ok(AgentClient::from_stream(stream))
+    AgentClient::connect_checked(&AgentEndpoint::Serial(channel_path(vm)), vm.uid, timeout)
 }
 
 fn running_vm(

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tenantvm_agent::image::{Accel, ImageSet, QemuGuest};
+use tenantvm_agent_protocol::{Accel, ImageSet, QemuGuest};
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {

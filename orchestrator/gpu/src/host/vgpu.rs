@@ -226,32 +226,21 @@ pub fn create_mdev(
 
 /// Removes an mdev.
 pub fn remove_mdev(sysfs: &Sysfs, uuid: &str) -> Result<(), HostDeviceError> {
-    if uuid.len() != 36 || !uuid.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
-        return Err(HostDeviceError::BadAddress(uuid.to_string()));
-    }
+    // Only the hyphenated form names an mdev; anything else never reaches a path.
+    let name = uuid::Uuid::try_parse(uuid)
+        .ok()
+        .map(|u| u.hyphenated().to_string())
+        .filter(|name| name.eq_ignore_ascii_case(uuid))
+        .ok_or_else(|| HostDeviceError::BadAddress(uuid.to_string()))?;
     sysfs.write(
-        &sysfs.path("sys/bus/mdev/devices").join(uuid).join("remove"),
+        &sysfs.path("sys/bus/mdev/devices").join(name).join("remove"),
         "1",
     )
 }
 
-/// A random (version 4) UUID.
+/// A random (version 4) UUID, hyphenated lowercase as mdev names are.
 pub fn new_uuid() -> String {
-    let mut b = [0u8; 16];
-    // SAFETY: getrandom writes at most `b.len()` bytes into the buffer we own.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    assert_eq!(n, 16, "getrandom returned too few bytes");
-    b[6] = (b[6] & 0x0f) | 0x40;
-    b[8] = (b[8] & 0x3f) | 0x80;
-    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[0..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..32]
-    )
+    uuid::Uuid::new_v4().hyphenated().to_string()
 }
 
 #[cfg(test)]
@@ -367,5 +356,23 @@ mod tests {
         assert_eq!(u.len(), 36);
         assert_eq!(&u[14..15], "4");
         assert_ne!(u, new_uuid());
+    }
+
+    #[test]
+    fn only_hyphenated_uuids_name_an_mdev_to_remove() {
+        let host = FakeHost::build(&FakeHost::audio_host_spec()).unwrap();
+        let s = host.sysfs();
+        for bad in [
+            "../../../../etc/passwd",
+            "0123456789abcdef0123456789abcdef",
+            "{01234567-89ab-cdef-0123-456789abcdef}",
+            "urn:uuid:01234567-89ab-cdef-0123-456789abcdef",
+            "01234567-89ab-cdef-0123-456789abcdeg",
+        ] {
+            assert!(
+                matches!(remove_mdev(&s, bad), Err(HostDeviceError::BadAddress(_))),
+                "{bad}"
+            );
+        }
     }
 }

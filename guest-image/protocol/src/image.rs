@@ -10,7 +10,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 
-use crate::protocol::VIRTIO_SERIAL_PORT_NAME;
+use crate::message::VIRTIO_SERIAL_PORT_NAME;
 
 /// The files of an image set that are booted, all listed in the manifest.
 const BOOT_FILES: [&str; 3] = ["vmlinuz", "initramfs.cpio.gz", "cmdline"];
