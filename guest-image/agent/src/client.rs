@@ -47,7 +47,8 @@ impl AgentEndpoint {
         }
     }
 
-    fn path(&self) -> &Path {
+    /// The Unix socket to connect to.
+    pub fn path(&self) -> &Path {
         match self {
             Self::Serial(p) | Self::HybridVsock { path: p, .. } => p,
         }
@@ -232,6 +233,21 @@ impl AgentClient {
             next_id: micros.clamp(1, (1 << 53) - 1),
             broken: false,
         }
+    }
+
+    /// A client over a stream the caller connected to `endpoint` itself (e.g. after
+    /// checking the listener's credentials), completing the hybrid-vsock handshake within
+    /// `timeout` when the endpoint is one.
+    pub fn over_stream(
+        stream: UnixStream,
+        endpoint: &AgentEndpoint,
+        timeout: Duration,
+    ) -> Result<Self, AgentClientError> {
+        let mut client = Self::from_stream(stream);
+        if let AgentEndpoint::HybridVsock { port, .. } = endpoint {
+            client.handshake(*port, timeout)?;
+        }
+        Ok(client)
     }
 
     /// Connects and polls `status` until the agent answers or `timeout` passes. Works
