@@ -1,7 +1,9 @@
 //! The control plane's benchmark (run by scripts/bench-orchestrator.sh): a real tenantvmd
 //! with the idle guest under tenantvm-vmm on KVM. Measures create-to-running and destroy
 //! latency for 1 tenant (median of several rounds) and for 20 created at once, tenants
-//! brought up per second, and the daemon's resident memory with 20 tenants running.
+//! brought up per second, the daemon's resident memory with 20 tenants running, and the
+//! destroy of a VM whose VMM is SIGSTOPped (wedged) on each backend: tenantvm-vmm here,
+//! and QEMU TCG (with the no_std test guest, when built) in a second daemon.
 //! Latencies are seen by an API client polling every 2 ms, so they include the API.
 
 #[path = "../tests/support/daemon.rs"]
@@ -19,15 +21,24 @@ use daemon::TestDaemon;
 const POLL: Duration = Duration::from_millis(2);
 
 fn spec(name: &str) -> TenantSpec {
+    spec_with(name, "idle", 32)
+}
+
+fn spec_with(name: &str, image: &str, memory_mib: u32) -> TenantSpec {
     TenantSpec::from_toml(&format!(
-        "name = \"{name}\"\nmemory_mib = 32\n[image]\nname = \"idle\"\n"
+        "name = \"{name}\"\nmemory_mib = {memory_mib}\n[image]\nname = \"{image}\"\n"
     ))
     .unwrap()
 }
 
 async fn create_to_running(c: &Client, name: &str) -> Duration {
+    run_spec(c, &spec(name)).await
+}
+
+async fn run_spec(c: &Client, spec: &TenantSpec) -> Duration {
+    let name = spec.name.as_str();
     let t0 = Instant::now();
-    c.create(&spec(name)).await.expect("create");
+    c.create(spec).await.expect("create");
     loop {
         let t = c.status(name).await.expect("status");
         match t.state {
@@ -42,6 +53,31 @@ async fn destroy(c: &Client, name: &str) -> Duration {
     let t0 = Instant::now();
     c.destroy(name).await.expect("destroy");
     while c.status(name).await.is_ok() {
+        tokio::time::sleep(POLL).await;
+    }
+    t0.elapsed()
+}
+
+/// Creates a tenant from `spec`, waits until it runs, SIGSTOPs every process of its VM
+/// (a wedged VMM: it accepts nothing and answers nothing) and times its destroy.
+async fn destroy_stopped(c: &Client, spec: &TenantSpec) -> Duration {
+    let name = spec.name.as_str();
+    run_spec(c, spec).await;
+    let pids = daemon::processes_in_cgroup_of(name);
+    assert!(!pids.is_empty(), "{name}: no VM processes found");
+    for pid in pids {
+        // SAFETY: kill(2) with a pid read from the benchmark tenant's cgroup.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+    }
+    let t0 = Instant::now();
+    c.destroy(name).await.expect("destroy");
+    while let Ok(t) = c.status(name).await {
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "{name}: destroy did not finish in 300 s (state {:?}, error {:?})",
+            t.state,
+            t.error
+        );
         tokio::time::sleep(POLL).await;
     }
     t0.elapsed()
@@ -179,6 +215,30 @@ fn main() {
             format!("daemon RSS with {many} tenants (KiB)"),
             rss_many
         );
+        let stopped = destroy_stopped(&c, &spec("bench-stopped-vmm")).await;
+        println!(
+            "{:<44} {:>9.1}",
+            "destroy, SIGSTOPped tenantvm-vmm (ms)",
+            ms(stopped)
+        );
     });
     d.stop();
+
+    // QEMU in its own daemon: the test guest under TCG (QEMU boots its PVH note).
+    if daemon::test_guest().is_none() {
+        println!("destroy, SIGSTOPped QEMU: skipped (run scripts/build-test-guests.sh)");
+        return;
+    }
+    let mut q = TestDaemon::new().with_args(&["--backend", "qemu-tcg"]);
+    q.start(None);
+    let c = q.admin();
+    rt.block_on(async {
+        let stopped = destroy_stopped(&c, &spec_with("bench-stopped-qemu", "testguest", 64)).await;
+        println!(
+            "{:<44} {:>9.1}",
+            "destroy, SIGSTOPped QEMU TCG (ms)",
+            ms(stopped)
+        );
+    });
+    q.stop();
 }

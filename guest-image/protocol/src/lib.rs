@@ -23,7 +23,7 @@ pub use frame::{
     decode_body, encode_frame, parse_header, read_frame, resync, skip_body, FrameDecoder,
     FrameError, FrameHeader, HEADER_LEN, MAGIC, MAX_BODY_LEN, PROTOCOL_VERSION,
 };
-pub use image::{Accel, ImageSet, ImageSetError, QemuGuest};
+pub use image::{ImageSet, ImageSetError};
 pub use message::{
     salvage_id, AgentFailure, DiskKey, DiskState, ErrorCode, HttpRequest, HttpResponse, KeyError,
     LogLine, Outcome, PayloadState, Reply, Request, RequestFrame, ResponseFrame, ShutdownReport,

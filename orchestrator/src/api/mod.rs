@@ -94,7 +94,6 @@ impl From<TenantServiceError> for ApiError {
         let (status, code) = match &e {
             E::Spec(_) => (StatusCode::BAD_REQUEST, "invalid_spec"),
             E::Image(_) => (StatusCode::BAD_REQUEST, "invalid_image"),
-            E::Unsupported(_) => (StatusCode::BAD_REQUEST, "unsupported"),
             E::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             E::Gpu(GpuPlanError::NoGpuBackend) | E::Gpu(GpuPlanError::Plan(_)) => {
                 (StatusCode::BAD_REQUEST, "gpu_unavailable")

@@ -13,22 +13,23 @@
 //! stopped, disk unmounted and closed, power-off) before the backend's own stop. Inference
 //! requests reach the payload through [`infer`].
 //!
-//! The channel is QEMU's virtio-serial port behind `<tenant dir>/run/agent.sock`; every
-//! connection checks that the socket is served by the tenant's uid (SO_PEERCRED), so a
-//! socket swapped for another tenant's never receives this tenant's key. Everything the
+//! The backend says where the channel is ([`crate::backend::VmBackend::agent_endpoint`]:
+//! QEMU's virtio-serial port, tenantvm-vmm's hybrid vsock); every connection checks that
+//! the socket is served by the tenant's uid (SO_PEERCRED), so a socket swapped for another
+//! tenant's never receives this tenant's key. Everything the
 //! guest sends is hostile: the protocol crate's client bounds frames and puts a deadline
-//! on every connect, read and write, and [`infer`] returns the payload's answer only if
-//! it is a JSON object.
+//! on every connect, read and write, and
+//! [`infer`] returns the payload's answer only if it is a JSON object.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tenantvm_agent_protocol::{
-    AgentClient, AgentClientError, AgentEndpoint, DiskKey as AgentDiskKey, DiskState, HttpRequest,
-    ImageSet, PayloadState,
+    AgentClient, AgentClientError, DiskKey as AgentDiskKey, DiskState, HttpRequest, ImageSet,
+    PayloadState,
 };
 
-use crate::backend::{qemu::AGENT_SOCK, BackendKind, RunningVm, VmState};
+use crate::backend::{RunningVm, VmState};
 use crate::receipt::{now_rfc3339, Assurance, DepartureStep, StepRecord, StepResult};
 use crate::store::TenantRecord;
 use crate::tenant::disk_steps;
@@ -86,18 +87,11 @@ pub fn boot_files(dir: &Path) -> Result<(PathBuf, Option<PathBuf>, String), Tena
 /// Refuses, before anything is recorded, a guest-image tenant this daemon cannot run.
 pub(crate) fn check_create(
     cfg: &ServiceConfig,
-    backend: BackendKind,
     spec: &TenantSpec,
 ) -> Result<(), TenantServiceError> {
     let Some(dir) = image_set_dir(cfg, spec) else {
         return Ok(());
     };
-    if backend == BackendKind::TenantvmVmm {
-        return Err(TenantServiceError::Image(format!(
-            "{} is a Linux guest image set: its agent is reached over virtio-serial, which only the QEMU backends offer (the vsock path through tenantvm-vmm is not wired to the agent yet); run tenantvmd with --backend qemu-tcg or --backend qemu-kvm for this tenant",
-            dir.display()
-        )));
-    }
     if spec.disk_gib == 0 {
         return Err(TenantServiceError::Image(format!(
             "{} is a guest image set: its agent unlocks and mounts the tenant's encrypted disk before it starts the payload; set disk_gib = 1 or more",
@@ -114,15 +108,14 @@ fn step_err(step: Step, message: impl std::fmt::Display) -> TenantServiceError {
     }
 }
 
-/// The host end of a VM's agent channel.
-pub fn channel_path(vm: &RunningVm) -> PathBuf {
-    vm.tenant_dir.join("run").join(AGENT_SOCK)
-}
-
-/// Connects to the agent channel of `vm` within `timeout`, refusing a socket not served
-/// by the tenant's uid.
-fn connect(vm: &RunningVm, timeout: Duration) -> Result<AgentClient, AgentClientError> {
-    AgentClient::connect_checked(&AgentEndpoint::Serial(channel_path(vm)), vm.uid, timeout)
+/// Connects to the agent channel of `vm` where its backend says it is, within `timeout`,
+/// refusing a socket not served by the tenant's uid.
+fn connect(
+    svc: &TenantService,
+    vm: &RunningVm,
+    timeout: Duration,
+) -> Result<AgentClient, AgentClientError> {
+    AgentClient::connect_checked(&svc.backend.agent_endpoint(vm), vm.uid, timeout)
 }
 
 fn running_vm(
@@ -170,7 +163,7 @@ pub(crate) fn run_step(
                     return Err(waited(&"the guest agent did not answer in time"));
                 }
                 match AgentClient::wait_for_ready_with(
-                    &mut |timeout| connect(&vm, timeout),
+                    &mut |timeout| connect(svc, &vm, timeout),
                     left.min(AWAIT_ROUND),
                 ) {
                     Ok((_, status)) => break status,
@@ -189,7 +182,7 @@ pub(crate) fn run_step(
             );
         }
         Step::UnlockDisk => {
-            let mut agent = connect(&vm, CALL_TIMEOUT).map_err(fail)?;
+            let mut agent = connect(svc, &vm, CALL_TIMEOUT).map_err(fail)?;
             let status = agent.status(CALL_TIMEOUT).map_err(fail)?;
             if status.disk == DiskState::Locked {
                 let key = disk_steps::disk_key_for_agent(svc, &t.name)?;
@@ -203,14 +196,14 @@ pub(crate) fn run_step(
             }
         }
         Step::StartPayload => {
-            let mut agent = connect(&vm, CALL_TIMEOUT).map_err(fail)?;
+            let mut agent = connect(svc, &vm, CALL_TIMEOUT).map_err(fail)?;
             let status = agent.status(CALL_TIMEOUT).map_err(fail)?;
             if !matches!(status.payload, PayloadState::Running { .. }) {
                 agent.start_payload(CALL_TIMEOUT).map_err(fail)?;
             }
         }
         Step::AwaitPayload => {
-            let mut agent = connect(&vm, CALL_TIMEOUT).map_err(fail)?;
+            let mut agent = connect(svc, &vm, CALL_TIMEOUT).map_err(fail)?;
             agent
                 .wait_payload_ready(svc.config.agent_timeout)
                 .map_err(fail)?;
@@ -260,7 +253,7 @@ pub(crate) fn shutdown_before_stop(
         powered_off: false,
         error: None,
     };
-    match connect(vm, Duration::from_secs(5)).and_then(|mut a| a.shutdown(SHUTDOWN_TIMEOUT)) {
+    match connect(svc, vm, Duration::from_secs(5)).and_then(|mut a| a.shutdown(SHUTDOWN_TIMEOUT)) {
         Ok(report) => {
             outcome.answered = true;
             outcome.payload_stopped = report.payload_stopped;
@@ -385,7 +378,7 @@ pub(crate) fn infer(
     let vm = recorded_vm(svc, t)?.ok_or_else(|| TenantServiceError::NotServing(t.name.clone()))?;
     let started = Instant::now();
     let unavailable = |e: AgentClientError| TenantServiceError::AgentUnavailable(e.to_string());
-    let mut agent = connect(&vm, Duration::from_secs(5)).map_err(unavailable)?;
+    let mut agent = connect(svc, &vm, Duration::from_secs(5)).map_err(unavailable)?;
     let answer = agent
         .infer(
             HttpRequest {
@@ -465,24 +458,9 @@ mod tests {
     }
 
     #[test]
-    fn tenantvm_vmm_refuses_a_linux_guest_image_and_names_the_qemu_backends() {
-        let (_tmp, cfg) = image_dir(true);
-        let err = check_create(&cfg, BackendKind::TenantvmVmm, &spec("a", 1))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("--backend qemu-tcg"), "{err}");
-        assert!(err.contains("qemu-kvm"), "{err}");
-    }
-
-    #[test]
     fn a_guest_image_tenant_without_a_disk_is_refused() {
         let (_tmp, cfg) = image_dir(true);
-        let qemu = BackendKind::Qemu {
-            accel: crate::backend::QemuAccel::Tcg,
-        };
-        let err = check_create(&cfg, qemu, &spec("a", 0))
-            .unwrap_err()
-            .to_string();
+        let err = check_create(&cfg, &spec("a", 0)).unwrap_err().to_string();
         assert!(err.contains("disk_gib = 1"), "{err}");
     }
 
@@ -490,48 +468,11 @@ mod tests {
     fn a_tampered_image_set_is_refused_before_anything_runs() {
         // A manifest that lists nothing: the boot files are not vouched for.
         let (_tmp, cfg) = image_dir(true);
-        let qemu = BackendKind::Qemu {
-            accel: crate::backend::QemuAccel::Tcg,
-        };
-        let err = check_create(&cfg, qemu, &spec("a", 1))
-            .unwrap_err()
-            .to_string();
+        let err = check_create(&cfg, &spec("a", 1)).unwrap_err().to_string();
         assert!(
             err.contains("rebuild it with guest-image/build.sh"),
             "{err}"
         );
-    }
-
-    #[test]
-    fn a_channel_served_by_another_uid_is_refused() {
-        let tmp = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(tmp.path().join("run")).unwrap();
-        let sock = tmp.path().join("run").join(AGENT_SOCK);
-        let _listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
-        let me = nix::unistd::getuid().as_raw();
-        let vm = RunningVm {
-            backend: BackendKind::Qemu {
-                accel: crate::backend::QemuAccel::Tcg,
-            },
-            tenant: "a".into(),
-            pid: 1,
-            start_time_ticks: 0,
-            api_sock: tmp.path().join("run/qmp.sock"),
-            tenant_dir: tmp.path().to_path_buf(),
-            cgroup: crate::jail::CgroupHandle::V1 {
-                memory: "/nonexistent".into(),
-                cpu: "/nonexistent".into(),
-                pids: "/nonexistent".into(),
-            },
-            uid: me.wrapping_add(1),
-        };
-        let err = connect(&vm, Duration::from_secs(1))
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(err.contains("refusing to talk to it"), "{err}");
-        let ok = RunningVm { uid: me, ..vm };
-        assert!(connect(&ok, Duration::from_secs(1)).is_ok());
     }
 
     #[test]

@@ -40,9 +40,6 @@ pub enum TenantServiceError {
     /// The state machine refused the command.
     #[error(transparent)]
     Lifecycle(#[from] LifecycleError),
-    /// The spec asks for something this daemon cannot provide yet.
-    #[error("Not supported yet: {0}")]
-    Unsupported(&'static str),
     /// The guest image cannot be found.
     #[error("Guest image: {0}")]
     Image(String),
@@ -375,14 +372,9 @@ impl TenantService {
 
     fn create(&self, spec: TenantSpec) -> Result<CreateResponse, TenantServiceError> {
         spec.validate()?;
-        if spec.disk_gib > 0 && !self.backend.supports_disks() {
-            return Err(TenantServiceError::Unsupported(
-                "this VM backend cannot attach disks: create the tenant with disk_gib = 0, or run tenantvmd with a backend that can (tenantvm-vmm, qemu-kvm, qemu-tcg)",
-            ));
-        }
         // Fail fast on what can be checked before anything is recorded.
         steps::resolve_image(&self.config, &spec)?;
-        crate::tenant::agent_steps::check_create(&self.config, self.backend.kind(), &spec)?;
+        crate::tenant::agent_steps::check_create(&self.config, &spec)?;
         if spec.gpu.wants_gpu() {
             self.gpu.candidates(&spec.gpu)?;
         }

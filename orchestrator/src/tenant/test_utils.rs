@@ -7,6 +7,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tenantvm_agent_protocol::AgentEndpoint;
+
 use crate::backend::{
     BackendError, BackendKind, ExitReason, JailConfig, RunningVm, VmBackend, VmSpec, VmState,
 };
@@ -30,8 +32,6 @@ pub struct FakeHostState {
     pub fail_launch: bool,
     /// Limits each launch asked for.
     pub launched_with: Vec<JailConfig>,
-    /// The fake backend cannot attach disks, so the refusal path stays tested.
-    pub no_disks: bool,
 }
 
 /// A fake host shared by [`FakeBackend`] and the fake jail cleaner.
@@ -51,10 +51,6 @@ pub struct FakeBackend(pub FakeHost);
 impl VmBackend for FakeBackend {
     fn kind(&self) -> BackendKind {
         BackendKind::TenantvmVmm
-    }
-
-    fn supports_disks(&self) -> bool {
-        !self.0.state().no_disks
     }
 
     fn launch(&self, spec: &VmSpec, jail: &JailConfig) -> Result<RunningVm, BackendError> {
@@ -99,6 +95,11 @@ impl VmBackend for FakeBackend {
     fn kill(&self, vm: &RunningVm) -> Result<(), BackendError> {
         self.0.state().processes.remove(&vm.pid);
         Ok(())
+    }
+
+    /// The fake host runs no guest: nothing listens there.
+    fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint {
+        AgentEndpoint::Serial(vm.tenant_dir.join("run/fake-agent.sock"))
     }
 }
 
