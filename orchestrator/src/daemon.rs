@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
 use tokio::net::UnixListener;
+use tracing_subscriber::fmt::MakeWriter;
 
 use crate::backend::{
     runner::sibling_binary, QemuAccel, QemuBackend, RuntimeConfig, VmBackend, VmmBackend,
@@ -20,6 +21,36 @@ use crate::tenant::fault::{FaultHook, CRASH_ENV};
 use crate::tenant::host::{GpuPlanner, NoGpus};
 use crate::tenant::lifecycle::LifecycleState;
 use crate::tenant::service::{ServiceConfig, TenantService};
+use crate::untrusted::LineSafeWriter;
+
+/// The daemon's own log (stderr): one record per line whatever a record quotes. Guest text
+/// reaches log fields (agent versions, guest errors); every record goes through
+/// [`LineSafeWriter`], so a newline or escape sequence in a field is written escaped and can
+/// neither forge a line nor drive a terminal. No ANSI colours (they would be escaped too).
+pub fn log_subscriber<M>(make_writer: M) -> impl tracing::Subscriber + Send + Sync
+where
+    M: for<'a> MakeWriter<'a> + Send + Sync + 'static,
+{
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TENANTVMD_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_ansi(false)
+        .with_writer(LineSafe(make_writer))
+        .finish()
+}
+
+/// A [`MakeWriter`] whose writers keep each record on one line ([`LineSafeWriter`]).
+struct LineSafe<M>(M);
+
+impl<'a, M: MakeWriter<'a>> MakeWriter<'a> for LineSafe<M> {
+    type Writer = LineSafeWriter<M::Writer>;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        LineSafeWriter::new(self.0.make_writer())
+    }
+}
 
 /// Which backend runs the VMs.
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -176,6 +207,14 @@ async fn bind(socket: &Path) -> anyhow::Result<UnixListener> {
     Ok(listener)
 }
 
+/// A line on standard output for whoever started the daemon; a closed stdout (`| head`)
+/// must not stop the daemon, so write errors are ignored.
+fn announce(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout();
+    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+}
+
 /// Runs the daemon until a signal stops it.
 pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
     // Unwrapped disk keys pass through this process (create-disk, crypto-shred): no core
@@ -198,10 +237,10 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
         Store::open(&args.state_dir.join("state.db")).context("Cannot open the state store")?,
     );
     if let Some(path) = crate::auth::ensure_admin_token(&store, &args.state_dir)? {
-        println!(
+        announce(&format!(
             "tenantvmd: admin token written to {} (mode 0600)",
             path.display()
-        );
+        ));
     }
     let backend = make_backend(&args)?;
     let cgroups = RuntimeConfig::detect()?.cgroups;
@@ -238,7 +277,7 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
     tracing::info!(?report, "reconciled");
 
     let listener = bind(&args.socket).await?;
-    println!("tenantvmd: serving on {}", args.socket.display());
+    announce(&format!("tenantvmd: serving on {}", args.socket.display()));
     let housekeeper = tokio::spawn(housekeeping(svc.clone()));
     let app = crate::api::router(svc.clone());
     axum::serve(listener, app)
@@ -249,7 +288,7 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
     let wsvc = svc.clone();
     tokio::task::spawn_blocking(move || wsvc.wait_idle()).await?;
     let _ = std::fs::remove_file(&args.socket);
-    println!("tenantvmd: stopped (VMs keep running and are adopted at the next start)");
+    announce("tenantvmd: stopped (VMs keep running and are adopted at the next start)");
     Ok(())
 }
 
@@ -300,5 +339,49 @@ async fn housekeeping(svc: TenantService) {
             }
         })
         .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    /// A log sink the test can read back.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn guest_text_in_a_log_field_cannot_forge_a_daemon_log_line() {
+        let sink = Captured::default();
+        let writer = sink.clone();
+        let subscriber = log_subscriber(move || writer.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            let agent_version = "1.0\n2026-01-01T00:00:00Z  INFO crypto-shred ok verified\x1b[2K";
+            tracing::info!(tenant = "mallory", agent = %agent_version, "guest agent ready");
+            tracing::warn!(error = %"payload said:\r\nFORGED", "the guest agent did not shut down cleanly");
+        });
+        let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        assert!(lines[0].contains("guest agent ready"), "{text}");
+        assert!(!text.contains('\x1b') && !text.contains('\r'), "{text:?}");
+        assert!(
+            !lines
+                .iter()
+                .any(|l| l.contains("INFO crypto-shred") && !l.contains("agent=")),
+            "{text}"
+        );
     }
 }

@@ -13,13 +13,12 @@ fn main() -> ExitCode {
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 2);
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TENANTVMD_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    if let Err(e) =
+        tracing::subscriber::set_global_default(tenantvm::daemon::log_subscriber(std::io::stderr))
+    {
+        eprintln!("tenantvmd: cannot set up logging: {e}");
+        return ExitCode::FAILURE;
+    }
     let args = tenantvm::daemon::DaemonArgs::parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
