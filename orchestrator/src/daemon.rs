@@ -119,9 +119,10 @@ pub struct DaemonArgs {
     /// `test` (the minimum; tests and demos only).
     #[arg(long, env = "TENANTVMD_KEYSLOT_COST", value_enum, default_value_t = KeyslotCostArg::Production)]
     pub keyslot_cost: KeyslotCostArg,
-    /// Leave tenant cgroups this daemon never recorded alone (for hosts, like test machines,
-    /// where several daemons share one cgroup tree).
-    #[arg(long)]
+    /// No longer needed, accepted and ignored: each daemon keeps its tenants' cgroups in a
+    /// subtree of its own (`tenantvm/<hash of the state dir>/`), so its sweep of unknown
+    /// cgroups never reaches another daemon's.
+    #[arg(long, hide = true)]
     pub keep_unknown_cgroups: bool,
 }
 
@@ -155,8 +156,19 @@ fn make_state_dir(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The VM runtime, its cgroups scoped to this daemon's subtree
+/// (`tenantvm/<hash of the state dir>/`, see [`crate::jail::cgroup::daemon_subtree`]).
+fn runtime_config(state_dir: &Path) -> anyhow::Result<RuntimeConfig> {
+    let mut config = RuntimeConfig::detect().context("Cannot set up the VM runtime")?;
+    config.cgroups = config
+        .cgroups
+        .for_state_dir(state_dir)
+        .context("Cannot name this daemon's cgroup subtree")?;
+    Ok(config)
+}
+
 fn make_backend(args: &DaemonArgs) -> anyhow::Result<Arc<dyn VmBackend>> {
-    let config = RuntimeConfig::detect().context("Cannot set up the VM runtime")?;
+    let config = runtime_config(&args.state_dir)?;
     Ok(match args.backend {
         BackendArg::Vmm => {
             let bin = match &args.vmm_binary {
@@ -243,7 +255,8 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
         ));
     }
     let backend = make_backend(&args)?;
-    let cgroups = RuntimeConfig::detect()?.cgroups;
+    let cgroups = runtime_config(&args.state_dir)?.cgroups;
+    tracing::info!(subtree = %cgroups.subtree().display(), "tenant cgroups");
     let mut cfg = ServiceConfig::new(args.state_dir.clone());
     cfg.image_dir = args.image_dir.clone();
     cfg.uid_first = args.uid_range.0;
@@ -269,8 +282,13 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
     svc.departure_kit()
         .context("Cannot set up disk keys and receipts")?;
 
+    if args.keep_unknown_cgroups {
+        tracing::warn!(
+            "--keep-unknown-cgroups is ignored: this daemon's cgroup subtree is its own, so the sweep of unknown cgroups never reaches another daemon's"
+        );
+    }
     let opts = ReconcileOptions {
-        sweep_unknown_cgroups: !args.keep_unknown_cgroups,
+        sweep_unknown_cgroups: true,
     };
     let rsvc = svc.clone();
     let report = tokio::task::spawn_blocking(move || reconcile(&rsvc, &opts)).await??;

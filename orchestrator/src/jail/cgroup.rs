@@ -1,7 +1,11 @@
-//! A cgroup per tenant under a `tenantvm` parent, on cgroup v2 or v1 (detected at run time).
+//! A cgroup per tenant, on cgroup v2 or v1 (detected at run time), in a subtree of its
+//! own per daemon: `tenantvm/<daemon id>/<tenant>`, where the daemon id is the first 12 hex
+//! digits of the SHA-256 of the daemon's canonical state directory ([`daemon_subtree`]).
+//! Two daemons on one host (or a test run beside a daemon) never share a tenant's cgroup,
+//! and each lists and removes only its own.
 //!
-//! v2: `<root>/tenantvm/<tenant>/{memory.max, memory.swap.max, cpu.max, pids.max}`.
-//! v1: `<root>/{memory,cpu,pids}/tenantvm/<tenant>/` with `memory.limit_in_bytes` (and
+//! v2: `<root>/tenantvm/<id>/<tenant>/{memory.max, memory.swap.max, cpu.max, pids.max}`.
+//! v1: `<root>/{memory,cpu,pids}/tenantvm/<id>/<tenant>/` with `memory.limit_in_bytes` (and
 //! `memory.memsw.limit_in_bytes` where swap is accounted), `cpu.cfs_period_us` +
 //! `cpu.cfs_quota_us`, and `pids.max`.
 
@@ -17,8 +21,10 @@ use crate::backend::ResourceLimits;
 
 /// The default cgroup filesystem root.
 pub const DEFAULT_CGROUP_ROOT: &str = "/sys/fs/cgroup";
-/// The parent cgroup every tenant cgroup lives under.
+/// The parent cgroup every daemon's subtree lives under.
 pub const PARENT: &str = "tenantvm";
+/// Hex digits of the state directory's hash that name a daemon's subtree.
+const DAEMON_ID_HEX: usize = 12;
 /// How long cleanup waits for a cgroup to empty after SIGKILL before giving up.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -62,10 +68,25 @@ pub enum CgroupHandle {
     },
 }
 
-/// The host's cgroup hierarchy, as used for tenants.
+/// The host's cgroup hierarchy, as used for one daemon's tenants.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cgroups {
     layout: CgroupLayout,
+    /// Where tenant cgroups go, relative to each hierarchy's root: `tenantvm/<daemon id>`
+    /// for a daemon ([`Cgroups::for_state_dir`]), `tenantvm` for tools without one.
+    subtree: PathBuf,
+}
+
+/// The subtree of the daemon whose state directory is `state_dir` (which must exist):
+/// `tenantvm/<first 12 hex digits of SHA-256 of its canonical path>`.
+pub fn daemon_subtree(state_dir: &Path) -> Result<PathBuf, JailError> {
+    use sha2::{Digest, Sha256};
+    let canonical = state_dir.canonicalize().map_err(|source| JailError::Io {
+        path: state_dir.to_path_buf(),
+        source,
+    })?;
+    let digest = hex::encode(Sha256::digest(canonical.as_os_str().as_encoded_bytes()));
+    Ok(Path::new(PARENT).join(&digest[..DAEMON_ID_HEX]))
 }
 
 impl Cgroups {
@@ -93,6 +114,7 @@ impl Cgroups {
                 layout: CgroupLayout::V2 {
                     root: root.to_path_buf(),
                 },
+                subtree: PathBuf::from(PARENT),
             });
         }
         let memory = root.join("memory");
@@ -114,12 +136,32 @@ impl Cgroups {
         }
         Ok(Self {
             layout: CgroupLayout::V1 { memory, cpu, pids },
+            subtree: PathBuf::from(PARENT),
         })
     }
 
-    /// Uses `layout` as given (no detection).
+    /// Uses `layout` as given (no detection), with tenant cgroups directly under `tenantvm`.
     pub fn with_layout(layout: CgroupLayout) -> Self {
-        Self { layout }
+        Self {
+            layout,
+            subtree: PathBuf::from(PARENT),
+        }
+    }
+
+    /// The same hierarchy, scoped to the daemon whose state directory is `state_dir`: its
+    /// tenants' cgroups live in [`daemon_subtree`], and [`Cgroups::list_tenants`] sees only
+    /// those. Every daemon uses this; the unscoped `tenantvm/<tenant>` is for tools and tests
+    /// that run VMs without a daemon.
+    pub fn for_state_dir(self, state_dir: &Path) -> Result<Self, JailError> {
+        Ok(Self {
+            subtree: daemon_subtree(state_dir)?,
+            ..self
+        })
+    }
+
+    /// Where this daemon's tenant cgroups live, relative to each hierarchy's root.
+    pub fn subtree(&self) -> &Path {
+        &self.subtree
     }
 
     /// The layout in use.
@@ -130,14 +172,15 @@ impl Cgroups {
     /// The handle a tenant's cgroup has (whether or not it exists).
     pub fn handle(&self, tenant: &str) -> Result<CgroupHandle, JailError> {
         validate_tenant_name(tenant)?;
+        let sub = &self.subtree;
         Ok(match &self.layout {
             CgroupLayout::V1 { memory, cpu, pids } => CgroupHandle::V1 {
-                memory: memory.join(PARENT).join(tenant),
-                cpu: cpu.join(PARENT).join(tenant),
-                pids: pids.join(PARENT).join(tenant),
+                memory: memory.join(sub).join(tenant),
+                cpu: cpu.join(sub).join(tenant),
+                pids: pids.join(sub).join(tenant),
             },
             CgroupLayout::V2 { root } => CgroupHandle::V2 {
-                path: root.join(PARENT).join(tenant),
+                path: root.join(sub).join(tenant),
             },
         })
     }
@@ -148,13 +191,23 @@ impl Cgroups {
         let handle = self.handle(tenant)?;
         match &self.layout {
             CgroupLayout::V2 { root } => {
-                enable_v2_controllers(root)?;
-                mkdir(&root.join(PARENT))?;
-                enable_v2_controllers(&root.join(PARENT))?;
+                // Controllers are enabled down the path: v2 hands a controller to a child
+                // only when its parent's subtree_control lists it.
+                let mut dir = root.clone();
+                enable_v2_controllers(&dir)?;
+                for part in self.subtree.components() {
+                    dir.push(part);
+                    mkdir(&dir)?;
+                    enable_v2_controllers(&dir)?;
+                }
             }
             CgroupLayout::V1 { memory, cpu, pids } => {
                 for dir in [memory, cpu, pids] {
-                    mkdir(&dir.join(PARENT))?;
+                    let mut dir = dir.clone();
+                    for part in self.subtree.components() {
+                        dir.push(part);
+                        mkdir(&dir)?;
+                    }
                 }
             }
         }
@@ -165,13 +218,15 @@ impl Cgroups {
         Ok(handle)
     }
 
-    /// Names of the tenants that have a cgroup (in any hierarchy), sorted: for reconcile.
+    /// Names of the tenants that have a cgroup in this daemon's subtree (in any hierarchy),
+    /// sorted: for reconcile. Other daemons' subtrees are never listed.
     pub fn list_tenants(&self) -> Result<Vec<String>, JailError> {
+        let sub = &self.subtree;
         let parents: Vec<PathBuf> = match &self.layout {
             CgroupLayout::V1 { memory, cpu, pids } => {
-                [memory, cpu, pids].iter().map(|d| d.join(PARENT)).collect()
+                [memory, cpu, pids].iter().map(|d| d.join(sub)).collect()
             }
-            CgroupLayout::V2 { root } => vec![root.join(PARENT)],
+            CgroupLayout::V2 { root } => vec![root.join(sub)],
         };
         let mut names = Vec::new();
         for parent in parents {
@@ -516,6 +571,15 @@ mod tests {
         dir
     }
 
+    /// In a fake v2 tree, what the kernel gives a daemon's new subtree: its control file.
+    fn fake_daemon_subtree(root: &Path, cgroups: &Cgroups) {
+        if matches!(cgroups.layout(), CgroupLayout::V2 { .. }) {
+            let dir = root.join(cgroups.subtree());
+            fs::create_dir_all(&dir).unwrap();
+            fs::write(dir.join("cgroup.subtree_control"), "\n").unwrap();
+        }
+    }
+
     /// A fake cgroup v1 layout in a tempdir: one directory per controller.
     fn fake_v1_tree() -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
@@ -686,6 +750,53 @@ mod tests {
         fs::create_dir(tree.path().join("pids/tenantvm/Not_A_Tenant")).unwrap();
         fs::write(tree.path().join("memory/tenantvm/file"), "").unwrap();
         assert_eq!(cgroups.list_tenants().unwrap(), vec!["a", "b", "c"]);
+    }
+
+    #[test]
+    fn two_daemons_never_share_or_touch_each_others_tenant_cgroups() {
+        for tree in [fake_v1_tree(), fake_v2_tree()] {
+            let states = tempfile::tempdir().unwrap();
+            let (sa, sb) = (states.path().join("a"), states.path().join("b"));
+            fs::create_dir_all(&sa).unwrap();
+            fs::create_dir_all(&sb).unwrap();
+            let host = Cgroups::detect_at(tree.path()).unwrap();
+            let a = host.clone().for_state_dir(&sa).unwrap();
+            let b = host.for_state_dir(&sb).unwrap();
+            fake_daemon_subtree(tree.path(), &a);
+            fake_daemon_subtree(tree.path(), &b);
+            let ha = a.create("alice", &LIMITS).unwrap();
+            let hb = b.create("alice", &LIMITS).unwrap();
+            assert_ne!(ha, hb, "both daemons' alice share a cgroup");
+            for (dir, own) in ha
+                .dirs()
+                .into_iter()
+                .map(|d| (d, &a))
+                .chain(hb.dirs().into_iter().map(|d| (d, &b)))
+            {
+                assert!(dir.ends_with(own.subtree().join("alice")), "{dir:?}");
+            }
+            // The kernel's control files vanish with their directory; the fake's are files.
+            for dir in ha.dirs() {
+                for f in fs::read_dir(dir).unwrap() {
+                    fs::remove_file(f.unwrap().path()).unwrap();
+                }
+            }
+            a.handle("alice").unwrap().destroy(|_| {}).unwrap();
+            for dir in ha.dirs() {
+                assert!(!dir.exists(), "{dir:?}");
+            }
+            for dir in hb.dirs() {
+                assert!(dir.is_dir(), "b's alice lost {dir:?}");
+            }
+            assert_eq!(a.list_tenants().unwrap(), Vec::<String>::new());
+            assert_eq!(b.list_tenants().unwrap(), vec!["alice"]);
+            // The same state directory, however it is spelled, is the same daemon.
+            let again = Cgroups::detect_at(tree.path())
+                .unwrap()
+                .for_state_dir(&sb.join("../b"))
+                .unwrap();
+            assert_eq!(again.handle("alice").unwrap(), hb);
+        }
     }
 
     #[test]
