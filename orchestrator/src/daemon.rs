@@ -19,7 +19,6 @@ use crate::reconcile::{reconcile, ReconcileOptions};
 use crate::store::Store;
 use crate::tenant::fault::{FaultHook, CRASH_ENV};
 use crate::tenant::host::{GpuPlanner, NoGpus};
-use crate::tenant::lifecycle::LifecycleState;
 use crate::tenant::service::{ServiceConfig, TenantService};
 use crate::untrusted::LineSafeWriter;
 
@@ -124,6 +123,29 @@ pub struct DaemonArgs {
     /// cgroups never reaches another daemon's.
     #[arg(long, hide = true)]
     pub keep_unknown_cgroups: bool,
+    /// Memory (MiB) kept for the host itself: tenants may reserve the rest of MemTotal,
+    /// each its guest memory plus the VMM's overhead.
+    #[arg(long, default_value_t = crate::tenant::admission::DEFAULT_HOST_RESERVED_MIB)]
+    pub host_reserved_memory_mib: u64,
+    /// Let tenants reserve up to RATIO times the memory left for them (1 = no overcommit,
+    /// the default: a create the host cannot hold is refused).
+    #[arg(long, value_name = "RATIO", default_value_t = 1.0, value_parser = parse_overcommit)]
+    pub memory_overcommit: f64,
+    /// Let tenants reserve up to RATIO vCPUs per host CPU (1 = no overcommit, the default).
+    #[arg(long, value_name = "RATIO", default_value_t = 1.0, value_parser = parse_overcommit)]
+    pub vcpu_overcommit: f64,
+}
+
+fn parse_overcommit(s: &str) -> Result<f64, String> {
+    let r: f64 = s
+        .parse()
+        .map_err(|_| format!("expected a ratio such as 1.5, got {s:?}"))?;
+    if !(1.0..=100.0).contains(&r) {
+        return Err(format!(
+            "the ratio must be between 1 (no overcommit) and 100, got {r}"
+        ));
+    }
+    Ok(r)
 }
 
 /// `--keyslot-cost`.
@@ -264,6 +286,16 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
     cfg.stop_grace = Duration::from_secs(args.stop_grace_s);
     cfg.boot_timeout = Duration::from_secs(args.boot_timeout_s);
     cfg.agent_timeout = Duration::from_secs(args.agent_timeout_s);
+    cfg.capacity = crate::tenant::admission::HostCapacity::detect(args.host_reserved_memory_mib)
+        .context("Cannot read this host's size from /proc/meminfo")?
+        .with_overcommit(args.memory_overcommit, args.vcpu_overcommit);
+    tracing::info!(
+        memory_mib = cfg.capacity.memory_mib,
+        cpus = cfg.capacity.cpus,
+        memory_overcommit = cfg.capacity.memory_overcommit,
+        vcpu_overcommit = cfg.capacity.vcpu_overcommit,
+        "capacity for tenants"
+    );
     cfg.departure.kek = crate::keys::KekSource::detect(&args.kek_file);
     cfg.departure.keyslot_cost = match args.keyslot_cost {
         KeyslotCostArg::Production => crate::disk::KeyslotCost::PRODUCTION,
@@ -326,37 +358,37 @@ async fn shutdown_signal() {
     }
 }
 
-/// Every 2 s: notices VMs that ended on their own, and keeps running tenants' logs under
-/// their caps.
+/// Every 2 s: [`housekeeping_pass`] off the async threads.
 async fn housekeeping(svc: TenantService) {
     let mut tick = tokio::time::interval(Duration::from_secs(2));
     loop {
         tick.tick().await;
         let s = svc.clone();
-        let _ = tokio::task::spawn_blocking(move || {
-            match s.check_vms() {
-                Ok(marked) if !marked.is_empty() => {
-                    tracing::warn!(?marked, "tenants whose VM ended on its own are now failed")
-                }
-                Ok(_) => {}
-                Err(e) => tracing::error!(error = %e, "VM check failed"),
-            }
-            let root = s.config().state_dir.join("tenants");
-            for t in s.store().list_tenants(false).unwrap_or_default() {
-                if t.state != LifecycleState::Running {
-                    continue;
-                }
-                let logs = crate::logs::TenantLogs::open(
-                    &root,
-                    &t.name,
-                    crate::logs::LogPolicy::default(),
-                );
-                if let Err(e) = logs.and_then(|l| l.enforce_caps()) {
-                    tracing::warn!(tenant = %t.name, error = %e, "log rotation failed");
-                }
-            }
-        })
-        .await;
+        let _ = tokio::task::spawn_blocking(move || housekeeping_pass(&s)).await;
+    }
+}
+
+/// Notices VMs that ended on their own, and keeps every tenant's logs under their caps,
+/// whatever its state: a guest writes its console while it boots (create waits minutes for
+/// an agent), while it stops, and a VMM may outlive its tenant's `running` state.
+pub fn housekeeping_pass(svc: &TenantService) {
+    match svc.check_vms() {
+        Ok(marked) if !marked.is_empty() => {
+            tracing::warn!(?marked, "tenants whose VM ended on its own are now failed")
+        }
+        Ok(_) => {}
+        Err(e) => tracing::error!(error = %e, "VM check failed"),
+    }
+    let root = svc.config().state_dir.join("tenants");
+    for t in svc.store().list_tenants(false).unwrap_or_default() {
+        if !root.join(&t.name).is_dir() {
+            // Nothing provisioned yet, or already removed: no logs to cap.
+            continue;
+        }
+        let logs = crate::logs::TenantLogs::open(&root, &t.name, crate::logs::LogPolicy::default());
+        if let Err(e) = logs.and_then(|l| l.enforce_caps()) {
+            tracing::warn!(tenant = %t.name, error = %e, "log rotation failed");
+        }
     }
 }
 
@@ -365,6 +397,7 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use super::*;
+    use crate::tenant::lifecycle::LifecycleState;
 
     /// A log sink the test can read back.
     #[derive(Clone, Default)]
@@ -377,6 +410,69 @@ mod tests {
         }
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
+        }
+    }
+
+    #[test]
+    fn logs_are_capped_in_every_tenant_state_not_only_running() {
+        use crate::auth::Caller;
+        use crate::logs::{LogKind, LogPolicy, TenantLogs, DEFAULT_MAX_BYTES};
+        use crate::tenant::fault::FaultHook;
+        use crate::tenant::service::TenantCommand;
+        use crate::tenant::spec::TenantSpec;
+        use crate::tenant::test_utils::Harness;
+        let h = Harness::new(FaultHook::default());
+        for name in ["booting", "stopped"] {
+            let spec =
+                TenantSpec::from_toml(&format!("name = \"{name}\"\n[image]\nname = \"hello\"\n"))
+                    .unwrap();
+            h.svc
+                .execute(&Caller::Admin, TenantCommand::Create(spec))
+                .unwrap();
+        }
+        h.svc.wait_idle();
+        h.svc
+            .execute(&Caller::Admin, TenantCommand::Stop("stopped".into()))
+            .unwrap();
+        h.svc.wait_idle();
+        // A guest still booting (its create waits for the agent for minutes) or a VMM that
+        // outlived a stop keeps writing its console.
+        let booting = h.svc.store().tenant("booting").unwrap().unwrap();
+        h.svc
+            .store()
+            .transition(booting.id, LifecycleState::Stopping, Some("stop"), None)
+            .unwrap();
+        h.svc
+            .store()
+            .transition(booting.id, LifecycleState::Stopped, None, None)
+            .unwrap();
+        h.svc
+            .store()
+            .transition(
+                booting.id,
+                LifecycleState::Provisioning,
+                Some("start"),
+                None,
+            )
+            .unwrap();
+        let root = h.svc.config().state_dir.join("tenants");
+        for name in ["booting", "stopped"] {
+            let logs = TenantLogs::open(&root, name, LogPolicy::default()).unwrap();
+            let mut serial = logs.open_append(LogKind::Serial).unwrap();
+            use std::io::Write;
+            serial
+                .write_all(&vec![b'x'; DEFAULT_MAX_BYTES as usize + 4096])
+                .unwrap();
+        }
+        housekeeping_pass(&h.svc);
+        for name in ["booting", "stopped"] {
+            let size = std::fs::metadata(root.join(name).join("serial.log"))
+                .unwrap()
+                .len();
+            assert!(
+                size < DEFAULT_MAX_BYTES,
+                "{name}'s serial.log is {size} bytes, over its cap"
+            );
         }
     }
 

@@ -92,6 +92,10 @@ impl From<TenantServiceError> for ApiError {
             return error;
         }
         let (status, code) = match &e {
+            E::Spec(
+                crate::tenant::spec::TenantSpecError::OutsideImageDir { .. }
+                | crate::tenant::spec::TenantSpecError::NoImageDir,
+            ) => (StatusCode::BAD_REQUEST, "invalid_image"),
             E::Spec(_) => (StatusCode::BAD_REQUEST, "invalid_spec"),
             E::Image(_) => (StatusCode::BAD_REQUEST, "invalid_image"),
             E::Unsupported(_) => (StatusCode::BAD_REQUEST, "unsupported"),
@@ -106,6 +110,7 @@ impl From<TenantServiceError> for ApiError {
                 (StatusCode::CONFLICT, "invalid_state")
             }
             E::Busy(_) => (StatusCode::CONFLICT, "busy"),
+            E::Capacity(_) => (StatusCode::CONFLICT, "insufficient_capacity"),
             E::NotServing(_) => (StatusCode::CONFLICT, "invalid_state"),
             E::AgentUnavailable(_) => (StatusCode::BAD_GATEWAY, "guest_unavailable"),
             E::Rescrub(crate::tenant::departure::RescrubError::NotQuarantined(_)) => {

@@ -40,6 +40,10 @@ pub enum CgroupLayout {
         cpu: PathBuf,
         /// The pids controller's mount.
         pids: PathBuf,
+        /// The blkio controller's mount, where there is one (block I/O limits,
+        /// [`crate::jail::blkio`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        blkio: Option<PathBuf>,
     },
     /// cgroup v2: the unified hierarchy.
     V2 {
@@ -60,6 +64,9 @@ pub enum CgroupHandle {
         cpu: PathBuf,
         /// Directory in the pids hierarchy.
         pids: PathBuf,
+        /// Directory in the blkio hierarchy, where the host mounts one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        blkio: Option<PathBuf>,
     },
     /// cgroup v2: one directory.
     V2 {
@@ -134,8 +141,16 @@ impl Cgroups {
                 )));
             }
         }
+        let blkio = root.join("blkio");
+        let blkio = (super::blkio::is_blkio_hierarchy(&blkio) || is_cgroup_v1_mount(&blkio))
+            .then_some(blkio);
         Ok(Self {
-            layout: CgroupLayout::V1 { memory, cpu, pids },
+            layout: CgroupLayout::V1 {
+                memory,
+                cpu,
+                pids,
+                blkio,
+            },
             subtree: PathBuf::from(PARENT),
         })
     }
@@ -174,10 +189,16 @@ impl Cgroups {
         validate_tenant_name(tenant)?;
         let sub = &self.subtree;
         Ok(match &self.layout {
-            CgroupLayout::V1 { memory, cpu, pids } => CgroupHandle::V1 {
+            CgroupLayout::V1 {
+                memory,
+                cpu,
+                pids,
+                blkio,
+            } => CgroupHandle::V1 {
                 memory: memory.join(sub).join(tenant),
                 cpu: cpu.join(sub).join(tenant),
                 pids: pids.join(sub).join(tenant),
+                blkio: blkio.as_ref().map(|b| b.join(sub).join(tenant)),
             },
             CgroupLayout::V2 { root } => CgroupHandle::V2 {
                 path: root.join(sub).join(tenant),
@@ -201,8 +222,16 @@ impl Cgroups {
                     enable_v2_controllers(&dir)?;
                 }
             }
-            CgroupLayout::V1 { memory, cpu, pids } => {
-                for dir in [memory, cpu, pids] {
+            CgroupLayout::V1 {
+                memory,
+                cpu,
+                pids,
+                blkio,
+            } => {
+                for dir in [Some(memory), Some(cpu), Some(pids), blkio.as_ref()]
+                    .into_iter()
+                    .flatten()
+                {
                     let mut dir = dir.clone();
                     for part in self.subtree.components() {
                         dir.push(part);
@@ -223,9 +252,16 @@ impl Cgroups {
     pub fn list_tenants(&self) -> Result<Vec<String>, JailError> {
         let sub = &self.subtree;
         let parents: Vec<PathBuf> = match &self.layout {
-            CgroupLayout::V1 { memory, cpu, pids } => {
-                [memory, cpu, pids].iter().map(|d| d.join(sub)).collect()
-            }
+            CgroupLayout::V1 {
+                memory,
+                cpu,
+                pids,
+                blkio,
+            } => [Some(memory), Some(cpu), Some(pids), blkio.as_ref()]
+                .into_iter()
+                .flatten()
+                .map(|d| d.join(sub))
+                .collect(),
             CgroupLayout::V2 { root } => vec![root.join(sub)],
         };
         let mut names = Vec::new();
@@ -262,10 +298,18 @@ impl Cgroups {
 }
 
 impl CgroupHandle {
-    /// The directories of this cgroup (one for v2, three for v1).
+    /// The directories of this cgroup (one for v2; three or, with blkio, four for v1).
     pub fn dirs(&self) -> Vec<&PathBuf> {
         match self {
-            CgroupHandle::V1 { memory, cpu, pids } => vec![memory, cpu, pids],
+            CgroupHandle::V1 {
+                memory,
+                cpu,
+                pids,
+                blkio,
+            } => [Some(memory), Some(cpu), Some(pids), blkio.as_ref()]
+                .into_iter()
+                .flatten()
+                .collect(),
             CgroupHandle::V2 { path } => vec![path],
         }
     }
@@ -286,7 +330,9 @@ impl CgroupHandle {
                 )?;
                 write_file(&path.join("pids.max"), &limits.pids_max.to_string())?;
             }
-            CgroupHandle::V1 { memory, cpu, pids } => {
+            CgroupHandle::V1 {
+                memory, cpu, pids, ..
+            } => {
                 let bytes = limits.memory_bytes.to_string();
                 let limit = memory.join("memory.limit_in_bytes");
                 let memsw = memory.join("memory.memsw.limit_in_bytes");
@@ -337,7 +383,9 @@ impl CgroupHandle {
                     )?,
                 })
             }
-            CgroupHandle::V1 { memory, cpu, pids } => {
+            CgroupHandle::V1 {
+                memory, cpu, pids, ..
+            } => {
                 let read = |p: PathBuf| -> Result<u64, JailError> {
                     let text = read_trimmed(&p)?;
                     parse_limit(&p, &text)
@@ -480,11 +528,15 @@ fn validate_limits(limits: &ResourceLimits) -> Result<(), JailError> {
     Ok(())
 }
 
-fn enable_v2_controllers(dir: &Path) -> Result<(), JailError> {
+/// Enables memory, cpu and pids (and io, where `dir` offers it) for `dir`'s children.
+pub(crate) fn enable_v2_controllers(dir: &Path) -> Result<(), JailError> {
     let file = dir.join("cgroup.subtree_control");
     let current = read_trimmed(&file)?;
+    let offered = fs::read_to_string(dir.join("cgroup.controllers")).unwrap_or_default();
+    let io = offered.split_whitespace().any(|c| c == "io");
     let missing: Vec<String> = ["memory", "cpu", "pids"]
         .iter()
+        .chain(io.then_some(&"io"))
         .filter(|c| !current.split_whitespace().any(|have| have == **c))
         .map(|c| format!("+{c}"))
         .collect();
@@ -516,7 +568,7 @@ fn parse_limit(path: &Path, text: &str) -> Result<u64, JailError> {
     })
 }
 
-fn mkdir(dir: &Path) -> Result<(), JailError> {
+pub(crate) fn mkdir(dir: &Path) -> Result<(), JailError> {
     match fs::create_dir(dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(()),
@@ -527,7 +579,7 @@ fn mkdir(dir: &Path) -> Result<(), JailError> {
     }
 }
 
-fn write_file(path: &Path, value: &str) -> Result<(), JailError> {
+pub(crate) fn write_file(path: &Path, value: &str) -> Result<(), JailError> {
     fs::write(path, value).map_err(|source| JailError::CgroupWrite {
         path: path.to_path_buf(),
         value: value.to_string(),
@@ -637,7 +689,8 @@ mod tests {
         assert_eq!(handle, CgroupHandle::V2 { path: dir.clone() });
         assert_eq!(
             fs::read_to_string(tree.path().join("cgroup.subtree_control")).unwrap(),
-            "+memory +cpu +pids"
+            // The fake host offers io too: enabled for block I/O limits.
+            "+memory +cpu +pids +io"
         );
         assert_eq!(
             fs::read_to_string(dir.join("memory.max")).unwrap(),

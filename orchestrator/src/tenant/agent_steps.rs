@@ -539,6 +539,7 @@ mod tests {
                 memory: "/nonexistent".into(),
                 cpu: "/nonexistent".into(),
                 pids: "/nonexistent".into(),
+                blkio: None,
             },
             uid: me.wrapping_add(1),
         };

@@ -145,6 +145,9 @@ impl TestDaemon {
             .arg(vmm_binary())
             .arg("--uid-range")
             .arg(format!("{}:64", self.uid_first))
+            // Tests run many 1-vCPU tenants on a 2-core machine: an explicit overcommit.
+            .arg("--vcpu-overcommit")
+            .arg("32")
             .args(&self.extra_args)
             .env_remove("TENANTVM_TEST_CRASH_AT")
             // A private host KEK and the cheap test keyslot cost, never /etc/tenantvm.
