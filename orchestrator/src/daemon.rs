@@ -241,6 +241,19 @@ async fn bind(socket: &Path) -> anyhow::Result<UnixListener> {
     Ok(listener)
 }
 
+/// The daemon's async runtime: two worker threads, and a small blocking pool for the
+/// daemon's own housekeeping and start-up work (the API does not use it: see
+/// [`crate::api`]).
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        // API calls run on blocking threads (SQLite, backend calls); a small pool keeps
+        // the daemon's memory flat under many concurrent clients.
+        .max_blocking_threads(16)
+        .enable_all()
+        .build()
+}
+
 /// A line on standard output for whoever started the daemon; a closed stdout (`| head`)
 /// must not stop the daemon, so write errors are ignored.
 fn announce(line: &str) {

@@ -20,14 +20,7 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let args = tenantvm::daemon::DaemonArgs::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        // API calls run on blocking threads (SQLite, backend calls); a small pool keeps
-        // the daemon's memory flat under many concurrent clients.
-        .max_blocking_threads(16)
-        .enable_all()
-        .build()
-    {
+    let rt = match tenantvm::daemon::runtime() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("tenantvmd: cannot start the async runtime: {e}");

@@ -162,6 +162,16 @@ impl Admission {
     }
 }
 
+/// An inference request admitted by its tenant's gate: the tenant, and the permit that
+/// keeps its place among the tenant's requests in flight until dropped.
+#[derive(Debug)]
+pub struct AdmittedInfer {
+    /// The target tenant.
+    pub(crate) tenant: crate::store::TenantRecord,
+    /// Its place in flight.
+    pub(crate) permit: Permit,
+}
+
 /// Why a tenant was refused at create: the host cannot hold it.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CapacityError {

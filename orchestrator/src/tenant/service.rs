@@ -373,6 +373,30 @@ impl TenantService {
         }
     }
 
+    /// Admits an inference request of `caller` to tenant `name` without blocking work (one
+    /// store read and the tenant's admission gate): the API calls this before it starts a
+    /// thread for the request, so a refused request costs nothing.
+    pub fn admit_infer(
+        &self,
+        caller: &Caller,
+        name: &str,
+    ) -> Result<crate::tenant::admission::AdmittedInfer, TenantServiceError> {
+        let tenant = self.visible(caller, name)?;
+        let permit = crate::tenant::agent_steps::admit(self, &tenant)?;
+        Ok(crate::tenant::admission::AdmittedInfer { tenant, permit })
+    }
+
+    /// Forwards an admitted inference request to the tenant's guest and returns its answer
+    /// (blocks until the guest answers or its deadline passes).
+    pub fn infer_admitted(
+        &self,
+        admitted: crate::tenant::admission::AdmittedInfer,
+        body: serde_json::Value,
+    ) -> Result<serde_json::Value, TenantServiceError> {
+        let crate::tenant::admission::AdmittedInfer { tenant, permit } = admitted;
+        crate::tenant::agent_steps::forward(self, &tenant, body, permit)
+    }
+
     /// The live tenant `name` if the caller may see it; otherwise NotFound, whether or not
     /// it exists, so a tenant token cannot probe for other tenants' names.
     fn visible(&self, caller: &Caller, name: &str) -> Result<TenantRecord, TenantServiceError> {
