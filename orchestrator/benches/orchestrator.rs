@@ -291,11 +291,12 @@ fn main() {
     let samples: usize = std::env::var("TENANTVM_BENCH_SAMPLES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(300);
+        .unwrap_or(100);
+    // Many short alternating blocks: both conditions see the same background load.
     let blocks: usize = std::env::var("TENANTVM_BENCH_BLOCKS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(10);
+        .unwrap_or(30);
     let (mut free, mut held) = rt.block_on(isolation(&d, blocks, samples));
     free.sort();
     held.sort();

@@ -383,7 +383,9 @@ async fn housekeeping(svc: TenantService) {
 
 /// Notices VMs that ended on their own, and keeps every tenant's logs under their caps,
 /// whatever its state: a guest writes its console while it boots (create waits minutes for
-/// an agent), while it stops, and a VMM may outlive its tenant's `running` state.
+/// an agent), while it stops, and a VMM may outlive its tenant's `running` state. A
+/// departing tenant is left to its departure, which stops the VM first and then removes
+/// the logs: housekeeping never creates files, and never races that removal.
 pub fn housekeeping_pass(svc: &TenantService) {
     match svc.check_vms() {
         Ok(marked) if !marked.is_empty() => {
@@ -394,12 +396,13 @@ pub fn housekeeping_pass(svc: &TenantService) {
     }
     let root = svc.config().state_dir.join("tenants");
     for t in svc.store().list_tenants(false).unwrap_or_default() {
-        if !root.join(&t.name).is_dir() {
-            // Nothing provisioned yet, or already removed: no logs to cap.
+        if t.state == crate::tenant::lifecycle::LifecycleState::Destroying {
             continue;
         }
-        let logs = crate::logs::TenantLogs::open(&root, &t.name, crate::logs::LogPolicy::default());
-        if let Err(e) = logs.and_then(|l| l.enforce_caps()) {
+        let logs =
+            crate::logs::TenantLogs::existing(&root, &t.name, crate::logs::LogPolicy::default());
+        // No directory: nothing provisioned yet, or already removed; no logs to cap.
+        if let Err(e) = logs.and_then(|l| l.map_or(Ok(()), |l| l.enforce_caps())) {
             tracing::warn!(tenant = %t.name, error = %e, "log rotation failed");
         }
     }
@@ -487,6 +490,47 @@ mod tests {
                 "{name}'s serial.log is {size} bytes, over its cap"
             );
         }
+    }
+
+    #[test]
+    fn housekeeping_never_recreates_what_a_departure_removes() {
+        use crate::auth::Caller;
+        use crate::tenant::fault::FaultHook;
+        use crate::tenant::service::TenantCommand;
+        use crate::tenant::spec::TenantSpec;
+        use crate::tenant::test_utils::Harness;
+        let h = Harness::new(FaultHook::default());
+        let spec =
+            TenantSpec::from_toml("name = \"leaving\"\n[image]\nname = \"hello\"\n").unwrap();
+        h.svc
+            .execute(&Caller::Admin, TenantCommand::Create(spec))
+            .unwrap();
+        h.svc.wait_idle();
+        let t = h.svc.store().tenant("leaving").unwrap().unwrap();
+        h.svc
+            .store()
+            .transition(t.id, LifecycleState::Destroying, Some("destroy"), None)
+            .unwrap();
+        let dir = h.svc.config().tenant_dir("leaving");
+        // remove-files has emptied the directory: housekeeping must not refill it.
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                std::fs::remove_dir_all(&path).unwrap();
+            } else {
+                std::fs::remove_file(&path).unwrap();
+            }
+        }
+        housekeeping_pass(&h.svc);
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+        // Nor is a tenant's directory created by housekeeping.
+        std::fs::remove_dir(&dir).unwrap();
+        h.svc
+            .store()
+            .transition(t.id, LifecycleState::Failed, None, Some("x"))
+            .unwrap();
+        housekeeping_pass(&h.svc);
+        assert!(!dir.exists());
     }
 
     #[test]

@@ -19,6 +19,9 @@ use std::io::{self, Write};
 
 /// The most bytes of one field of guest text that any sink keeps (marker included).
 pub const MAX_FIELD_BYTES: usize = 4096;
+/// The most bytes of one record of a line-oriented log ([`LineSafeWriter`]), marker
+/// included, before its newline: room for a few fields of guest text.
+pub const MAX_RECORD_BYTES: usize = 4 * MAX_FIELD_BYTES;
 
 /// One line of text a tenant controls, bounded to a byte limit and with every control
 /// character (C0, DEL, C1, bidirectional overrides, line separators) written as a visible
@@ -171,9 +174,9 @@ pub fn multi_line(text: &str) -> String {
 
 /// A writer for line-oriented logs (the daemon's stderr log) whose records may carry guest
 /// text: each `write` is taken as a whole record (the log formatter writes one per event),
-/// and everything in it but its final newline is escaped as in [`GuestLine`], so a record
-/// is always exactly one line. Records are not length-bounded here: the values that go into
-/// them are.
+/// and everything in it but its final newline is escaped and bounded to
+/// [`MAX_RECORD_BYTES`] as in [`GuestLine`], so a record is always exactly one line of
+/// bounded length, whatever a field quoted.
 #[derive(Debug)]
 pub struct LineSafeWriter<W: Write> {
     inner: W,
@@ -193,10 +196,7 @@ impl<W: Write> Write for LineSafeWriter<W> {
             Some(body) => (body, true),
             None => (&*text, false),
         };
-        let mut out = String::with_capacity(body.len() + 1);
-        for c in body.chars() {
-            push_escaped(&mut out, c);
-        }
+        let mut out = GuestLine::bounded(body, MAX_RECORD_BYTES).into_string();
         if newline {
             out.push('\n');
         }
@@ -288,5 +288,17 @@ mod tests {
             text,
             "INFO tenant=a agent=1.0\\ncrypto-shred ok verified\\x1b[2K\nINFO next\n"
         );
+    }
+
+    #[test]
+    fn line_safe_writer_bounds_each_record() {
+        let mut out = Vec::new();
+        let mut w = LineSafeWriter::new(&mut out);
+        let record = format!("WARN error={}\n", "E".repeat(4 << 20));
+        w.write_all(record.as_bytes()).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(text.lines().count(), 1);
+        assert!(text.len() <= MAX_RECORD_BYTES + 1, "{}", text.len());
+        assert!(text.starts_with("WARN error=EEE") && text.ends_with("bytes in all]\n"));
     }
 }

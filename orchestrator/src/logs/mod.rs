@@ -156,6 +156,23 @@ impl TenantLogs {
         Ok(logs)
     }
 
+    /// The logs of `tenant` if its directory exists, creating nothing (for housekeeping,
+    /// which must never recreate what a departure is removing).
+    pub fn existing(
+        tenants_root: &Path,
+        tenant: &str,
+        policy: LogPolicy,
+    ) -> Result<Option<Self>, LogError> {
+        validate_tenant_name(tenant).map_err(|_| LogError::InvalidTenant(tenant.to_string()))?;
+        let dir = tenants_root.join(tenant);
+        match fs::symlink_metadata(&dir) {
+            Ok(meta) if meta.is_dir() => Ok(Some(Self { dir, policy })),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(LogError::Io { path: dir, source }),
+        }
+    }
+
     /// The tenant directory.
     pub fn dir(&self) -> &Path {
         &self.dir
