@@ -9,7 +9,7 @@
 # usage: scripts/bench-orchestrator.sh            (as root, with /dev/kvm)
 #   TENANTVM_BENCH_ROUNDS=N   single-tenant rounds (default 5)
 #   TENANTVM_BENCH_TENANTS=N  tenants created at once (default 20)
-#   TENANTVM_BENCH_SAMPLES=N  status requests per latency block (default 100)
+#   TENANTVM_BENCH_SAMPLES=N  status requests per latency block (default 300)
 #   TENANTVM_BENCH_BLOCKS=N   alternating blocks with and without the hung tenant (default 30)
 #   TENANTVM_BENCH_ONLY_ISOLATION=1  only the latency figure
 set -euo pipefail

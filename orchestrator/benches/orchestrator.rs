@@ -291,7 +291,7 @@ fn main() {
     let samples: usize = std::env::var("TENANTVM_BENCH_SAMPLES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(100);
+        .unwrap_or(300);
     // Many short alternating blocks: both conditions see the same background load.
     let blocks: usize = std::env::var("TENANTVM_BENCH_BLOCKS")
         .ok()
