@@ -108,7 +108,8 @@ pub enum Command {
     /// Print a tenant's serial console, VMM log or lifecycle events.
     Logs(LogsArgs),
     /// Send a prompt to a tenant's inference server (a guest image's payload) and print
-    /// the completion. Not a gateway: no rate limits yet.
+    /// the completion. Held to the tenant's requests_per_s and max_concurrency: over
+    /// either, exit 13 with the time to retry after.
     Infer(InferArgs),
     /// Stop a tenant's VM (clean shutdown, killed after a grace period); keeps its resources.
     Stop(OpArgs),
