@@ -247,8 +247,8 @@ async fn bind(socket: &Path) -> anyhow::Result<UnixListener> {
 pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
-        // API calls run on blocking threads (SQLite, backend calls); a small pool keeps
-        // the daemon's memory flat under many concurrent clients.
+        // Start-up and housekeeping work only: API requests run on threads of their own
+        // under per-caller budgets (api/lanes.rs), so no tenant can fill this pool.
         .max_blocking_threads(16)
         .enable_all()
         .build()
