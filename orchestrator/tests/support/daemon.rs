@@ -271,6 +271,11 @@ impl Drop for TestDaemon {
                 let dir = self.state_dir().join("tenants").join(&name);
                 let _ = tenantvm::jail::cleanup_tenant(&cgroups, &name, &dir);
             }
+            // The daemon's own subtree, now empty (rmdir refuses one that is not).
+            let root = Path::new(tenantvm::jail::cgroup::DEFAULT_CGROUP_ROOT);
+            for hierarchy in ["", "memory", "cpu", "pids", "blkio"] {
+                let _ = fs::remove_dir(root.join(hierarchy).join(cgroups.subtree()));
+            }
         }
     }
 }
