@@ -19,3 +19,4 @@ pub mod reconcile;
 pub mod scrub;
 pub mod store;
 pub mod tenant;
+pub mod untrusted;

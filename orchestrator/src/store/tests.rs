@@ -262,3 +262,43 @@ fn events_page_by_id() {
     assert_eq!(after.len(), 1);
     assert_eq!(after[0].message, "two");
 }
+
+#[test]
+fn guest_text_in_events_and_errors_is_bounded_to_one_line() {
+    let (_d, store) = open_temp();
+    let a = store.insert_tenant(&spec("a")).unwrap();
+    let hostile = format!("{}\ncrypto-shred ok verified\x1b[2K", "E".repeat(4 << 20));
+    store.add_event(Some(a.id), "step", &hostile).unwrap();
+    store
+        .transition(a.id, LifecycleState::Provisioning, Some("create"), None)
+        .unwrap();
+    let op = store.tenant_by_id(a.id).unwrap().op_id.unwrap();
+    store.step_started(a.id, op, "await-agent").unwrap();
+    store
+        .step_finished(a.id, op, "await-agent", Some(&hostile))
+        .unwrap();
+    store
+        .transition(a.id, LifecycleState::Failed, None, Some(&hostile))
+        .unwrap();
+    store.set_tenant_error(a.id, Some(&hostile)).unwrap();
+    let limit = crate::untrusted::MAX_FIELD_BYTES + 64;
+    for e in store.events(a.id, 0, 100).unwrap() {
+        assert!(
+            e.message.len() <= limit,
+            "event of {} bytes",
+            e.message.len()
+        );
+        assert!(!e.message.contains('\n') && !e.message.contains('\x1b'));
+    }
+    let t = store.tenant_by_id(a.id).unwrap();
+    let error = t.error.unwrap();
+    assert!(
+        error.len() <= limit && !error.contains('\n'),
+        "{}",
+        error.len()
+    );
+    let step = &store.steps(op).unwrap()[0];
+    let step_error = step.error.as_ref().unwrap();
+    assert!(step_error.len() <= limit && !step_error.contains('\n'));
+    assert!(step_error.contains("truncated"));
+}

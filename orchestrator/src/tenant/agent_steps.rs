@@ -343,17 +343,36 @@ pub(crate) fn admission_key(t: &TenantRecord) -> String {
 }
 
 /// Forwards an OpenAI-style completion request (a JSON object) to the tenant's payload
-/// and returns its JSON answer. The body is never logged: it is the tenant's data.
+/// and returns its JSON answer: [`admit`], then [`forward`].
 pub(crate) fn infer(
     svc: &TenantService,
     t: &TenantRecord,
     body: serde_json::Value,
 ) -> Result<serde_json::Value, TenantServiceError> {
-    // The quota gate comes first: every request counts, whether or not it would succeed,
-    // and a refused one costs nothing further. Held until the answer is back.
-    let _permit =
-        svc.admission
-            .admit(&admission_key(t), &t.name, &t.spec.quotas, Instant::now())?;
+    let permit = admit(svc, t)?;
+    forward(svc, t, body, permit)
+}
+
+/// The quota gate, first and without blocking: every request counts, whether or not it
+/// would succeed, and a refused one costs nothing further. Hold the permit until the answer
+/// is back.
+pub(crate) fn admit(
+    svc: &TenantService,
+    t: &TenantRecord,
+) -> Result<crate::tenant::admission::Permit, TenantServiceError> {
+    Ok(svc
+        .admission
+        .admit(&admission_key(t), &t.name, &t.spec.quotas, Instant::now())?)
+}
+
+/// Forwards an admitted completion request to the tenant's payload (blocks until the guest
+/// answers or its deadline passes). The body is never logged: it is the tenant's data.
+pub(crate) fn forward(
+    svc: &TenantService,
+    t: &TenantRecord,
+    body: serde_json::Value,
+    _permit: crate::tenant::admission::Permit,
+) -> Result<serde_json::Value, TenantServiceError> {
     if !uses_agent(&svc.config, &t.spec) {
         return Err(TenantServiceError::BadRequest(format!(
             "tenant {:?} does not run a guest image with an inference server",

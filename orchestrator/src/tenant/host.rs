@@ -1,11 +1,11 @@
 //! The host-side seams the tenant service needs besides the VM backend: cleaning up a
 //! tenant's jail and cgroups, and planning GPU placements.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
-use crate::jail::{self, Cgroups, JailError};
+use crate::jail::{self, BlockIoLimit, BlockIoOutcome, Cgroups, JailError};
 use crate::store::GpuPlacement;
 use crate::tenant::spec::GpuRequest;
 
@@ -16,11 +16,28 @@ pub trait JailCleaner: Send + Sync {
     fn cleanup(&self, tenant: &str, tenant_dir: &Path) -> Result<(), JailError>;
     /// Tenants that have a cgroup on the host.
     fn list(&self) -> Result<Vec<String>, JailError>;
+    /// Before the VM starts: limits the tenant cgroup's block I/O on the devices holding
+    /// `disks` to `limit` (beside the VMM's own throttling).
+    fn limit_block_io(
+        &self,
+        tenant: &str,
+        disks: &[PathBuf],
+        limit: BlockIoLimit,
+    ) -> Result<Vec<BlockIoOutcome>, JailError>;
 }
 
 impl JailCleaner for Cgroups {
     fn cleanup(&self, tenant: &str, tenant_dir: &Path) -> Result<(), JailError> {
         jail::cleanup_tenant(self, tenant, tenant_dir)
+    }
+
+    fn limit_block_io(
+        &self,
+        tenant: &str,
+        disks: &[PathBuf],
+        limit: BlockIoLimit,
+    ) -> Result<Vec<BlockIoOutcome>, JailError> {
+        Cgroups::limit_block_io(self, tenant, disks, limit)
     }
 
     fn list(&self) -> Result<Vec<String>, JailError> {

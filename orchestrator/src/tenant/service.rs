@@ -72,6 +72,9 @@ pub enum TenantServiceError {
     /// The tenant is over its request rate or concurrency quota.
     #[error(transparent)]
     QuotaExceeded(#[from] crate::tenant::admission::Refused),
+    /// The host cannot hold the tenant (memory or vCPUs, after the other tenants).
+    #[error(transparent)]
+    Capacity(#[from] crate::tenant::admission::CapacityError),
     /// The guest agent or its payload could not answer.
     #[error("The tenant's guest could not answer: {0}")]
     AgentUnavailable(String),
@@ -150,6 +153,8 @@ pub struct ServiceConfig {
     pub departure: crate::tenant::departure::DepartureConfig,
     /// How long a guest-image tenant's agent, and then its payload, may take to answer.
     pub agent_timeout: Duration,
+    /// What the host gives tenants; creates beyond it are refused.
+    pub capacity: crate::tenant::admission::HostCapacity,
 }
 
 impl ServiceConfig {
@@ -164,6 +169,14 @@ impl ServiceConfig {
             vmm_overhead_mib: 64,
             departure: crate::tenant::departure::DepartureConfig::under(&state_dir),
             agent_timeout: Duration::from_secs(300),
+            capacity: crate::tenant::admission::HostCapacity::detect(
+                crate::tenant::admission::DEFAULT_HOST_RESERVED_MIB,
+            )
+            .unwrap_or_else(|e| {
+                // Nothing is admitted on a host whose size cannot be read.
+                tracing::error!(error = %e, "cannot read this host's memory size");
+                crate::tenant::admission::HostCapacity::fixed(0, 0)
+            }),
             state_dir,
         }
     }
@@ -357,6 +370,30 @@ impl TenantService {
         }
     }
 
+    /// Admits an inference request of `caller` to tenant `name` without blocking work (one
+    /// store read and the tenant's admission gate): the API calls this before it starts a
+    /// thread for the request, so a refused request costs nothing.
+    pub fn admit_infer(
+        &self,
+        caller: &Caller,
+        name: &str,
+    ) -> Result<crate::tenant::admission::AdmittedInfer, TenantServiceError> {
+        let tenant = self.visible(caller, name)?;
+        let permit = crate::tenant::agent_steps::admit(self, &tenant)?;
+        Ok(crate::tenant::admission::AdmittedInfer { tenant, permit })
+    }
+
+    /// Forwards an admitted inference request to the tenant's guest and returns its answer
+    /// (blocks until the guest answers or its deadline passes).
+    pub fn infer_admitted(
+        &self,
+        admitted: crate::tenant::admission::AdmittedInfer,
+        body: serde_json::Value,
+    ) -> Result<serde_json::Value, TenantServiceError> {
+        let crate::tenant::admission::AdmittedInfer { tenant, permit } = admitted;
+        crate::tenant::agent_steps::forward(self, &tenant, body, permit)
+    }
+
     /// The live tenant `name` if the caller may see it; otherwise NotFound, whether or not
     /// it exists, so a tenant token cannot probe for other tenants' names.
     fn visible(&self, caller: &Caller, name: &str) -> Result<TenantRecord, TenantServiceError> {
@@ -379,6 +416,14 @@ impl TenantService {
             self.gpu.candidates(&spec.gpu)?;
         }
         let guard = self.mark_busy(&spec.name)?;
+        // Held until the tenant is recorded: two creates never take the same room.
+        let _room = self.config.capacity.lock();
+        crate::tenant::admission::check_room(
+            &self.config.capacity,
+            &self.store,
+            self.config.vmm_overhead_mib,
+            &spec,
+        )?;
         let record = self.store.insert_tenant(&spec)?;
         let token = auth::new_token();
         self.store

@@ -60,6 +60,42 @@ pub enum TenantSpecError {
     /// The TOML document did not parse (syntax, types, unknown fields).
     #[error("Tenant spec is not valid TOML for this schema: {0}")]
     Toml(String),
+    /// A boot file lies outside the daemon's image directory (symlinks resolved).
+    #[error("Boot file {path} is not under the image directory {image_dir} (symlinks resolved): put the guest's files there, or use a named image")]
+    OutsideImageDir {
+        /// The file, as resolved.
+        path: PathBuf,
+        /// The image directory, as resolved.
+        image_dir: PathBuf,
+    },
+    /// The daemon has no image directory, so no boot file can be checked against it.
+    #[error("tenantvmd runs without --image-dir, so no guest files can be used; restart it with --image-dir and put the guest's files there")]
+    NoImageDir,
+}
+
+/// Checks that every boot file lies under `image_dir` once symlinks are resolved, so that
+/// a spec (or a symlink planted in the image directory) can never hand a host file such as
+/// `/etc/shadow` to a guest. Missing files are left to the caller's existence check.
+pub fn check_boot_files_under(
+    image_dir: Option<&Path>,
+    files: &[&Path],
+) -> Result<(), TenantSpecError> {
+    let image_dir = image_dir.ok_or(TenantSpecError::NoImageDir)?;
+    let root = image_dir
+        .canonicalize()
+        .map_err(|_| TenantSpecError::NoImageDir)?;
+    for file in files {
+        let Ok(resolved) = file.canonicalize() else {
+            continue;
+        };
+        if !resolved.starts_with(&root) {
+            return Err(TenantSpecError::OutsideImageDir {
+                path: resolved,
+                image_dir: root,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// A tenant spec, as submitted to `POST /v1/tenants` or read from a TOML file.
@@ -437,5 +473,44 @@ requests_per_s = 5
         assert_eq!(spec.memory_mib, 128);
         assert_eq!(spec.gpu, GpuRequest::None);
         assert_eq!(spec.quotas, Quotas::default());
+    }
+
+    #[test]
+    fn boot_files_outside_the_image_directory_are_refused() {
+        use crate::auth::Caller;
+        use crate::tenant::fault::FaultHook;
+        use crate::tenant::service::TenantCommand;
+        use crate::tenant::test_utils::Harness;
+        let h = Harness::new(FaultHook::default());
+        let images = h.dir.path().join("images");
+        // A host file named directly, and a named image whose kernel is a symlink out.
+        let outside = h.dir.path().join("outside-kernel");
+        std::fs::write(&outside, b"host secret").unwrap();
+        std::fs::create_dir_all(images.join("evil")).unwrap();
+        std::os::unix::fs::symlink(&outside, images.join("evil/kernel")).unwrap();
+        for (name, image) in [
+            ("direct", format!("kernel = \"{}\"", outside.display())),
+            ("symlinked", "name = \"evil\"".to_string()),
+        ] {
+            let spec =
+                TenantSpec::from_toml(&format!("name = \"{name}\"\n[image]\n{image}\n")).unwrap();
+            let err = h
+                .svc
+                .execute(&Caller::Admin, TenantCommand::Create(spec))
+                .expect_err(name);
+            assert!(err.to_string().contains("image directory"), "{name}: {err}");
+            assert!(h.svc.store().tenant(name).unwrap().is_none());
+        }
+        // A kernel inside the image directory, named by path, is fine.
+        let inside = images.join("hello/kernel");
+        let spec = TenantSpec::from_toml(&format!(
+            "name = \"inside\"\n[image]\nkernel = \"{}\"\n",
+            inside.display()
+        ))
+        .unwrap();
+        h.svc
+            .execute(&Caller::Admin, TenantCommand::Create(spec))
+            .unwrap();
+        h.svc.wait_idle();
     }
 }

@@ -419,6 +419,23 @@ fn launch(svc: &TenantService, t: &TenantRecord, step: Step) -> Result<(), Tenan
         gid: uid,
         limits: limits_for(cfg, &t.spec),
     };
+    // The kernel's block I/O limit beside the VMM's own throttling (docs/jail.md).
+    let disks: Vec<PathBuf> = spec.disks.iter().map(|d| d.path.clone()).collect();
+    if !disks.is_empty() {
+        let limit = crate::jail::BlockIoLimit {
+            bytes_per_s: u64::from(t.spec.quotas.disk_mib_per_s) << 20,
+            ops_per_s: u64::from(t.spec.quotas.disk_iops),
+        };
+        for outcome in svc
+            .jail
+            .limit_block_io(&t.name, &disks, limit)
+            .map_err(|e| step_err(step, error_chain(&e)))?
+        {
+            if let crate::jail::BlockIoOutcome::NotLimited { disk, reason } = outcome {
+                tracing::warn!(tenant = %t.name, disk = %disk.display(), %reason, "no kernel block I/O limit; the VMM's own throttling applies");
+            }
+        }
+    }
     let vm = svc
         .backend
         .launch(&spec, &jail)
@@ -498,7 +515,11 @@ pub fn resolve_image(
     let img = &spec.image;
     let default_cmdline = "console=ttyS0 reboot=k panic=1".to_string();
     if let Some(set) = agent_steps::image_set_dir(cfg, spec) {
-        return agent_steps::boot_files(&set);
+        let (kernel, initramfs, cmdline) = agent_steps::boot_files(&set)?;
+        let mut files = vec![kernel.as_path()];
+        files.extend(initramfs.as_deref());
+        crate::tenant::spec::check_boot_files_under(cfg.image_dir.as_deref(), &files)?;
+        return Ok((kernel, initramfs, cmdline));
     }
     let (kernel, initramfs, cmdline) = match (&img.name, &img.kernel) {
         (Some(name), None) => {
@@ -537,6 +558,9 @@ pub fn resolve_image(
             kernel.display()
         )));
     }
+    let mut files = vec![kernel.as_path()];
+    files.extend(initramfs.as_deref());
+    crate::tenant::spec::check_boot_files_under(cfg.image_dir.as_deref(), &files)?;
     if let Some(i) = &initramfs {
         if !i.is_file() {
             return Err(TenantServiceError::Image(format!(

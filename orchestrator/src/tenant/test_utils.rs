@@ -32,6 +32,8 @@ pub struct FakeHostState {
     pub fail_launch: bool,
     /// Limits each launch asked for.
     pub launched_with: Vec<JailConfig>,
+    /// Block I/O limits the launches asked the jail for: (tenant, disks, limit).
+    pub block_io: Vec<(String, Vec<std::path::PathBuf>, crate::jail::BlockIoLimit)>,
 }
 
 /// A fake host shared by [`FakeBackend`] and the fake jail cleaner.
@@ -116,6 +118,25 @@ impl JailCleaner for FakeJail {
 
     fn list(&self) -> Result<Vec<String>, JailError> {
         Ok(self.0.state().cgroups.iter().cloned().collect())
+    }
+
+    fn limit_block_io(
+        &self,
+        tenant: &str,
+        disks: &[std::path::PathBuf],
+        limit: crate::jail::BlockIoLimit,
+    ) -> Result<Vec<crate::jail::BlockIoOutcome>, JailError> {
+        self.0
+            .state()
+            .block_io
+            .push((tenant.to_string(), disks.to_vec(), limit));
+        Ok(disks
+            .iter()
+            .map(|d| crate::jail::BlockIoOutcome::NotLimited {
+                disk: d.clone(),
+                reason: "fake host".into(),
+            })
+            .collect())
     }
 }
 
@@ -229,6 +250,8 @@ impl Harness {
         cfg.boot_timeout = Duration::from_secs(2);
         cfg.departure.kek = crate::keys::KekSource::File(root.join("host-kek"));
         cfg.departure.keyslot_cost = crate::disk::KeyslotCost::TEST;
+        // A fake host, roomy enough for every test's tenants.
+        cfg.capacity = crate::tenant::admission::HostCapacity::fixed(64 * 1024, 64);
         TenantService::new(
             store,
             Arc::new(FakeBackend(host.clone())),
