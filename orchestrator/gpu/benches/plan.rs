@@ -18,9 +18,8 @@ fn host(model: &str, n: u32, existing: bool) -> Vec<HostGpu> {
                 layout.place(m.profile("2g.20gb").unwrap(), 4).unwrap();
             }
             HostGpu {
-                index,
-                model: m,
                 layout,
+                ..HostGpu::new(index, m)
             }
         })
         .collect()

@@ -83,6 +83,6 @@ fn vfio_bind_and_release_restore_the_real_drivers() {
             Some(vfio::VFIO_DRIVER)
         );
     }
-    vfio::release(&s, &binding).unwrap();
+    vfio::rebind_host_drivers(&s, &binding).unwrap();
     assert_eq!(s.device(&gpu).unwrap().driver, before);
 }
