@@ -15,7 +15,9 @@
 //!
 //! and at departure (after the VM stopped):
 //!
-//! 4. [`detach`]: type 0 (only if the VF still serves this tenant's instance);
+//! 4. [`detach`]: type 0 (only if the VF still serves this tenant's instance), or
+//!    [`detach_instance`], which finds the VFs by the tenant's instance and so also clears a
+//!    type a crash kept from being recorded;
 //! 5. the daemon scrubs and verifies the instance's memory;
 //! 6. [`destroy_instance`]: compute instances, then the GPU instance;
 //! 7. only when the card leaves vGPU mode: [`leave_vgpu_mode`]: VFs disabled, then MIG off
@@ -371,7 +373,10 @@ pub fn attach(
 }
 
 /// Stops the attachment's vGPU (type 0). Nothing to do when the VF is free; a VF that now
-/// serves another instance belongs to someone else since and is left alone.
+/// runs another vGPU (another type, instance or placement: GPU-instance ids are reused once
+/// an instance is destroyed) belongs to someone else since and is left alone. Sysfs cannot
+/// tell the same profile re-created at the same slot from the original; the daemon's ledger
+/// keeps the slot reserved until this departure is done, so nobody else gets it meanwhile.
 pub fn detach(sysfs: &Sysfs, a: &VgpuAttachment) -> Result<(), VgpuRouteError> {
     let step = STEP_CLEAR_TYPE;
     let vg = |source| VgpuRouteError::Vgpu { step, source };
@@ -385,14 +390,54 @@ pub fn detach(sysfs: &Sysfs, a: &VgpuAttachment) -> Result<(), VgpuRouteError> {
         return Ok(()); // VFs disabled since: nothing runs on it.
     }
     let s = vgpu::vf_state(sysfs, &vf).map_err(vg)?;
-    match s.gpu_instance_id {
-        Some(id) if id == a.gpu_instance_id => vgpu::clear_vgpu_type(sysfs, &vf).map_err(vg),
-        Some(id) => {
-            tracing::warn!(vf = %a.vf, now = id, was = a.gpu_instance_id, "VF serves another instance now; left alone");
-            Ok(())
-        }
-        None => Ok(()),
+    let Some(t) = &s.vgpu_type else {
+        return Ok(());
+    };
+    let ours = s.gpu_instance_id == Some(a.gpu_instance_id)
+        && *t == a.vgpu_type.id
+        && (a.placement_id.is_none() || s.placement_id == a.placement_id);
+    if ours {
+        vgpu::clear_vgpu_type(sysfs, &vf).map_err(vg)
+    } else {
+        tracing::warn!(vf = %a.vf, now = ?s, "VF runs another vGPU now; left alone");
+        Ok(())
     }
+}
+
+/// Departure without trusting the record: stops every vGPU that runs on the GPU instance of
+/// `profile` at `start` (the tenant's reserved slice, so any VF serving it is the tenant's),
+/// even one whose attachment a crash kept from being recorded. Nothing to do when the
+/// instance is gone or no VF serves it.
+pub fn detach_instance(
+    sysfs: &Sysfs,
+    backend: &dyn GpuBackend,
+    gpu: u32,
+    profile: &MigProfile,
+    start: u32,
+) -> Result<(), VgpuRouteError> {
+    let step = STEP_CLEAR_TYPE;
+    let vg = |source| VgpuRouteError::Vgpu { step, source };
+    let info = gpu_info(backend, gpu, step)?;
+    let Some(gi) = info
+        .instances
+        .iter()
+        .find(|i| i.profile_id == profile.id && i.start == start)
+    else {
+        return Ok(());
+    };
+    let pf = pf_address(&info, step)?;
+    for s in vgpu_state(sysfs, &pf).map_err(vg)? {
+        if s.gpu_instance_id == Some(gi.gi_id) {
+            let vf = PciAddress::parse(&s.vf).map_err(|source| {
+                vg(VgpuError::Sysfs {
+                    vf: s.vf.clone(),
+                    source,
+                })
+            })?;
+            vgpu::clear_vgpu_type(sysfs, &vf).map_err(vg)?;
+        }
+    }
+    Ok(())
 }
 
 /// Destroys the GPU instance of `profile` at `start` (compute instances first); nothing to do

@@ -351,6 +351,13 @@ fn set_vgpu_type(sysfs: &Sysfs, vf: &str, value: &str) -> io::Result<()> {
     if current_type(root, vf)? != "0" {
         return Err(errno(libc::EBUSY, "the VF already has a vGPU type"));
     }
+    let creatable = crate::host::vgpu::parse_creatable(&creatable(sysfs, vf)?);
+    if !creatable.iter().any(|t| t.id == id.to_string()) {
+        return Err(errno(
+            libc::EINVAL,
+            "the type is not creatable on this VF now",
+        ));
+    }
     let Some((_, _, profile)) = types_of(&d).into_iter().find(|(t, _, _)| *t == id) else {
         return Err(errno(libc::EINVAL, "not a vGPU type of this GPU"));
     };
