@@ -180,14 +180,14 @@ fn set_vfs(root: &Path, pf: &str, value: &str) -> io::Result<()> {
             .map_err(|r| errno(r.errno, &r.why))?;
     }
     if n == 0 {
-        remove_vfs(root, &pf_dir)?;
+        remove_vfs(&pf_dir)?;
     } else {
         add_vfs(root, d, &pf_dir, n)?;
     }
     w(&pf_dir.join("sriov_numvfs"), &format!("{n}\n"))
 }
 
-fn remove_vfs(root: &Path, pf_dir: &Path) -> io::Result<()> {
+fn remove_vfs(pf_dir: &Path) -> io::Result<()> {
     for name in std::fs::read_dir(pf_dir)?
         .filter_map(|e| e.ok())
         .map(|e| e.file_name().to_string_lossy().into_owned())
@@ -207,7 +207,6 @@ fn remove_vfs(root: &Path, pf_dir: &Path) -> io::Result<()> {
         std::fs::remove_file(pf_dir.join(&name))?;
         std::fs::remove_dir_all(vf)?;
     }
-    let _ = root;
     Ok(())
 }
 
