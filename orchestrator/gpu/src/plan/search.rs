@@ -620,8 +620,10 @@ mod tests {
             let n_gpus = 1 + rng.below(if case % 4 == 3 { 3 } else { 2 }) as u32;
             let mut gpus: Vec<HostGpu> = (0..n_gpus)
                 .map(|index| {
+                    // Mixed hosts may hold a GPU without MIG (whole only).
+                    let mixed = ["h100-80gb", "a100-40gb", "rtx-pro-6000", "l40s"];
                     let model = if case % 4 == 3 {
-                        model_by_key(models[rng.below(models.len() as u64) as usize]).unwrap()
+                        model_by_key(mixed[rng.below(mixed.len() as u64) as usize]).unwrap()
                     } else {
                         model
                     };
@@ -629,7 +631,7 @@ mod tests {
                 })
                 .collect();
             // Existing instances, placed at random where they fit.
-            for g in &mut gpus {
+            for g in gpus.iter_mut().filter(|g| g.model.has_mig()) {
                 let model = g.model;
                 for _ in 0..rng.below(3) {
                     let p = &model.profiles[rng.below(model.profiles.len() as u64) as usize];
