@@ -14,11 +14,12 @@
 # every mtime set to SOURCE_DATE_EPOCH, gzip -n. The same inputs give the same hashes
 # (guest-image/agent/tests/image_reproducible.rs checks it).
 #
-# usage: guest-image/build.sh [--payload-dir DIR --payload-config FILE] [OUT_DIR]
+# usage: guest-image/build.sh [--payload-dir DIR --payload-config FILE] [--prefix-cache on|off] [OUT_DIR]
 #        OUT_DIR defaults to .cache/guest-image. With --payload-dir, DIR (a root file system
 #        directory, e.g. an OCI image unpacked with `umoci unpack`) becomes /payload instead of
 #        the CI payload, and FILE (JSON: the agent config's "payload" object) says how to run
-#        it; see docs/guest-image.md.
+#        it; see docs/guest-image.md. --prefix-cache on builds the CI payload with its prefix
+#        cache on (default off): the positive control of `tenantvm verify`'s timing check.
 # env:   SOURCE_DATE_EPOCH (default: the last commit time of guest-image/, else 0)
 #        TENANTVM_KERNEL_DIR (default: .cache/kernel)
 set -euo pipefail
@@ -27,16 +28,21 @@ export LC_ALL=C TZ=UTC
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
-payload_dir="" payload_config="" out=""
+payload_dir="" payload_config="" out="" prefix_cache="off"
 while [ $# -gt 0 ]; do
     case "$1" in
         --payload-dir) payload_dir="${2:?--payload-dir needs a directory}"; shift 2 ;;
         --payload-config) payload_config="${2:?--payload-config needs a file}"; shift 2 ;;
+        --prefix-cache) prefix_cache="${2:?--prefix-cache needs on or off}"; shift 2 ;;
         -*) echo "guest-image: unknown option $1" >&2; exit 2 ;;
         *) out="$1"; shift ;;
     esac
 done
 out="${out:-$root/.cache/guest-image}"
+case "$prefix_cache" in
+    on|off) ;;
+    *) echo "guest-image: --prefix-cache must be on or off, not $prefix_cache" >&2; exit 2 ;;
+esac
 if [ -n "$payload_dir" ] || [ -n "$payload_config" ]; then
     [ -d "$payload_dir" ] || { echo "guest-image: --payload-dir must name a directory" >&2; exit 2; }
     [ -f "$payload_config" ] || { echo "guest-image: --payload-config must name a JSON file" >&2; exit 2; }
@@ -157,9 +163,13 @@ find "$mdir" -maxdepth 1 -name 'modules.*' ! -name modules.dep ! -name modules.b
 
 # 6. The agent's config.
 module_json="$(printf '"%s",' "${modules[@]}")"
+# The CI payload: the built-in model from the image, models pushed to the tenant's encrypted
+# disk under /data/models (docs/guest-image.md: layout and temporary names), its record in
+# /data/completions.jsonl.
 ci_payload='{
     "command": ["/payload/bin/tenantvm-ngram", "serve", "--model", "/payload/model.json",
-                "--listen", "127.0.0.1:8000", "--data-dir", "/data", "--name", "tenantvm-ngram"],
+                "--listen", "127.0.0.1:8000", "--data-dir", "/data", "--name", "tenantvm-ngram",
+                "--models-dir", "/data/models", "--prefix-cache", "'"$prefix_cache"'"],
     "env": {"HOME": "/data"},
     "workdir": "/data",
     "port": 8000,

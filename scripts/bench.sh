@@ -22,7 +22,10 @@
 #        its data from L3; 4 KiB workloads use a quarter), BENCH_QD (default 8),
 #        BENCH_BLK_RUNS (default 3; medians), BENCH_BLK_NOTIFY (event_idx, the
 #        default and what Linux negotiates; flags; poll),
-#        BENCH_ONLY_DEVICES=1, QEMU (default qemu-system-x86_64)
+#        BENCH_ONLY_DEVICES=1, BENCH_ONLY_STARTUP=1 (part 1 only),
+#        BENCH_VMM_BASELINE=PATH (a second tenantvm-vmm binary, e.g. a build of an older
+#        commit, timed in part 1 in the same interleaved run: a before/after A/B),
+#        QEMU (default qemu-system-x86_64)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -38,6 +41,11 @@ export BENCH_VMM="$root/target/release/tenantvm-vmm"
 export BENCH_GUEST="$root/target/test-guests/tvm-testguest"
 export BENCH_KERNEL="$root/.cache/kernel/vmlinux"
 export BENCH_QEMU="$qemu"
+if [ -n "${BENCH_VMM_BASELINE:-}" ]; then
+    [ -x "$BENCH_VMM_BASELINE" ] || { echo "bench: BENCH_VMM_BASELINE=$BENCH_VMM_BASELINE is not an executable" >&2; exit 1; }
+    BENCH_VMM_BASELINE="$(realpath "$BENCH_VMM_BASELINE")"
+    export BENCH_VMM_BASELINE
+fi
 
 exec python3 - <<'PY'
 import os, random, select, socket, statistics, subprocess, sys, tempfile, time
@@ -48,11 +56,12 @@ KERNEL = os.environ["BENCH_KERNEL"]
 QEMU = os.environ["BENCH_QEMU"]
 RUNS = int(os.environ.get("BENCH_RUNS", "10"))
 KERNEL_RUNS = int(os.environ.get("BENCH_KERNEL_RUNS", "2"))
+BASELINE = os.environ.get("BENCH_VMM_BASELINE") or None
 MEM_MIB = 128
 
 
-def tenantvm_cmd(kernel, cmdline, extra=()):
-    return [VMM, "--kernel", kernel, "--cmdline", cmdline, "--memory-mib", str(MEM_MIB),
+def tenantvm_cmd(kernel, cmdline, extra=(), vmm=VMM):
+    return [vmm, "--kernel", kernel, "--cmdline", cmdline, "--memory-mib", str(MEM_MIB),
             "--vcpus", "1", "--serial", "stdout", *extra]
 
 
@@ -151,24 +160,37 @@ def fmt_ms(s):
 
 
 ONLY_DEVICES = os.environ.get("BENCH_ONLY_DEVICES") == "1"
+ONLY_STARTUP = os.environ.get("BENCH_ONLY_STARTUP") == "1"
 print(f"tenantvm-vmm: {VMM}\nqemu: {QEMU} -M microvm\npayload: {GUEST} (PVH ELF), {MEM_MIB} MiB, 1 vCPU, {RUNS} runs each\n")
 if not ONLY_DEVICES:
-    results = {}
-    for name, cmd in (("tenantvm-vmm", tenantvm_cmd(GUEST, "tvm.test=poweroff")),
-                      ("qemu-microvm", qemu_cmd(GUEST, "tvm.test=poweroff"))):
+    peers = [("tenantvm-vmm", tenantvm_cmd(GUEST, "tvm.test=poweroff"))]
+    if BASELINE:
+        print(f"baseline: {BASELINE}\n")
+        peers.append(("tenantvm-base", tenantvm_cmd(GUEST, "tvm.test=poweroff", vmm=BASELINE)))
+    peers.append(("qemu-microvm", qemu_cmd(GUEST, "tvm.test=poweroff")))
+    for _, cmd in peers:
         timed_run(cmd)  # warm the page cache
-        firsts, ends = [], []
-        for _ in range(RUNS):
+    # Interleaved (one run of each in turn), so that load from other work on the machine
+    # falls on every peer alike.
+    samples = {name: ([], []) for name, _ in peers}
+    for _ in range(RUNS):
+        for name, cmd in peers:
             f, e = timed_run(cmd)
-            firsts.append(f); ends.append(e)
-        results[name] = (summary(firsts), summary(ends))
+            samples[name][0].append(f); samples[name][1].append(e)
+    results = {name: (summary(f), summary(e)) for name, (f, e) in samples.items()}
 
     print(f"{'test guest':14} {'first serial byte (median/min/max)':>44}   {'power-off (median/min/max)':>40}")
     for name, (f, e) in results.items():
         print(f"{name:14} {fmt_ms(f[0])} {fmt_ms(f[1])} {fmt_ms(f[2])}    {fmt_ms(e[0])} {fmt_ms(e[1])} {fmt_ms(e[2])}")
-    t, q = results["tenantvm-vmm"], results["qemu-microvm"]
-    print(f"ratio qemu/tenantvm: first byte {q[0][0] / t[0][0]:.2f}x, power-off {q[1][0] / t[1][0]:.2f}x (goal: >= 5x to the first byte)\n")
+    q = results["qemu-microvm"]
+    for name in [n for n, _ in peers if n != "qemu-microvm"]:
+        t = results[name]
+        print(f"ratio qemu/{name}: first byte {q[0][0] / t[0][0]:.2f}x, power-off {q[1][0] / t[1][0]:.2f}x (goal: >= 5x to the first byte)")
+    print()
 
+if ONLY_STARTUP:
+    sys.exit(0)
+if not ONLY_DEVICES:
     print("resident memory beyond guest RAM (idle 1-vCPU 128 MiB guest)")
     mem = {}
     for name, cmd in (("tenantvm-vmm", tenantvm_cmd(GUEST, "tvm.test=idle")),

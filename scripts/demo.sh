@@ -59,11 +59,12 @@ else
 fi
 
 bold "Starting tenantvmd (state in $state)"
-# --keep-unknown-cgroups: this host may run other tenantvm daemons (tests); a production
-# daemon owns the host and removes tenant cgroups it does not know.
+# Other tenantvm daemons (tests) may run on this host: each keeps its tenants' cgroups in
+# its own subtree (tenantvm/<hash of its state dir>/), so they never touch each other's.
 # --kek-file/--keyslot-cost: a throwaway host KEK and the cheap test keyslot cost (demo only).
+# --vcpu-overcommit: the demo's two 1-vCPU tenants must fit on a one-CPU machine too.
 "$bin/tenantvmd" --state-dir "$state" --socket "$sock" --image-dir "$work/images" \
-    --keep-unknown-cgroups --kek-file "$work/host-kek" --keyslot-cost test \
+    --kek-file "$work/host-kek" --keyslot-cost test --vcpu-overcommit 4 \
     >"$work/tenantvmd.log" 2>&1 &
 daemon_pid=$!
 for _ in $(seq 1 200); do [ -S "$sock" ] && break; sleep 0.05; done
@@ -136,8 +137,8 @@ if [ -f "$linux_image/manifest.json" ] || SOURCE_DATE_EPOCH=1700000000 guest-ima
     sock="$work/tenantvmd-linux.sock"
     bold "Starting a second tenantvmd with --backend qemu-tcg (state in $state)"
     "$bin/tenantvmd" --state-dir "$state" --socket "$sock" --image-dir "$work/images" \
-        --backend qemu-tcg --keyslot-cost test --kek-file "$work/host-kek" \
-        --keep-unknown-cgroups >"$work/tenantvmd-linux.log" 2>&1 &
+        --backend qemu-tcg --keyslot-cost test --kek-file "$work/host-kek" --vcpu-overcommit 4 \
+        >"$work/tenantvmd-linux.log" 2>&1 &
     daemon_pid=$!
     for _ in $(seq 1 200); do [ -S "$sock" ] && break; sleep 0.05; done
     [ -S "$sock" ] || { cat "$work/tenantvmd-linux.log"; echo "demo: tenantvmd did not start" >&2; exit 1; }

@@ -4,7 +4,8 @@
 #
 # What it does:
 #   1. installs the Debian packages the build, tests and demo need;
-#   2. adds the Rust target the no_std test guests are built for;
+#   2. adds the Rust target the no_std test guests are built for, and the cargo tools the
+#      checks use (cargo-fuzz for scripts/fuzz.sh, cargo-machete for .ci/run);
 #   3. fetches the stock Debian kernel package (linux-image-amd64) into .cache/kernel/
 #      and extracts its ELF vmlinux next to the bzImage. Nothing fetched is committed.
 set -euo pipefail
@@ -73,6 +74,13 @@ if command -v rustup >/dev/null 2>&1; then
         say "installing cargo-fuzz"
         cargo install cargo-fuzz --locked --quiet ||
             say "warning: cargo-fuzz did not install; the fuzz targets will not be built"
+    fi
+    # The unused-dependency check (.ci/run). Pinned so every machine judges alike.
+    machete_version=0.9.2
+    if ! cargo machete --version 2>/dev/null | grep -qx "$machete_version"; then
+        say "installing cargo-machete $machete_version"
+        cargo install cargo-machete --version "$machete_version" --locked --quiet ||
+            say "warning: cargo-machete did not install; .ci/run cannot check for unused dependencies"
     fi
 fi
 

@@ -13,6 +13,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
 use tokio::net::UnixListener;
+use tracing_subscriber::fmt::MakeWriter;
 
 use crate::backend::{
     runner::sibling_binary, QemuAccel, QemuBackend, RuntimeConfig, VmBackend, VmmBackend,
@@ -22,6 +23,36 @@ use crate::reconcile::{self, ReconcileOptions};
 use crate::store::Store;
 use crate::tenant::host::{GpuPlanner, NoGpus};
 use crate::tenant::service::{ServiceConfig, TenantService};
+use crate::untrusted::LineSafeWriter;
+
+/// The daemon's own log (stderr): one record per line whatever a record quotes. Guest text
+/// reaches log fields (agent versions, guest errors); every record goes through
+/// [`LineSafeWriter`], so a newline or escape sequence in a field is written escaped and can
+/// neither forge a line nor drive a terminal. No ANSI colours (they would be escaped too).
+pub fn log_subscriber<M>(make_writer: M) -> impl tracing::Subscriber + Send + Sync
+where
+    M: for<'a> MakeWriter<'a> + Send + Sync + 'static,
+{
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TENANTVMD_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_ansi(false)
+        .with_writer(LineSafe(make_writer))
+        .finish()
+}
+
+/// A [`MakeWriter`] whose writers keep each record on one line ([`LineSafeWriter`]).
+struct LineSafe<M>(M);
+
+impl<'a, M: MakeWriter<'a>> MakeWriter<'a> for LineSafe<M> {
+    type Writer = LineSafeWriter<M::Writer>;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        LineSafeWriter::new(self.0.make_writer())
+    }
+}
 
 /// Which backend runs the VMs.
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -91,10 +122,34 @@ pub struct DaemonArgs {
     /// `test` (the minimum; tests and demos only).
     #[arg(long, env = "TENANTVMD_KEYSLOT_COST", value_enum, default_value_t = KeyslotCostArg::Production)]
     pub keyslot_cost: KeyslotCostArg,
-    /// Leave tenant cgroups this daemon never recorded alone (for hosts, like test machines,
-    /// where several daemons share one cgroup tree).
-    #[arg(long)]
+    /// No longer needed, accepted and ignored: each daemon keeps its tenants' cgroups in a
+    /// subtree of its own (`tenantvm/<hash of the state dir>/`), so its sweep of unknown
+    /// cgroups never reaches another daemon's.
+    #[arg(long, hide = true)]
     pub keep_unknown_cgroups: bool,
+    /// Memory (MiB) kept for the host itself: tenants may reserve the rest of MemTotal,
+    /// each its guest memory plus the VMM's overhead.
+    #[arg(long, default_value_t = crate::tenant::admission::DEFAULT_HOST_RESERVED_MIB)]
+    pub host_reserved_memory_mib: u64,
+    /// Let tenants reserve up to RATIO times the memory left for them (1 = no overcommit,
+    /// the default: a create the host cannot hold is refused).
+    #[arg(long, value_name = "RATIO", default_value_t = 1.0, value_parser = parse_overcommit)]
+    pub memory_overcommit: f64,
+    /// Let tenants reserve up to RATIO vCPUs per host CPU (1 = no overcommit, the default).
+    #[arg(long, value_name = "RATIO", default_value_t = 1.0, value_parser = parse_overcommit)]
+    pub vcpu_overcommit: f64,
+}
+
+fn parse_overcommit(s: &str) -> Result<f64, String> {
+    let r: f64 = s
+        .parse()
+        .map_err(|_| format!("expected a ratio such as 1.5, got {s:?}"))?;
+    if !(1.0..=100.0).contains(&r) {
+        return Err(format!(
+            "the ratio must be between 1 (no overcommit) and 100, got {r}"
+        ));
+    }
+    Ok(r)
 }
 
 /// `--keyslot-cost`.
@@ -127,8 +182,19 @@ fn make_state_dir(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The VM runtime, its cgroups scoped to this daemon's subtree
+/// (`tenantvm/<hash of the state dir>/`, see [`crate::jail::cgroup::daemon_subtree`]).
+fn runtime_config(state_dir: &Path) -> anyhow::Result<RuntimeConfig> {
+    let mut config = RuntimeConfig::detect().context("Cannot set up the VM runtime")?;
+    config.cgroups = config
+        .cgroups
+        .for_state_dir(state_dir)
+        .context("Cannot name this daemon's cgroup subtree")?;
+    Ok(config)
+}
+
 fn make_backend(args: &DaemonArgs) -> anyhow::Result<Arc<dyn VmBackend>> {
-    let config = RuntimeConfig::detect().context("Cannot set up the VM runtime")?;
+    let config = runtime_config(&args.state_dir)?;
     Ok(match args.backend {
         BackendArg::Vmm => {
             let bin = match &args.vmm_binary {
@@ -204,6 +270,27 @@ const DRAIN_REQUESTS: Duration = Duration::from_secs(2);
 /// How long running operations get to reach a point where they can stop.
 const DRAIN_OPERATIONS: Duration = Duration::from_secs(2);
 
+/// The daemon's async runtime: two worker threads, and a small blocking pool for the
+/// daemon's own housekeeping and start-up work (the API does not use it: see
+/// [`crate::api`]).
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        // Start-up and housekeeping work only: API requests run on threads of their own
+        // under per-caller budgets (api/lanes.rs), so no tenant can fill this pool.
+        .max_blocking_threads(16)
+        .enable_all()
+        .build()
+}
+
+/// A line on standard output for whoever started the daemon; a closed stdout (`| head`)
+/// must not stop the daemon, so write errors are ignored.
+fn announce(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout();
+    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+}
+
 /// Runs the daemon until a signal stops it.
 pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
     // Watched from the start: a signal during start-up stops the daemon the same way.
@@ -222,13 +309,14 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
         Store::open(&args.state_dir.join("state.db")).context("Cannot open the state store")?,
     );
     if let Some(path) = crate::auth::ensure_admin_token(&store, &args.state_dir)? {
-        println!(
+        announce(&format!(
             "tenantvmd: admin token written to {} (mode 0600)",
             path.display()
-        );
+        ));
     }
     let backend = make_backend(&args)?;
-    let cgroups = RuntimeConfig::detect()?.cgroups;
+    let cgroups = runtime_config(&args.state_dir)?.cgroups;
+    tracing::info!(subtree = %cgroups.subtree().display(), "tenant cgroups");
     let mut cfg = ServiceConfig::new(args.state_dir.clone());
     cfg.image_dir = args.image_dir.clone();
     cfg.uid_first = args.uid_range.0;
@@ -236,6 +324,16 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
     cfg.stop_grace = Duration::from_secs(args.stop_grace_s);
     cfg.boot_timeout = Duration::from_secs(args.boot_timeout_s);
     cfg.agent_timeout = Duration::from_secs(args.agent_timeout_s);
+    cfg.capacity = crate::tenant::admission::HostCapacity::detect(args.host_reserved_memory_mib)
+        .context("Cannot read this host's size from /proc/meminfo")?
+        .with_overcommit(args.memory_overcommit, args.vcpu_overcommit);
+    tracing::info!(
+        memory_mib = cfg.capacity.memory_mib,
+        cpus = cfg.capacity.cpus,
+        memory_overcommit = cfg.capacity.memory_overcommit,
+        vcpu_overcommit = cfg.capacity.vcpu_overcommit,
+        "capacity for tenants"
+    );
     cfg.departure.kek = crate::keys::KekSource::detect(&args.kek_file);
     cfg.departure.keyslot_cost = match args.keyslot_cost {
         KeyslotCostArg::Production => crate::disk::KeyslotCost::PRODUCTION,
@@ -254,12 +352,18 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
     svc.departure_kit()
         .context("Cannot set up disk keys and receipts")?;
 
+    if args.keep_unknown_cgroups {
+        tracing::warn!(
+            "--keep-unknown-cgroups is ignored: this daemon's cgroup subtree is its own, so the sweep of unknown cgroups never reaches another daemon's"
+        );
+    }
+
     let listener = bind(&args.socket).await?;
     // Every live tenant is marked as recovering before the first request is served; the
     // recovery itself runs in the background, each tenant on its own thread.
     let plan = reconcile::plan(&svc).context("Cannot start recovery")?;
     let opts = ReconcileOptions {
-        sweep_unknown_cgroups: !args.keep_unknown_cgroups,
+        sweep_unknown_cgroups: true,
     };
     let rsvc = svc.clone();
     svc.track(std::thread::spawn(move || {
@@ -269,7 +373,7 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
         }
     }));
 
-    println!("tenantvmd: serving on {}", args.socket.display());
+    announce(&format!("tenantvmd: serving on {}", args.socket.display()));
     let housekeeper = tokio::spawn(housekeeping(svc.clone()));
     let app = crate::api::router(svc.clone());
     let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
@@ -312,7 +416,7 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
     served
         .context("API server task failed")?
         .context("API server failed")?;
-    println!("tenantvmd: stopped (VMs keep running and are adopted at the next start)");
+    announce("tenantvmd: stopped (VMs keep running and are adopted at the next start)");
     Ok(())
 }
 
@@ -329,36 +433,187 @@ fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     })
 }
 
-/// Every 2 s: notices VMs that ended on their own, and keeps running tenants' logs under
-/// their caps.
+/// Every 2 s: [`housekeeping_pass`] off the async threads.
 async fn housekeeping(svc: TenantService) {
     let mut tick = tokio::time::interval(Duration::from_secs(2));
     loop {
         tick.tick().await;
         let s = svc.clone();
-        let _ = tokio::task::spawn_blocking(move || {
-            match s.check_vms() {
-                Ok(marked) if !marked.is_empty() => {
-                    tracing::warn!(?marked, "tenants whose VM ended on its own are now failed")
-                }
-                Ok(_) => {}
-                Err(e) => tracing::error!(error = %e, "VM check failed"),
+        let _ = tokio::task::spawn_blocking(move || housekeeping_pass(&s)).await;
+    }
+}
+
+/// Notices VMs that ended on their own, and keeps every tenant's logs under their caps,
+/// whatever its state: a guest writes its console while it boots (create waits minutes for
+/// an agent), while it stops, and a VMM may outlive its tenant's `running` state. A
+/// departing tenant is left to its departure, which stops the VM first and then removes
+/// the logs: housekeeping never creates files, and never races that removal.
+pub fn housekeeping_pass(svc: &TenantService) {
+    match svc.check_vms() {
+        Ok(marked) if !marked.is_empty() => {
+            tracing::warn!(?marked, "tenants whose VM ended on its own are now failed")
+        }
+        Ok(_) => {}
+        Err(e) => tracing::error!(error = %e, "VM check failed"),
+    }
+    let root = svc.config().tenants_dir();
+    for t in svc.store().list_tenants(false).unwrap_or_default() {
+        if t.state == LifecycleState::Destroying {
+            continue;
+        }
+        let logs =
+            crate::logs::TenantLogs::existing(&root, &t.name, crate::logs::LogPolicy::default());
+        // No directory: nothing provisioned yet, or already removed; no logs to cap.
+        if let Err(e) = logs.and_then(|l| l.map_or(Ok(()), |l| l.enforce_caps())) {
+            tracing::warn!(tenant = %t.name, error = %e, "log rotation failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    /// A log sink the test can read back.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn logs_are_capped_in_every_tenant_state_not_only_running() {
+        use crate::auth::Caller;
+        use crate::domain::spec::TenantSpec;
+        use crate::logs::{LogKind, LogPolicy, TenantLogs, DEFAULT_MAX_BYTES};
+        use crate::tenant::fault::FaultHook;
+        use crate::tenant::service::TenantCommand;
+        use crate::tenant::test_utils::Harness;
+        let h = Harness::new(FaultHook::default());
+        for name in ["booting", "stopped"] {
+            let spec =
+                TenantSpec::from_toml(&format!("name = \"{name}\"\n[image]\nname = \"hello\"\n"))
+                    .unwrap();
+            h.svc
+                .execute(&Caller::Admin, TenantCommand::Create(spec))
+                .unwrap();
+        }
+        h.svc.wait_idle();
+        h.svc
+            .execute(&Caller::Admin, TenantCommand::Stop("stopped".into()))
+            .unwrap();
+        h.svc.wait_idle();
+        // A guest still booting (its create waits for the agent for minutes) or a VMM that
+        // outlived a stop keeps writing its console.
+        let booting = h.svc.store().tenant("booting").unwrap().unwrap();
+        h.svc
+            .store()
+            .transition(booting.id, LifecycleState::Stopping, Some("stop"), None)
+            .unwrap();
+        h.svc
+            .store()
+            .transition(booting.id, LifecycleState::Stopped, None, None)
+            .unwrap();
+        h.svc
+            .store()
+            .transition(
+                booting.id,
+                LifecycleState::Provisioning,
+                Some("start"),
+                None,
+            )
+            .unwrap();
+        let root = h.svc.config().state_dir.join("tenants");
+        for name in ["booting", "stopped"] {
+            let logs = TenantLogs::open(&root, name, LogPolicy::default()).unwrap();
+            let mut serial = logs.open_append(LogKind::Serial).unwrap();
+            use std::io::Write;
+            serial
+                .write_all(&vec![b'x'; DEFAULT_MAX_BYTES as usize + 4096])
+                .unwrap();
+        }
+        housekeeping_pass(&h.svc);
+        for name in ["booting", "stopped"] {
+            let size = std::fs::metadata(root.join(name).join("serial.log"))
+                .unwrap()
+                .len();
+            assert!(
+                size < DEFAULT_MAX_BYTES,
+                "{name}'s serial.log is {size} bytes, over its cap"
+            );
+        }
+    }
+
+    #[test]
+    fn housekeeping_never_recreates_what_a_departure_removes() {
+        use crate::auth::Caller;
+        use crate::domain::spec::TenantSpec;
+        use crate::tenant::fault::FaultHook;
+        use crate::tenant::service::TenantCommand;
+        use crate::tenant::test_utils::Harness;
+        let h = Harness::new(FaultHook::default());
+        let spec =
+            TenantSpec::from_toml("name = \"leaving\"\n[image]\nname = \"hello\"\n").unwrap();
+        h.svc
+            .execute(&Caller::Admin, TenantCommand::Create(spec))
+            .unwrap();
+        h.svc.wait_idle();
+        let t = h.svc.store().tenant("leaving").unwrap().unwrap();
+        h.svc
+            .store()
+            .transition(t.id, LifecycleState::Destroying, Some("destroy"), None)
+            .unwrap();
+        let dir = h.svc.config().tenant_dir("leaving");
+        // remove-files has emptied the directory: housekeeping must not refill it.
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                std::fs::remove_dir_all(&path).unwrap();
+            } else {
+                std::fs::remove_file(&path).unwrap();
             }
-            let root = s.config().state_dir.join("tenants");
-            for t in s.store().list_tenants(false).unwrap_or_default() {
-                if t.state != LifecycleState::Running {
-                    continue;
-                }
-                let logs = crate::logs::TenantLogs::open(
-                    &root,
-                    &t.name,
-                    crate::logs::LogPolicy::default(),
-                );
-                if let Err(e) = logs.and_then(|l| l.enforce_caps()) {
-                    tracing::warn!(tenant = %t.name, error = %e, "log rotation failed");
-                }
-            }
-        })
-        .await;
+        }
+        housekeeping_pass(&h.svc);
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+        // Nor is a tenant's directory created by housekeeping.
+        std::fs::remove_dir(&dir).unwrap();
+        h.svc
+            .store()
+            .transition(t.id, LifecycleState::Failed, None, Some("x"))
+            .unwrap();
+        housekeeping_pass(&h.svc);
+        assert!(!dir.exists());
+    }
+
+    #[test]
+    fn guest_text_in_a_log_field_cannot_forge_a_daemon_log_line() {
+        let sink = Captured::default();
+        let writer = sink.clone();
+        let subscriber = log_subscriber(move || writer.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            let agent_version = "1.0\n2026-01-01T00:00:00Z  INFO crypto-shred ok verified\x1b[2K";
+            tracing::info!(tenant = "mallory", agent = %agent_version, "guest agent ready");
+            tracing::warn!(error = %"payload said:\r\nFORGED", "the guest agent did not shut down cleanly");
+        });
+        let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        assert!(lines[0].contains("guest agent ready"), "{text}");
+        assert!(!text.contains('\x1b') && !text.contains('\r'), "{text:?}");
+        assert!(
+            !lines
+                .iter()
+                .any(|l| l.contains("INFO crypto-shred") && !l.contains("agent=")),
+            "{text}"
+        );
     }
 }

@@ -20,3 +20,4 @@ pub mod reconcile;
 pub mod scrub;
 pub mod store;
 pub mod tenant;
+pub mod untrusted;

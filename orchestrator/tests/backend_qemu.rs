@@ -248,3 +248,62 @@ fn qemu_launch_rejects_bad_specs_before_starting_anything() {
         "nothing was prepared"
     );
 }
+
+/// A SIGSTOPped QEMU never accepts on its QMP socket (backlog 1): the first connection
+/// waits in the queue for an answer that never comes, and a second connect(2) would block
+/// for good without a deadline. Stop kills the cgroup after one control timeout.
+#[test]
+fn qemu_a_stopped_qemu_is_stopped_in_bounded_time() {
+    let _one = common::one_guest_at_a_time();
+    if let Some(reason) = skip() {
+        eprintln!("SKIP qemu_a_stopped_qemu_is_stopped_in_bounded_time: {reason}");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = spec(&tmp, "qstop");
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let control = Duration::from_secs(2);
+    let mut config = RuntimeConfig::detect().unwrap();
+    config.jail_binary = PathBuf::from(env!("CARGO_BIN_EXE_tenantvm-jail"));
+    config.ready_timeout = Duration::from_secs(60);
+    config.control_timeout = control;
+    let backend = QemuBackend::new(PathBuf::from(QEMU), QemuAccel::Tcg, config);
+    let vm = backend.launch(&spec, &jail(5)).unwrap();
+    assert_eq!(
+        backend.agent_endpoint(&vm),
+        tenantvm_agent_protocol::AgentEndpoint::Serial(spec.tenant_dir.join("run/agent.sock"))
+    );
+    common::freeze(&vm.cgroup);
+    // Twice: the first stop's connection may sit in the one-slot queue; the second
+    // connect then meets a full backlog.
+    for round in 0..2 {
+        let (b, v) = (backend.clone(), vm.clone());
+        let (state, took) = common::within(Duration::from_secs(60), "state", move || b.state(&v));
+        assert!(state.unwrap_err().is_unresponsive(), "round {round}");
+        assert!(
+            took < control + Duration::from_secs(3),
+            "state took {took:?}"
+        );
+    }
+    let (b, v) = (backend.clone(), vm.clone());
+    let (stopped, took) = common::within(Duration::from_secs(60), "stop", move || {
+        b.stop(&v, Duration::from_secs(10))
+    });
+    assert_eq!(
+        stopped.unwrap(),
+        ExitReason::Signaled {
+            signal: libc::SIGKILL
+        }
+    );
+    assert!(
+        took < control + Duration::from_secs(3),
+        "stop took {took:?}"
+    );
+    assert!(vm.cgroup.members().unwrap().is_empty());
+    cleanup_tenant(
+        &RuntimeConfig::detect().unwrap().cgroups,
+        &spec.tenant,
+        &spec.tenant_dir,
+    )
+    .unwrap();
+}

@@ -478,3 +478,109 @@ fn vmm_attaches_a_rate_limited_disk_as_virtio_blk() {
     backend.kill(&vm).unwrap();
     cleanup(&spec);
 }
+
+/// The config file the backend writes passes the VMM's own parser and validation
+/// (`tenantvm-vmm --check`, which opens nothing: the paths are the jail's). Needs only a
+/// built tenantvm-vmm.
+#[test]
+fn vmm_the_config_the_backend_writes_passes_the_vmms_own_check() {
+    if !vmm_binary().exists() {
+        eprintln!(
+            "SKIP vmm_the_config_the_backend_writes_passes_the_vmms_own_check: {} is not built: run cargo build -p tenantvm-vmm",
+            vmm_binary().display()
+        );
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut spec = spec(&tmp, "vcheck", HELLO_SPIN);
+    spec.initramfs = Some(spec.kernel.clone());
+    spec.vcpus = 2;
+    spec.memory_mib = 96;
+    spec.disks.push(tenantvm::backend::DiskAttachment {
+        path: tmp.path().join("disk.img"),
+        read_only: false,
+        limit: Some(tenantvm::backend::DiskRateLimit {
+            bytes_per_s: 1 << 20,
+            ops_per_s: 100,
+        }),
+    });
+    let written = tenantvm::backend::vmm::Vmm::config_file(&spec);
+    let file = tmp.path().join("vm.json");
+    fs::write(&file, written.to_json().unwrap()).unwrap();
+    let out = std::process::Command::new(vmm_binary())
+        .args(["--check", "--config"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // What the VMM resolved is what the backend meant.
+    let resolved: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(resolved["kernel"], "/vm/kernel");
+    assert_eq!(resolved["initramfs"], "/vm/initramfs");
+    assert_eq!(resolved["vcpus"], 2);
+    assert_eq!(resolved["memory_mib"], 96);
+    assert_eq!(resolved["serial"], "file:/log/serial.log");
+    assert_eq!(resolved["api_sock"], "/run/api.sock");
+    assert_eq!(resolved["disks"][0]["path"], "/vm/disk0");
+    assert_eq!(resolved["disks"][0]["rate_limit"]["bytes_per_sec"], 1 << 20);
+    assert_eq!(resolved["vsock"]["uds_path"], "/run/vsock.sock");
+    assert_eq!(resolved["seccomp"], "on");
+}
+
+/// A SIGSTOPped tenantvm-vmm (a wedged or hostile VMM) accepts a connection but never
+/// answers: state gives up at the control timeout, and stop kills the cgroup then instead
+/// of waiting out the grace period and more.
+#[test]
+fn vmm_a_stopped_vmm_is_stopped_in_bounded_time() {
+    require!();
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = spec(&tmp, "vstop", HELLO_SPIN);
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let mut backend = backend();
+    let control = Duration::from_secs(2);
+    {
+        let mut config = backend.config().clone();
+        config.control_timeout = control;
+        backend = VmmBackend::new(vmm_binary(), config);
+    }
+    let vm = backend.launch(&spec, &jail(15)).unwrap();
+    assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
+    // The VM got its agent channel: the vsock socket exists beside the control socket.
+    let endpoint = backend.agent_endpoint(&vm);
+    assert_eq!(
+        endpoint,
+        tenantvm_agent_protocol::AgentEndpoint::vsock(spec.tenant_dir.join("run/vsock.sock"))
+    );
+    assert!(endpoint.path().exists());
+    common::freeze(&vm.cgroup);
+    let (b, v) = (backend.clone(), vm.clone());
+    let (state, took) = common::within(Duration::from_secs(60), "state", move || b.state(&v));
+    let err = state.unwrap_err();
+    assert!(err.is_unresponsive(), "{err}");
+    assert!(
+        took < control + Duration::from_secs(3),
+        "state took {took:?}"
+    );
+    let (b, v) = (backend.clone(), vm.clone());
+    let (stopped, took) = common::within(Duration::from_secs(60), "stop", move || {
+        b.stop(&v, Duration::from_secs(10))
+    });
+    assert_eq!(
+        stopped.unwrap(),
+        ExitReason::Signaled {
+            signal: libc::SIGKILL
+        }
+    );
+    // One control timeout to find it does not answer, then the kill: not the 10 s grace.
+    assert!(
+        took < control + Duration::from_secs(3),
+        "stop took {took:?}"
+    );
+    assert!(vm.cgroup.members().unwrap().is_empty());
+    cleanup(&spec);
+}

@@ -131,32 +131,36 @@ fn the_vmm_backend_attaches_the_encrypted_disk_as_virtio_blk() {
     ok(create(&d, &name, "disk_gib = 1"), "create", &d);
     let img = image(&d, &name);
     assert!(key_opens(&img, &keys(&d).unwrap(&name).unwrap()).unwrap());
-    // The jailed VMM got the image as its first virtio-blk disk, read-write.
-    let vmm_args: Vec<String> = daemon::processes_in_cgroup_of(&name)
+    // The jailed VMM got the image as its first virtio-blk disk, read-write: its config
+    // file, read where the VMM itself reads it (inside its jail).
+    let vmms: Vec<i32> = daemon::processes_in_cgroup_of(&name)
         .into_iter()
-        .filter_map(|pid| std::fs::read(format!("/proc/{pid}/cmdline")).ok())
-        .map(|raw| {
-            raw.split(|b| *b == 0)
-                .map(|arg| String::from_utf8_lossy(arg).into_owned())
-                .collect::<Vec<_>>()
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|raw| {
+                raw.split(|b| *b == 0)
+                    .next()
+                    .is_some_and(|prog| prog.ends_with(b"/tenantvm-vmm"))
+            })
         })
-        .filter(|argv| {
-            argv.first()
-                .is_some_and(|prog| prog.ends_with("/tenantvm-vmm"))
-        })
-        .map(|argv| argv.join(" "))
         .collect();
-    assert_eq!(
-        vmm_args.len(),
-        1,
-        "one VMM in the tenant's cgroup: {vmm_args:?}"
-    );
+    assert_eq!(vmms.len(), 1, "one VMM in the tenant's cgroup: {vmms:?}");
+    let cmdline = std::fs::read(format!("/proc/{}/cmdline", vmms[0])).unwrap();
     assert!(
-        vmm_args[0].contains("--disk path=/vm/disk0,id=disk0")
-            && !vmm_args[0].contains("readonly=on"),
+        String::from_utf8_lossy(&cmdline).contains("--config\0/vm/config.json"),
         "{}",
-        vmm_args[0]
+        String::from_utf8_lossy(&cmdline)
     );
+    let text = std::fs::read_to_string(format!("/proc/{}/root/vm/config.json", vmms[0])).unwrap();
+    let config = tenantvm_vmm_api::VmConfigFile::from_json(&text).unwrap();
+    let disks = config.disks.expect("a disk in the VMM's config");
+    assert_eq!(disks.len(), 1, "{text}");
+    assert_eq!(
+        disks[0].path,
+        std::path::PathBuf::from("/vm/disk0"),
+        "{text}"
+    );
+    assert_eq!(disks[0].id.as_deref(), Some("disk0"), "{text}");
+    assert!(!disks[0].read_only, "{text}");
     ok(cli(&d, None, &["destroy", &name]), "destroy", &d);
     assert!(!img.exists(), "the image outlived destroy");
     d.stop();

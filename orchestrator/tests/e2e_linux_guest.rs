@@ -11,8 +11,8 @@
 //! Skips with a printed reason without root, qemu-system-x86_64, `.cache/kernel` or the
 //! image tools. Set `TENANTVM_GUEST_IMAGE=DIR` to boot an image set built elsewhere; else
 //! it is built into `target/guest-image-test` (reused when already there and intact).
-//! On a KVM host: `TENANTVM_E2E_BACKEND=qemu-kvm` (tenantvm-vmm refuses Linux image sets
-//! until it has virtio-blk and vsock; docs/guest-image.md).
+//! On a KVM host: `TENANTVM_E2E_BACKEND=qemu-kvm`, or `TENANTVM_E2E_BACKEND=vmm` for
+//! tenantvm-vmm (the agent over vsock) on a host where KVM runs a stock Linux kernel.
 
 mod departure_common;
 mod support;
@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use tenantvm_agent::client::{AgentClient, AgentEndpoint};
+use tenantvm_agent_protocol::{AgentClient, AgentEndpoint};
 
 use departure_common::{cli, ok, text};
 use support::daemon::{self, TestDaemon};
@@ -70,7 +70,7 @@ fn image_set() -> PathBuf {
         return PathBuf::from(dir);
     }
     let out = repo_root().join("target/guest-image-test");
-    if tenantvm_agent::image::ImageSet::open(&out).is_ok() {
+    if tenantvm_agent_protocol::ImageSet::open(&out).is_ok() {
         eprintln!("reusing the image set in {}", out.display());
         return out;
     }
@@ -336,13 +336,14 @@ fn linux_guest_tenant_serves_inference_keeps_its_disk_encrypted_and_leaves_nothi
     );
     // The guest's own account, read over the agent channel (the daemon holds no connection
     // between requests): the two completions made before the stop were on the disk.
-    let sock = d
-        .state_dir()
-        .join("tenants")
-        .join(&name)
-        .join("run/agent.sock");
-    let mut agent = AgentClient::connect(&AgentEndpoint::Serial(sock), Duration::from_secs(10))
-        .expect("connect to the agent");
+    let run = d.state_dir().join("tenants").join(&name).join("run");
+    let endpoint = if backend == "vmm" {
+        AgentEndpoint::vsock(run.join("vsock.sock"))
+    } else {
+        AgentEndpoint::Serial(run.join("agent.sock"))
+    };
+    let mut agent =
+        AgentClient::connect(&endpoint, Duration::from_secs(10)).expect("connect to the agent");
     let (lines, _) = agent
         .logs(0, 1000, Duration::ZERO, Duration::from_secs(30))
         .expect("agent logs");

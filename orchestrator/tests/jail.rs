@@ -315,3 +315,30 @@ fn cgroup_limits_read_back_and_cleanup_is_idempotent() {
     cleanup_tenant(&cgroups, &tenant, &dir).unwrap();
     let _ = File::open(&dir).unwrap();
 }
+
+#[test]
+fn a_jailed_program_cannot_grow_a_file_past_the_file_size_limit() {
+    require_root!();
+    let uid = common::test_uid(0);
+    let run = run_jailed_with(
+        "fsize",
+        common::roomy_limits(),
+        // 2048 writes of 64 KiB: 128 MiB, twice the limit for a jail without large disks.
+        "exec 3>>/out || exit 3; i=0; while [ $i -lt 2048 ]; do \
+           printf '%65536s' x >&3 || { echo refused-at $i; exit 0; }; i=$((i+1)); \
+         done; echo wrote-all",
+        |plan, dir| {
+            let out = dir.join("out");
+            fs::write(&out, b"").unwrap();
+            std::os::unix::fs::chown(&out, Some(uid), Some(uid)).unwrap();
+            plan.bind(&out, Path::new("/out"), true).unwrap();
+        },
+    );
+    // Not killed by SIGXFSZ: the write fails (EFBIG) and the program goes on.
+    assert_eq!(run.exit, ExitRecord::Code(0), "{}", run.output);
+    assert!(
+        run.output.contains("refused-at 1024"),
+        "the 1025th 64 KiB write must fail at the 64 MiB limit:\n{}",
+        run.output
+    );
+}

@@ -105,10 +105,9 @@ fn a_failed_destroy_step_stays_destroying_and_destroy_again_resumes() {
     d.start(None);
     let name = daemon::unique("rf");
     ok(create(&d, &name, ""), "create", &d);
-    // A damaged audit log refuses appends, so write-receipt fails.
+    // An audit log that cannot be opened (a directory in its place), so write-receipt fails.
     let log = audit_log(&d);
-    std::fs::create_dir_all(log.parent().unwrap()).unwrap();
-    std::fs::write(&log, "not an audit entry\n").unwrap();
+    std::fs::create_dir_all(&log).unwrap();
     let o = cli(&d, None, &["destroy", &name]);
     assert_eq!(o.status.code(), Some(8), "{}", text(&o));
     assert!(text(&o).contains("write-receipt"), "{}", text(&o));
@@ -119,10 +118,58 @@ fn a_failed_destroy_step_stays_destroying_and_destroy_again_resumes() {
         tenantvm::domain::lifecycle::LifecycleState::Destroying
     );
     // Fixed, destroy resumes the same departure and finishes it.
-    std::fs::remove_file(&log).unwrap();
+    std::fs::remove_dir(&log).unwrap();
     ok(cli(&d, None, &["destroy", &name]), "destroy again", &d);
     assert!(d.store().tenant(&name).unwrap().is_none());
     assert_eq!(receipts_of(&d, &name).len(), 1);
     ok(verify(&d), "verify", &d);
+    d.stop();
+}
+
+#[test]
+fn a_damaged_audit_log_never_blocks_later_departures() {
+    if daemon::should_skip("a_damaged_audit_log_never_blocks_later_departures") {
+        return;
+    }
+    let mut d = TestDaemon::new();
+    d.start(None);
+    let first = daemon::unique("dl0");
+    ok(create(&d, &first, ""), "create", &d);
+    ok(cli(&d, None, &["destroy", &first]), "destroy", &d);
+    // The damage an unbounded writer once did: a line longer than any reader accepts.
+    let log = audit_log(&d);
+    let mut damaged = std::fs::read(&log).unwrap();
+    damaged.extend_from_slice(&vec![b'x'; tenantvm::receipt::MAX_LINE + 1]);
+    damaged.push(b'\n');
+    std::fs::write(&log, &damaged).unwrap();
+    // Receipts stay readable through the API...
+    assert_eq!(receipts_of(&d, &first).len(), 1);
+    // ...and the next departures complete, each with its receipt.
+    for i in 1..3 {
+        let name = daemon::unique(&format!("dl{i}"));
+        ok(create(&d, &name, ""), "create", &d);
+        ok(
+            cli(&d, None, &["destroy", &name]),
+            "destroy after damage",
+            &d,
+        );
+        assert_eq!(receipts_of(&d, &name).len(), 1, "{name}");
+    }
+    // verify reports the set-aside log (kept byte for byte) and fails until it is moved.
+    let o = verify(&d);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("set aside"), "{}", text(&o));
+    let dir = log.parent().unwrap();
+    let aside: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let n = p.file_name().unwrap().to_string_lossy();
+            n.contains(".damaged-") && !n.ends_with(".head")
+        })
+        .collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+    assert_eq!(std::fs::read(&aside[0]).unwrap(), damaged);
     d.stop();
 }

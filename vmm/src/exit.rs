@@ -3,6 +3,7 @@
 use std::sync::Mutex;
 
 use tenantvm_devices::legacy::{GuestRequest, GuestRequestSink};
+use tenantvm_vmm_api::ExitStatus;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 /// Why the VM stopped; each maps to a documented process exit status.
@@ -26,15 +27,15 @@ pub enum ExitReason {
 
 impl ExitReason {
     /// The process exit status documented in docs/vmm.md.
-    pub fn exit_status(&self) -> i32 {
+    pub fn exit_status(&self) -> ExitStatus {
         match self {
-            ExitReason::PowerOff => 0,
-            ExitReason::VmmError(_) => 1,
-            ExitReason::Reset => 3,
-            ExitReason::TripleFault => 4,
-            ExitReason::GuestPanic => 5,
-            ExitReason::ApiShutdown => 6,
-            ExitReason::GuestUnrunnable(_) => 7,
+            ExitReason::PowerOff => ExitStatus::PowerOff,
+            ExitReason::VmmError(_) => ExitStatus::VmmError,
+            ExitReason::Reset => ExitStatus::Reset,
+            ExitReason::TripleFault => ExitStatus::TripleFault,
+            ExitReason::GuestPanic => ExitStatus::GuestPanic,
+            ExitReason::ApiShutdown => ExitStatus::Stopped,
+            ExitReason::GuestUnrunnable(_) => ExitStatus::GuestUnrunnable,
         }
     }
 }
@@ -130,7 +131,7 @@ mod tests {
             ExitReason::ApiShutdown,
             ExitReason::GuestUnrunnable(String::new()),
         ];
-        let statuses: Vec<i32> = all.iter().map(ExitReason::exit_status).collect();
+        let statuses: Vec<u8> = all.iter().map(|r| r.exit_status().code()).collect();
         assert_eq!(statuses, vec![0, 1, 3, 4, 5, 6, 7]);
     }
 }

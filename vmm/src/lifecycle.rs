@@ -13,6 +13,7 @@ use tenantvm_devices::virtio::block::{Block, BlockError};
 use tenantvm_devices::virtio::rng::Rng;
 use tenantvm_devices::virtio::vsock::{Vsock, VsockError};
 use tenantvm_devices::virtio::ThreadInit;
+use tenantvm_vmm_api::ExitStatus;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::api::server::ConnectionState;
@@ -76,31 +77,33 @@ pub enum StartError {
 
 impl StartError {
     /// The process exit status documented in docs/vmm.md.
-    pub fn exit_status(&self) -> i32 {
+    pub fn exit_status(&self) -> ExitStatus {
         match self {
             StartError::Boot(e) => match e {
-                BootError::KernelOpen { .. } => 10,
-                BootError::KernelFormat(_) => 11,
-                BootError::InitramfsOpen { .. } | BootError::InitramfsTooLarge { .. } => 12,
-                BootError::MemoryTooSmall { .. } => 13,
-                BootError::TooManyCpus { .. } => 14,
-                BootError::Cmdline(_) => 2,
-                BootError::Internal(_) => 1,
+                BootError::KernelOpen { .. } => ExitStatus::KernelUnreadable,
+                BootError::KernelFormat(_) => ExitStatus::KernelFormat,
+                BootError::InitramfsOpen { .. } | BootError::InitramfsTooLarge { .. } => {
+                    ExitStatus::Initramfs
+                }
+                BootError::MemoryTooSmall { .. } => ExitStatus::MemoryTooSmall,
+                BootError::TooManyCpus { .. } => ExitStatus::VcpuCount,
+                BootError::Cmdline(_) => ExitStatus::ConfigError,
+                BootError::Internal(_) => ExitStatus::VmmError,
             },
             StartError::Vstate(e) => match e {
-                VstateError::KvmUnavailable(_) => 16,
-                VstateError::TooManyVcpus { .. } => 14,
-                _ => 1,
+                VstateError::KvmUnavailable(_) => ExitStatus::KvmUnavailable,
+                VstateError::TooManyVcpus { .. } => ExitStatus::VcpuCount,
+                _ => ExitStatus::VmmError,
             },
-            StartError::Api(_) => 15,
-            StartError::SerialFile { .. } => 17,
-            StartError::Pci(PciSetupError::Windows(_)) => 2,
-            StartError::Disk { .. } => 18,
-            StartError::Vsock(_) => 19,
+            StartError::Api(_) => ExitStatus::ApiSocket,
+            StartError::SerialFile { .. } => ExitStatus::SerialFile,
+            StartError::Pci(PciSetupError::Windows(_)) => ExitStatus::ConfigError,
+            StartError::Disk { .. } => ExitStatus::DiskImage,
+            StartError::Vsock(_) => ExitStatus::VsockSocket,
             StartError::Devices(_)
             | StartError::Host(_)
             | StartError::Pci(_)
-            | StartError::Seccomp(_) => 1,
+            | StartError::Seccomp(_) => ExitStatus::VmmError,
         }
     }
 }
@@ -156,7 +159,7 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
         },
     )?;
 
-    let vm = Arc::new(Vm::new()?);
+    let vm = Arc::new(Vm::new(&mem)?);
     if config.vcpus > vm.max_vcpus() {
         return Err(VstateError::TooManyVcpus {
             requested: config.vcpus,
@@ -164,7 +167,6 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
         }
         .into());
     }
-    vm.register_memory(&mem)?;
     let exit = Arc::new(ExitState::new().map_err(StartError::Host)?);
     let mut buses = Buses::default();
     let serial = attach_legacy_devices(

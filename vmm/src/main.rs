@@ -4,35 +4,18 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::builder::{PossibleValuesParser, TypedValueParser};
+use clap::{CommandFactory, FromArgMatches, Parser};
+use tenantvm_vmm::api::config::load;
 use tenantvm_vmm::api::{parse_disk, parse_vsock, VmConfig, VmConfigFile};
-use tenantvm_vmm::boot::BootProtocol;
+use tenantvm_vmm_api::exit::help_table;
+use tenantvm_vmm_api::{BootProtocol, ExitStatus, SeccompMode, SerialConfig};
 
 /// Runs one tenant's virtual machine on KVM, one VM per process.
 ///
 /// The guest's serial console (COM1) goes to stdout, a file, or nowhere; with stdout, the
 /// VMM's stdin feeds the guest's serial input. The process ends when the VM does, and its
-/// exit status says why:
-///
-///   0  the guest powered off (ACPI sleep control port 0x600, S5)
-///   1  VMM runtime error
-///   2  usage or config error
-///   3  the guest asked for a reset (i8042 0xFE, ACPI reset)
-///   4  triple fault
-///   5  the guest reported a crash (pvpanic, port 0x505)
-///   6  stopped through the control socket
-///   7  the guest could not be run (KVM internal error, failed entry)
-///  10  kernel missing or unreadable
-///  11  kernel is not a loadable ELF vmlinux or bzImage
-///  12  initramfs missing, unreadable, or too large for guest memory
-///  13  guest memory too small for the kernel
-///  14  vCPU count is 0 or above what KVM allows
-///  15  control socket path busy or not writable
-///  16  /dev/kvm missing or not usable
-///  17  serial output file cannot be opened
-///  18  a disk image is missing, unreadable or unusable
-///  19  the vsock socket path is busy, not a socket or not writable
-///  20  a VMM thread made a system call its seccomp filter does not allow
+/// exit status says why (the table below).
 ///
 /// Example:
 ///   tenantvm-vmm --kernel vmlinux --memory-mib 512 --vcpus 2 \
@@ -58,13 +41,17 @@ struct Cli {
     vcpus: Option<u32>,
     /// Serial console output: stdout, file:PATH (appended to) or none [default: stdout].
     #[arg(long, value_name = "stdout|file:PATH|none")]
-    serial: Option<String>,
+    serial: Option<SerialConfig>,
     /// Control socket path (newline-delimited JSON: status, pause, resume, shutdown).
     #[arg(long, value_name = "PATH")]
     api_sock: Option<PathBuf>,
     /// Kernel entry point: auto (PVH if the ELF has the note), linux (64-bit boot
     /// protocol) or pvh [default: auto].
-    #[arg(long, value_name = "PROTOCOL")]
+    #[arg(
+        long,
+        value_name = "PROTOCOL",
+        value_parser = PossibleValuesParser::new(BootProtocol::NAMES).try_map(|s| s.parse::<BootProtocol>())
+    )]
     boot: Option<BootProtocol>,
     /// A virtio-blk disk (repeatable; PCI slot order): a raw image file, read-only with
     /// readonly=on, GET_ID serial id=, rate limits bps= (bytes/s) and iops=.
@@ -83,13 +70,22 @@ struct Cli {
     /// Seccomp filters on every VMM thread: on (calls outside a thread's list end the
     /// process with status 20), log (allowed, logged by the kernel; for debugging), off
     /// [default: on].
-    #[arg(long, value_name = "on|log|off")]
-    seccomp: Option<tenantvm_vmm::seccomp::SeccompMode>,
+    #[arg(
+        long,
+        value_name = "on|log|off",
+        value_parser = PossibleValuesParser::new(SeccompMode::NAMES).try_map(|s| s.parse::<SeccompMode>())
+    )]
+    seccomp: Option<SeccompMode>,
     /// JSON file with the same fields (kernel, initramfs, cmdline, memory_mib, vcpus,
     /// serial, api_sock, boot, disks, vsock, rng, seccomp); unknown fields are refused;
     /// flags override it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
+    /// Check the configuration (file and flags) without starting the VM or opening any of
+    /// its files: print it as JSON with the defaults filled in and exit 0, or exit with
+    /// the status a start would have (2, or 14 for zero vCPUs) and say what is wrong.
+    #[arg(long)]
+    check: bool,
 }
 
 fn parse_on_off(s: &str) -> Result<bool, String> {
@@ -100,25 +96,34 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
     }
 }
 
-fn fail(status: u8, message: impl std::fmt::Display) -> ExitCode {
+fn fail(status: ExitStatus, message: impl std::fmt::Display) -> ExitCode {
     eprintln!("tenantvm-vmm: {message}");
-    ExitCode::from(status)
+    ExitCode::from(status.code())
+}
+
+fn parse_cli() -> Result<Cli, clap::Error> {
+    let command = Cli::command().after_help(format!("Exit statuses:\n{}", help_table()));
+    Cli::from_arg_matches(&command.try_get_matches()?)
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli = match parse_cli() {
         Ok(cli) => cli,
         Err(e) => {
-            let status = if e.use_stderr() { 2 } else { 0 };
+            let status = if e.use_stderr() {
+                ExitStatus::ConfigError.code()
+            } else {
+                0
+            };
             // Printing help or the error can only fail on a closed stream.
             let _ = e.print();
             return ExitCode::from(status);
         }
     };
     let file = match &cli.config {
-        Some(path) => match VmConfigFile::load(path) {
+        Some(path) => match load(path) {
             Ok(file) => file,
-            Err(e) => return fail(e.exit_status() as u8, e),
+            Err(e) => return fail(e.exit_status(), e),
         },
         None => VmConfigFile::default(),
     };
@@ -129,11 +134,11 @@ fn main() -> ExitCode {
         .collect::<Result<Vec<_>, _>>()
     {
         Ok(disks) => (!disks.is_empty()).then_some(disks),
-        Err(e) => return fail(2, e),
+        Err(e) => return fail(ExitStatus::ConfigError, e),
     };
     let vsock = match cli.vsock.as_deref().map(parse_vsock).transpose() {
         Ok(vsock) => vsock,
-        Err(e) => return fail(2, e),
+        Err(e) => return fail(ExitStatus::ConfigError, e),
     };
     let flags = VmConfigFile {
         kernel: cli.kernel,
@@ -151,16 +156,25 @@ fn main() -> ExitCode {
     };
     let config = match VmConfig::resolve(file.overridden_by(flags)) {
         Ok(config) => config,
-        Err(e) => return fail(e.exit_status() as u8, e),
+        Err(e) => return fail(e.exit_status(), e),
     };
+    if cli.check {
+        return match serde_json::to_string_pretty(&config) {
+            Ok(json) => {
+                println!("{json}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(ExitStatus::ConfigError, e),
+        };
+    }
     match tenantvm_vmm::run(&config) {
         Ok(reason) => {
             let status = reason.exit_status();
-            if status != 0 {
-                eprintln!("tenantvm-vmm: {reason} (exit status {status})");
+            if status != ExitStatus::PowerOff {
+                eprintln!("tenantvm-vmm: {reason} (exit status {})", status.code());
             }
-            ExitCode::from(status as u8)
+            ExitCode::from(status.code())
         }
-        Err(e) => fail(e.exit_status() as u8, e),
+        Err(e) => fail(e.exit_status(), e),
     }
 }

@@ -19,24 +19,12 @@ use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
     SeccompRule, TargetArch,
 };
-use serde::{Deserialize, Serialize};
 
 /// Process exit status after a system call outside a thread's filter (docs/vmm.md).
-pub const EXIT_SECCOMP: i32 = 20;
+pub const EXIT_SECCOMP: i32 = tenantvm_vmm_api::ExitStatus::SeccompViolation.code() as i32;
 
-/// Whether and how filters are installed.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum SeccompMode {
-    /// Calls outside the list end the process (default).
-    #[default]
-    On,
-    /// Calls outside the list are allowed and logged by the kernel (audit log): for
-    /// finding what a new code path needs, never for tenants.
-    Log,
-    /// No filters.
-    Off,
-}
+/// Whether and how filters are installed (part of the config file: tenantvm-vmm-api).
+pub use tenantvm_vmm_api::SeccompMode;
 
 /// The kinds of thread tenantvm-vmm runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

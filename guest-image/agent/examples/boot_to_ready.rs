@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use tenantvm_agent::client::{AgentClient, AgentEndpoint};
+use tenantvm_agent_protocol::{AgentClient, AgentEndpoint};
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();

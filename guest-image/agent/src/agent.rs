@@ -10,14 +10,15 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
+use tenantvm_agent_protocol::{
+    AgentFailure, DiskKey, DiskState, ErrorCode, HttpRequest, Outcome, PayloadState, Reply,
+    Request, ShutdownReport, StatusReply, MAX_BODY_LEN, PROTOCOL_VERSION,
+};
+
 use crate::config::AgentConfig;
 use crate::disk::{self, DiskError};
 use crate::http1;
 use crate::logbuf::LogBuffer;
-use crate::protocol::{
-    AgentFailure, DiskKey, DiskState, ErrorCode, HttpRequest, Outcome, PayloadState, Reply,
-    Request, ShutdownReport, StatusReply, MAX_BODY_LEN, PROTOCOL_VERSION,
-};
 use crate::reaper::Reaper;
 
 /// Most log lines returned by one `logs` request.
@@ -305,7 +306,7 @@ impl Agent {
         &self,
         req: &HttpRequest,
         timeout: Duration,
-    ) -> Result<crate::protocol::HttpResponse, String> {
+    ) -> Result<tenantvm_agent_protocol::HttpResponse, String> {
         let addr = SocketAddr::from(([127, 0, 0, 1], self.cfg.payload.port));
         let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
             .map_err(|e| format!("Cannot connect to the payload on {addr}: {e}"))?;

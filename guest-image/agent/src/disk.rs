@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use nix::mount::{mount, umount, MsFlags};
 use thiserror::Error;
 
+use tenantvm_agent_protocol::DiskKey;
+
 use crate::config::DiskConfig;
-use crate::protocol::DiskKey;
 use crate::reaper::Reaper;
 
 /// How long cryptsetup may take (the key derivation is slow under software emulation).

@@ -1,18 +1,21 @@
 //! A small HTTP/1.1 message codec: what the agent needs to forward inference requests to
-//! the payload's port, and what the CI payload needs to serve them. Bounded everywhere:
-//! header block, header count and body have hard limits, and every field that is written
-//! onto the wire is checked for CR/LF so nothing can inject headers.
+//! the payload's port, and what the CI payload needs to serve them. Heads and chunk sizes
+//! are parsed by `httparse`; reading is bounded here: the head, the header count and the
+//! body have hard limits, and every field that is written onto the wire is checked for
+//! CR/LF so nothing can inject headers.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 
 use thiserror::Error;
 
-use crate::protocol::{HttpRequest, HttpResponse};
+use tenantvm_agent_protocol::{HttpRequest, HttpResponse};
 
 /// Largest accepted header block.
 pub const MAX_HEAD_LEN: usize = 16 * 1024;
 /// Most header lines.
 pub const MAX_HEADERS: usize = 64;
+/// Longest chunk-size line of a chunked body.
+const MAX_CHUNK_LINE: usize = 1024;
 
 /// Why an HTTP message could not be read or written.
 #[derive(Debug, Error)]
@@ -26,6 +29,9 @@ pub enum HttpCodecError {
     /// A malformed start line, header or chunk.
     #[error("Malformed HTTP message: {0}")]
     Malformed(&'static str),
+    /// The head is not valid HTTP/1.x.
+    #[error("Malformed HTTP head: {0}")]
+    Head(#[source] httparse::Error),
     /// A limit was exceeded.
     #[error("HTTP {what} exceeds the {max} byte limit")]
     TooLarge {
@@ -66,15 +72,16 @@ fn is_path(s: &str) -> bool {
     s.starts_with('/') && s.bytes().all(|b| b > 0x20 && b != 0x7f)
 }
 
-/// Reads one line ending in LF, bounded by `budget` bytes in total.
-fn read_line(r: &mut impl BufRead, budget: &mut usize) -> Result<String, HttpCodecError> {
+/// Reads one line with its LF, bounded by `budget` bytes in total. `Ok(None)` when the
+/// stream ends before the first byte.
+fn read_raw_line(
+    r: &mut impl BufRead,
+    budget: &mut usize,
+) -> Result<Option<Vec<u8>>, HttpCodecError> {
     let mut line = Vec::new();
-    let n = r
-        .take(*budget as u64 + 1)
-        .read_until(b'\n', &mut line)
-        .map_err(HttpCodecError::Io)?;
+    let n = r.take(*budget as u64 + 1).read_until(b'\n', &mut line)?;
     if n == 0 {
-        return Err(HttpCodecError::Truncated);
+        return Ok(None);
     }
     if n > *budget {
         return Err(HttpCodecError::TooLarge {
@@ -86,36 +93,57 @@ fn read_line(r: &mut impl BufRead, budget: &mut usize) -> Result<String, HttpCod
     if line.last() != Some(&b'\n') {
         return Err(HttpCodecError::Truncated);
     }
-    line.pop();
-    if line.last() == Some(&b'\r') {
-        line.pop();
-    }
-    String::from_utf8(line).map_err(|_| HttpCodecError::Malformed("header is not UTF-8"))
+    Ok(Some(line))
 }
 
-fn read_headers(
-    r: &mut impl BufRead,
-    budget: &mut usize,
-) -> Result<Vec<(String, String)>, HttpCodecError> {
-    let mut headers = Vec::new();
+/// Reads lines up to and including the first empty one (a head, or a chunked body's
+/// trailer), at most [`MAX_HEAD_LEN`] bytes. `Ok(None)` when the stream ends first thing.
+fn read_block(r: &mut impl BufRead) -> Result<Option<Vec<u8>>, HttpCodecError> {
+    let mut budget = MAX_HEAD_LEN;
+    let mut block = Vec::new();
     loop {
-        let line = read_line(r, budget)?;
-        if line.is_empty() {
-            return Ok(headers);
+        let Some(line) = read_raw_line(r, &mut budget)? else {
+            return if block.is_empty() {
+                Ok(None)
+            } else {
+                Err(HttpCodecError::Truncated)
+            };
+        };
+        block.extend_from_slice(&line);
+        if line == b"\r\n" || line == b"\n" {
+            return Ok(Some(block));
         }
-        if headers.len() == MAX_HEADERS {
-            return Err(HttpCodecError::TooLarge {
-                what: "header count",
-                max: MAX_HEADERS,
-            });
-        }
-        let (name, value) = line
-            .split_once(':')
-            .ok_or(HttpCodecError::Malformed("header line without ':'"))?;
-        if !is_token(name) {
-            return Err(HttpCodecError::Malformed("bad header name"));
-        }
-        headers.push((name.to_string(), value.trim().to_string()));
+    }
+}
+
+/// The headers of a parsed head as owned strings (values trimmed).
+fn owned_headers(parsed: &[httparse::Header<'_>]) -> Result<Vec<(String, String)>, HttpCodecError> {
+    parsed
+        .iter()
+        .map(|h| {
+            let value = std::str::from_utf8(h.value)
+                .map_err(|_| HttpCodecError::Malformed("header is not UTF-8"))?;
+            Ok((h.name.to_string(), value.trim().to_string()))
+        })
+        .collect()
+}
+
+/// Maps an httparse failure to this codec's errors.
+fn head_error(e: httparse::Error) -> HttpCodecError {
+    match e {
+        httparse::Error::TooManyHeaders => HttpCodecError::TooLarge {
+            what: "header count",
+            max: MAX_HEADERS,
+        },
+        other => HttpCodecError::Head(other),
+    }
+}
+
+/// Checks that httparse consumed the whole block (it ends at the empty line).
+fn complete(status: httparse::Status<usize>) -> Result<(), HttpCodecError> {
+    match status {
+        httparse::Status::Complete(_) => Ok(()),
+        httparse::Status::Partial => Err(HttpCodecError::Truncated),
     }
 }
 
@@ -138,25 +166,30 @@ fn read_exact_body(r: &mut impl Read, len: usize) -> Result<Vec<u8>, HttpCodecEr
 fn read_chunked(r: &mut impl BufRead, max_body: usize) -> Result<Vec<u8>, HttpCodecError> {
     let mut body = Vec::new();
     loop {
-        let mut budget = 1024;
-        let line = read_line(r, &mut budget)?;
-        let size_text = line.split(';').next().unwrap_or("").trim();
-        let size = usize::from_str_radix(size_text, 16)
-            .map_err(|_| HttpCodecError::Malformed("bad chunk size"))?;
+        let mut budget = MAX_CHUNK_LINE;
+        let line = read_raw_line(r, &mut budget)?.ok_or(HttpCodecError::Truncated)?;
+        if line.trim_ascii().is_empty() {
+            return Err(HttpCodecError::Malformed("bad chunk size"));
+        }
+        let size = match httparse::parse_chunk_size(&line) {
+            Ok(httparse::Status::Complete((_, size))) => size,
+            _ => return Err(HttpCodecError::Malformed("bad chunk size")),
+        };
         if size == 0 {
-            let mut budget = MAX_HEAD_LEN;
-            read_headers(r, &mut budget)?;
+            // Trailer fields are read (bounded) and dropped.
+            read_block(r)?.ok_or(HttpCodecError::Truncated)?;
             return Ok(body);
         }
-        if body.len().saturating_add(size) > max_body {
-            return Err(HttpCodecError::TooLarge {
+        let size = usize::try_from(size)
+            .ok()
+            .filter(|size| body.len().saturating_add(*size) <= max_body)
+            .ok_or(HttpCodecError::TooLarge {
                 what: "body",
                 max: max_body,
-            });
-        }
+            })?;
         body.extend(read_exact_body(r, size)?);
         let mut budget = 2;
-        if !read_line(r, &mut budget)?.is_empty() {
+        if read_raw_line(r, &mut budget)?.as_deref() != Some(b"\r\n") {
             return Err(HttpCodecError::Malformed("chunk not followed by CRLF"));
         }
     }
@@ -202,21 +235,19 @@ pub fn read_request(
     r: &mut impl BufRead,
     max_body: usize,
 ) -> Result<Option<ParsedRequest>, HttpCodecError> {
-    let mut budget = MAX_HEAD_LEN;
-    let start = match read_line(r, &mut budget) {
-        Err(HttpCodecError::Truncated) => return Ok(None),
-        other => other?,
+    let Some(head) = read_block(r)? else {
+        return Ok(None);
     };
-    let mut parts = start.split(' ');
-    let (Some(method), Some(path), Some(version), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
+    let mut parsed_headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut parsed = httparse::Request::new(&mut parsed_headers);
+    complete(parsed.parse(&head).map_err(head_error)?)?;
+    let (Some(method), Some(path)) = (parsed.method, parsed.path) else {
         return Err(HttpCodecError::Malformed("bad request line"));
     };
-    if !is_token(method) || !is_path(path) || !version.starts_with("HTTP/1.") {
+    if !is_path(path) {
         return Err(HttpCodecError::Malformed("bad request line"));
     }
-    let headers = read_headers(r, &mut budget)?;
+    let headers = owned_headers(parsed.headers)?;
     let body = read_body(r, &headers, max_body, false)?;
     Ok(Some(ParsedRequest {
         method: method.to_string(),
@@ -283,19 +314,15 @@ pub fn exchange<S: Read + Write>(
     r.get_mut().write_all(req.body.as_bytes())?;
     r.get_mut().flush()?;
 
-    let mut budget = MAX_HEAD_LEN;
-    let status_line = read_line(&mut r, &mut budget)?;
-    let mut parts = status_line.splitn(3, ' ');
-    let version = parts.next().unwrap_or("");
-    let status: u16 = parts
-        .next()
-        .and_then(|s| s.parse().ok())
+    let head = read_block(&mut r)?.ok_or(HttpCodecError::Truncated)?;
+    let mut parsed_headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut parsed = httparse::Response::new(&mut parsed_headers);
+    complete(parsed.parse(&head).map_err(head_error)?)?;
+    let status = parsed
+        .code
         .filter(|s| (100..600).contains(s))
         .ok_or(HttpCodecError::Malformed("bad status line"))?;
-    if !version.starts_with("HTTP/1.") {
-        return Err(HttpCodecError::Malformed("bad status line"));
-    }
-    let headers = read_headers(&mut r, &mut budget)?;
+    let headers = owned_headers(parsed.headers)?;
     let body = read_body(&mut r, &headers, max_body, true)?;
     Ok(HttpResponse {
         status,
@@ -409,6 +436,9 @@ mod tests {
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\n",
             b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY",
+            b"HTTP/1.1 200 OK\r\nX: \xff\r\n\r\n",
         ];
         for case in cases {
             let mut d = Duplex {
@@ -448,5 +478,44 @@ mod tests {
         assert!(read_request(&mut Cursor::new(Vec::new()), 10)
             .unwrap()
             .is_none());
+    }
+
+    #[test]
+    fn header_count_and_head_size_are_bounded() {
+        let mut many = b"GET / HTTP/1.1\r\n".to_vec();
+        for i in 0..=MAX_HEADERS {
+            many.extend_from_slice(format!("X-{i}: v\r\n").as_bytes());
+        }
+        many.extend_from_slice(b"\r\n");
+        assert!(matches!(
+            read_request(&mut Cursor::new(many), 10),
+            Err(HttpCodecError::TooLarge {
+                what: "header count",
+                ..
+            })
+        ));
+        let mut long = b"GET / HTTP/1.1\r\n".to_vec();
+        for _ in 0..MAX_HEAD_LEN / 100 + 1 {
+            long.extend_from_slice(format!("X-Pad: {}\r\n", "a".repeat(92)).as_bytes());
+        }
+        long.extend_from_slice(b"\r\n");
+        assert!(matches!(
+            read_request(&mut Cursor::new(long), 10),
+            Err(HttpCodecError::TooLarge {
+                what: "header block",
+                ..
+            })
+        ));
+        let ok = b"GET /health HTTP/1.1\r\nHost: x\r\nX-A:  spaced  \r\n\r\n";
+        let parsed = read_request(&mut Cursor::new(ok.to_vec()), 10)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            parsed.headers,
+            vec![
+                ("Host".to_string(), "x".to_string()),
+                ("X-A".to_string(), "spaced".to_string())
+            ]
+        );
     }
 }

@@ -1,19 +1,18 @@
-//! tenantvm-agent: the guest agent (PID 1 of the guest initramfs), the control-channel
-//! protocol it speaks, and the host-side client the orchestrator uses.
+//! tenantvm-agent: the guest agent, PID 1 of the guest initramfs.
 //!
-//! Host side: [`protocol`], [`client`] and [`image`] (verify an image set, QEMU command). Guest side: [`init`], [`kmod`], [`reaper`],
-//! [`disk`], [`agent`], [`server`]. [`http1`] is shared by the agent's forwarder and the
-//! CI payload server.
+//! [`init`] mounts the early file systems, [`kmod`] loads the kernel modules, [`reaper`]
+//! reaps every child, [`disk`] opens and mounts the encrypted data disk, [`agent`] holds
+//! the state behind the requests and runs the payload, and [`server`] serves the control
+//! channel. The channel's framing and messages, and the host-side client, live in the
+//! `tenantvm-agent-protocol` crate that the orchestrator shares. [`http1`] is shared by
+//! the agent's forwarder and the CI payload server.
 
 pub mod agent;
-pub mod client;
 pub mod config;
 pub mod disk;
 pub mod http1;
-pub mod image;
 pub mod init;
 pub mod kmod;
 pub mod logbuf;
-pub mod protocol;
 pub mod reaper;
 pub mod server;

@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::protocol::LogLine;
+use tenantvm_agent_protocol::LogLine;
 
 /// Longest kept line; longer lines are cut.
 pub const MAX_LINE_LEN: usize = 4096;

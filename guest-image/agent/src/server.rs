@@ -17,11 +17,12 @@ use nix::sys::socket::{
 };
 use thiserror::Error;
 
-use crate::agent::{After, Agent};
-use crate::protocol::{
+use tenantvm_agent_protocol::{
     decode_body, encode_frame, read_frame, resync, salvage_id, skip_body, AgentFailure, ErrorCode,
     FrameError, Outcome, RequestFrame, ResponseFrame, AGENT_VSOCK_PORT, VIRTIO_SERIAL_PORT_NAME,
 };
+
+use crate::agent::{After, Agent};
 
 /// Most connections served at once on a socket channel.
 pub const MAX_CONNECTIONS: usize = 4;
@@ -292,12 +293,12 @@ mod tests {
     use super::*;
     use crate::config::{AgentConfig, DiskConfig, PayloadConfig};
     use crate::logbuf::LogBuffer;
-    use crate::protocol::{
-        DiskKey, Reply, Request, HEADER_LEN, MAGIC, MAX_BODY_LEN, PROTOCOL_VERSION,
-    };
     use crate::reaper::Reaper;
     use std::os::unix::net::UnixStream;
     use std::sync::Arc;
+    use tenantvm_agent_protocol::{
+        DiskKey, Reply, Request, HEADER_LEN, MAGIC, MAX_BODY_LEN, PROTOCOL_VERSION,
+    };
 
     fn reaper() -> Reaper {
         Reaper::start().unwrap()
@@ -485,7 +486,7 @@ mod tests {
         let resp = ask(
             &mut host,
             3,
-            Request::Infer(crate::protocol::HttpRequest {
+            Request::Infer(tenantvm_agent_protocol::HttpRequest {
                 method: "GET".into(),
                 path: "/".into(),
                 headers: vec![],
@@ -497,7 +498,7 @@ mod tests {
         assert!(matches!(
             resp.outcome,
             Outcome::Ok(Reply::Health {
-                payload: crate::protocol::PayloadState::NotStarted
+                payload: tenantvm_agent_protocol::PayloadState::NotStarted
             })
         ));
     }

@@ -12,8 +12,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{boot_tcg, have, image_build_blocker, image_set};
-use tenantvm_agent::client::{AgentClient, AgentEndpoint};
-use tenantvm_agent::protocol::{DiskKey, DiskState, HttpRequest};
+use tenantvm_agent_protocol::{AgentClient, AgentEndpoint, DiskKey, DiskState, HttpRequest};
 
 const READY_TIMEOUT: Duration = Duration::from_secs(300);
 const STEP_TIMEOUT: Duration = Duration::from_secs(300);
@@ -76,13 +75,7 @@ fn guest_unlocks_serves_inference_and_keeps_data_encrypted() {
     std::fs::write(&key_file, &key).unwrap();
     luks_format(&disk, &key_file);
     let key = DiskKey::new(&key).unwrap();
-    let marker = format!(
-        "TENANTVM-MARKER-{}",
-        random_bytes(8)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    );
+    let marker = format!("TENANTVM-MARKER-{}", hex::encode(random_bytes(8)));
 
     // First boot: format, write, shut down.
     let sock = dir.path().join("agent.sock");

@@ -1,9 +1,8 @@
-//! A word-level n-gram language model: trained by counting, generated from with backoff
-//! to shorter contexts and seeded sampling (or greedy decoding at temperature 0).
-//! Deterministic: the same corpus gives the same model file, and the same prompt, seed
-//! and temperature give the same completion.
+//! A word-level n-gram language model: trained by counting, stored as JSON, indexed once at
+//! load for generation ([`IndexedModel`]; sampling lives in `generate`). Deterministic: the
+//! same corpus gives the same model file.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -44,12 +43,16 @@ pub fn tokenize(text: &str) -> Vec<String> {
     out
 }
 
+/// Is `token` sentence punctuation (written without a space before it)?
+pub fn is_punctuation(token: &str) -> bool {
+    token.len() == 1 && ".,;:!?".contains(token)
+}
+
 /// Joins tokens back into text (no space before punctuation).
 pub fn detokenize(tokens: &[&str]) -> String {
     let mut s = String::new();
     for t in tokens {
-        let punct = t.len() == 1 && ".,;:!?".contains(*t);
-        if !s.is_empty() && !punct {
+        if !s.is_empty() && !is_punctuation(t) {
             s.push(' ');
         }
         s.push_str(t);
@@ -77,46 +80,6 @@ pub struct NgramModel {
     pub vocab: Vec<String>,
     /// Every context seen, sorted.
     pub contexts: Vec<ContextCounts>,
-}
-
-/// A small deterministic PRNG (SplitMix64).
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
-/// Why generation stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// `max_tokens` reached.
-    Length,
-    /// No continuation known for any context.
-    Stop,
-}
-
-/// A generated continuation.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Completion {
-    /// The text.
-    pub text: String,
-    /// Tokens in the prompt.
-    pub prompt_tokens: usize,
-    /// Tokens generated.
-    pub completion_tokens: usize,
-    /// Why it stopped.
-    pub finish: FinishReason,
 }
 
 impl NgramModel {
@@ -162,7 +125,7 @@ impl NgramModel {
         })
     }
 
-    /// Checks a loaded model's ids and shape.
+    /// Checks a loaded model's ids and shape: everything generation relies on.
     pub fn validate(&self) -> Result<(), NgramModelError> {
         if !(1..=6).contains(&self.order) {
             return Err(NgramModelError::BadOrder(self.order));
@@ -175,6 +138,9 @@ impl NgramModel {
             if c.next.is_empty() {
                 return Err(NgramModelError::Corrupt("context with no continuations"));
             }
+            if c.next.iter().any(|&(_, count)| count == 0) {
+                return Err(NgramModelError::Corrupt("continuation with a zero count"));
+            }
             if c.context
                 .iter()
                 .chain(c.next.iter().map(|(t, _)| t))
@@ -186,88 +152,73 @@ impl NgramModel {
         if !self.contexts.iter().any(|c| c.context.is_empty()) {
             return Err(NgramModelError::Corrupt("no unigram counts"));
         }
+        if self.vocab.iter().any(|w| w.is_empty()) {
+            return Err(NgramModelError::Corrupt("empty word in the vocabulary"));
+        }
+        if self.vocab.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(NgramModelError::Corrupt(
+                "vocabulary not sorted or has duplicates",
+            ));
+        }
         Ok(())
-    }
-
-    /// An index from context to continuations, for generation.
-    pub fn index(&self) -> BTreeMap<&[u32], &[(u32, u32)]> {
-        self.contexts
-            .iter()
-            .map(|c| (c.context.as_slice(), c.next.as_slice()))
-            .collect()
-    }
-
-    /// Continues `prompt` by up to `max_tokens` tokens. `temperature` 0 is greedy.
-    pub fn complete(
-        &self,
-        index: &BTreeMap<&[u32], &[(u32, u32)]>,
-        prompt: &str,
-        max_tokens: usize,
-        temperature: f64,
-        seed: u64,
-    ) -> Completion {
-        let prompt_tokens = tokenize(prompt);
-        let mut history: Vec<u32> = prompt_tokens
-            .iter()
-            .filter_map(|t| self.vocab.binary_search(t).ok().map(|i| i as u32))
-            .collect();
-        let start = history.len();
-        let mut rng = SplitMix64(seed ^ 0x7465_6e61_6e74_766d);
-        let mut finish = FinishReason::Length;
-        for _ in 0..max_tokens {
-            let longest = (self.order - 1).min(history.len());
-            let next = (0..=longest).rev().find_map(|k| {
-                index
-                    .get(&history[history.len() - k..])
-                    .filter(|c| !c.is_empty())
-            });
-            let Some(cands) = next else {
-                finish = FinishReason::Stop;
-                break;
-            };
-            history.push(pick(cands, temperature, &mut rng));
-        }
-        let words: Vec<&str> = history[start..]
-            .iter()
-            .map(|&i| self.vocab[i as usize].as_str())
-            .collect();
-        let mut text = detokenize(&words);
-        if !text.is_empty() && !text.starts_with(|c: char| ".,;:!?".contains(c)) {
-            text.insert(0, ' ');
-        }
-        Completion {
-            text,
-            prompt_tokens: prompt_tokens.len(),
-            completion_tokens: history.len() - start,
-            finish,
-        }
     }
 }
 
-fn pick(cands: &[(u32, u32)], temperature: f64, rng: &mut SplitMix64) -> u32 {
-    if temperature <= 0.0 {
-        // Greedy: highest count, lowest id on ties.
-        let mut best = cands[0];
-        for &c in &cands[1..] {
-            if c.1 > best.1 {
-                best = c;
+/// A validated model with its contexts indexed for generation; built once per load.
+#[derive(Debug)]
+pub struct IndexedModel {
+    model: NgramModel,
+    /// Context token ids -> position in `model.contexts`.
+    by_context: HashMap<Vec<u32>, usize>,
+}
+
+impl IndexedModel {
+    /// Validates `model` and indexes it.
+    pub fn new(model: NgramModel) -> Result<Self, NgramModelError> {
+        model.validate()?;
+        let mut by_context = HashMap::with_capacity(model.contexts.len());
+        for (i, c) in model.contexts.iter().enumerate() {
+            if by_context.insert(c.context.clone(), i).is_some() {
+                return Err(NgramModelError::Corrupt("the same context appears twice"));
             }
         }
-        return best.0;
+        Ok(Self { model, by_context })
     }
-    let weights: Vec<f64> = cands
-        .iter()
-        .map(|&(_, n)| f64::from(n).powf(1.0 / temperature))
-        .collect();
-    let total: f64 = weights.iter().sum();
-    let mut x = rng.unit() * total;
-    for (c, w) in cands.iter().zip(&weights) {
-        if x < *w {
-            return c.0;
-        }
-        x -= w;
+
+    /// The model as stored.
+    pub fn model(&self) -> &NgramModel {
+        &self.model
     }
-    cands[cands.len() - 1].0
+
+    /// Longest n-gram counted.
+    pub fn order(&self) -> usize {
+        self.model.order
+    }
+
+    /// The id of a vocabulary word, if known.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.model
+            .vocab
+            .binary_search_by(|w| w.as_str().cmp(token))
+            .ok()
+            .map(|i| i as u32)
+    }
+
+    /// The word with id `id` (ids come from this model's continuations).
+    pub fn word(&self, id: u32) -> &str {
+        &self.model.vocab[id as usize]
+    }
+
+    /// The continuations (id, count) of the longest suffix of `history` (at most
+    /// order - 1 ids) that the model has seen, backing off to shorter contexts.
+    pub fn continuations(&self, history: &[u32]) -> Option<&[(u32, u32)]> {
+        let longest = (self.model.order - 1).min(history.len());
+        (0..=longest).rev().find_map(|k| {
+            self.by_context
+                .get(&history[history.len() - k..])
+                .map(|&i| self.model.contexts[i].next.as_slice())
+        })
+    }
 }
 
 #[cfg(test)]
@@ -283,6 +234,7 @@ mod tests {
             vec!["hello", ",", "world", "!", "it's", "4", "o'clock", "."]
         );
         assert_eq!(detokenize(&["hello", ",", "world", "."]), "hello, world.");
+        assert!(is_punctuation(".") && !is_punctuation("cat"));
     }
 
     #[test]
@@ -301,23 +253,19 @@ mod tests {
     }
 
     #[test]
-    fn greedy_completion_follows_the_most_frequent_path() {
-        let m = NgramModel::train(TEXT, 3).unwrap();
-        let idx = m.index();
-        let c = m.complete(&idx, "the dog sat on", 3, 0.0, 0);
-        assert_eq!(c.text, " the log.");
-        assert_eq!(c.completion_tokens, 3);
-        assert_eq!(c.finish, FinishReason::Length);
-    }
-
-    #[test]
-    fn sampling_depends_on_the_seed_and_is_reproducible() {
-        let m = NgramModel::train(TEXT, 2).unwrap();
-        let idx = m.index();
-        let a = m.complete(&idx, "the", 30, 1.0, 1);
-        assert_eq!(a, m.complete(&idx, "the", 30, 1.0, 1));
-        let differs = (2..20).any(|s| m.complete(&idx, "the", 30, 1.0, s).text != a.text);
-        assert!(differs);
+    fn index_backs_off_to_shorter_contexts() {
+        let m = IndexedModel::new(NgramModel::train(TEXT, 3).unwrap()).unwrap();
+        let id = |w: &str| m.token_id(w).unwrap();
+        // "sat on" -> "the" (seen twice).
+        let next = m.continuations(&[id("sat"), id("on")]).unwrap();
+        assert_eq!(next, &[(id("the"), 2)]);
+        // "fish log" was never seen; "log" alone was: backs off to the bigram.
+        let next = m.continuations(&[id("fish"), id("log")]).unwrap();
+        assert_eq!(next, &[(id("."), 1)]);
+        // No history: the unigram counts.
+        assert_eq!(m.continuations(&[]).unwrap().len(), m.model().vocab.len());
+        assert_eq!(m.token_id("zebra"), None);
+        assert_eq!(m.word(id("cat")), "cat");
     }
 
     #[test]
@@ -336,5 +284,18 @@ mod tests {
         let mut m = NgramModel::train(TEXT, 2).unwrap();
         m.contexts.retain(|c| !c.context.is_empty());
         assert!(m.validate().is_err());
+        let mut m = NgramModel::train(TEXT, 2).unwrap();
+        m.vocab.swap(0, 1);
+        assert!(
+            m.validate().is_err(),
+            "an unsorted vocabulary breaks lookups"
+        );
+        let mut m = NgramModel::train(TEXT, 2).unwrap();
+        m.contexts[1].next[0].1 = 0;
+        assert!(m.validate().is_err());
+        let mut m = NgramModel::train(TEXT, 2).unwrap();
+        let dup = m.contexts[1].clone();
+        m.contexts.push(dup);
+        assert!(IndexedModel::new(m).is_err());
     }
 }

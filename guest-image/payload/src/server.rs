@@ -1,259 +1,311 @@
-//! The OpenAI-style HTTP API over the n-gram model: `GET /health`, `GET /v1/models`,
-//! `POST /v1/completions`. Each completion is appended to `completions.jsonl` in the data
-//! directory (the encrypted disk in the guest) and synced.
+//! The server: one thread per client connection (at most `--max-connections`), at most
+//! `--max-concurrency` generations at once (more wait for a slot, up to
+//! `--queue-timeout-ms`, then get 503), and the shared state every request sees.
 
-use std::collections::BTreeMap;
-use std::fs::OpenOptions;
-use std::io::{BufReader, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::{self, Read};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use serde::Deserialize;
-use serde_json::json;
-use tenantvm_agent::http1::{read_request, write_response, ParsedRequest};
+use crate::api;
+use crate::history::History;
+use crate::http::{Connection, HttpLimits, HttpReadError};
+use crate::openai::ApiError;
+use crate::prefill::{Prefiller, DEFAULT_ROUNDS_PER_TOKEN};
+use crate::registry::Registry;
+use crate::stats::Stats;
 
-use crate::model::{FinishReason, NgramModel};
-
-/// Largest accepted request body.
-pub const MAX_REQUEST_BODY: usize = 256 * 1024;
-/// Most tokens one request may ask for.
-pub const MAX_TOKENS_LIMIT: usize = 512;
-/// Most connections served at once.
-pub const MAX_CONNECTIONS: usize = 16;
-
-/// The served model and where completions are recorded.
-pub struct Service {
-    /// Name reported in responses.
-    pub model_name: String,
-    /// The model.
-    pub model: NgramModel,
-    /// Directory for `completions.jsonl`, if any.
+/// How the server runs (the `serve` flags).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServeConfig {
+    /// Connection limits and deadlines.
+    pub http: HttpLimits,
+    /// Generations running at once.
+    pub max_concurrency: usize,
+    /// Open client connections.
+    pub max_connections: usize,
+    /// How long a request waits for a generation slot.
+    pub queue_timeout: Duration,
+    /// Largest `max_tokens`.
+    pub max_tokens: usize,
+    /// Largest prompt tokens + `max_tokens` of one choice.
+    pub max_context_tokens: usize,
+    /// Mixing rounds per token of prefill and decode (see `prefill`).
+    pub prefill_rounds: u32,
+    /// Prefix cache budget in bytes; `None` = off.
+    pub prefix_cache_bytes: Option<usize>,
+    /// Inference requests rescan the models directory at most this often.
+    pub rescan_interval: Duration,
+    /// Where `completions.jsonl` is kept.
     pub data_dir: Option<PathBuf>,
-    history_lock: Mutex<()>,
 }
 
-#[derive(Deserialize)]
-struct CompletionRequest {
-    prompt: String,
-    #[serde(default = "default_max_tokens")]
-    max_tokens: usize,
-    #[serde(default = "default_temperature")]
-    temperature: f64,
-    #[serde(default)]
-    seed: u64,
-    #[serde(default)]
-    stream: bool,
-}
-
-fn default_max_tokens() -> usize {
-    16
-}
-
-fn default_temperature() -> f64 {
-    1.0
-}
-
-fn error_body(message: &str) -> Vec<u8> {
-    json!({"error": {"message": message, "type": "invalid_request_error"}})
-        .to_string()
-        .into_bytes()
-}
-
-impl Service {
-    /// A service for `model`.
-    pub fn new(model_name: String, model: NgramModel, data_dir: Option<PathBuf>) -> Self {
+impl Default for ServeConfig {
+    fn default() -> Self {
         Self {
-            model_name,
-            model,
-            data_dir,
-            history_lock: Mutex::new(()),
+            http: HttpLimits::default(),
+            max_concurrency: 8,
+            max_connections: 64,
+            queue_timeout: Duration::from_secs(30),
+            max_tokens: 4096,
+            max_context_tokens: 262_144,
+            prefill_rounds: DEFAULT_ROUNDS_PER_TOKEN,
+            prefix_cache_bytes: None,
+            rescan_interval: Duration::from_secs(1),
+            data_dir: None,
         }
     }
+}
 
-    /// Answers one parsed request: (status, JSON body).
-    pub fn route(&self, req: &ParsedRequest) -> (u16, Vec<u8>) {
-        match (req.method.as_str(), req.path.as_str()) {
-            ("GET", "/health") => (200, br#"{"status":"ok"}"#.to_vec()),
-            ("GET", "/v1/models") => (
-                200,
-                json!({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "tenantvm"}]})
-                    .to_string()
-                    .into_bytes(),
-            ),
-            ("POST", "/v1/completions") => self.completions(&req.body),
-            (_, "/health" | "/v1/models" | "/v1/completions") => {
-                (405, error_body("Method not allowed"))
-            }
-            _ => (404, error_body("Unknown path; use /v1/completions")),
-        }
+/// Generation slots: a counting semaphore with a deadline.
+#[derive(Debug)]
+struct Slots {
+    free: Mutex<usize>,
+    freed: Condvar,
+}
+
+/// A held generation slot; frees it (and ends the in-flight count) when dropped.
+pub struct SlotGuard<'a> {
+    state: &'a AppState,
+}
+
+impl Drop for SlotGuard<'_> {
+    fn drop(&mut self) {
+        self.state.stats.end_generation();
+        *lock(&self.state.slots.free) += 1;
+        self.state.slots.freed.notify_one();
     }
+}
 
-    fn completions(&self, body: &[u8]) -> (u16, Vec<u8>) {
-        let req: CompletionRequest = match serde_json::from_slice(body) {
-            Ok(r) => r,
-            Err(e) => return (400, error_body(&format!("Invalid request body: {e}"))),
-        };
-        if req.stream {
-            return (
-                400,
-                error_body("stream=true is not supported by this server"),
-            );
-        }
-        if req.max_tokens > MAX_TOKENS_LIMIT {
-            return (
-                400,
-                error_body(&format!("max_tokens must be at most {MAX_TOKENS_LIMIT}")),
-            );
-        }
-        if !(0.0..=2.0).contains(&req.temperature) {
-            return (400, error_body("temperature must be between 0 and 2"));
-        }
-        let index = self.model.index();
-        let c = self.model.complete(
-            &index,
-            &req.prompt,
-            req.max_tokens,
-            req.temperature,
-            req.seed,
-        );
-        if let Err(e) = self.record(&req.prompt, &c.text) {
-            return (
-                500,
-                error_body(&format!("Recording the completion failed: {e}")),
-            );
-        }
-        let created = SystemTime::now()
+/// Everything requests share.
+#[derive(Debug)]
+pub struct AppState {
+    /// Configuration.
+    pub config: ServeConfig,
+    /// The models.
+    pub registry: Registry,
+    /// Prefill and the prefix cache.
+    pub prefiller: Prefiller,
+    /// Counters.
+    pub stats: Stats,
+    /// The completion record.
+    pub history: History,
+    /// Random per process: two tenants answering with the same id share one server.
+    pub instance_id: String,
+    /// Unix seconds at start.
+    pub started: u64,
+    slots: Slots,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn random_instance_id() -> String {
+    let mut bytes = [0u8; 16];
+    let from_kernel =
+        std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    if from_kernel.is_err() {
+        let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        let finish = match c.finish {
-            FinishReason::Length => "length",
-            FinishReason::Stop => "stop",
-        };
-        let body = json!({
-            "id": format!("cmpl-{created}-{}", req.seed),
-            "object": "text_completion",
-            "created": created,
-            "model": self.model_name,
-            "choices": [{"index": 0, "text": c.text, "logprobs": null, "finish_reason": finish}],
-            "usage": {
-                "prompt_tokens": c.prompt_tokens,
-                "completion_tokens": c.completion_tokens,
-                "total_tokens": c.prompt_tokens + c.completion_tokens
+            .unwrap_or_default()
+            .as_nanos() as u64;
+        let a = crate::prefill::mix(now ^ u64::from(std::process::id()));
+        bytes[..8].copy_from_slice(&a.to_le_bytes());
+        bytes[8..].copy_from_slice(&crate::prefill::mix(a).to_le_bytes());
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl AppState {
+    /// The shared state for `registry` under `config`.
+    pub fn new(registry: Registry, config: ServeConfig) -> Self {
+        let max = config.max_concurrency.max(1);
+        Self {
+            prefiller: Prefiller::new(config.prefill_rounds, config.prefix_cache_bytes),
+            history: History::new(config.data_dir.as_deref()),
+            registry,
+            stats: Stats::default(),
+            instance_id: random_instance_id(),
+            started: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            slots: Slots {
+                free: Mutex::new(max),
+                freed: Condvar::new(),
+            },
+            config,
+        }
+    }
+
+    /// Waits up to the queue timeout for a generation slot.
+    pub fn acquire_slot(&self) -> Result<SlotGuard<'_>, ApiError> {
+        let deadline = Instant::now() + self.config.queue_timeout;
+        self.stats.queued.fetch_add(1, Ordering::SeqCst);
+        let mut free = lock(&self.slots.free);
+        while *free == 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                drop(free);
+                self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+                return Err(ApiError::overloaded(format!(
+                    "All {} generation slots stayed busy for {} ms (--max-concurrency, \
+                     --queue-timeout-ms); retry later",
+                    self.config.max_concurrency,
+                    self.config.queue_timeout.as_millis()
+                )));
             }
-        });
-        (200, body.to_string().into_bytes())
-    }
-
-    fn record(&self, prompt: &str, completion: &str) -> std::io::Result<()> {
-        let Some(dir) = &self.data_dir else {
-            return Ok(());
-        };
-        let _guard = self.history_lock.lock().unwrap_or_else(|p| p.into_inner());
-        let mut f = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(dir.join("completions.jsonl"))?;
-        let mut line = BTreeMap::new();
-        line.insert("prompt", prompt);
-        line.insert("completion", completion);
-        let mut text = serde_json::to_string(&line).map_err(std::io::Error::other)?;
-        text.push('\n');
-        f.write_all(text.as_bytes())?;
-        f.sync_data()
-    }
-
-    /// Serves one connection (one request, then close).
-    pub fn serve_connection(&self, stream: TcpStream) {
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
-        let Ok(write_half) = stream.try_clone() else {
-            return;
-        };
-        let mut r = BufReader::new(stream);
-        let mut w = write_half;
-        let (status, body) = match read_request(&mut r, MAX_REQUEST_BODY) {
-            Ok(Some(req)) => self.route(&req),
-            Ok(None) => return,
-            Err(e) => (400, error_body(&e.to_string())),
-        };
-        let _ = write_response(&mut w, status, "application/json", &body);
+            free = self
+                .slots
+                .freed
+                .wait_timeout(free, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        *free -= 1;
+        drop(free);
+        self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+        self.stats.begin_generation();
+        Ok(SlotGuard { state: self })
     }
 }
 
-/// Accepts connections forever, at most [`MAX_CONNECTIONS`] at once.
-pub fn run(service: Arc<Service>, listener: TcpListener) -> std::io::Result<()> {
-    let active = Arc::new(AtomicUsize::new(0));
-    for conn in listener.incoming() {
-        let Ok(stream) = conn else { continue };
-        if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
-            let mut s = stream;
-            let _ = write_response(&mut s, 503, "application/json", &error_body("Busy"));
-            continue;
-        }
-        active.fetch_add(1, Ordering::SeqCst);
-        let svc = Arc::clone(&service);
-        let act = Arc::clone(&active);
-        std::thread::spawn(move || {
-            svc.serve_connection(stream);
-            act.fetch_sub(1, Ordering::SeqCst);
-        });
-    }
-    Ok(())
+/// A bound listener and the state it serves.
+pub struct Server {
+    listener: TcpListener,
+    state: Arc<AppState>,
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn service(dir: Option<PathBuf>) -> Service {
-        let m = NgramModel::train("The cat sat on the mat. The dog sat on the log.", 3).unwrap();
-        Service::new("ngram".into(), m, dir)
+impl Server {
+    /// Binds `addr` (port 0 picks a free port).
+    pub fn bind(addr: &str, registry: Registry, config: ServeConfig) -> io::Result<Self> {
+        Ok(Self {
+            listener: TcpListener::bind(addr)?,
+            state: Arc::new(AppState::new(registry, config)),
+        })
     }
 
-    fn post(body: &str) -> ParsedRequest {
-        ParsedRequest {
-            method: "POST".into(),
-            path: "/v1/completions".into(),
-            headers: vec![],
-            body: body.as_bytes().to_vec(),
+    /// The address it listens on.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// The shared state (for counters, rescans from a signal).
+    pub fn state(&self) -> Arc<AppState> {
+        Arc::clone(&self.state)
+    }
+
+    /// Serves forever.
+    pub fn run(self) -> io::Result<()> {
+        for conn in self.listener.incoming() {
+            let stream = match conn {
+                Ok(s) => s,
+                Err(_) => {
+                    // Out of file descriptors or similar: back off instead of spinning.
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            };
+            let state = Arc::clone(&self.state);
+            let open = state.stats.connections.fetch_add(1, Ordering::SeqCst);
+            if open >= state.config.max_connections as u64 {
+                state.stats.connections.fetch_sub(1, Ordering::SeqCst);
+                refuse(
+                    &state,
+                    stream,
+                    ApiError::overloaded(format!(
+                        "This server already has {} open connections (--max-connections); retry later",
+                        state.config.max_connections
+                    )),
+                );
+                continue;
+            }
+            // The stream goes to the thread; a failed spawn drops it (the client sees a
+            // reset and retries) and releases its connection count.
+            let spawned = std::thread::Builder::new()
+                .name("tenantvm-ngram-conn".into())
+                .spawn({
+                    let state = Arc::clone(&state);
+                    move || {
+                        serve_connection(&state, stream);
+                        state.stats.connections.fetch_sub(1, Ordering::SeqCst);
+                    }
+                });
+            if spawned.is_err() {
+                state.stats.connections.fetch_sub(1, Ordering::SeqCst);
+            }
         }
+        Ok(())
     }
 
-    #[test]
-    fn completion_returns_openai_shape_and_is_recorded() {
-        let dir = tempfile::tempdir().unwrap();
-        let s = service(Some(dir.path().to_path_buf()));
-        let (status, body) = s.route(&post(
-            r#"{"prompt":"the dog sat on","max_tokens":3,"temperature":0}"#,
-        ));
-        assert_eq!(status, 200);
-        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
-        assert_eq!(v["choices"][0]["text"], " the log.");
-        assert_eq!(v["usage"]["completion_tokens"], 3);
-        let hist = std::fs::read_to_string(dir.path().join("completions.jsonl")).unwrap();
-        assert!(hist.contains("the dog sat on"));
+    /// Serves on a background thread (tests, benchmarks); returns the address.
+    pub fn spawn(self) -> io::Result<SocketAddr> {
+        let addr = self.local_addr()?;
+        std::thread::Builder::new()
+            .name("tenantvm-ngram-accept".into())
+            .spawn(move || self.run())?;
+        Ok(addr)
     }
+}
 
-    #[test]
-    fn bad_completion_requests_get_400() {
-        let s = service(None);
-        for body in [
-            "not json",
-            r#"{"max_tokens":3}"#,
-            r#"{"prompt":"a","max_tokens":100000}"#,
-            r#"{"prompt":"a","temperature":9}"#,
-            r#"{"prompt":"a","stream":true}"#,
-        ] {
-            assert_eq!(s.route(&post(body)).0, 400, "{body}");
+/// Answers a connection the server will not serve, without reading from it.
+fn refuse(state: &AppState, stream: TcpStream, err: ApiError) {
+    let limits = HttpLimits {
+        write_timeout: Duration::from_millis(200),
+        ..state.config.http
+    };
+    if let Ok(mut conn) = Connection::new(stream, limits) {
+        state.stats.count_status(err.status);
+        let _ = conn.write_response(
+            err.status,
+            "application/json",
+            &err.headers(),
+            &err.body(),
+            false,
+        );
+    }
+}
+
+fn serve_connection(state: &AppState, stream: TcpStream) {
+    let Ok(mut conn) = Connection::new(stream, state.config.http) else {
+        return;
+    };
+    loop {
+        let err = match conn.read_request() {
+            Ok(req) => {
+                if api::handle(state, &req, &mut conn) {
+                    continue;
+                }
+                return;
+            }
+            Err(HttpReadError::Closed | HttpReadError::Io(_)) => return,
+            Err(HttpReadError::Timeout) => {
+                state.stats.read_timeouts.fetch_add(1, Ordering::Relaxed);
+                ApiError::timeout(state.config.http.read_timeout.as_millis() as u64)
+            }
+            Err(HttpReadError::HeadersTooLarge) => {
+                ApiError::headers_too_large(state.config.http.max_header_bytes)
+            }
+            Err(HttpReadError::BodyTooLarge(size)) => {
+                ApiError::too_large(size, state.config.http.max_body_bytes)
+            }
+            Err(HttpReadError::Malformed(what)) => ApiError::bad_http(what),
+        };
+        state.stats.count_status(err.status);
+        if conn
+            .write_response(
+                err.status,
+                "application/json",
+                &err.headers(),
+                &err.body(),
+                false,
+            )
+            .is_ok()
+        {
+            conn.linger_close();
         }
-        let mut get = post("");
-        get.method = "GET".into();
-        assert_eq!(s.route(&get).0, 405);
-        get.path = "/admin".into();
-        assert_eq!(s.route(&get).0, 404);
-        get.path = "/health".into();
-        assert_eq!(s.route(&get).0, 200);
+        return;
     }
 }

@@ -7,8 +7,8 @@ use std::os::fd::AsRawFd;
 
 use serde::Serialize;
 
-use crate::host::{vfio::VFIO_DRIVER, PciDevice, Sysfs};
-use crate::mig::{self, NVIDIA_VENDOR_ID};
+use crate::host::{vfio::VFIO_DRIVER, vgpu_support, PciDevice, Sysfs};
+use crate::mig::{self, GpuFacts, Sharing, VgpuSupport, NVIDIA_VENDOR_ID};
 
 /// Outcome of one check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -34,6 +34,10 @@ pub struct CheckResult {
     /// What to do, when not a pass.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fix: Option<String>,
+    /// For a GPU's main line: how it can be used ([`mig::decide`], the rule placement
+    /// follows too).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sharing: Option<Sharing>,
 }
 
 fn result(
@@ -47,6 +51,7 @@ fn result(
         status,
         detail: detail.into(),
         fix: fix.map(str::to_string),
+        sharing: None,
     }
 }
 
@@ -125,42 +130,58 @@ fn check_vfio(s: &Sysfs) -> CheckResult {
     }
 }
 
-fn nvidia_version(s: &Sysfs) -> Option<(String, u32)> {
-    let v = s.read(&s.path("sys/module/nvidia/version")).ok()?;
-    let major = v.split('.').next()?.parse().ok()?;
-    Some((v, major))
+/// What `host check` knows about one GPU from sysfs: the facts [`mig::decide`] rules on. The
+/// NVML backend gathers the same (plus memory) for placement.
+pub fn gpu_facts(s: &Sysfs, d: &PciDevice) -> GpuFacts {
+    GpuFacts {
+        device_id: d.device,
+        memory_mib: None,
+        driver_major: s.nvidia_driver().map(|(_, m)| m),
+        vgpu: vgpu_support(s, &d.address),
+    }
 }
 
-fn check_gpu(s: &Sysfs, d: &PciDevice, driver_major: Option<u32>) -> Vec<CheckResult> {
+/// The NVIDIA GPUs of a host (physical functions; VFs are not GPUs of their own).
+pub fn nvidia_gpus(s: &Sysfs) -> Vec<PciDevice> {
+    s.devices()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|d| d.vendor == NVIDIA_VENDOR_ID && d.is_gpu())
+        .filter(|d| s.physfn(&d.address).is_none())
+        .collect()
+}
+
+fn check_gpu(s: &Sysfs, d: &PciDevice) -> Vec<CheckResult> {
     let name = format!("gpu {}", d.address);
     let id = format!("{:04x}:{:04x}", d.vendor, d.device);
+    let facts = gpu_facts(s, d);
+    let class = mig::decide(&facts);
+    let m = class.model;
     let mut out = Vec::new();
-    match mig::model_by_pci_device(d.device) {
-        Some(m) => {
+    let mut line = match &class.sharing {
+        Sharing::Mig => {
             let mut line = format!(
-                "{} ({id}): MIG supported, driver >= R{}",
+                "{} ({id}): MIG, driver >= R{}: shared by MIG-backed vGPU, or given whole",
                 m.name, m.min_driver
             );
             if !m.confirmed {
                 line.push_str(" (profile figures unconfirmed: NVML's win at run time)");
             }
-            match driver_major {
-                Some(v) if v < m.min_driver => out.push(result(
-                    &name,
-                    Status::Warn,
-                    format!("{line}; loaded driver R{v} is too old for MIG"),
-                    Some("install a newer NVIDIA data-center driver; whole-GPU passthrough still works"),
-                )),
-                _ => out.push(result(&name, Status::Pass, line, None)),
-            }
+            result(&name, Status::Pass, line, None)
         }
-        None => out.push(result(
+        Sharing::WholeOnly(w) => result(
             &name,
             Status::Warn,
-            format!("{id}: this SKU has no MIG"),
-            Some("only whole-GPU passthrough is possible for this GPU"),
-        )),
-    }
+            format!(
+                "{} ({id}): can only be given whole: {}",
+                m.name,
+                w.explain()
+            ),
+            Some(w.fix()),
+        ),
+    };
+    line.sharing = Some(class.sharing.clone());
+    out.push(line);
     if let Some(g) = d.iommu_group {
         let others: Vec<String> = s
             .group_members(g)
@@ -191,34 +212,27 @@ fn check_gpu(s: &Sysfs, d: &PciDevice, driver_major: Option<u32>) -> Vec<CheckRe
             Some("enable the IOMMU (see the iommu check)"),
         ));
     }
-    let dir = s.path("sys/bus/pci/devices").join(d.address.as_str());
-    let vfs: u32 = s
-        .read(&dir.join("sriov_totalvfs"))
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    let mdev = dir.join("mdev_supported_types").is_dir();
-    let manager = s.path("sys/module/nvidia_vgpu_vfio").is_dir();
-    let (status, detail, fix) = match (vfs > 0, mdev, manager) {
-        (true, _, true) => (Status::Pass, format!("SR-IOV with {vfs} VFs, vGPU manager loaded (MIG-backed vGPU)"), None),
-        (false, true, _) => (Status::Pass, "mdev vGPU types present (older vGPU driver)".to_string(), None),
-        (true, _, false) => (
-            Status::Warn,
-            format!("SR-IOV with {vfs} VFs but no vGPU manager"),
-            Some("install NVIDIA's vGPU manager for MIG-backed vGPU; whole-GPU passthrough still works"),
-        ),
-        (false, false, _) => (
-            Status::Warn,
-            "no SR-IOV and no mdev types".to_string(),
-            Some("MIG-backed vGPU needs SR-IOV and NVIDIA's vGPU manager; whole-GPU passthrough still works"),
-        ),
-    };
-    out.push(CheckResult {
-        name: format!("{name} vgpu"),
-        status,
-        detail,
-        fix: fix.map(str::to_string),
-    });
+    if m.has_mig() {
+        let (status, detail, fix) = match &facts.vgpu {
+            VgpuSupport::Sriov { total_vfs } => (
+                Status::Pass,
+                format!("SR-IOV with {total_vfs} VFs, vGPU manager loaded (MIG-backed vGPU)"),
+                None,
+            ),
+            VgpuSupport::Mdev => (
+                Status::Pass,
+                "mdev vGPU types present (older vGPU driver)".to_string(),
+                None,
+            ),
+            VgpuSupport::Missing { reason } => (
+                Status::Warn,
+                reason.clone(),
+                Some("MIG-backed vGPU needs SR-IOV and NVIDIA's vGPU manager; whole-GPU passthrough still works"),
+            ),
+            VgpuSupport::Simulated => (Status::Pass, "simulated".to_string(), None),
+        };
+        out.push(result(format!("{name} vgpu"), status, detail, fix));
+    }
     out
 }
 
@@ -276,7 +290,7 @@ fn check_hugepages(s: &Sysfs) -> CheckResult {
 /// Runs every check.
 pub fn host_check(s: &Sysfs) -> Vec<CheckResult> {
     let mut out = vec![check_kvm(s), check_iommu(s), check_vfio(s)];
-    let driver = nvidia_version(s);
+    let driver = s.nvidia_driver();
     out.push(match &driver {
         Some((v, _)) => result("nvidia driver", Status::Pass, format!("version {v}"), None),
         None => result(
@@ -287,16 +301,7 @@ pub fn host_check(s: &Sysfs) -> Vec<CheckResult> {
         ),
     });
     let devices = s.devices().unwrap_or_default();
-    let gpus: Vec<&PciDevice> = devices
-        .iter()
-        .filter(|d| d.vendor == NVIDIA_VENDOR_ID && d.is_gpu())
-        .filter(|d| {
-            !s.path("sys/bus/pci/devices")
-                .join(d.address.as_str())
-                .join("physfn")
-                .exists()
-        })
-        .collect();
+    let gpus = nvidia_gpus(s);
     if gpus.is_empty() {
         out.push(result(
             "gpus",
@@ -305,8 +310,8 @@ pub fn host_check(s: &Sysfs) -> Vec<CheckResult> {
             Some("tenants can run without GPUs; check `lspci -d 10de:`"),
         ));
     }
-    for d in gpus {
-        out.extend(check_gpu(s, d, driver.as_ref().map(|(_, m)| *m)));
+    for d in &gpus {
+        out.extend(check_gpu(s, d));
     }
     let nvswitches = devices
         .iter()
@@ -396,6 +401,11 @@ mod tests {
         );
         let l40s = by_name(&r, "gpu 0000:03:00.0");
         assert!(l40s.detail.contains("no MIG"), "{}", l40s.detail);
+        assert!(
+            l40s.detail.contains("no hardware partition"),
+            "{}",
+            l40s.detail
+        );
         let rtx = by_name(&r, "gpu 0000:01:00.0");
         assert_eq!(
             rtx.status,
@@ -439,7 +449,7 @@ mod tests {
     #[test]
     fn real_kvm_is_detected_when_present() {
         if !std::path::Path::new("/dev/kvm").exists() {
-            eprintln!("skipping: /dev/kvm is absent on this machine");
+            eprintln!("SKIP real_kvm_is_detected_when_present: /dev/kvm is absent on this machine");
             return;
         }
         let c = check_kvm(&Sysfs::new("/"));

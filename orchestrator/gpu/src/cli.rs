@@ -11,7 +11,7 @@ use crate::backend::{self, BackendError, BackendSpec};
 use crate::check::{self, CheckResult, Status};
 use crate::host::fake::FakeHost;
 use crate::host::Sysfs;
-use crate::mig::{self, Layout, MigDatabaseError};
+use crate::mig::{self, MigDatabaseError};
 use crate::migparted::{MigPartedConfig, MigPartedError};
 use crate::plan::{self, HostGpu, PlanError, PlanReport, TenantsFile, TenantsFileError};
 
@@ -95,11 +95,7 @@ pub fn plan_host(args: &PlanArgs) -> Result<Vec<HostGpu>, GpuCliError> {
             ));
         }
         (0..args.count)
-            .map(|index| HostGpu {
-                index,
-                model: m,
-                layout: Layout::empty(),
-            })
+            .map(|index| HostGpu::new(index, m))
             .collect()
     } else {
         let spec: BackendSpec = args.gpu_backend.as_deref().unwrap_or("nvml").parse()?;

@@ -1,7 +1,9 @@
 //! tenantvm-gpu: GPU inventory (NVML or a simulated host), the MIG profile database and
-//! placement rules, the sizing arithmetic and placement search behind `tenantvm plan`, the
-//! mig-parted config format, host device binding through sysfs (VFIO, SR-IOV, vGPU, mdev) and
-//! the `tenantvm host check` preflight.
+//! placement rules, which GPUs can be shared and which only given whole, the sizing
+//! arithmetic and the exact placement search behind `tenantvm plan` and the daemon's
+//! per-tenant placement, the mig-parted config format, host device work through sysfs (VFIO,
+//! reset, SR-IOV, vGPU, mdev), the step functions that hand a share to a VM and give it back
+//! ([`route`]), and the `tenantvm host check` preflight.
 
 pub mod backend;
 pub mod check;
@@ -10,3 +12,4 @@ pub mod host;
 pub mod mig;
 pub mod migparted;
 pub mod plan;
+pub mod route;

@@ -289,9 +289,8 @@ impl MigPartedConfig {
                     }
                 }
                 let one = [HostGpu {
-                    index: g.index,
-                    model: g.model,
                     layout: Layout::empty(),
+                    ..g.clone()
                 }];
                 let sol = search::place(&one, &requests, search::DEFAULT_NODE_BUDGET)?.ok_or_else(
                     || MigPartedError::Unplaceable {
@@ -351,13 +350,7 @@ mig-configs:
 
     fn h100s(n: u32) -> Vec<HostGpu> {
         let m = model_by_key("h100-80gb").unwrap();
-        (0..n)
-            .map(|index| HostGpu {
-                index,
-                model: m,
-                layout: Layout::empty(),
-            })
-            .collect()
+        (0..n).map(|index| HostGpu::new(index, m)).collect()
     }
 
     #[test]

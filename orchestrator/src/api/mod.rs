@@ -1,8 +1,16 @@
 //! The daemon's HTTP API on a Unix socket (axum). Handlers authenticate, turn the request
 //! into one [`TenantCommand`] and hand it to the [`TenantService`]; they touch nothing else.
 //! The contract is docs/api/openapi.yaml; tests check live responses against it.
+//!
+//! No caller can stall another ([`lanes`]): authentication and admission run first, on the
+//! async threads, without blocking work; the blocking work then runs on a thread of the
+//! request's own under the budget of whoever it waits for (the target tenant's admission
+//! gate for inference, the caller's lane otherwise); the health check does no blocking work.
 
+pub mod lanes;
 pub mod types;
+
+use std::sync::Arc;
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
@@ -16,6 +24,7 @@ use crate::domain::spec::TenantSpec;
 use crate::store::StoreError;
 use crate::tenant::host::GpuPlanError;
 use crate::tenant::service::{CommandOutcome, TenantCommand, TenantService, TenantServiceError};
+use lanes::{offload, Lane, LaneFull, Lanes, OffloadError};
 use types::{ErrorBody, ErrorDetail, Health, LogQuery};
 
 /// Largest request body accepted (a tenant spec is far smaller).
@@ -75,6 +84,24 @@ impl From<AuthError> for ApiError {
     }
 }
 
+impl From<LaneFull> for ApiError {
+    fn from(e: LaneFull) -> Self {
+        let mut error = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_in_flight",
+            e.to_string(),
+        );
+        error.retry_after = Some(1);
+        error
+    }
+}
+
+impl From<OffloadError> for ApiError {
+    fn from(e: OffloadError) -> Self {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+    }
+}
+
 impl From<TenantServiceError> for ApiError {
     fn from(e: TenantServiceError) -> Self {
         use crate::tenant::admission::Refused;
@@ -94,7 +121,6 @@ impl From<TenantServiceError> for ApiError {
         let (status, code) = match &e {
             E::Spec(_) => (StatusCode::BAD_REQUEST, "invalid_spec"),
             E::Image(_) => (StatusCode::BAD_REQUEST, "invalid_image"),
-            E::Unsupported(_) => (StatusCode::BAD_REQUEST, "unsupported"),
             E::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             E::Gpu(GpuPlanError::NoGpuBackend) | E::Gpu(GpuPlanError::Plan(_)) => {
                 (StatusCode::BAD_REQUEST, "gpu_unavailable")
@@ -106,6 +132,7 @@ impl From<TenantServiceError> for ApiError {
                 (StatusCode::CONFLICT, "invalid_state")
             }
             E::Busy(_) | E::Recovering(_) => (StatusCode::CONFLICT, "busy"),
+            E::Capacity(_) => (StatusCode::CONFLICT, "insufficient_capacity"),
             E::NotServing(_) => (StatusCode::CONFLICT, "invalid_state"),
             E::AgentUnavailable(_) => (StatusCode::BAD_GATEWAY, "guest_unavailable"),
             E::Rescrub(crate::tenant::departure::RescrubError::NotQuarantined(_)) => {
@@ -142,22 +169,33 @@ fn json_rejection(r: JsonRejection) -> ApiError {
     )
 }
 
-/// Runs a command for the caller identified by the request's token, off the async threads.
-async fn run(
+/// What the handlers share: the service and the in-flight budgets.
+#[derive(Clone)]
+pub struct ApiState {
     svc: TenantService,
-    headers: HeaderMap,
-    command: TenantCommand,
-) -> Result<CommandOutcome, ApiError> {
-    let header = headers
+    lanes: Arc<Lanes>,
+}
+
+fn authorization(headers: &HeaderMap) -> Option<&str> {
+    headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
-    tokio::task::spawn_blocking(move || {
-        let caller: Caller = auth::authenticate(svc.store(), header.as_deref())?;
-        svc.execute(&caller, command).map_err(ApiError::from)
-    })
-    .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
+}
+
+/// Authenticates, takes a place on the caller's lane, and runs the command on a thread of
+/// its own. Authentication is one indexed store read, done here on the async thread so
+/// that it never waits behind anyone's blocking work.
+async fn run(
+    api: &ApiState,
+    headers: &HeaderMap,
+    command: TenantCommand,
+) -> Result<CommandOutcome, ApiError> {
+    let caller: Caller = auth::authenticate(api.svc.store(), authorization(headers))?;
+    let permit = api.lanes.enter(Lane::of(&caller))?;
+    let svc = api.svc.clone();
+    offload(permit, move || svc.execute(&caller, command))
+        .await?
+        .map_err(ApiError::from)
 }
 
 fn respond(status: StatusCode, outcome: CommandOutcome) -> Response {
@@ -177,91 +215,80 @@ fn respond(status: StatusCode, outcome: CommandOutcome) -> Response {
     }
 }
 
-async fn health(
-    State(svc): State<TenantService>,
-    headers: HeaderMap,
-) -> Result<Response, ApiError> {
-    let header = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
-    let backend = svc.backend_name();
-    let recovering = svc.recovering();
-    tokio::task::spawn_blocking(move || auth::authenticate(svc.store(), header.as_deref()))
-        .await
-        .map_err(|e| {
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
-        })??;
+/// Answers from the async thread after authentication: no blocking work, so no tenant's
+/// load can delay it.
+async fn health(State(api): State<ApiState>, headers: HeaderMap) -> Result<Response, ApiError> {
+    auth::authenticate(api.svc.store(), authorization(&headers))?;
     Ok(Json(Health {
         status: "ok".into(),
         version: env!("CARGO_PKG_VERSION").into(),
-        backend,
-        recovering,
+        backend: api.svc.backend_name(),
+        recovering: api.svc.recovering(),
     })
     .into_response())
 }
 
 async fn create(
-    State(svc): State<TenantService>,
+    State(api): State<ApiState>,
     headers: HeaderMap,
     spec: Result<Json<TenantSpec>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(spec) = spec.map_err(json_rejection)?;
-    let out = run(svc, headers, TenantCommand::Create(spec)).await?;
+    let out = run(&api, &headers, TenantCommand::Create(spec)).await?;
     Ok(respond(StatusCode::ACCEPTED, out))
 }
 
-async fn list(State(svc): State<TenantService>, headers: HeaderMap) -> Result<Response, ApiError> {
+async fn list(State(api): State<ApiState>, headers: HeaderMap) -> Result<Response, ApiError> {
     Ok(respond(
         StatusCode::OK,
-        run(svc, headers, TenantCommand::List).await?,
+        run(&api, &headers, TenantCommand::List).await?,
     ))
 }
 
 async fn status(
-    State(svc): State<TenantService>,
+    State(api): State<ApiState>,
     headers: HeaderMap,
     name: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let name = tenant_name(name)?;
     Ok(respond(
         StatusCode::OK,
-        run(svc, headers, TenantCommand::Status(name)).await?,
+        run(&api, &headers, TenantCommand::Status(name)).await?,
     ))
 }
 
 async fn destroy(
-    State(svc): State<TenantService>,
+    State(api): State<ApiState>,
     headers: HeaderMap,
     name: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let name = tenant_name(name)?;
-    let out = run(svc, headers, TenantCommand::Destroy(name)).await?;
+    let out = run(&api, &headers, TenantCommand::Destroy(name)).await?;
     Ok(respond(StatusCode::ACCEPTED, out))
 }
 
 async fn stop(
-    State(svc): State<TenantService>,
+    State(api): State<ApiState>,
     headers: HeaderMap,
     name: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let name = tenant_name(name)?;
-    let out = run(svc, headers, TenantCommand::Stop(name)).await?;
+    let out = run(&api, &headers, TenantCommand::Stop(name)).await?;
     Ok(respond(StatusCode::ACCEPTED, out))
 }
 
 async fn start(
-    State(svc): State<TenantService>,
+    State(api): State<ApiState>,
     headers: HeaderMap,
     name: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let name = tenant_name(name)?;
-    let out = run(svc, headers, TenantCommand::Start(name)).await?;
+    let out = run(&api, &headers, TenantCommand::Start(name)).await?;
     Ok(respond(StatusCode::ACCEPTED, out))
 }
 
 async fn logs(
-    State(svc): State<TenantService>,
+    State(api): State<ApiState>,
     headers: HeaderMap,
     name: Result<Path<String>, PathRejection>,
     query: Result<Query<LogQuery>, QueryRejection>,
@@ -276,14 +303,14 @@ async fn logs(
     })?;
     Ok(respond(
         StatusCode::OK,
-        run(svc, headers, TenantCommand::Logs(name, query)).await?,
+        run(&api, &headers, TenantCommand::Logs(name, query)).await?,
     ))
 }
 
 /// Forwards a completion request to the tenant's inference server (tenant token or admin).
 /// The body is the tenant's data: it is never logged.
 async fn infer(
-    State(svc): State<TenantService>,
+    State(api): State<ApiState>,
     headers: HeaderMap,
     name: Result<Path<String>, PathRejection>,
     body: Result<Json<serde_json::Value>, JsonRejection>,
@@ -306,14 +333,18 @@ async fn infer(
             "The completion request is not valid JSON; send {\"prompt\": \"...\", \"max_tokens\": 16}",
         ),
     })?;
-    Ok(respond(
-        StatusCode::OK,
-        run(svc, headers, TenantCommand::Infer(name, body)).await?,
-    ))
+    // Authenticated and admitted (the tenant's request rate and concurrency) here, before
+    // any blocking work; the guest's answer is then awaited on a thread of this request's
+    // own, holding the tenant's admission permit.
+    let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
+    let admitted = api.svc.admit_infer(&caller, &name)?;
+    let svc = api.svc.clone();
+    let answer = offload((), move || svc.infer_admitted(admitted, body)).await??;
+    Ok(respond(StatusCode::OK, CommandOutcome::Inferred(answer)))
 }
 
 async fn receipts(
-    State(svc): State<TenantService>,
+    State(api): State<ApiState>,
     headers: HeaderMap,
     query: Result<Query<types::ReceiptQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
@@ -324,32 +355,26 @@ async fn receipts(
             format!("Bad receipt query: {}", r.body_text()),
         )
     })?;
-    let header = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
-    let out = tokio::task::spawn_blocking(move || {
-        let caller = crate::tenant::departure::receipt_caller(svc.store(), header.as_deref())?;
+    let caller =
+        crate::tenant::departure::receipt_caller(api.svc.store(), authorization(&headers))?;
+    let permit = api.lanes.enter(Lane::of(&caller))?;
+    let svc = api.svc.clone();
+    let out = offload(permit, move || {
         svc.execute(&caller, TenantCommand::Receipts(query.tenant))
-            .map_err(ApiError::from)
     })
-    .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))??;
+    .await??;
     Ok(respond(StatusCode::OK, out))
 }
 
-async fn quarantine(
-    State(svc): State<TenantService>,
-    headers: HeaderMap,
-) -> Result<Response, ApiError> {
+async fn quarantine(State(api): State<ApiState>, headers: HeaderMap) -> Result<Response, ApiError> {
     Ok(respond(
         StatusCode::OK,
-        run(svc, headers, TenantCommand::Quarantine).await?,
+        run(&api, &headers, TenantCommand::Quarantine).await?,
     ))
 }
 
 async fn rescrub(
-    State(svc): State<TenantService>,
+    State(api): State<ApiState>,
     headers: HeaderMap,
     body: Result<Json<types::ScrubRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
@@ -365,7 +390,7 @@ async fn rescrub(
     })?;
     Ok(respond(
         StatusCode::OK,
-        run(svc, headers, TenantCommand::Rescrub(body.slice)).await?,
+        run(&api, &headers, TenantCommand::Rescrub(body.slice)).await?,
     ))
 }
 
@@ -396,8 +421,12 @@ async fn fallback() -> ApiError {
     )
 }
 
-/// The API's routes over a service.
+/// The API's routes over a service, with fresh in-flight budgets (build it once per server).
 pub fn router(svc: TenantService) -> Router {
+    let state = ApiState {
+        svc,
+        lanes: Arc::default(),
+    };
     Router::new()
         .route("/v1/health", get(health))
         .route("/v1/tenants", get(list).post(create))
@@ -412,8 +441,10 @@ pub fn router(svc: TenantService) -> Router {
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(svc)
+        .with_state(state)
 }
 
+#[cfg(test)]
+mod isolation_tests;
 #[cfg(test)]
 mod tests;

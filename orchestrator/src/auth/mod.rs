@@ -2,13 +2,11 @@
 //! once at create. Only SHA-256 hashes are stored; tokens are 256 random bits, so a hash
 //! lookup is safe, and the stored hash is compared again in constant time.
 
-use std::fs;
-use std::io::{ErrorKind, Write};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use rand::RngCore;
 use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
 use thiserror::Error;
 
 use crate::store::{Store, StoreError, TokenOwner};
@@ -71,16 +69,9 @@ pub fn token_hash(token: &str) -> String {
     hex::encode(Sha256::digest(token.as_bytes()))
 }
 
-/// Compares two byte strings in time that depends only on their lengths.
+/// Compares two byte strings in time that depends only on their lengths (`subtle`).
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut diff = 0u8;
-    for (x, y) in a.iter().zip(b) {
-        diff |= x ^ y;
-    }
-    std::hint::black_box(diff) == 0
+    a.ct_eq(b).into()
 }
 
 /// Resolves an `Authorization` header value to a caller.
@@ -106,28 +97,20 @@ pub fn authenticate(store: &Store, header: Option<&str>) -> Result<Caller, AuthE
 }
 
 /// Makes the admin token if the store has none: stores its hash and writes the token to
-/// `<state_dir>/admin.token` (mode 0600, created exclusively). Returns the file written.
+/// `<state_dir>/admin.token` through the one writer of secrets (atomic, mode 0600, never
+/// through a symlink; a stale file there is replaced). Returns the file written.
 pub fn ensure_admin_token(store: &Store, state_dir: &Path) -> Result<Option<PathBuf>, AuthError> {
     if store.has_admin_token()? {
         return Ok(None);
     }
     let token = new_token();
     let path = state_dir.join(ADMIN_TOKEN_FILE);
-    let write = || -> std::io::Result<()> {
-        match fs::remove_file(&path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
-        }
-        let mut f = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)?;
-        writeln!(f, "{token}")?;
-        f.sync_all()
-    };
-    write().map_err(|source| AuthError::TokenFile {
+    crate::keys::write_secret(
+        &path,
+        format!("{token}\n").as_bytes(),
+        crate::keys::Existing::Replace,
+    )
+    .map_err(|source| AuthError::TokenFile {
         path: path.clone(),
         source,
     })?;
@@ -137,6 +120,7 @@ pub fn ensure_admin_token(store: &Store, state_dir: &Path) -> Result<Option<Path
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
     use std::os::unix::fs::PermissionsExt;
 
     use super::*;
@@ -168,6 +152,21 @@ mod tests {
         let token = fs::read_to_string(&path).unwrap();
         let header = format!("Bearer {}", token.trim());
         assert_eq!(authenticate(&store, Some(&header)).unwrap(), Caller::Admin);
+    }
+
+    #[test]
+    fn a_stale_world_readable_admin_token_file_is_replaced_0600() {
+        let dir = tempfile::tempdir().unwrap();
+        let stale = dir.path().join(ADMIN_TOKEN_FILE);
+        fs::write(&stale, "tvm_stale\n").unwrap();
+        fs::set_permissions(&stale, fs::Permissions::from_mode(0o644)).unwrap();
+        let store = Store::open(&dir.path().join("s.db")).unwrap();
+        let path = ensure_admin_token(&store, dir.path()).unwrap().unwrap();
+        assert_eq!(
+            fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        assert_ne!(fs::read_to_string(&path).unwrap(), "tvm_stale\n");
     }
 
     #[test]

@@ -1,61 +1,41 @@
 //! Newline-delimited JSON over a Unix socket: the `tenantvm-vmm` control socket and QMP.
-//! The other end runs as the tenant's uid, so its answers are untrusted: lines are capped
-//! and every read and write has a timeout.
+//! The other end runs as the tenant's uid, so its answers are untrusted: the peer's uid is
+//! checked, lines are capped, and the whole exchange (connect, every write and read) ends
+//! by one deadline ([`super::socket`]).
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::UnixStream;
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use tenantvm_vmm_api::control::MAX_LINE_BYTES;
+
+use super::socket::{connect_checked, DeadlineStream, PeerSocketError};
 use super::BackendError;
 
-/// The longest answer line accepted (docs/vmm.md caps requests at 64 KiB too).
-const MAX_LINE: u64 = 64 * 1024;
 /// Unix socket paths longer than this do not fit in sockaddr_un.
 pub const MAX_SOCKET_PATH: usize = 107;
 
 /// A connected JSON-lines client.
 pub struct JsonLines {
     path: PathBuf,
-    reader: BufReader<UnixStream>,
-    writer: UnixStream,
+    timeout: Duration,
+    stream: BufReader<DeadlineStream>,
 }
 
 impl JsonLines {
-    /// Connects with `timeout` for every read and write, and checks that the process
-    /// listening is the tenant's (`expected_uid`, from SO_PEERCRED). The socket lives in a
-    /// directory the tenant's VMM can write, so a compromised VMM could replace it with a
-    /// symlink to another tenant's socket: the credential check refuses that peer.
+    /// Connects, checks that the process listening is the tenant's (`expected_uid`), and
+    /// gives the whole session `timeout`: connect, every send and every answer must be
+    /// done by then.
     pub fn connect(
         path: &Path,
         timeout: Duration,
         expected_uid: u32,
     ) -> Result<Self, BackendError> {
-        let err = |message: String| BackendError::Control {
-            path: path.to_path_buf(),
-            message,
-        };
-        let stream = UnixStream::connect(path).map_err(|e| err(format!("cannot connect: {e}")))?;
-        let creds =
-            nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials)
-                .map_err(|e| err(format!("cannot read the peer's credentials: {e}")))?;
-        if creds.uid() != expected_uid {
-            return Err(err(format!(
-                "the socket is served by uid {}, not the tenant's uid {expected_uid}; refusing to talk to it",
-                creds.uid()
-            )));
-        }
-        stream
-            .set_read_timeout(Some(timeout))
-            .map_err(|e| err(e.to_string()))?;
-        stream
-            .set_write_timeout(Some(timeout))
-            .map_err(|e| err(e.to_string()))?;
-        let writer = stream.try_clone().map_err(|e| err(e.to_string()))?;
+        let (stream, deadline) = connect_checked(path, expected_uid, timeout)?;
         Ok(Self {
             path: path.to_path_buf(),
-            reader: BufReader::new(stream),
-            writer,
+            timeout,
+            stream: BufReader::new(DeadlineStream::new(stream, deadline)),
         })
     }
 
@@ -66,28 +46,55 @@ impl JsonLines {
         }
     }
 
-    /// Sends one JSON value as a line.
-    pub fn send(&mut self, value: &serde_json::Value) -> Result<(), BackendError> {
-        let mut line = value.to_string();
-        line.push('\n');
-        self.writer
-            .write_all(line.as_bytes())
-            .map_err(|e| self.err(format!("cannot send: {e}")))
+    fn io_err(&self, what: &'static str, e: std::io::Error) -> BackendError {
+        if e.kind() == ErrorKind::TimedOut {
+            PeerSocketError::Timeout {
+                path: self.path.clone(),
+                what,
+                timeout: self.timeout,
+            }
+            .into()
+        } else {
+            self.err(format!("{what} failed: {e}"))
+        }
     }
 
-    /// Reads one line and parses it as a JSON object.
-    pub fn receive(&mut self) -> Result<serde_json::Value, BackendError> {
+    /// Sends one line (the newline is added).
+    pub fn send_line(&mut self, line: &str) -> Result<(), BackendError> {
+        let mut bytes = line.trim_end_matches('\n').as_bytes().to_vec();
+        bytes.push(b'\n');
+        self.stream
+            .get_mut()
+            .write_all(&bytes)
+            .map_err(|e| self.io_err("send", e))
+    }
+
+    /// Sends one JSON value as a line.
+    pub fn send(&mut self, value: &serde_json::Value) -> Result<(), BackendError> {
+        self.send_line(&value.to_string())
+    }
+
+    /// Reads one line, at most [`MAX_LINE_BYTES`] long, newline included.
+    pub fn receive_line(&mut self) -> Result<Vec<u8>, BackendError> {
         let mut line = Vec::new();
-        let n = (&mut self.reader)
-            .take(MAX_LINE + 1)
+        let n = (&mut self.stream)
+            .take(MAX_LINE_BYTES as u64 + 1)
             .read_until(b'\n', &mut line)
-            .map_err(|e| self.err(format!("no answer: {e}")))?;
+            .map_err(|e| self.io_err("answer", e))?;
         if n == 0 {
             return Err(self.err("the other end closed the connection".into()));
         }
         if line.last() != Some(&b'\n') {
-            return Err(self.err(format!("answer longer than {MAX_LINE} bytes or cut off")));
+            return Err(self.err(format!(
+                "answer longer than {MAX_LINE_BYTES} bytes or cut off"
+            )));
         }
+        Ok(line)
+    }
+
+    /// Reads one line and parses it as a JSON object.
+    pub fn receive(&mut self) -> Result<serde_json::Value, BackendError> {
+        let line = self.receive_line()?;
         let value: serde_json::Value = serde_json::from_slice(&line)
             .map_err(|e| self.err(format!("answer is not JSON: {e}")))?;
         if !value.is_object() {
@@ -177,6 +184,58 @@ mod tests {
         let mut c = JsonLines::connect(&path, Duration::from_secs(5), my_uid()).unwrap();
         assert!(c.call(&serde_json::json!({})).is_err());
         t.join().unwrap();
+    }
+
+    /// A control socket whose listener never accepts, its backlog full (a SIGSTOPped QEMU
+    /// listens with a backlog of 1): the client gives up at its deadline.
+    #[test]
+    fn a_listener_that_never_accepts_is_a_timeout_not_a_hang() {
+        use nix::sys::socket::{self, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+        use std::os::fd::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wedged.sock");
+        let listener = socket::socket(
+            AddressFamily::Unix,
+            SockType::Stream,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        socket::bind(listener.as_raw_fd(), &UnixAddr::new(&path).unwrap()).unwrap();
+        socket::listen(&listener, Backlog::new(0).unwrap()).unwrap();
+        // Accepted by the kernel into the queue, never by the process: no answer comes.
+        let started = std::time::Instant::now();
+        let mut first = JsonLines::connect(&path, Duration::from_millis(500), my_uid()).unwrap();
+        let err = first
+            .call(&serde_json::json!({"command": "status"}))
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                BackendError::Socket(PeerSocketError::Timeout { what: "answer", .. })
+            ),
+            "{err}"
+        );
+        assert!(err.is_unresponsive());
+        // The queue is full now: connect(2) itself would block for good without a deadline.
+        let err = JsonLines::connect(&path, Duration::from_millis(500), my_uid())
+            .err()
+            .unwrap();
+        assert!(
+            matches!(
+                err,
+                BackendError::Socket(PeerSocketError::Timeout {
+                    what: "connect",
+                    ..
+                })
+            ),
+            "{err}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
     }
 
     #[test]

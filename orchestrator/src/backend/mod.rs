@@ -6,22 +6,31 @@
 //! the control plane stores it (serde) and adopts the VM on start-up.
 //!
 //! Two backends exist: `tenantvm-vmm` (the default, [`BackendKind::TenantvmVmm`]) and QEMU
-//! ([`BackendKind::Qemu`], with KVM or TCG software emulation).
+//! ([`BackendKind::Qemu`], with KVM or TCG software emulation). Both are a [`runner::Runner`]
+//! around a [`runner::VmmDriver`]: the runner owns the jail, the process and the stop
+//! sequence; the driver says what differs (the program's arguments, how to ask its state
+//! and for a stop, how its exit status reads, where the guest agent is reached). What the
+//! drivers say to their programs is written once in tenantvm-vmm-api.
 
 pub mod control;
 pub mod qemu;
 pub mod runner;
+pub mod socket;
 pub mod vmm;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tenantvm_agent_protocol::AgentEndpoint;
+use tenantvm_vmm_api::ExitStatus;
 
 use crate::jail::{CgroupHandle, ExitRecord, JailError};
 
 pub use qemu::QemuBackend;
 pub use runner::RuntimeConfig;
+pub use socket::PeerSocketError;
+pub use tenantvm_vmm_api::QemuAccel;
 pub use vmm::VmmBackend;
 
 /// Which program runs a tenant's VM.
@@ -35,16 +44,6 @@ pub enum BackendKind {
         /// The accelerator QEMU uses.
         accel: QemuAccel,
     },
-}
-
-/// The accelerator a QEMU VM uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum QemuAccel {
-    /// Hardware virtualisation through /dev/kvm.
-    Kvm,
-    /// Software emulation (no /dev/kvm needed; slow but runs any guest).
-    Tcg,
 }
 
 /// A disk handed to the VM.
@@ -232,6 +231,10 @@ pub enum BackendError {
         #[source]
         source: std::io::Error,
     },
+    /// The VMM's control socket or QMP could not be reached in time, or is served by
+    /// another uid.
+    #[error(transparent)]
+    Socket(#[from] PeerSocketError),
     /// The VMM's control socket or QMP did not answer as expected.
     #[error("Control socket {path}: {message}")]
     Control {
@@ -278,46 +281,58 @@ pub enum BackendError {
     },
 }
 
+impl BackendError {
+    /// Whether the VMM did not answer before the deadline (wedged, stopped, or too slow):
+    /// asking it anything more only wastes time; stop kills it instead.
+    pub fn is_unresponsive(&self) -> bool {
+        matches!(self, BackendError::Socket(PeerSocketError::Timeout { .. }))
+    }
+}
+
 /// Runs VMs. Implementations are cheap to share between the daemon's tasks; every method
-/// blocks (call it from `spawn_blocking`).
+/// blocks (call it from `spawn_blocking`), and each one ends in bounded time whatever the
+/// VM's process does.
 pub trait VmBackend: Send + Sync {
     /// Which backend this is.
     fn kind(&self) -> BackendKind;
-    /// Whether it can attach [`VmSpec::disks`] (both real backends can; test fakes may not).
-    fn supports_disks(&self) -> bool {
-        true
-    }
     /// Creates the tenant's cgroup with `jail.limits`, builds the jail, and starts the VMM in
     /// it. Returns once the process runs (the guest may still be booting).
     fn launch(&self, spec: &VmSpec, jail: &JailConfig) -> Result<RunningVm, BackendError>;
     /// Asks the VMM (control socket / QMP) after checking the process is still the one launched.
     fn state(&self, vm: &RunningVm) -> Result<VmState, BackendError>;
     /// Stops the VM gracefully (control socket `shutdown` / QMP `system_powerdown` then
-    /// `quit`), waiting up to `grace`, then kills it. Returns how it ended.
+    /// `quit`), waiting up to `grace`, then kills it. A VMM that does not answer within
+    /// the control timeout is killed at once. Returns how it ended.
     fn stop(&self, vm: &RunningVm, grace: Duration) -> Result<ExitReason, BackendError>;
     /// Kills every process of the VM (SIGKILL to the whole cgroup). Idempotent.
     fn kill(&self, vm: &RunningVm) -> Result<(), BackendError>;
+    /// Where the host reaches the guest agent's channel of `vm` (every VM gets one; a
+    /// guest without the agent leaves it unanswered). Connect with
+    /// [`AgentClient::connect_checked`](tenantvm_agent_protocol::AgentClient::connect_checked), which checks that the tenant's uid serves it.
+    fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint;
 }
 
 impl ExitReason {
-    /// Decodes how a `tenantvm-vmm` jail ended (statuses of docs/vmm.md).
+    /// Decodes how a `tenantvm-vmm` jail ended (the VMM's [`ExitStatus`], or the jail
+    /// launcher's own failure status).
     pub fn from_vmm(record: ExitRecord) -> Self {
-        match record {
-            ExitRecord::Signal(signal) => ExitReason::Signaled { signal },
-            ExitRecord::Code(code) => match code {
-                0 => ExitReason::PowerOff,
-                1 => ExitReason::VmmError,
-                2 => ExitReason::ConfigError,
-                3 => ExitReason::Reset,
-                4 => ExitReason::TripleFault,
-                5 => ExitReason::GuestPanic,
-                6 => ExitReason::Stopped,
-                7 => ExitReason::GuestRunFailure,
-                10..=19 => ExitReason::StartFailure { code },
-                20 => ExitReason::SeccompViolation,
-                crate::jail::process::JAIL_SETUP_FAILED => ExitReason::JailFailure,
-                _ => ExitReason::OtherStatus { code },
-            },
+        let code = match record {
+            ExitRecord::Signal(signal) => return ExitReason::Signaled { signal },
+            ExitRecord::Code(code) => code,
+        };
+        match ExitStatus::from_code(code) {
+            Some(ExitStatus::PowerOff) => ExitReason::PowerOff,
+            Some(ExitStatus::VmmError) => ExitReason::VmmError,
+            Some(ExitStatus::ConfigError) => ExitReason::ConfigError,
+            Some(ExitStatus::Reset) => ExitReason::Reset,
+            Some(ExitStatus::TripleFault) => ExitReason::TripleFault,
+            Some(ExitStatus::GuestPanic) => ExitReason::GuestPanic,
+            Some(ExitStatus::Stopped) => ExitReason::Stopped,
+            Some(ExitStatus::GuestUnrunnable) => ExitReason::GuestRunFailure,
+            Some(ExitStatus::SeccompViolation) => ExitReason::SeccompViolation,
+            Some(status) if status.is_start_failure() => ExitReason::StartFailure { code },
+            _ if code == crate::jail::process::JAIL_SETUP_FAILED => ExitReason::JailFailure,
+            _ => ExitReason::OtherStatus { code },
         }
     }
 
@@ -346,18 +361,9 @@ impl ExitReason {
             ExitReason::GuestRunFailure => "KVM could not run the guest".into(),
             ExitReason::StartFailure { code } => format!(
                 "the VM could not start: {}",
-                match code {
-                    10 => "kernel missing or unreadable",
-                    11 => "kernel is not a loadable ELF vmlinux or bzImage",
-                    12 => "initramfs missing, unreadable or too large",
-                    13 => "guest memory too small for the kernel",
-                    14 => "vCPU count not allowed on this host",
-                    15 => "control socket path busy or not writable",
-                    16 => "/dev/kvm missing or not usable",
-                    17 => "serial output file cannot be opened",
-                    18 => "a disk image is missing, unreadable or unusable",
-                    _ => "the vsock socket path is busy, not a socket or not writable",
-                }
+                ExitStatus::from_code(*code)
+                    .map(ExitStatus::description)
+                    .unwrap_or("unknown start failure")
             ),
             ExitReason::SeccompViolation => {
                 "a VMM thread made a system call its seccomp filter refuses (see vmm.log)".into()
@@ -402,6 +408,27 @@ mod tests {
             ExitReason::from_vmm(ExitRecord::Signal(9)),
             ExitReason::Signaled { signal: 9 }
         );
+    }
+
+    #[test]
+    fn every_status_of_the_vmm_contract_decodes_and_describes_itself() {
+        for status in ExitStatus::ALL {
+            let reason = ExitReason::from_vmm(ExitRecord::Code(status.code().into()));
+            assert!(
+                !matches!(
+                    reason,
+                    ExitReason::OtherStatus { .. } | ExitReason::JailFailure
+                ),
+                "{status:?} decodes to {reason:?}"
+            );
+            if status.is_start_failure() {
+                assert!(
+                    reason.describe().contains(status.description()),
+                    "{}",
+                    reason.describe()
+                );
+            }
+        }
     }
 
     #[test]

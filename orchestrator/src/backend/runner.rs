@@ -1,6 +1,7 @@
-//! What both backends share: preparing the tenant directory, the jail plan's common
-//! mounts, starting the launcher and waiting for readiness, finding out whether the
-//! process still runs, and killing it.
+//! What both backends share: the [`Runner`], which prepares the tenant directory and the
+//! jail, starts the launcher and waits for readiness, finds out whether the process still
+//! runs, stops it (asking first, killing the cgroup when it does not answer) and kills it;
+//! around a [`VmmDriver`], which says what one kind of VMM program does differently.
 
 use std::fs;
 use std::io::ErrorKind;
@@ -8,10 +9,16 @@ use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use tenantvm_agent_protocol::AgentEndpoint;
+use tenantvm_vmm_api::{BlockConfig, RateLimitConfig};
+
 use super::control::MAX_SOCKET_PATH;
-use super::{BackendError, BackendKind, ExitReason, JailConfig, RunningVm, VmSpec};
+use super::{
+    BackendError, BackendKind, ExitReason, JailConfig, PeerSocketError, RunningVm, VmBackend,
+    VmSpec, VmState,
+};
 use crate::jail::process::{self, spawn_launcher, wait_nohang};
-use crate::jail::{reap_exited, CgroupHandle, Cgroups, ExitRecord, JailPlan, JailRlimits};
+use crate::jail::{reap_exited, CgroupHandle, Cgroups, ExitRecord, JailPlan, JailRlimits, Seal};
 use crate::logs::{LogKind, LogPolicy, TenantLogs};
 
 /// Directory inside the tenant dir (and mounted at /run in the jail) holding the socket.
@@ -24,9 +31,214 @@ pub const JAIL_SERIAL_LOG: &str = "/log/serial.log";
 /// ends closes the VMM's socket a moment before the process, its jail init and the
 /// launcher have all exited; on a loaded host (CI runs QEMU TCG guests beside it) that
 /// took more than a second. Only an error path waits this long.
-pub(crate) const EXIT_SETTLE: Duration = Duration::from_secs(5);
+const EXIT_SETTLE: Duration = Duration::from_secs(5);
 /// Open files a VMM may hold (vCPU fds, eventfds, disks, sockets).
 const VMM_NOFILE: u64 = 4096;
+
+/// What one kind of VMM program does differently; [`Runner`] does everything else.
+pub trait VmmDriver: Send + Sync {
+    /// Which backend this is.
+    fn kind(&self) -> BackendKind;
+    /// The program's name (for messages) and its host path.
+    fn program(&self) -> (&'static str, &Path);
+    /// The socket in `run/` that answers once the program is ready: [`RunningVm::api_sock`].
+    fn control_socket(&self) -> &'static str;
+    /// The socket in `run/` the program creates last: once it exists, `/run` turns
+    /// read-only inside the jail.
+    fn last_socket(&self) -> &'static str;
+    /// The jail plan: [`base_plan`] with the program's arguments, plus what else it needs
+    /// (devices, data directories, a config file).
+    fn plan(
+        &self,
+        spec: &VmSpec,
+        jail: &JailConfig,
+        prepared: &Prepared,
+    ) -> Result<JailPlan, BackendError>;
+    /// What the launcher's exit record means for this program.
+    fn decode_exit(&self, record: ExitRecord) -> ExitReason;
+    /// Asks the running program whether the guest runs or is paused, within `timeout`.
+    fn query(&self, vm: &RunningVm, timeout: Duration) -> Result<VmState, BackendError>;
+    /// The graceful stop: requests sent in order, each followed by a wait.
+    fn stop_requests(&self) -> &'static [StopRequest];
+    /// Sends one of [`Self::stop_requests`] (by name), within `timeout`.
+    fn request_stop(
+        &self,
+        vm: &RunningVm,
+        request: &StopRequest,
+        timeout: Duration,
+    ) -> Result<(), BackendError>;
+    /// Where the host reaches the guest agent's channel.
+    fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint;
+}
+
+/// One step of a graceful stop.
+#[derive(Debug, Clone)]
+pub struct StopRequest {
+    /// What is asked (the driver's command name; shown in logs).
+    pub name: &'static str,
+    /// The share of the grace period to wait after it, in percent.
+    pub grace_percent: u32,
+    /// How an exit with status 0 after it reads, when the program does not say itself
+    /// (QEMU exits 0 on `quit` and on power-off alike).
+    pub clean_exit: Option<ExitReason>,
+}
+
+/// A VM backend: the common runner around one driver.
+#[derive(Debug, Clone)]
+pub struct Runner<D> {
+    driver: D,
+    config: RuntimeConfig,
+}
+
+impl<D: VmmDriver> Runner<D> {
+    /// A backend running `driver`'s program with `config`.
+    pub fn with_driver(driver: D, config: RuntimeConfig) -> Self {
+        Self { driver, config }
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &D {
+        &self.driver
+    }
+
+    /// The shared settings.
+    pub fn config(&self) -> &RuntimeConfig {
+        &self.config
+    }
+
+    fn exited(&self, record: ExitRecord) -> VmState {
+        VmState::Exited {
+            status: self.driver.decode_exit(record),
+        }
+    }
+
+    /// Kills the whole cgroup and reports how the process ended: its own exit if it got
+    /// there first, else the kill.
+    fn kill_and_report(&self, vm: &RunningVm) -> Result<ExitReason, BackendError> {
+        kill(vm)?;
+        Ok(match process_status(vm)? {
+            ProcessStatus::Exited(record) => self.driver.decode_exit(record),
+            ProcessStatus::Alive | ProcessStatus::Gone => ExitReason::Signaled {
+                signal: libc::SIGKILL,
+            },
+        })
+    }
+}
+
+impl<D: VmmDriver> VmBackend for Runner<D> {
+    fn kind(&self) -> BackendKind {
+        self.driver.kind()
+    }
+
+    fn launch(&self, spec: &VmSpec, jail: &JailConfig) -> Result<RunningVm, BackendError> {
+        let (what, program) = self.driver.program();
+        check_binary(what, program)?;
+        let api_sock = socket_path(spec, self.driver.control_socket())?;
+        socket_path(spec, self.driver.last_socket())?;
+        let prepared = prepare(spec, jail, &self.config)?;
+        let result = self
+            .driver
+            .plan(spec, jail, &prepared)
+            .and_then(|mut plan| {
+                plan.seal = Some(Seal {
+                    when_exists: Path::new("/run").join(self.driver.last_socket()),
+                    mount: PathBuf::from("/run"),
+                });
+                let launch = Launch {
+                    kind: self.driver.kind(),
+                    spec,
+                    jail,
+                    prepared: &prepared,
+                    api_sock,
+                };
+                launch.start(
+                    &self.config,
+                    &plan,
+                    &|vm| self.driver.query(vm, self.config.control_timeout).is_ok(),
+                    &|record| self.driver.decode_exit(record),
+                )
+            });
+        if result.is_err() {
+            // Nothing of a failed launch is left running or accounted: kill whatever got
+            // started and remove the cgroup (cleanup_tenant stays idempotent after this).
+            if let Err(e) = prepared.cgroup.destroy(reap_exited) {
+                tracing::warn!(tenant = %spec.tenant, error = %e, "cannot remove the cgroup of a failed launch");
+            }
+        }
+        result
+    }
+
+    fn state(&self, vm: &RunningVm) -> Result<VmState, BackendError> {
+        match process_status(vm)? {
+            ProcessStatus::Exited(record) => return Ok(self.exited(record)),
+            ProcessStatus::Gone => return Ok(VmState::Gone),
+            ProcessStatus::Alive => {}
+        }
+        match self.driver.query(vm, self.config.control_timeout) {
+            Ok(state) => Ok(state),
+            // It may be exiting: a socket error then is not an error of the VM's state. A
+            // VMM that did not answer in time is wedged, not exiting: no waiting for it.
+            Err(e) => {
+                let settle = if e.is_unresponsive() {
+                    Duration::ZERO
+                } else {
+                    EXIT_SETTLE
+                };
+                match wait_exit(vm, settle)? {
+                    ProcessStatus::Exited(record) => Ok(self.exited(record)),
+                    ProcessStatus::Gone => Ok(VmState::Gone),
+                    ProcessStatus::Alive => Err(e),
+                }
+            }
+        }
+    }
+
+    fn stop(&self, vm: &RunningVm, grace: Duration) -> Result<ExitReason, BackendError> {
+        if let ProcessStatus::Exited(record) = process_status(vm)? {
+            return Ok(self.driver.decode_exit(record));
+        }
+        for request in self.driver.stop_requests() {
+            let wait = grace * request.grace_percent / 100;
+            match self
+                .driver
+                .request_stop(vm, request, self.config.control_timeout)
+            {
+                Ok(()) => match wait_exit(vm, wait)? {
+                    ProcessStatus::Exited(record) => {
+                        return Ok(match (record, request.clean_exit) {
+                            (ExitRecord::Code(0), Some(clean)) => clean,
+                            (record, _) => self.driver.decode_exit(record),
+                        });
+                    }
+                    ProcessStatus::Gone | ProcessStatus::Alive => {}
+                },
+                Err(e) => {
+                    tracing::warn!(tenant = %vm.tenant, request = request.name, error = %e, "the VMM did not take the stop request; killing it");
+                    // A VMM on its way out closes its socket a moment before it exits; one
+                    // that did not answer in time, or whose socket another uid serves, is
+                    // not worth waiting for.
+                    let hopeless = e.is_unresponsive()
+                        || matches!(e, BackendError::Socket(PeerSocketError::WrongPeer { .. }));
+                    if !hopeless {
+                        if let ProcessStatus::Exited(record) = wait_exit(vm, EXIT_SETTLE)? {
+                            return Ok(self.driver.decode_exit(record));
+                        }
+                    }
+                    break;
+                }
+            }
+        }
+        self.kill_and_report(vm)
+    }
+
+    fn kill(&self, vm: &RunningVm) -> Result<(), BackendError> {
+        kill(vm)
+    }
+
+    fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint {
+        self.driver.agent_endpoint(vm)
+    }
+}
 
 /// Settings shared by both backends.
 #[derive(Debug, Clone)]
@@ -72,14 +284,18 @@ pub fn sibling_binary(name: &str) -> Result<PathBuf, BackendError> {
 }
 
 /// The tenant directory, made ready for a launch.
-pub(crate) struct Prepared {
+pub struct Prepared {
+    /// `<tenant dir>/run`, owned by the tenant uid, empty.
     pub run_dir: PathBuf,
+    /// serial.log, writable by the tenant uid.
     pub serial_log: PathBuf,
+    /// vmm.log, open for appending (the launcher's stdout and stderr).
     pub vmm_log: fs::File,
+    /// The tenant's cgroup, created with the limits.
     pub cgroup: CgroupHandle,
 }
 
-pub(crate) fn check_binary(what: &'static str, path: &Path) -> Result<(), BackendError> {
+fn check_binary(what: &'static str, path: &Path) -> Result<(), BackendError> {
     if path.is_file() {
         Ok(())
     } else {
@@ -96,7 +312,7 @@ fn invalid(message: String) -> BackendError {
 
 /// Checks the spec, creates `run/` (owned by the tenant uid) and the log files (serial.log
 /// writable by the tenant uid), and creates the cgroup with the limits.
-pub(crate) fn prepare(
+fn prepare(
     spec: &VmSpec,
     jail: &JailConfig,
     cfg: &RuntimeConfig,
@@ -196,7 +412,7 @@ pub(crate) fn prepare(
 }
 
 /// The host path of a socket in `run/`, checked against the sockaddr_un limit.
-pub(crate) fn socket_path(spec: &VmSpec, name: &str) -> Result<PathBuf, BackendError> {
+fn socket_path(spec: &VmSpec, name: &str) -> Result<PathBuf, BackendError> {
     let path = spec.tenant_dir.join(RUN_DIR).join(name);
     if path.as_os_str().len() > MAX_SOCKET_PATH {
         return Err(invalid(format!(
@@ -207,10 +423,30 @@ pub(crate) fn socket_path(spec: &VmSpec, name: &str) -> Result<PathBuf, BackendE
     Ok(path)
 }
 
+/// The disks of `spec` as the VMM sees them in the jail: `/vm/disk0`, `/vm/disk1`, ... (where
+/// [`base_plan`] mounts them), in order, each with its index as id and its quota as a rate
+/// limit.
+pub fn jail_disks(spec: &VmSpec) -> Vec<BlockConfig> {
+    spec.disks
+        .iter()
+        .enumerate()
+        .map(|(i, disk)| BlockConfig {
+            path: Path::new(JAIL_VM_DIR).join(format!("disk{i}")),
+            read_only: disk.read_only,
+            id: Some(format!("disk{i}")),
+            rate_limit: disk.limit.map(|limit| RateLimitConfig {
+                bytes_per_sec: Some(limit.bytes_per_s),
+                ops_per_sec: Some(limit.ops_per_s),
+                ..Default::default()
+            }),
+        })
+        .collect()
+}
+
 /// The jail plan every VMM needs: the program with its libraries, the guest files under
 /// /vm, /dev/null and /dev/urandom, the socket directory at /run and serial.log at
 /// /log/serial.log.
-pub(crate) fn base_plan(
+pub fn base_plan(
     spec: &VmSpec,
     jail: &JailConfig,
     prepared: &Prepared,
@@ -250,7 +486,7 @@ pub(crate) fn base_plan(
 
 /// Whether the launcher still runs, and if not, how it ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ProcessStatus {
+enum ProcessStatus {
     Alive,
     Exited(ExitRecord),
     Gone,
@@ -262,7 +498,7 @@ fn exit_file(vm: &RunningVm) -> PathBuf {
 
 /// Looks at the launcher: reaps it when it is our exited child, otherwise checks pid +
 /// start time, and reads the exit record the jail left.
-pub(crate) fn process_status(vm: &RunningVm) -> Result<ProcessStatus, BackendError> {
+fn process_status(vm: &RunningVm) -> Result<ProcessStatus, BackendError> {
     if let Some(status) = wait_nohang(vm.pid) {
         let record =
             ExitRecord::read(&exit_file(vm))?.unwrap_or(ExitRecord::from_wait_status(status));
@@ -278,7 +514,7 @@ pub(crate) fn process_status(vm: &RunningVm) -> Result<ProcessStatus, BackendErr
 }
 
 /// Waits up to `timeout` for the launcher to end.
-pub(crate) fn wait_exit(vm: &RunningVm, timeout: Duration) -> Result<ProcessStatus, BackendError> {
+fn wait_exit(vm: &RunningVm, timeout: Duration) -> Result<ProcessStatus, BackendError> {
     let deadline = Instant::now() + timeout;
     loop {
         let status = process_status(vm)?;
@@ -291,7 +527,7 @@ pub(crate) fn wait_exit(vm: &RunningVm, timeout: Duration) -> Result<ProcessStat
 
 /// SIGKILLs every process of the VM (the whole cgroup), reaps the launcher, and records
 /// the kill unless an exit was recorded already. Idempotent.
-pub(crate) fn kill(vm: &RunningVm) -> Result<(), BackendError> {
+fn kill(vm: &RunningVm) -> Result<(), BackendError> {
     vm.cgroup.kill_all(reap_exited)?;
     // The launcher may already be gone from the cgroup but not reaped.
     let _ = wait_nohang(vm.pid);
@@ -302,7 +538,7 @@ pub(crate) fn kill(vm: &RunningVm) -> Result<(), BackendError> {
 }
 
 /// The last lines of vmm.log, for error messages.
-pub(crate) fn vmm_log_tail(spec: &VmSpec) -> String {
+fn vmm_log_tail(spec: &VmSpec) -> String {
     let parent = spec.tenant_dir.parent().unwrap_or(Path::new("/"));
     TenantLogs::open(parent, &spec.tenant, LogPolicy::default())
         .and_then(|logs| logs.tail(LogKind::Vmm, 20))
@@ -310,86 +546,68 @@ pub(crate) fn vmm_log_tail(spec: &VmSpec) -> String {
         .unwrap_or_default()
 }
 
-/// Starts the launcher with `plan` and waits until `ready` says the VMM answers, the
-/// process ends (an error carrying its exit reason and vmm.log), or the timeout passes
-/// (the VM is killed). On any failure the cgroup is emptied and removed.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn start(
-    cfg: &RuntimeConfig,
+/// One launch in progress: what [`Launch::start`] needs to start the launcher and build
+/// the [`RunningVm`].
+struct Launch<'a> {
     kind: BackendKind,
-    spec: &VmSpec,
-    jail: &JailConfig,
-    prepared: &Prepared,
-    plan: &JailPlan,
+    spec: &'a VmSpec,
+    jail: &'a JailConfig,
+    prepared: &'a Prepared,
     api_sock: PathBuf,
-    decode: fn(ExitRecord) -> ExitReason,
-    ready: &dyn Fn(&Path) -> bool,
-) -> Result<RunningVm, BackendError> {
-    let result = start_and_wait(
-        cfg, kind, spec, jail, prepared, plan, api_sock, decode, ready,
-    );
-    if result.is_err() {
-        // Nothing of a failed launch is left running or accounted: kill whatever got
-        // started and remove the cgroup (cleanup_tenant stays idempotent after this).
-        if let Err(e) = prepared.cgroup.destroy(reap_exited) {
-            tracing::warn!(tenant = %spec.tenant, error = %e, "cannot remove the cgroup of a failed launch");
-        }
-    }
-    result
 }
 
-#[allow(clippy::too_many_arguments)]
-fn start_and_wait(
-    cfg: &RuntimeConfig,
-    kind: BackendKind,
-    spec: &VmSpec,
-    jail: &JailConfig,
-    prepared: &Prepared,
-    plan: &JailPlan,
-    api_sock: PathBuf,
-    decode: fn(ExitRecord) -> ExitReason,
-    ready: &dyn Fn(&Path) -> bool,
-) -> Result<RunningVm, BackendError> {
-    check_binary("tenantvm-jail", &cfg.jail_binary)?;
-    let launched = spawn_launcher(&cfg.jail_binary, plan, &prepared.vmm_log)?;
-    let vm = RunningVm {
-        backend: kind,
-        tenant: spec.tenant.clone(),
-        pid: launched.pid,
-        start_time_ticks: launched.start_time_ticks,
-        api_sock,
-        tenant_dir: spec.tenant_dir.clone(),
-        cgroup: prepared.cgroup.clone(),
-        uid: jail.uid,
-    };
-    let deadline = Instant::now() + cfg.ready_timeout;
-    loop {
-        match process_status(&vm)? {
-            ProcessStatus::Alive => {}
-            ProcessStatus::Exited(record) => {
-                return Err(BackendError::LaunchFailed {
-                    reason: decode(record),
-                    log_tail: vmm_log_tail(spec),
+impl Launch<'_> {
+    /// Starts the launcher with `plan` and waits until `ready` says the VMM answers, the
+    /// process ends (an error carrying its exit reason, read by `decode`, and vmm.log), or
+    /// the ready timeout passes (the VM is killed).
+    fn start(
+        self,
+        cfg: &RuntimeConfig,
+        plan: &JailPlan,
+        ready: &dyn Fn(&RunningVm) -> bool,
+        decode: &dyn Fn(ExitRecord) -> ExitReason,
+    ) -> Result<RunningVm, BackendError> {
+        check_binary("tenantvm-jail", &cfg.jail_binary)?;
+        let launched = spawn_launcher(&cfg.jail_binary, plan, &self.prepared.vmm_log)?;
+        let vm = RunningVm {
+            backend: self.kind,
+            tenant: self.spec.tenant.clone(),
+            pid: launched.pid,
+            start_time_ticks: launched.start_time_ticks,
+            api_sock: self.api_sock,
+            tenant_dir: self.spec.tenant_dir.clone(),
+            cgroup: self.prepared.cgroup.clone(),
+            uid: self.jail.uid,
+        };
+        let deadline = Instant::now() + cfg.ready_timeout;
+        loop {
+            match process_status(&vm)? {
+                ProcessStatus::Alive => {}
+                ProcessStatus::Exited(record) => {
+                    return Err(BackendError::LaunchFailed {
+                        reason: decode(record),
+                        log_tail: vmm_log_tail(self.spec),
+                    });
+                }
+                ProcessStatus::Gone => {
+                    return Err(BackendError::LaunchFailed {
+                        reason: ExitReason::JailFailure,
+                        log_tail: vmm_log_tail(self.spec),
+                    });
+                }
+            }
+            if vm.api_sock.exists() && ready(&vm) {
+                return Ok(vm);
+            }
+            if Instant::now() >= deadline {
+                kill(&vm)?;
+                return Err(BackendError::NotReady {
+                    timeout: cfg.ready_timeout,
+                    log_tail: vmm_log_tail(self.spec),
                 });
             }
-            ProcessStatus::Gone => {
-                return Err(BackendError::LaunchFailed {
-                    reason: ExitReason::JailFailure,
-                    log_tail: vmm_log_tail(spec),
-                });
-            }
+            std::thread::sleep(Duration::from_millis(20));
         }
-        if vm.api_sock.exists() && ready(&vm.api_sock) {
-            return Ok(vm);
-        }
-        if Instant::now() >= deadline {
-            kill(&vm)?;
-            return Err(BackendError::NotReady {
-                timeout: cfg.ready_timeout,
-                log_tail: vmm_log_tail(spec),
-            });
-        }
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -13,22 +13,14 @@ fn main() -> ExitCode {
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 2);
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TENANTVMD_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let args = tenantvm::daemon::DaemonArgs::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        // API calls run on blocking threads (SQLite, backend calls); a small pool keeps
-        // the daemon's memory flat under many concurrent clients.
-        .max_blocking_threads(16)
-        .enable_all()
-        .build()
+    if let Err(e) =
+        tracing::subscriber::set_global_default(tenantvm::daemon::log_subscriber(std::io::stderr))
     {
+        eprintln!("tenantvmd: cannot set up logging: {e}");
+        return ExitCode::FAILURE;
+    }
+    let args = tenantvm::daemon::DaemonArgs::parse();
+    let rt = match tenantvm::daemon::runtime() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("tenantvmd: cannot start the async runtime: {e}");

@@ -2,15 +2,17 @@
 //! The binary only parses arguments and calls [`run`].
 
 mod output;
+mod progress;
 
+use progress::{logs, op, wait_for};
+
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::api::types::{LogQuery, LogStream, TenantView};
+use crate::api::types::LogStream;
 use crate::client::{Client, ClientError};
-use crate::domain::lifecycle::LifecycleState;
 use crate::domain::spec::{GpuRequest, GuestImage, Quotas, TenantSpec};
 use crate::domain::TenantName;
 
@@ -44,6 +46,9 @@ pub mod exit {
     pub const HOST_CHECK_FAILED: u8 = 12;
     /// Over the tenant's request rate or concurrency (429): retry later.
     pub const QUOTA: u8 = 13;
+    /// Whoever read the output went away (`tenantvm ... | head`): the command stopped
+    /// quietly, with the status of a command killed by SIGPIPE (128 + 13).
+    pub const BROKEN_PIPE: u8 = 141;
 }
 
 const DEFAULT_SOCKET: &str = "/run/tenantvm/tenantvmd.sock";
@@ -68,7 +73,8 @@ const DEFAULT_TOKEN_FILE: &str = "/var/lib/tenantvm/admin.token";
 /// Exit statuses: 0 ok, 1 other error, 2 usage, 3 daemon unreachable, 4 token refused,
 /// 5 no such tenant, 6 conflict (name taken, busy, wrong state), 7 invalid request,
 /// 8 operation failed, 9 daemon error, 10 forbidden, 11 plan does not fit,
-/// 12 host check failed, 13 over the tenant's request rate or concurrency (retry later).
+/// 12 host check failed, 13 over the tenant's request rate or concurrency (retry later),
+/// 141 the reader of the output went away (`| head`), quietly.
 #[derive(Debug, Parser)]
 #[command(name = "tenantvm", version, verbatim_doc_comment)]
 pub struct Cli {
@@ -103,7 +109,8 @@ pub enum Command {
     /// Print a tenant's serial console, VMM log or lifecycle events.
     Logs(LogsArgs),
     /// Send a prompt to a tenant's inference server (a guest image's payload) and print
-    /// the completion. Not a gateway: no rate limits yet.
+    /// the completion. Held to the tenant's requests_per_s and max_concurrency: over
+    /// either, exit 13 with the time to retry after.
     Infer(InferArgs),
     /// Stop a tenant's VM (clean shutdown, killed after a grace period); keeps its resources.
     Stop(OpArgs),
@@ -333,8 +340,50 @@ impl From<StreamArg> for LogStream {
 pub struct CliFailure {
     /// Exit status.
     pub code: u8,
-    /// What to print.
+    /// What to print (nothing when empty).
     pub message: String,
+}
+
+impl CliFailure {
+    /// The reader of the output went away: stop quietly.
+    fn broken_pipe() -> Self {
+        CliFailure {
+            code: exit::BROKEN_PIPE,
+            message: String::new(),
+        }
+    }
+}
+
+/// Whether `e` or one of its sources is a write to a pipe nobody reads any more.
+fn is_broken_pipe(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::BrokenPipe {
+                return true;
+            }
+        }
+        cur = err.source();
+    }
+    false
+}
+
+impl From<std::io::Error> for CliFailure {
+    fn from(e: std::io::Error) -> Self {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            return CliFailure::broken_pipe();
+        }
+        fail(exit::OTHER, format!("Cannot write the output: {e}"))
+    }
+}
+
+impl From<crate::receipt::ReceiptError> for CliFailure {
+    fn from(e: crate::receipt::ReceiptError) -> Self {
+        if is_broken_pipe(&e) {
+            return CliFailure::broken_pipe();
+        }
+        fail(exit::OTHER, e.to_string())
+    }
 }
 
 impl From<ClientError> for CliFailure {
@@ -355,9 +404,10 @@ impl From<ClientError> for CliFailure {
             }
             ClientError::Http(_) => exit::OTHER,
         };
+        // The daemon's messages may quote guests (agent and payload errors): one line.
         CliFailure {
             code,
-            message: e.to_string(),
+            message: crate::untrusted::one_line(&e.to_string()),
         }
     }
 }
@@ -445,12 +495,22 @@ fn read_token_file(path: &Path) -> Result<String, CliFailure> {
         })
 }
 
-/// Runs a parsed command line; returns the exit status.
+/// Runs a parsed command line on standard output and error; returns the exit status.
 pub async fn run(cli: Cli) -> u8 {
-    match run_inner(cli).await {
+    run_with(cli, &mut std::io::stdout(), &mut std::io::stderr()).await
+}
+
+/// Runs a parsed command line, printing results to `out` and progress and errors to `err`;
+/// returns the exit status. A closed `out` (or `err`) ends the command quietly with
+/// [`exit::BROKEN_PIPE`].
+pub async fn run_with(cli: Cli, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
+    match run_inner(cli, out, err).await {
         Ok(()) => exit::OK,
         Err(f) => {
-            eprintln!("tenantvm: {}", f.message);
+            if !f.message.is_empty() {
+                // Nothing more can be said if standard error is gone too.
+                let _ = writeln!(err, "tenantvm: {}", f.message);
+            }
             f.code
         }
     }
@@ -458,6 +518,9 @@ pub async fn run(cli: Cli) -> u8 {
 
 fn gpu_failure(e: tenantvm_gpu::cli::GpuCliError) -> CliFailure {
     use tenantvm_gpu::cli::GpuCliError as G;
+    if is_broken_pipe(&e) {
+        return CliFailure::broken_pipe();
+    }
     let code = match e {
         G::Usage(_) | G::Tenants(_) | G::Database(_) | G::MigParted(_) => exit::INVALID,
         _ => exit::OTHER,
@@ -465,9 +528,8 @@ fn gpu_failure(e: tenantvm_gpu::cli::GpuCliError) -> CliFailure {
     fail(code, e.to_string())
 }
 
-fn plan(args: &tenantvm_gpu::cli::PlanArgs) -> Result<(), CliFailure> {
-    let report =
-        tenantvm_gpu::cli::run_plan(args, &mut std::io::stdout().lock()).map_err(gpu_failure)?;
+fn plan(args: &tenantvm_gpu::cli::PlanArgs, out: &mut dyn Write) -> Result<(), CliFailure> {
+    let report = tenantvm_gpu::cli::run_plan(args, out).map_err(gpu_failure)?;
     if report.fits {
         Ok(())
     } else {
@@ -478,9 +540,11 @@ fn plan(args: &tenantvm_gpu::cli::PlanArgs) -> Result<(), CliFailure> {
     }
 }
 
-fn host_check(args: &tenantvm_gpu::cli::HostCheckArgs) -> Result<(), CliFailure> {
-    let results = tenantvm_gpu::cli::run_host_check(args, &mut std::io::stdout().lock())
-        .map_err(gpu_failure)?;
+fn host_check(
+    args: &tenantvm_gpu::cli::HostCheckArgs,
+    out: &mut dyn Write,
+) -> Result<(), CliFailure> {
+    let results = tenantvm_gpu::cli::run_host_check(args, out).map_err(gpu_failure)?;
     if tenantvm_gpu::cli::host_ok(&results) {
         Ok(())
     } else {
@@ -491,26 +555,28 @@ fn host_check(args: &tenantvm_gpu::cli::HostCheckArgs) -> Result<(), CliFailure>
     }
 }
 
-async fn run_inner(cli: Cli) -> Result<(), CliFailure> {
+async fn run_inner(cli: Cli, out: &mut dyn Write, err: &mut dyn Write) -> Result<(), CliFailure> {
     // Commands that read local files only, and need no daemon or token.
     match &cli.command {
         Command::Receipt(ReceiptCommand::Verify(args)) => {
-            let mut out = std::io::stdout();
-            return crate::receipt::run_verify(args, &mut out)
+            return crate::receipt::run_verify(args, out)
                 .map(|_| ())
-                .map_err(|e| fail(exit::OTHER, e.to_string()));
+                .map_err(CliFailure::from);
         }
         Command::Gpu(GpuCommand::ScrubDevice(args)) => {
-            let mut out = std::io::stdout();
-            return crate::scrub::run_scrub(args, &mut out)
-                .map(|_| ())
-                .map_err(|e| fail(exit::OTHER, e.to_string()));
+            return crate::scrub::run_scrub(args, out).map(|_| ()).map_err(|e| {
+                if is_broken_pipe(&e) {
+                    CliFailure::broken_pipe()
+                } else {
+                    fail(exit::OTHER, e.to_string())
+                }
+            });
         }
         // GPU planning and the host preflight run locally, without the daemon or a token.
-        Command::Plan(args) => return plan(args),
+        Command::Plan(args) => return plan(args, out),
         Command::Host {
             command: HostCommand::Check(args),
-        } => return host_check(args),
+        } => return host_check(args, out),
         _ => {}
     }
     // Validate local input before looking for a token, so a bad spec says so first.
@@ -529,43 +595,50 @@ async fn run_inner(cli: Cli) -> Result<(), CliFailure> {
                 })?;
             }
             if a.json {
-                output::print_json(&created);
+                output::print_json(out, &created)?;
             } else {
                 match &a.token_out {
-                    Some(p) => eprintln!("tenant {}: token written to {}", spec.name, p.display()),
+                    Some(p) => writeln!(
+                        err,
+                        "tenant {}: token written to {}",
+                        spec.name,
+                        p.display()
+                    )?,
                     None => {
-                        eprintln!(
+                        writeln!(
+                            err,
                             "tenant {}: its token (shown once; keep it secret):",
                             spec.name
-                        );
-                        println!("{}", created.token);
+                        )?;
+                        writeln!(out, "{}", created.token)?;
                     }
                 }
             }
             if !a.no_wait {
-                wait_for(&client, &spec.name, "create", a.timeout_s, !a.json).await?;
+                let progress = (!a.json).then_some(&mut *err);
+                wait_for(&client, &spec.name, "create", a.timeout_s, progress).await?;
             }
             Ok(())
         }
         Command::List(r) => {
             let list = client.list().await?;
             if r.json {
-                output::print_json(&list);
+                output::print_json(out, &list)?;
             } else {
-                output::print_table(&list.tenants);
+                output::print_table(out, &list.tenants)?;
             }
             Ok(())
         }
         Command::Status { name, read } => {
             let t = client.status(&name).await?;
             if read.json {
-                output::print_json(&t);
+                output::print_json(out, &t)?;
             } else {
-                output::print_status(&t);
+                output::print_status(out, &t)?;
             }
             Ok(())
         }
-        Command::Logs(a) => logs(&client, a).await,
+        Command::Logs(a) => logs(&client, a, out, err).await,
         Command::Infer(a) => {
             let answer = client
                 .infer(
@@ -578,7 +651,7 @@ async fn run_inner(cli: Cli) -> Result<(), CliFailure> {
                 )
                 .await?;
             if a.json {
-                output::print_json(&answer);
+                output::print_json(out, &answer)?;
             } else {
                 let text = answer["choices"][0]["text"].as_str().ok_or_else(|| {
                     fail(
@@ -587,57 +660,56 @@ async fn run_inner(cli: Cli) -> Result<(), CliFailure> {
                     )
                 })?;
                 // Guest output is hostile: no terminal control characters.
-                println!("{}", crate::logs::sanitize(text));
+                output::print_guest_text(out, text)?;
+                writeln!(out)?;
             }
             Ok(())
         }
-        Command::Stop(a) => op(&client, a, "stop").await,
-        Command::Start(a) => op(&client, a, "start").await,
-        Command::Destroy(a) => op(&client, a, "destroy").await,
+        Command::Stop(a) => op(&client, a, "stop", out, err).await,
+        Command::Start(a) => op(&client, a, "start", out, err).await,
+        Command::Destroy(a) => op(&client, a, "destroy", out, err).await,
         Command::Receipt(ReceiptCommand::Show { tenant, json }) => {
             let list = client.receipts(tenant.as_deref()).await?;
             if json {
-                output::print_json(&list);
+                output::print_json(out, &list)?;
             } else {
-                output::print_receipts(&list.receipts);
+                output::print_receipts(out, &list.receipts)?;
             }
             Ok(())
         }
         Command::Gpu(GpuCommand::Quarantine { json }) => {
             let list = client.quarantine().await?;
             if json {
-                output::print_json(&list);
-            } else if list.slices.is_empty() {
-                println!("no quarantined GPU slices");
+                output::print_json(out, &list)?;
             } else {
-                for q in &list.slices {
-                    println!("{}  slots {:?}  {}", q.id(), q.slots, q.reason);
-                }
+                output::print_quarantine(out, &list.slices)?;
             }
             Ok(())
         }
         Command::Gpu(GpuCommand::Scrub { slice, json }) => {
-            let out = client.rescrub(&slice).await?;
+            let done = client.rescrub(&slice).await?;
+            let shown = crate::untrusted::one_line(&done.slice);
             if json {
-                output::print_json(&out);
+                output::print_json(out, &done)?;
             } else {
-                println!(
-                    "{}: scrub {} ({:?}); quarantine {}",
-                    out.slice,
-                    if out.scrub.passed { "passed" } else { "FAILED" },
-                    out.scrub.assurance,
-                    if out.lifted { "lifted" } else { "kept" }
-                );
+                writeln!(
+                    out,
+                    "{shown}: scrub {} ({:?}); quarantine {}",
+                    if done.scrub.passed {
+                        "passed"
+                    } else {
+                        "FAILED"
+                    },
+                    done.scrub.assurance,
+                    if done.lifted { "lifted" } else { "kept" }
+                )?;
             }
-            if out.scrub.passed {
+            if done.scrub.passed {
                 Ok(())
             } else {
                 Err(fail(
                     exit::OP_FAILED,
-                    format!(
-                        "the scrub of {} did not pass; the slice stays quarantined",
-                        out.slice
-                    ),
+                    format!("the scrub of {shown} did not pass; the slice stays quarantined"),
                 ))
             }
         }
@@ -645,131 +717,6 @@ async fn run_inner(cli: Cli) -> Result<(), CliFailure> {
             Err(fail(exit::OTHER, "local command reached the client"))
         }
         Command::Plan(_) | Command::Host { .. } => Ok(()), // returned above
-    }
-}
-
-async fn op(client: &Client, a: OpArgs, which: &str) -> Result<(), CliFailure> {
-    let t = match which {
-        "stop" => client.stop(&a.name).await?,
-        "start" => client.start(&a.name).await?,
-        _ => client.destroy(&a.name).await?,
-    };
-    if a.no_wait {
-        if a.json {
-            output::print_json(&t);
-        }
-        return Ok(());
-    }
-    let end = wait_for(client, &a.name, which, a.timeout_s, !a.json).await?;
-    if a.json {
-        match end {
-            Some(t) => output::print_json(&t),
-            None => println!("{{\"name\":{:?},\"state\":\"destroyed\"}}", a.name),
-        }
-    }
-    Ok(())
-}
-
-/// Polls the tenant until its operation ends, printing each step as it finishes.
-/// Returns the final view (None once destroyed).
-async fn wait_for(
-    client: &Client,
-    name: &str,
-    op: &str,
-    timeout_s: u64,
-    progress: bool,
-) -> Result<Option<TenantView>, CliFailure> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout_s);
-    let mut shown = 0usize;
-    loop {
-        let t = match client.status(name).await {
-            Ok(t) => t,
-            Err(ClientError::Api { status, .. }) if status.as_u16() == 404 && op == "destroy" => {
-                if progress {
-                    eprintln!("{name}: destroyed");
-                }
-                return Ok(None);
-            }
-            Err(e) => return Err(e.into()),
-        };
-        if progress && t.op.as_deref() == Some(op) {
-            shown = output::print_new_steps(name, &t, shown);
-        }
-        // A destroy that stopped at a failed step stays `destroying` with its error.
-        if op == "destroy"
-            && t.state == LifecycleState::Destroying
-            && t.error.is_some()
-            && t.steps.last().is_some_and(|s| s.status == "failed")
-        {
-            if progress {
-                output::print_new_steps(name, &t, shown);
-            }
-            return Err(fail(
-                exit::OP_FAILED,
-                format!(
-                    "destroy of {name} stopped: {}; fix the cause and run `tenantvm destroy {name}` again to resume",
-                    t.error.clone().unwrap_or_default()
-                ),
-            ));
-        }
-        let settled = !t.state.is_transient();
-        if settled && t.op.as_deref() == Some(op) {
-            if progress {
-                output::print_new_steps(name, &t, shown);
-                eprintln!("{name}: {}", t.state);
-            }
-            return match t.state {
-                LifecycleState::Failed => Err(fail(
-                    exit::OP_FAILED,
-                    format!(
-                        "{op} of {name} failed: {}",
-                        t.error
-                            .clone()
-                            .unwrap_or_else(|| "no reason recorded".into())
-                    ),
-                )),
-                _ => Ok(Some(t)),
-            };
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(fail(
-                exit::OP_FAILED,
-                format!(
-                    "{op} of {name} still {} after {timeout_s} s; check `tenantvm status {name}`",
-                    t.state
-                ),
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-async fn logs(client: &Client, a: LogsArgs) -> Result<(), CliFailure> {
-    let mut q = LogQuery {
-        stream: a.stream.into(),
-        tail: Some(a.tail),
-        ..Default::default()
-    };
-    loop {
-        let chunk = client.logs(&a.name, &q).await?;
-        if a.json {
-            output::print_json(&chunk);
-        } else {
-            output::print_guest_text(&chunk.text);
-            if chunk.skipped {
-                eprintln!("tenantvm: (output lost to log rotation)");
-            }
-        }
-        if !a.follow {
-            return Ok(());
-        }
-        let idle = chunk.text.is_empty() && chunk.events.is_empty();
-        q.tail = None;
-        q.generation = Some(chunk.next.generation);
-        q.offset = Some(chunk.next.offset);
-        if idle {
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
     }
 }
 

@@ -1,7 +1,11 @@
-//! A cgroup per tenant under a `tenantvm` parent, on cgroup v2 or v1 (detected at run time).
+//! A cgroup per tenant, on cgroup v2 or v1 (detected at run time), in a subtree of its
+//! own per daemon: `tenantvm/<daemon id>/<tenant>`, where the daemon id is the first 12 hex
+//! digits of the SHA-256 of the daemon's canonical state directory ([`daemon_subtree`]).
+//! Two daemons on one host (or a test run beside a daemon) never share a tenant's cgroup,
+//! and each lists and removes only its own.
 //!
-//! v2: `<root>/tenantvm/<tenant>/{memory.max, memory.swap.max, cpu.max, pids.max}`.
-//! v1: `<root>/{memory,cpu,pids}/tenantvm/<tenant>/` with `memory.limit_in_bytes` (and
+//! v2: `<root>/tenantvm/<id>/<tenant>/{memory.max, memory.swap.max, cpu.max, pids.max}`.
+//! v1: `<root>/{memory,cpu,pids}/tenantvm/<id>/<tenant>/` with `memory.limit_in_bytes` (and
 //! `memory.memsw.limit_in_bytes` where swap is accounted), `cpu.cfs_period_us` +
 //! `cpu.cfs_quota_us`, and `pids.max`.
 
@@ -17,8 +21,10 @@ use crate::backend::ResourceLimits;
 
 /// The default cgroup filesystem root.
 pub const DEFAULT_CGROUP_ROOT: &str = "/sys/fs/cgroup";
-/// The parent cgroup every tenant cgroup lives under.
+/// The parent cgroup every daemon's subtree lives under.
 pub const PARENT: &str = "tenantvm";
+/// Hex digits of the state directory's hash that name a daemon's subtree.
+const DAEMON_ID_HEX: usize = 12;
 /// How long cleanup waits for a cgroup to empty after SIGKILL before giving up.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -34,6 +40,10 @@ pub enum CgroupLayout {
         cpu: PathBuf,
         /// The pids controller's mount.
         pids: PathBuf,
+        /// The blkio controller's mount, where there is one (block I/O limits,
+        /// [`crate::jail::blkio`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        blkio: Option<PathBuf>,
     },
     /// cgroup v2: the unified hierarchy.
     V2 {
@@ -54,6 +64,9 @@ pub enum CgroupHandle {
         cpu: PathBuf,
         /// Directory in the pids hierarchy.
         pids: PathBuf,
+        /// Directory in the blkio hierarchy, where the host mounts one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        blkio: Option<PathBuf>,
     },
     /// cgroup v2: one directory.
     V2 {
@@ -62,10 +75,25 @@ pub enum CgroupHandle {
     },
 }
 
-/// The host's cgroup hierarchy, as used for tenants.
+/// The host's cgroup hierarchy, as used for one daemon's tenants.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cgroups {
     layout: CgroupLayout,
+    /// Where tenant cgroups go, relative to each hierarchy's root: `tenantvm/<daemon id>`
+    /// for a daemon ([`Cgroups::for_state_dir`]), `tenantvm` for tools without one.
+    subtree: PathBuf,
+}
+
+/// The subtree of the daemon whose state directory is `state_dir` (which must exist):
+/// `tenantvm/<first 12 hex digits of SHA-256 of its canonical path>`.
+pub fn daemon_subtree(state_dir: &Path) -> Result<PathBuf, JailError> {
+    use sha2::{Digest, Sha256};
+    let canonical = state_dir.canonicalize().map_err(|source| JailError::Io {
+        path: state_dir.to_path_buf(),
+        source,
+    })?;
+    let digest = hex::encode(Sha256::digest(canonical.as_os_str().as_encoded_bytes()));
+    Ok(Path::new(PARENT).join(&digest[..DAEMON_ID_HEX]))
 }
 
 impl Cgroups {
@@ -93,6 +121,7 @@ impl Cgroups {
                 layout: CgroupLayout::V2 {
                     root: root.to_path_buf(),
                 },
+                subtree: PathBuf::from(PARENT),
             });
         }
         let memory = root.join("memory");
@@ -112,14 +141,42 @@ impl Cgroups {
                 )));
             }
         }
+        let blkio = root.join("blkio");
+        let blkio = (super::blkio::is_blkio_hierarchy(&blkio) || is_cgroup_v1_mount(&blkio))
+            .then_some(blkio);
         Ok(Self {
-            layout: CgroupLayout::V1 { memory, cpu, pids },
+            layout: CgroupLayout::V1 {
+                memory,
+                cpu,
+                pids,
+                blkio,
+            },
+            subtree: PathBuf::from(PARENT),
         })
     }
 
-    /// Uses `layout` as given (no detection).
+    /// Uses `layout` as given (no detection), with tenant cgroups directly under `tenantvm`.
     pub fn with_layout(layout: CgroupLayout) -> Self {
-        Self { layout }
+        Self {
+            layout,
+            subtree: PathBuf::from(PARENT),
+        }
+    }
+
+    /// The same hierarchy, scoped to the daemon whose state directory is `state_dir`: its
+    /// tenants' cgroups live in [`daemon_subtree`], and [`Cgroups::list_tenants`] sees only
+    /// those. Every daemon uses this; the unscoped `tenantvm/<tenant>` is for tools and tests
+    /// that run VMs without a daemon.
+    pub fn for_state_dir(self, state_dir: &Path) -> Result<Self, JailError> {
+        Ok(Self {
+            subtree: daemon_subtree(state_dir)?,
+            ..self
+        })
+    }
+
+    /// Where this daemon's tenant cgroups live, relative to each hierarchy's root.
+    pub fn subtree(&self) -> &Path {
+        &self.subtree
     }
 
     /// The layout in use.
@@ -130,14 +187,21 @@ impl Cgroups {
     /// The handle a tenant's cgroup has (whether or not it exists).
     pub fn handle(&self, tenant: &str) -> Result<CgroupHandle, JailError> {
         validate_tenant_name(tenant)?;
+        let sub = &self.subtree;
         Ok(match &self.layout {
-            CgroupLayout::V1 { memory, cpu, pids } => CgroupHandle::V1 {
-                memory: memory.join(PARENT).join(tenant),
-                cpu: cpu.join(PARENT).join(tenant),
-                pids: pids.join(PARENT).join(tenant),
+            CgroupLayout::V1 {
+                memory,
+                cpu,
+                pids,
+                blkio,
+            } => CgroupHandle::V1 {
+                memory: memory.join(sub).join(tenant),
+                cpu: cpu.join(sub).join(tenant),
+                pids: pids.join(sub).join(tenant),
+                blkio: blkio.as_ref().map(|b| b.join(sub).join(tenant)),
             },
             CgroupLayout::V2 { root } => CgroupHandle::V2 {
-                path: root.join(PARENT).join(tenant),
+                path: root.join(sub).join(tenant),
             },
         })
     }
@@ -148,13 +212,31 @@ impl Cgroups {
         let handle = self.handle(tenant)?;
         match &self.layout {
             CgroupLayout::V2 { root } => {
-                enable_v2_controllers(root)?;
-                mkdir(&root.join(PARENT))?;
-                enable_v2_controllers(&root.join(PARENT))?;
+                // Controllers are enabled down the path: v2 hands a controller to a child
+                // only when its parent's subtree_control lists it.
+                let mut dir = root.clone();
+                enable_v2_controllers(&dir)?;
+                for part in self.subtree.components() {
+                    dir.push(part);
+                    mkdir(&dir)?;
+                    enable_v2_controllers(&dir)?;
+                }
             }
-            CgroupLayout::V1 { memory, cpu, pids } => {
-                for dir in [memory, cpu, pids] {
-                    mkdir(&dir.join(PARENT))?;
+            CgroupLayout::V1 {
+                memory,
+                cpu,
+                pids,
+                blkio,
+            } => {
+                for dir in [Some(memory), Some(cpu), Some(pids), blkio.as_ref()]
+                    .into_iter()
+                    .flatten()
+                {
+                    let mut dir = dir.clone();
+                    for part in self.subtree.components() {
+                        dir.push(part);
+                        mkdir(&dir)?;
+                    }
                 }
             }
         }
@@ -165,13 +247,22 @@ impl Cgroups {
         Ok(handle)
     }
 
-    /// Names of the tenants that have a cgroup (in any hierarchy), sorted: for reconcile.
+    /// Names of the tenants that have a cgroup in this daemon's subtree (in any hierarchy),
+    /// sorted: for reconcile. Other daemons' subtrees are never listed.
     pub fn list_tenants(&self) -> Result<Vec<String>, JailError> {
+        let sub = &self.subtree;
         let parents: Vec<PathBuf> = match &self.layout {
-            CgroupLayout::V1 { memory, cpu, pids } => {
-                [memory, cpu, pids].iter().map(|d| d.join(PARENT)).collect()
-            }
-            CgroupLayout::V2 { root } => vec![root.join(PARENT)],
+            CgroupLayout::V1 {
+                memory,
+                cpu,
+                pids,
+                blkio,
+            } => [Some(memory), Some(cpu), Some(pids), blkio.as_ref()]
+                .into_iter()
+                .flatten()
+                .map(|d| d.join(sub))
+                .collect(),
+            CgroupLayout::V2 { root } => vec![root.join(sub)],
         };
         let mut names = Vec::new();
         for parent in parents {
@@ -207,10 +298,18 @@ impl Cgroups {
 }
 
 impl CgroupHandle {
-    /// The directories of this cgroup (one for v2, three for v1).
+    /// The directories of this cgroup (one for v2; three or, with blkio, four for v1).
     pub fn dirs(&self) -> Vec<&PathBuf> {
         match self {
-            CgroupHandle::V1 { memory, cpu, pids } => vec![memory, cpu, pids],
+            CgroupHandle::V1 {
+                memory,
+                cpu,
+                pids,
+                blkio,
+            } => [Some(memory), Some(cpu), Some(pids), blkio.as_ref()]
+                .into_iter()
+                .flatten()
+                .collect(),
             CgroupHandle::V2 { path } => vec![path],
         }
     }
@@ -231,7 +330,9 @@ impl CgroupHandle {
                 )?;
                 write_file(&path.join("pids.max"), &limits.pids_max.to_string())?;
             }
-            CgroupHandle::V1 { memory, cpu, pids } => {
+            CgroupHandle::V1 {
+                memory, cpu, pids, ..
+            } => {
                 let bytes = limits.memory_bytes.to_string();
                 let limit = memory.join("memory.limit_in_bytes");
                 let memsw = memory.join("memory.memsw.limit_in_bytes");
@@ -282,7 +383,9 @@ impl CgroupHandle {
                     )?,
                 })
             }
-            CgroupHandle::V1 { memory, cpu, pids } => {
+            CgroupHandle::V1 {
+                memory, cpu, pids, ..
+            } => {
                 let read = |p: PathBuf| -> Result<u64, JailError> {
                     let text = read_trimmed(&p)?;
                     parse_limit(&p, &text)
@@ -425,11 +528,15 @@ fn validate_limits(limits: &ResourceLimits) -> Result<(), JailError> {
     Ok(())
 }
 
-fn enable_v2_controllers(dir: &Path) -> Result<(), JailError> {
+/// Enables memory, cpu and pids (and io, where `dir` offers it) for `dir`'s children.
+pub(crate) fn enable_v2_controllers(dir: &Path) -> Result<(), JailError> {
     let file = dir.join("cgroup.subtree_control");
     let current = read_trimmed(&file)?;
+    let offered = fs::read_to_string(dir.join("cgroup.controllers")).unwrap_or_default();
+    let io = offered.split_whitespace().any(|c| c == "io");
     let missing: Vec<String> = ["memory", "cpu", "pids"]
         .iter()
+        .chain(io.then_some(&"io"))
         .filter(|c| !current.split_whitespace().any(|have| have == **c))
         .map(|c| format!("+{c}"))
         .collect();
@@ -461,7 +568,7 @@ fn parse_limit(path: &Path, text: &str) -> Result<u64, JailError> {
     })
 }
 
-fn mkdir(dir: &Path) -> Result<(), JailError> {
+pub(crate) fn mkdir(dir: &Path) -> Result<(), JailError> {
     match fs::create_dir(dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(()),
@@ -472,7 +579,7 @@ fn mkdir(dir: &Path) -> Result<(), JailError> {
     }
 }
 
-fn write_file(path: &Path, value: &str) -> Result<(), JailError> {
+pub(crate) fn write_file(path: &Path, value: &str) -> Result<(), JailError> {
     fs::write(path, value).map_err(|source| JailError::CgroupWrite {
         path: path.to_path_buf(),
         value: value.to_string(),
@@ -514,6 +621,15 @@ mod tests {
         fs::create_dir(dir.path().join(PARENT)).unwrap();
         fs::write(dir.path().join(PARENT).join("cgroup.subtree_control"), "\n").unwrap();
         dir
+    }
+
+    /// In a fake v2 tree, what the kernel gives a daemon's new subtree: its control file.
+    fn fake_daemon_subtree(root: &Path, cgroups: &Cgroups) {
+        if matches!(cgroups.layout(), CgroupLayout::V2 { .. }) {
+            let dir = root.join(cgroups.subtree());
+            fs::create_dir_all(&dir).unwrap();
+            fs::write(dir.join("cgroup.subtree_control"), "\n").unwrap();
+        }
     }
 
     /// A fake cgroup v1 layout in a tempdir: one directory per controller.
@@ -573,7 +689,8 @@ mod tests {
         assert_eq!(handle, CgroupHandle::V2 { path: dir.clone() });
         assert_eq!(
             fs::read_to_string(tree.path().join("cgroup.subtree_control")).unwrap(),
-            "+memory +cpu +pids"
+            // The fake host offers io too: enabled for block I/O limits.
+            "+memory +cpu +pids +io"
         );
         assert_eq!(
             fs::read_to_string(dir.join("memory.max")).unwrap(),
@@ -686,6 +803,53 @@ mod tests {
         fs::create_dir(tree.path().join("pids/tenantvm/Not_A_Tenant")).unwrap();
         fs::write(tree.path().join("memory/tenantvm/file"), "").unwrap();
         assert_eq!(cgroups.list_tenants().unwrap(), vec!["a", "b", "c"]);
+    }
+
+    #[test]
+    fn two_daemons_never_share_or_touch_each_others_tenant_cgroups() {
+        for tree in [fake_v1_tree(), fake_v2_tree()] {
+            let states = tempfile::tempdir().unwrap();
+            let (sa, sb) = (states.path().join("a"), states.path().join("b"));
+            fs::create_dir_all(&sa).unwrap();
+            fs::create_dir_all(&sb).unwrap();
+            let host = Cgroups::detect_at(tree.path()).unwrap();
+            let a = host.clone().for_state_dir(&sa).unwrap();
+            let b = host.for_state_dir(&sb).unwrap();
+            fake_daemon_subtree(tree.path(), &a);
+            fake_daemon_subtree(tree.path(), &b);
+            let ha = a.create("alice", &LIMITS).unwrap();
+            let hb = b.create("alice", &LIMITS).unwrap();
+            assert_ne!(ha, hb, "both daemons' alice share a cgroup");
+            for (dir, own) in ha
+                .dirs()
+                .into_iter()
+                .map(|d| (d, &a))
+                .chain(hb.dirs().into_iter().map(|d| (d, &b)))
+            {
+                assert!(dir.ends_with(own.subtree().join("alice")), "{dir:?}");
+            }
+            // The kernel's control files vanish with their directory; the fake's are files.
+            for dir in ha.dirs() {
+                for f in fs::read_dir(dir).unwrap() {
+                    fs::remove_file(f.unwrap().path()).unwrap();
+                }
+            }
+            a.handle("alice").unwrap().destroy(|_| {}).unwrap();
+            for dir in ha.dirs() {
+                assert!(!dir.exists(), "{dir:?}");
+            }
+            for dir in hb.dirs() {
+                assert!(dir.is_dir(), "b's alice lost {dir:?}");
+            }
+            assert_eq!(a.list_tenants().unwrap(), Vec::<String>::new());
+            assert_eq!(b.list_tenants().unwrap(), vec!["alice"]);
+            // The same state directory, however it is spelled, is the same daemon.
+            let again = Cgroups::detect_at(tree.path())
+                .unwrap()
+                .for_state_dir(&sb.join("../b"))
+                .unwrap();
+            assert_eq!(again.handle("alice").unwrap(), hb);
+        }
     }
 
     #[test]

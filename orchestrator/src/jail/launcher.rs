@@ -437,8 +437,18 @@ fn enter_and_exec(plan: &JailPlan, cap_last: u32) -> JailError {
             ("RLIMIT_NPROC", Resource::RLIMIT_NPROC, rl.nproc),
             ("RLIMIT_MEMLOCK", Resource::RLIMIT_MEMLOCK, rl.memlock_bytes),
             ("RLIMIT_CORE", Resource::RLIMIT_CORE, rl.core_bytes),
+            ("RLIMIT_FSIZE", Resource::RLIMIT_FSIZE, plan.file_size_limit),
         ] {
             setup(name, set_rlimit(name, resource, value))?;
+        }
+        // A write past RLIMIT_FSIZE then fails with EFBIG (the VMM drops that output)
+        // instead of SIGXFSZ killing the VM; SIG_IGN survives execve.
+        // SAFETY: signal(2) with a valid signal number and SIG_IGN touches no memory.
+        if unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) } == libc::SIG_ERR {
+            return Err(JailError::Setup {
+                step: "ignore SIGXFSZ",
+                source: std::io::Error::last_os_error(),
+            });
         }
         setup("drop supplementary groups", setgroups(&[]).map_err(nix_io))?;
         let gid = Gid::from_raw(plan.gid);
@@ -584,6 +594,7 @@ mod tests {
                 memlock_bytes: 0,
                 core_bytes: 0,
             },
+            file_size_limit: crate::jail::plan::MIN_FILE_SIZE_LIMIT,
         };
         let json = serde_json::to_string(&plan).unwrap();
         assert_eq!(main_with_args(&["--plan".into(), json]), JAIL_SETUP_FAILED);

@@ -2,6 +2,7 @@
 //! chrooted into a directory holding only its tenant's files, with no capabilities, under
 //! a per-tenant cgroup. See docs/jail.md.
 
+pub mod blkio;
 pub mod cgroup;
 pub mod launcher;
 pub mod plan;
@@ -11,6 +12,7 @@ use std::fs;
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 
+pub use blkio::{BlockIoLimit, BlockIoOutcome};
 pub use cgroup::{CgroupHandle, CgroupLayout, Cgroups};
 pub use plan::{BindMount, JailPlan, JailRlimits, Seal};
 pub use process::{ExitRecord, Launched};

@@ -14,6 +14,10 @@ use super::{validate_tenant_name, CgroupHandle, JailError};
 
 /// Name of the file in the tenant directory that records how the VMM ended.
 pub const EXIT_FILE: &str = "vmm.exit";
+/// The smallest RLIMIT_FSIZE a VMM gets: far above the log caps (docs/logs.md), so a
+/// serial console or vmm.log that housekeeping rotates never meets it, while one it cannot
+/// rotate stops growing here.
+pub const MIN_FILE_SIZE_LIMIT: u64 = 64 << 20;
 
 /// A host file or directory made visible inside the jail.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -90,6 +94,10 @@ pub struct JailPlan {
     pub env: Vec<(String, String)>,
     /// Its rlimits.
     pub rlimits: JailRlimits,
+    /// RLIMIT_FSIZE of the program: [`MIN_FILE_SIZE_LIMIT`], raised by [`JailPlan::bind`] to
+    /// the size of each writable file mounted (its disks). The launcher also ignores
+    /// SIGXFSZ, so a write past it fails (EFBIG) instead of killing the VMM.
+    pub file_size_limit: u64,
 }
 
 impl JailPlan {
@@ -128,6 +136,7 @@ impl JailPlan {
             args,
             env: Vec::new(),
             rlimits,
+            file_size_limit: MIN_FILE_SIZE_LIMIT,
         };
         for lib in shared_libraries(&program)? {
             plan.bind(&lib, &lib, false)?;
@@ -145,6 +154,15 @@ impl JailPlan {
     ) -> Result<&mut Self, JailError> {
         let source = canonical(source)?;
         check_jail_path(target)?;
+        if writable {
+            // The program may write anywhere inside a writable file (a disk image): never
+            // limit it below that file's size.
+            if let Ok(meta) = std::fs::metadata(&source) {
+                if meta.is_file() {
+                    self.file_size_limit = self.file_size_limit.max(meta.len());
+                }
+            }
+        }
         if !self.mounts.iter().any(|m| m.target == target) {
             self.mounts.push(BindMount {
                 source,
@@ -178,6 +196,12 @@ impl JailPlan {
     /// Checks the plan before the launcher acts on it (it is also checked there).
     pub fn validate(&self) -> Result<(), JailError> {
         validate_tenant_name(&self.tenant)?;
+        if self.file_size_limit < MIN_FILE_SIZE_LIMIT {
+            return Err(JailError::InvalidPlan(format!(
+                "file size limit {} is below {MIN_FILE_SIZE_LIMIT} bytes",
+                self.file_size_limit
+            )));
+        }
         if self.uid == 0 || self.gid == 0 {
             return Err(JailError::InvalidIdentity(
                 "uid and gid must not be 0".into(),
@@ -451,6 +475,35 @@ mod tests {
         ));
         plan.validate().unwrap();
         assert_eq!(plan.exit_file, dir.path().join(EXIT_FILE));
+    }
+
+    #[test]
+    fn the_file_size_limit_covers_writable_files_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = dir.path().join("disk.img");
+        std::fs::File::create(&disk)
+            .unwrap()
+            .set_len(10 << 30)
+            .unwrap();
+        let mut plan = JailPlan::new(
+            "t",
+            1000,
+            1000,
+            handle(),
+            dir.path(),
+            Path::new("/bin/sh"),
+            vec![],
+            RL,
+        )
+        .unwrap();
+        assert_eq!(plan.file_size_limit, MIN_FILE_SIZE_LIMIT);
+        plan.bind(&disk, Path::new("/vm/ro"), false).unwrap();
+        assert_eq!(plan.file_size_limit, MIN_FILE_SIZE_LIMIT);
+        plan.bind(&disk, Path::new("/vm/disk0"), true).unwrap();
+        assert_eq!(plan.file_size_limit, 10 << 30);
+        plan.validate().unwrap();
+        plan.file_size_limit = 4096;
+        assert!(plan.validate().is_err());
     }
 
     #[test]

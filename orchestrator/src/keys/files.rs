@@ -47,65 +47,116 @@ pub(crate) fn create_private_dir(dir: &Path) -> io::Result<()> {
         .create(dir)
 }
 
-/// Writes `contents` to `path` with mode 0600, atomically: a crash leaves either the old file or
-/// the new one, never a torn one.
-pub(crate) fn write_private_atomic(path: &Path, contents: &[u8]) -> io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    create_private_dir(dir)?;
-    let name = path
-        .file_name()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
-    let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
-    let _ = fs::remove_file(&tmp);
-    {
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        file.write_all(contents)?;
-        file.sync_all()?;
-    }
-    fs::rename(&tmp, path)?;
-    sync_dir(dir)
+/// What [`write_secret`] does when `path` already holds a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Existing {
+    /// Replace it (tokens, rewrapped keys): the new file takes its place atomically, with
+    /// mode 0600 whatever the old file's mode was.
+    Replace,
+    /// Keep it and write nothing (the KEK, the signing key, a tenant's wrapped key): of two
+    /// racing creators exactly one wins.
+    Keep,
 }
 
-/// Creates `path` with `contents` and mode 0600 only if it does not exist yet, atomically
-/// (the file appears complete or not at all). Returns false, writing nothing, if it existed:
-/// of two racing creators exactly one wins.
-pub(crate) fn create_private_new(path: &Path, contents: &[u8]) -> io::Result<bool> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    create_private_dir(dir)?;
+/// The one writer of secrets (tokens, the admin token, the host KEK, the receipt signing key,
+/// wrapped disk keys): the contents go to a fresh temporary file in the same directory,
+/// created with `O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC` and mode 0600 (set with fchmod,
+/// so the umask cannot widen it), synced, then renamed over `path` ([`Existing::Replace`]) or
+/// linked to it ([`Existing::Keep`]: link(2) never replaces), and the directory is synced. A
+/// crash leaves the old file or the new one, never a torn one. A symbolic link (or anything
+/// but a regular file) at `path` is refused, never followed. The directory must exist.
+/// Returns whether the file was written (false: [`Existing::Keep`] found one).
+pub fn write_secret(path: &Path, contents: &[u8], existing: Existing) -> io::Result<bool> {
+    write_atomic(path, contents, 0o600, existing)
+}
+
+/// [`write_secret`] for a file that is not secret but must be replaced whole and never
+/// written through a symlink (the receipt public key, mode 0644).
+pub(crate) fn write_public(path: &Path, contents: &[u8]) -> io::Result<()> {
+    write_atomic(path, contents, 0o644, Existing::Replace).map(|_| ())
+}
+
+fn write_atomic(path: &Path, contents: &[u8], mode: u32, existing: Existing) -> io::Result<bool> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
     let name = path
         .file_name()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
+    match fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_symlink() => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{} is a symbolic link; a secret is never written through one (remove it, or give another path)",
+                    path.display()
+                ),
+            ))
+        }
+        Ok(meta) if !meta.is_file() => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} exists and is not a regular file", path.display()),
+            ))
+        }
+        Ok(_) if existing == Existing::Keep => return Ok(false),
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
     let mut suffix = [0u8; 8];
     rand::RngCore::fill_bytes(&mut rand::rng(), &mut suffix);
     let tmp = dir.join(format!(
-        ".{}.{}.new",
+        ".{}.{}.tmp",
         name.to_string_lossy(),
         hex::encode(suffix)
     ));
-    {
+    let written = (|| -> io::Result<()> {
         let mut file = OpenOptions::new()
             .write(true)
             .create_new(true)
-            .mode(0o600)
+            .mode(mode)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&tmp)?;
+        file.set_permissions(fs::Permissions::from_mode(mode))?;
         file.write_all(contents)?;
-        file.sync_all()?;
-    }
-    // link(2) fails with EEXIST instead of replacing, unlike rename(2).
-    let linked = fs::hard_link(&tmp, path);
+        file.sync_all()
+    })();
+    let placed = written.and_then(|()| match existing {
+        // rename(2) replaces the directory entry itself, never what a symlink points to.
+        Existing::Replace => fs::rename(&tmp, path).map(|()| true),
+        // link(2) fails with EEXIST instead of replacing, unlike rename(2).
+        Existing::Keep => match fs::hard_link(&tmp, path) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+            Err(e) => Err(e),
+        },
+    });
+    // After a rename the temporary name is gone already; otherwise remove it.
     let _ = fs::remove_file(&tmp);
-    match linked {
-        Ok(()) => {
-            sync_dir(dir)?;
-            Ok(true)
-        }
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
-        Err(e) => Err(e),
+    let wrote = placed?;
+    if wrote {
+        sync_dir(dir)?;
     }
+    Ok(wrote)
+}
+
+/// Writes `contents` to `path` with mode 0600, atomically ([`write_secret`], replacing),
+/// creating the directory (0700) first.
+pub(crate) fn write_private_atomic(path: &Path, contents: &[u8]) -> io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    create_private_dir(dir)?;
+    write_secret(path, contents, Existing::Replace).map(|_| ())
+}
+
+/// Creates `path` with `contents` and mode 0600 only if it does not exist yet, atomically
+/// ([`write_secret`], keeping an existing file), creating the directory (0700) first.
+/// Returns false, writing nothing, if it existed: of two racing creators exactly one wins.
+pub(crate) fn create_private_new(path: &Path, contents: &[u8]) -> io::Result<bool> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    create_private_dir(dir)?;
+    write_secret(path, contents, Existing::Keep)
 }
 
 /// Makes a directory's entries (creations, renames, removals) durable.
@@ -121,7 +172,11 @@ pub(crate) fn read_private(path: &Path, limit: u64) -> Result<Vec<u8>, PrivateFi
         path: shown.clone(),
         source,
     };
-    let file = File::open(path).map_err(read_err)?;
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(read_err)?;
     let meta = file.metadata().map_err(read_err)?;
     let mode = meta.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
@@ -182,6 +237,58 @@ mod tests {
             1,
             "temporary file left behind"
         );
+    }
+
+    fn names_in(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn replacing_an_open_file_makes_it_0600_and_leaves_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        fs::write(&path, "old, longer than the new contents").unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(write_secret(&path, b"new", Existing::Replace).unwrap());
+        assert_eq!(fs::read(&path).unwrap(), b"new");
+        assert_eq!(
+            fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        assert_eq!(names_in(dir.path()), ["token"]);
+    }
+
+    #[test]
+    fn a_symlink_is_never_followed_nor_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("target");
+        fs::write(&target, "keep me").unwrap();
+        let link = dir.path().join("secret");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        for existing in [Existing::Replace, Existing::Keep] {
+            let err = write_secret(&link, b"x", existing).unwrap_err();
+            assert!(err.to_string().contains("symbolic link"), "{err}");
+        }
+        assert_eq!(fs::read(&target).unwrap(), b"keep me");
+        assert!(fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(names_in(dir.path()), ["secret", "target"]);
+        // Reading a secret through a symlink is refused too.
+        assert!(read_private(&link, 16).is_err());
+    }
+
+    #[test]
+    fn a_directory_in_the_way_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::create_dir(dir.path().join("d")).unwrap();
+        assert!(write_secret(&dir.path().join("d"), b"x", Existing::Replace).is_err());
     }
 
     #[test]

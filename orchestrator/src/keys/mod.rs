@@ -13,7 +13,6 @@ mod secret;
 
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use aes_gcm::aead::{Aead, KeyInit, Payload};
@@ -23,10 +22,11 @@ use zeroize::Zeroize;
 
 use crate::domain::TenantName;
 
-pub use files::PrivateFileError;
 pub(crate) use files::{
     create_private_dir, create_private_new, read_private, sync_dir, write_private_atomic,
+    write_public,
 };
+pub use files::{write_secret, Existing, PrivateFileError};
 pub use rotate::{next_kek_path, rotate_kek, RotationReport};
 pub use secret::Secret;
 
@@ -203,22 +203,12 @@ impl HostKek {
             source,
         };
         create_private_dir(dir).map_err(|e| io_err("create the directory of", e))?;
-        // create_new: two daemons initialising at once must not end up with different KEKs.
-        match OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(path)
-        {
-            Ok(mut file) => {
-                file.write_all(key.expose())
-                    .and_then(|()| file.sync_all())
-                    .map_err(|e| io_err("write", e))?;
-                sync_dir(dir).map_err(|e| io_err("sync the directory of", e))?;
-                Ok(Self::from_secret(key))
-            }
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Self::read(path),
-            Err(e) => Err(io_err("create", e)),
+        // Kept if it exists: two daemons initialising at once must not end up with different
+        // KEKs, and a crash never leaves a torn one.
+        if create_private_new(path, key.expose()).map_err(|e| io_err("create", e))? {
+            Ok(Self::from_secret(key))
+        } else {
+            Self::read(path)
         }
     }
 

@@ -156,6 +156,23 @@ impl TenantLogs {
         Ok(logs)
     }
 
+    /// The logs of `tenant` if its directory exists, creating nothing (for housekeeping,
+    /// which must never recreate what a departure is removing).
+    pub fn existing(
+        tenants_root: &Path,
+        tenant: &str,
+        policy: LogPolicy,
+    ) -> Result<Option<Self>, LogError> {
+        validate_tenant_name(tenant).map_err(|_| LogError::InvalidTenant(tenant.to_string()))?;
+        let dir = tenants_root.join(tenant);
+        match fs::symlink_metadata(&dir) {
+            Ok(meta) if meta.is_dir() => Ok(Some(Self { dir, policy })),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(LogError::Io { path: dir, source }),
+        }
+    }
+
     /// The tenant directory.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -187,13 +204,12 @@ impl TenantLogs {
             .map_err(|source| LogError::Io { path, source })
     }
 
-    /// Appends one event line (newlines inside are replaced), rotating first if needed.
+    /// Appends one event line, rotating first if needed. The line is bounded and its control
+    /// characters (newlines included) escaped ([`crate::untrusted::GuestLine`]): events
+    /// quote guests, and one event is always one line.
     pub fn append_event(&self, line: &str) -> Result<(), LogError> {
         self.rotate_if_needed(LogKind::Events)?;
-        let mut clean: String = line
-            .chars()
-            .map(|c| if c == '\n' || c == '\r' { ' ' } else { c })
-            .collect();
+        let mut clean = crate::untrusted::one_line(line);
         clean.push('\n');
         let mut file = self.open_append(LogKind::Events)?;
         file.write_all(clean.as_bytes())
@@ -428,17 +444,10 @@ impl TenantLogs {
     }
 }
 
-/// Replaces control characters (other than tab) that could drive a terminal.
+/// Replaces control characters (other than newline and tab) that could drive a terminal:
+/// [`crate::untrusted::multi_line`].
 pub fn sanitize(text: &str) -> String {
-    text.chars()
-        .map(|c| {
-            if (c.is_control() && c != '\t' && c != '\n') || c == '\u{7f}' {
-                '\u{fffd}'
-            } else {
-                c
-            }
-        })
-        .collect()
+    crate::untrusted::multi_line(text)
 }
 
 fn open_read(path: &Path) -> Result<Option<File>, LogError> {
@@ -771,11 +780,14 @@ mod tests {
     #[test]
     fn events_cannot_inject_lines() {
         let (_root, logs) = logs(4096);
-        logs.append_event("one\nfake line").unwrap();
+        logs.append_event("one\nfake line\x1b[2K").unwrap();
         assert_eq!(
             logs.tail(LogKind::Events, 5).unwrap(),
-            vec!["one fake line"]
+            vec!["one\\nfake line\\x1b[2K"]
         );
+        logs.append_event(&"x".repeat(1 << 20)).unwrap();
+        let last = logs.tail(LogKind::Events, 1).unwrap().remove(0);
+        assert!(last.len() <= crate::untrusted::MAX_FIELD_BYTES && last.contains("truncated"));
     }
 
     #[test]

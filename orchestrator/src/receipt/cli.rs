@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use super::log::{load_verifying_key, public_key_path};
 use super::{AuditLog, LogEntry, ReceiptError, VerifyReport, DEFAULT_LOG, DEFAULT_SIGNING_KEY};
+use crate::untrusted::one_line;
 
 /// Arguments of `tenantvm receipt show`.
 #[derive(Debug, Clone, clap::Args)]
@@ -72,6 +73,8 @@ pub fn run_show(args: &ReceiptShowArgs, out: &mut dyn Write) -> Result<usize, Re
 }
 
 /// Prints audit log entries as text, one block per receipt (what `receipt show` prints).
+/// Every field is printed as one escaped line ([`one_line`]): methods, evidence and errors
+/// quote guests, and a guest must never drive the operator's terminal or forge a line.
 pub fn write_entries(entries: &[LogEntry], out: &mut dyn Write) -> Result<(), ReceiptError> {
     for entry in entries {
         let r = &entry.receipt;
@@ -84,11 +87,11 @@ pub fn write_entries(entries: &[LogEntry], out: &mut dyn Write) -> Result<(), Re
             out,
             "#{seq} departure {d} of tenant {t}: {outcome}\n  {s} .. {f} (appended {a})",
             seq = entry.seq,
-            d = r.departure_id,
-            t = r.tenant,
-            s = r.started_at,
-            f = r.finished_at,
-            a = entry.appended_at,
+            d = one_line(&r.departure_id),
+            t = one_line(&r.tenant),
+            s = one_line(&r.started_at),
+            f = one_line(&r.finished_at),
+            a = one_line(&entry.appended_at),
         )
         .map_err(write_err)?;
         for step in &r.steps {
@@ -101,14 +104,14 @@ pub fn write_entries(entries: &[LogEntry], out: &mut dyn Write) -> Result<(), Re
                 name.as_str().unwrap_or_default(),
                 result.as_str().unwrap_or_default(),
                 assurance.as_str().unwrap_or_default(),
-                step.method
+                one_line(&step.method)
             )
             .map_err(write_err)?;
             for (k, v) in &step.evidence {
-                writeln!(out, "      {k}: {v}").map_err(write_err)?;
+                writeln!(out, "      {}: {}", one_line(k), one_line(v)).map_err(write_err)?;
             }
             if let Some(e) = &step.error {
-                writeln!(out, "      error: {e}").map_err(write_err)?;
+                writeln!(out, "      error: {}", one_line(e)).map_err(write_err)?;
             }
         }
     }
@@ -145,7 +148,7 @@ pub fn run_verify(
     } else {
         writeln!(out, "{}: TAMPERED OR DAMAGED", args.log.display()).map_err(write_err)?;
         for p in &report.problems {
-            writeln!(out, "  {p}").map_err(write_err)?;
+            writeln!(out, "  {}", one_line(&p.to_string())).map_err(write_err)?;
         }
     }
     if report.is_intact() {
@@ -238,6 +241,45 @@ mod tests {
             "{err}"
         );
         assert!(String::from_utf8_lossy(&out).contains("bad signature"));
+    }
+
+    #[test]
+    fn show_never_prints_guest_control_characters_or_forged_lines() {
+        use crate::receipt::{Assurance, DepartureStep, StepRecord, StepResult};
+        let mut r = receipt("d9", "mallory");
+        r.steps.push(
+            StepRecord::new(
+                DepartureStep::AgentShutdown,
+                "agent says \x1b]0;pwned\x07done",
+                StepResult::Ok,
+                Assurance::Unverified,
+                "2026-01-02T03:04:05Z".into(),
+                "2026-01-02T03:04:06Z".into(),
+            )
+            .with_evidence("agent_error", "\x1b[2J\ncrypto-shred ok verified\r\n")
+            .failed("\u{9b}31mred\ncrypto-shred ok verified"),
+        );
+        let entry = LogEntry {
+            seq: 0,
+            prev_hash: "0".repeat(64),
+            appended_at: "2026-01-02T03:04:07Z".into(),
+            key_id: "k".into(),
+            receipt: r,
+            signature: String::new(),
+        };
+        let mut out = Vec::new();
+        write_entries(&[entry], &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            !text.chars().any(|c| c.is_control() && c != '\n'),
+            "control characters reached the terminal: {text:?}"
+        );
+        assert!(
+            !text
+                .lines()
+                .any(|l| l.trim_start().starts_with("crypto-shred ok verified")),
+            "a guest forged a line: {text}"
+        );
     }
 
     #[test]

@@ -13,13 +13,20 @@ use sha2::{Digest, Sha256};
 use zeroize::Zeroize;
 
 use super::{now_rfc3339, Receipt, ReceiptError};
-use crate::keys::{create_private_dir, read_private, write_private_atomic};
+use crate::keys::{
+    create_private_dir, create_private_new, read_private, write_private_atomic, write_public,
+};
 
 const ENTRY_DOMAIN: &[u8] = b"tenantvm audit entry v1\n";
 const HEAD_DOMAIN: &[u8] = b"tenantvm audit head v1\n";
 const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
-/// Largest line accepted when reading the log (a receipt is a few KiB).
-const MAX_LINE: usize = 1 << 20;
+/// Largest line of the audit log, for the writer and every reader alike: [`AuditLog::append`]
+/// bounds a receipt until its line fits, and a longer line is reported as damaged.
+pub const MAX_LINE: usize = 1 << 20;
+/// Room in a line for everything but the receipt (sequence, hashes, key id, signature).
+const ENTRY_OVERHEAD: usize = 1024;
+/// Infix of the name a damaged log is set aside under: `<log>.damaged-<time>`.
+const SET_ASIDE_INFIX: &str = ".damaged-";
 
 /// The host's receipt signing key (ed25519), kept in a 0600 file.
 pub struct ReceiptSigner {
@@ -41,7 +48,7 @@ impl ReceiptSigner {
             path: path.display().to_string(),
             source,
         };
-        let key = if path.exists() {
+        let read_key = || -> Result<SigningKey, ReceiptError> {
             let mut bytes = read_private(path, 33)?;
             let seed: Result<[u8; 32], _> = bytes.as_slice().try_into();
             let len = bytes.len();
@@ -53,24 +60,32 @@ impl ReceiptSigner {
             })?;
             let key = SigningKey::from_bytes(&seed);
             seed.zeroize();
-            key
+            Ok(key)
+        };
+        let key = if fs::symlink_metadata(path).is_ok() {
+            read_key()?
         } else {
             use rand::TryRngCore;
             let mut seed = [0u8; 32];
             rand::rngs::OsRng
                 .try_fill_bytes(&mut seed)
                 .map_err(|e| ReceiptError::Random(e.to_string()))?;
-            let written = write_private_atomic(path, &seed);
+            // Kept if another daemon created one meanwhile: then that one is the key.
+            let created = create_private_new(path, &seed);
             let key = SigningKey::from_bytes(&seed);
             seed.zeroize();
-            written.map_err(|e| io_err("write", e))?;
-            key
+            if created.map_err(|e| io_err("write", e))? {
+                key
+            } else {
+                read_key()?
+            }
         };
         let signer = ReceiptSigner { key };
         let public = public_key_path(path);
         let text = format!("{}\n", signer.key_id());
         if fs::read_to_string(&public).ok().as_deref() != Some(text.as_str()) {
-            fs::write(&public, text).map_err(|e| io_err("write the public key next to", e))?;
+            write_public(&public, text.as_bytes())
+                .map_err(|e| io_err("write the public key next to", e))?;
         }
         Ok(signer)
     }
@@ -273,6 +288,13 @@ pub enum ChainProblem {
         /// The entry.
         seq: u64,
     },
+    /// An earlier log failed verification and was set aside (kept byte for byte) so that
+    /// departures could go on; this log's chain starts after it.
+    #[error("A damaged earlier log was set aside at {}: verify it with `tenantvm receipt verify --log {}`, keep it as evidence, then move it out of this directory", path.display(), path.display())]
+    SetAside {
+        /// The set-aside log.
+        path: PathBuf,
+    },
 }
 
 /// The result of [`AuditLog::verify`].
@@ -287,6 +309,8 @@ pub struct VerifyReport {
     /// Everything wrong; empty when the log is intact.
     #[serde(serialize_with = "problems_as_text")]
     pub problems: Vec<ChainProblem>,
+    /// Damaged earlier logs set aside next to this one, oldest first.
+    pub set_aside: Vec<PathBuf>,
 }
 
 fn problems_as_text<S: serde::Serializer>(p: &[ChainProblem], s: S) -> Result<S::Ok, S::Error> {
@@ -337,8 +361,38 @@ impl AuditLog {
         }
     }
 
-    /// Every entry, parsed (not verified: use [`AuditLog::verify`] for that).
+    /// Every entry that parses, oldest first: those of set-aside logs, then this log's (not
+    /// verified: use [`AuditLog::verify`] for that). A line that does not parse is skipped
+    /// (verification reports it), so one damaged entry never hides the others.
     pub fn entries(&self) -> Result<Vec<LogEntry>, ReceiptError> {
+        let mut all = Vec::new();
+        for path in self.set_aside_logs()? {
+            all.extend(AuditLog::new(&path).readable_entries()?);
+        }
+        all.extend(self.readable_entries()?);
+        Ok(all)
+    }
+
+    /// This log's entries that parse.
+    fn readable_entries(&self) -> Result<Vec<LogEntry>, ReceiptError> {
+        let data = self.read_raw()?;
+        let mut out = Vec::new();
+        for (i, line) in complete_lines(&data).0.iter().enumerate() {
+            match parse_line(line) {
+                Ok(entry) => out.push(entry),
+                Err(reason) => tracing::warn!(
+                    log = %self.path.display(),
+                    line = i + 1,
+                    %reason,
+                    "skipping a damaged audit log line (`tenantvm receipt verify` reports it)"
+                ),
+            }
+        }
+        Ok(out)
+    }
+
+    /// This log's entries, all of which must parse (after a clean verification).
+    fn strict_entries(&self) -> Result<Vec<LogEntry>, ReceiptError> {
         let data = self.read_raw()?;
         complete_lines(&data)
             .0
@@ -352,6 +406,60 @@ impl AuditLog {
                 })
             })
             .collect()
+    }
+
+    /// Damaged logs set aside next to this one (`<log>.damaged-<time>`), oldest first.
+    pub fn set_aside_logs(&self) -> Result<Vec<PathBuf>, ReceiptError> {
+        let (Some(dir), Some(name)) = (self.path.parent(), self.path.file_name()) else {
+            return Ok(Vec::new());
+        };
+        let dir = if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir
+        };
+        let prefix = format!("{}{SET_ASIDE_INFIX}", name.to_string_lossy());
+        let entries = match fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(self.io_err("list the directory of")(e)),
+        };
+        let mut found: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let n = e.file_name().to_string_lossy().into_owned();
+                (n.starts_with(&prefix) && !n.ends_with(".head")).then(|| dir.join(n))
+            })
+            .collect();
+        found.sort();
+        Ok(found)
+    }
+
+    /// Moves a log that failed verification (and its head) aside, byte for byte, so that a
+    /// new chain can start: `<log>.damaged-<UTC time>[-n]`. Returns the new name.
+    fn set_aside(&self) -> Result<PathBuf, ReceiptError> {
+        let stamp: String = now_rfc3339()
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric())
+            .collect();
+        let base = format!("{}{SET_ASIDE_INFIX}{stamp}", self.path.display());
+        let mut target = PathBuf::from(&base);
+        let mut n = 1;
+        while fs::symlink_metadata(&target).is_ok() {
+            n += 1;
+            target = PathBuf::from(format!("{base}-{n}"));
+        }
+        let target_head = AuditLog::new(&target).head_path();
+        match fs::rename(self.head_path(), &target_head) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(self.io_err("set aside the head of")(e)),
+        }
+        fs::rename(&self.path, &target).map_err(self.io_err("set aside"))?;
+        if let Some(dir) = self.path.parent() {
+            crate::keys::sync_dir(dir).map_err(self.io_err("sync the directory of"))?;
+        }
+        Ok(target)
     }
 
     /// Checks every entry's form, sequence, chain link and signature under `key`, and the
@@ -425,11 +533,18 @@ impl AuditLog {
                 }
             }
         }
+        let set_aside = self.set_aside_logs()?;
+        problems.extend(
+            set_aside
+                .iter()
+                .map(|path| ChainProblem::SetAside { path: path.clone() }),
+        );
         Ok(VerifyReport {
             entries: lines.len(),
             last_hash: hashes.last().cloned(),
             head_seq,
             problems,
+            set_aside,
         })
     }
 
@@ -442,27 +557,47 @@ impl AuditLog {
         }
     }
 
-    /// Appends `receipt`, signed by `signer`, and moves the head to it. Idempotent per
-    /// departure: if the log already holds this departure's receipt, that entry is returned and
-    /// nothing is written (a daemon killed after the append re-runs this safely). A torn last
-    /// line left by a crash is removed first; a log that fails verification is not appended to.
+    /// Opens the log for appending and takes its lock, making sure the locked file is still
+    /// the one at the path (another appender may have set it aside meanwhile).
+    fn open_locked(&self) -> Result<File, ReceiptError> {
+        use std::os::unix::fs::MetadataExt;
+        loop {
+            let file = OpenOptions::new()
+                .read(true)
+                .append(true)
+                .create(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(&self.path)
+                .map_err(self.io_err("open"))?;
+            lock_exclusive(&file).map_err(self.io_err("lock"))?;
+            let held = file.metadata().map_err(self.io_err("stat"))?;
+            match fs::symlink_metadata(&self.path) {
+                Ok(now) if now.dev() == held.dev() && now.ino() == held.ino() => return Ok(file),
+                // Set aside (or replaced) while we waited for the lock: open the new one.
+                _ => continue,
+            }
+        }
+    }
+
+    /// Appends `receipt`, signed by `signer`, and moves the head to it. The receipt is first
+    /// bounded ([`Receipt::bounded`]) so that its line fits [`MAX_LINE`]: guest text can make
+    /// it no longer than that. Idempotent per departure: if the log (or a set-aside one)
+    /// already holds this departure's receipt, that entry is returned and nothing is written
+    /// (a daemon killed after the append re-runs this safely). A torn last line left by a
+    /// crash is removed first. A log that fails verification is set aside, byte for byte,
+    /// and the receipt starts a new chain: a damaged entry never blocks later departures,
+    /// and `tenantvm receipt verify` keeps reporting the set-aside log.
     pub fn append(
         &self,
         signer: &ReceiptSigner,
         receipt: &Receipt,
     ) -> Result<LogEntry, ReceiptError> {
+        let receipt = fit_receipt(receipt)?;
         if let Some(dir) = self.path.parent() {
             create_private_dir(dir).map_err(self.io_err("create the directory of"))?;
         }
-        let file = OpenOptions::new()
-            .read(true)
-            .append(true)
-            .create(true)
-            .mode(0o600)
-            .open(&self.path)
-            .map_err(self.io_err("open"))?;
-        let _lock = FileLock::exclusive(&file).map_err(self.io_err("lock"))?;
-
+        let mut file = self.open_locked()?;
         let data = self.read_raw()?;
         if let (lines, Some(_)) = complete_lines(&data) {
             let keep: usize = lines.iter().map(|l| l.len() + 1).sum();
@@ -470,26 +605,56 @@ impl AuditLog {
                 .and_then(|()| file.sync_all())
                 .map_err(self.io_err("remove the torn last line of"))?;
         }
-        let report = self.verify(&signer.verifying_key())?;
-        let head_only = |p: &ChainProblem| matches!(p, ChainProblem::HeadMissing);
-        if let Some(problem) = report.problems.iter().find(|p| !head_only(p)) {
-            return Err(ReceiptError::Damaged {
-                path: self.path.display().to_string(),
-                line: problem_line(problem),
-                reason: problem.to_string(),
-            });
+        let mut report = self.verify(&signer.verifying_key())?;
+        let blocking = |p: &ChainProblem| {
+            !matches!(p, ChainProblem::HeadMissing | ChainProblem::SetAside { .. })
+        };
+        if let Some(problem) = report.problems.iter().find(|p| blocking(p)) {
+            let line = problem_line(problem);
+            let moved = self.set_aside()?;
+            tracing::error!(
+                log = %self.path.display(),
+                set_aside = %moved.display(),
+                line,
+                %problem,
+                "the audit log failed verification: it was set aside as evidence and a new chain starts"
+            );
+            // The lock held is on the set-aside file: take the new log's.
+            drop(file);
+            file = self.open_locked()?;
+            report = self.verify(&signer.verifying_key())?;
         }
-        let entries = self.entries()?;
-        if let Some(existing) = entries
+        let entries = self.strict_entries()?;
+        let earlier = |id: &str| -> Result<Option<LogEntry>, ReceiptError> {
+            for path in self.set_aside_logs()? {
+                if let Some(e) = AuditLog::new(&path)
+                    .readable_entries()?
+                    .into_iter()
+                    .find(|e| e.receipt.departure_id == id)
+                {
+                    return Ok(Some(e));
+                }
+            }
+            Ok(None)
+        };
+        let existing = match entries
             .iter()
             .find(|e| e.receipt.departure_id == receipt.departure_id)
         {
-            if existing.receipt == *receipt {
-                // Finish a head update that a crash may have cut off.
-                if let Some(last) = &report.last_hash {
-                    self.write_head(signer, entries.len() as u64 - 1, last)?;
+            Some(e) => {
+                if e.receipt == receipt {
+                    // Finish a head update that a crash may have cut off.
+                    if let Some(last) = &report.last_hash {
+                        self.write_head(signer, entries.len() as u64 - 1, last)?;
+                    }
                 }
-                return Ok(existing.clone());
+                Some(e.clone())
+            }
+            None => earlier(&receipt.departure_id)?,
+        };
+        if let Some(existing) = existing {
+            if existing.receipt == receipt {
+                return Ok(existing);
             }
             return Err(ReceiptError::Conflict(receipt.departure_id.clone()));
         }
@@ -498,11 +663,12 @@ impl AuditLog {
             prev_hash: report.last_hash.unwrap_or_else(|| GENESIS.to_string()),
             appended_at: now_rfc3339(),
             key_id: signer.key_id(),
-            receipt: receipt.clone(),
+            receipt,
             signature: String::new(),
         };
         entry.signature = hex::encode(signer.key.sign(&entry.signed_message()?).to_bytes());
         let mut line = serde_json::to_vec(&entry)?;
+        debug_assert!(line.len() <= MAX_LINE);
         let hash = hex::encode(Sha256::digest(&line));
         line.push(b'\n');
         (&file)
@@ -510,6 +676,7 @@ impl AuditLog {
             .and_then(|()| file.sync_all())
             .map_err(self.io_err("append to"))?;
         self.write_head(signer, entry.seq, &hash)?;
+        unlock(&file);
         Ok(entry)
     }
 
@@ -553,26 +720,36 @@ fn parse_line(line: &[u8]) -> Result<LogEntry, String> {
     serde_json::from_slice(line).map_err(|e| e.to_string())
 }
 
-/// An exclusive `flock` held until dropped, so that two processes never append at once.
-struct FileLock<'a> {
-    file: &'a File,
-}
-
-impl<'a> FileLock<'a> {
-    fn exclusive(file: &'a File) -> io::Result<Self> {
-        // SAFETY: flock only takes the descriptor, which `file` keeps open.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(io::Error::last_os_error());
+/// The receipt bounded so that its log line fits [`MAX_LINE`]: every guest-influenced field
+/// at most [`crate::untrusted::MAX_FIELD_BYTES`] and 64 pieces of evidence per step, tighter
+/// if that is still too long.
+fn fit_receipt(receipt: &Receipt) -> Result<Receipt, ReceiptError> {
+    for (field, evidence) in [(crate::untrusted::MAX_FIELD_BYTES, 64), (512, 16), (128, 4)] {
+        let bounded = receipt.bounded(field, evidence);
+        if serde_json::to_vec(&bounded)?.len() + ENTRY_OVERHEAD <= MAX_LINE {
+            return Ok(bounded);
         }
-        Ok(FileLock { file })
     }
+    Err(ReceiptError::Damaged {
+        path: "(receipt being appended)".into(),
+        line: 0,
+        reason: format!("the receipt cannot be bounded to a {MAX_LINE} byte line"),
+    })
 }
 
-impl Drop for FileLock<'_> {
-    fn drop(&mut self) {
-        // SAFETY: as in `exclusive`; unlocking cannot affect memory safety.
-        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+/// Takes an exclusive `flock` on `file`, so that two processes never append at once; it is
+/// released by [`unlock`] or when the file is closed.
+fn lock_exclusive(file: &File) -> io::Result<()> {
+    // SAFETY: flock only takes the descriptor, which `file` keeps open.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        return Err(io::Error::last_os_error());
     }
+    Ok(())
+}
+
+fn unlock(file: &File) {
+    // SAFETY: as in `lock_exclusive`; unlocking cannot affect memory safety.
+    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
 }
 
 #[cfg(test)]

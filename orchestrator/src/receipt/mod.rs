@@ -16,9 +16,11 @@ use std::io;
 
 use serde::{Deserialize, Serialize};
 
+use crate::untrusted::GuestLine;
+
 pub use cli::{run_show, run_verify, write_entries, ReceiptShowArgs, ReceiptVerifyArgs};
-pub use log::{AuditLog, ChainProblem, LogEntry, ReceiptSigner, VerifyReport};
-pub use time::{now_rfc3339, rfc3339};
+pub use log::{AuditLog, ChainProblem, LogEntry, ReceiptSigner, VerifyReport, MAX_LINE};
+pub use time::{now_rfc3339, rfc3339, rfc3339_from_millis};
 
 /// Default audit log location.
 pub const DEFAULT_LOG: &str = "/var/lib/tenantvm/audit/receipts.jsonl";
@@ -26,6 +28,8 @@ pub const DEFAULT_LOG: &str = "/var/lib/tenantvm/audit/receipts.jsonl";
 pub const DEFAULT_SIGNING_KEY: &str = "/var/lib/tenantvm/audit/receipt-signing.key";
 /// The receipt format version.
 pub const RECEIPT_VERSION: u32 = 1;
+/// The most steps a receipt keeps (a departure has seven kinds).
+pub const MAX_STEPS: usize = 32;
 
 /// Errors of receipts and the audit log.
 #[derive(Debug, thiserror::Error)]
@@ -244,6 +248,51 @@ impl Receipt {
         self.steps
             .iter()
             .any(|s| s.assurance == Assurance::Simulated)
+    }
+
+    /// This receipt with every string a guest may have influenced (methods, evidence,
+    /// errors, and the rest for good measure) as a [`GuestLine`] of at most `field_bytes`,
+    /// at most [`MAX_STEPS`] steps and `max_evidence` pieces of evidence per step (the rest
+    /// counted in an `evidence_dropped` entry). What the audit log writer signs and writes.
+    pub fn bounded(&self, field_bytes: usize, max_evidence: usize) -> Receipt {
+        let line = |s: &str, max: usize| GuestLine::bounded(s, max).into_string();
+        Receipt {
+            version: self.version,
+            departure_id: line(&self.departure_id, 256),
+            tenant: line(&self.tenant, 256),
+            started_at: line(&self.started_at, 64),
+            finished_at: line(&self.finished_at, 64),
+            steps: self
+                .steps
+                .iter()
+                .take(MAX_STEPS)
+                .map(|s| {
+                    let mut evidence: BTreeMap<String, String> = s
+                        .evidence
+                        .iter()
+                        .take(max_evidence)
+                        .map(|(k, v)| (line(k, 128), line(v, field_bytes)))
+                        .collect();
+                    let dropped = s.evidence.len().saturating_sub(max_evidence);
+                    if dropped > 0 {
+                        evidence.insert(
+                            "evidence_dropped".into(),
+                            format!("{dropped} more entries, over the receipt's limit"),
+                        );
+                    }
+                    StepRecord {
+                        step: s.step,
+                        method: line(&s.method, field_bytes),
+                        result: s.result,
+                        assurance: s.assurance,
+                        started_at: line(&s.started_at, 64),
+                        finished_at: line(&s.finished_at, 64),
+                        evidence,
+                        error: s.error.as_deref().map(|e| line(e, field_bytes)),
+                    }
+                })
+                .collect(),
+        }
     }
 }
 

@@ -70,15 +70,7 @@ impl Default for ScrubOptions {
 
 /// Formats a CUuuid as `nvidia-smi` does, without the `GPU-`/`MIG-` prefix.
 fn format_uuid(u: &[u8; 16]) -> String {
-    let h = hex::encode(u);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[0..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..32]
-    )
+    uuid::Uuid::from_bytes(*u).hyphenated().to_string()
 }
 
 fn strip_prefix(uuid: &str) -> String {

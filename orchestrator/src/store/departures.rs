@@ -237,6 +237,9 @@ impl Store {
     /// Sets (or clears) a tenant's error without a state change: a destroy that stopped at a
     /// failed step stays `destroying` with the error until it is resumed.
     pub fn set_tenant_error(&self, tenant_id: i64, error: Option<&str>) -> Result<(), StoreError> {
+        // Errors quote guests: bounded, on one line (crate::untrusted).
+        let error = error.map(crate::untrusted::one_line);
+        let error = error.as_deref();
         let conn = self.lock();
         conn.execute(
             "UPDATE tenants SET error = ?2, updated_ms = ?3 WHERE id = ?1",

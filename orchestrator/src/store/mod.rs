@@ -307,6 +307,9 @@ impl Store {
         op: Option<&str>,
         error: Option<&str>,
     ) -> Result<Option<i64>, StoreError> {
+        // Errors quote guests: bounded, on one line (crate::untrusted).
+        let error = error.map(crate::untrusted::one_line);
+        let error = error.as_deref();
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let (from, prev_op): (String, Option<i64>) = tx.query_row(
@@ -375,6 +378,9 @@ impl Store {
         step: &str,
         error: Option<&str>,
     ) -> Result<(), StoreError> {
+        // Errors quote guests: bounded, on one line (crate::untrusted).
+        let error = error.map(crate::untrusted::one_line);
+        let error = error.as_deref();
         let conn = self.lock();
         let status = if error.is_some() { "failed" } else { "done" };
         conn.execute(
@@ -740,12 +746,16 @@ fn placement_of(conn: &Connection, tenant_id: i64) -> Result<Option<GpuPlacement
     Ok(placement)
 }
 
+/// The one writer of events: the message (which may quote a guest) is bounded and kept on
+/// one line ([`crate::untrusted::GuestLine`]) whoever calls.
 fn insert_event(
     conn: &Connection,
     tenant_id: Option<i64>,
     kind: &str,
     message: &str,
 ) -> Result<(), StoreError> {
+    let message = crate::untrusted::GuestLine::new(message);
+    let message = message.as_str();
     conn.execute(
         "INSERT INTO events (tenant_id, at_ms, kind, message) VALUES (?1, ?2, ?3, ?4)",
         params![tenant_id, now_ms(), kind, message],

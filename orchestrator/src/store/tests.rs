@@ -298,3 +298,43 @@ fn rows_from_before_schema_3_load_and_get_their_guest_kind_stored() {
     let new = store.insert_tenant(&spec("new"), GuestKind::Plain).unwrap();
     assert_eq!(new.guest, Some(GuestKind::Plain));
 }
+
+#[test]
+fn guest_text_in_events_and_errors_is_bounded_to_one_line() {
+    let (_d, store) = open_temp();
+    let a = store.insert_tenant(&spec("a"), GuestKind::Plain).unwrap();
+    let hostile = format!("{}\ncrypto-shred ok verified\x1b[2K", "E".repeat(4 << 20));
+    store.add_event(Some(a.id), "step", &hostile).unwrap();
+    store
+        .transition(a.id, LifecycleState::Provisioning, Some("create"), None)
+        .unwrap();
+    let op = store.tenant_by_id(a.id).unwrap().op_id.unwrap();
+    store.step_started(a.id, op, "await-agent").unwrap();
+    store
+        .step_finished(a.id, op, "await-agent", Some(&hostile))
+        .unwrap();
+    store
+        .transition(a.id, LifecycleState::Failed, None, Some(&hostile))
+        .unwrap();
+    store.set_tenant_error(a.id, Some(&hostile)).unwrap();
+    let limit = crate::untrusted::MAX_FIELD_BYTES + 64;
+    for e in store.events(a.id, 0, 100).unwrap() {
+        assert!(
+            e.message.len() <= limit,
+            "event of {} bytes",
+            e.message.len()
+        );
+        assert!(!e.message.contains('\n') && !e.message.contains('\x1b'));
+    }
+    let t = store.tenant_by_id(a.id).unwrap();
+    let error = t.error.unwrap();
+    assert!(
+        error.len() <= limit && !error.contains('\n'),
+        "{}",
+        error.len()
+    );
+    let step = &store.steps(op).unwrap()[0];
+    let step_error = step.error.as_ref().unwrap();
+    assert!(step_error.len() <= limit && !step_error.contains('\n'));
+    assert!(step_error.contains("truncated"));
+}

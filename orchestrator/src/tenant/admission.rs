@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::domain::spec::Quotas;
+use crate::domain::spec::{Quotas, TenantSpec};
 
 /// Why a request was not admitted.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -168,6 +168,197 @@ impl Admission {
     }
 }
 
+/// Why a tenant was refused at create: the host cannot hold it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CapacityError {
+    /// Not enough memory left.
+    #[error("Tenant {tenant:?} needs {need_mib} MiB of memory (guest memory + VMM overhead), but only {free_mib} of the {total_mib} MiB this host gives tenants are free ({held_mib} MiB held by {others} other tenant(s){overcommit}); shrink memory_mib, destroy a tenant, or start tenantvmd with --memory-overcommit RATIO")]
+    Memory {
+        /// The tenant.
+        tenant: String,
+        /// What it needs.
+        need_mib: u64,
+        /// What is left.
+        free_mib: u64,
+        /// What tenants may hold in all (overcommit included).
+        total_mib: u64,
+        /// What the others hold.
+        held_mib: u64,
+        /// How many others.
+        others: usize,
+        /// The overcommit in force, described.
+        overcommit: String,
+    },
+    /// Not enough vCPUs left.
+    #[error("Tenant {tenant:?} needs {need} vCPU(s), but only {free} of the {total} this host gives tenants are free ({held} held by {others} other tenant(s){overcommit}); ask for fewer vcpus, destroy a tenant, or start tenantvmd with --vcpu-overcommit RATIO")]
+    Vcpus {
+        /// The tenant.
+        tenant: String,
+        /// What it needs.
+        need: u64,
+        /// What is left.
+        free: u64,
+        /// What tenants may hold in all (overcommit included).
+        total: u64,
+        /// What the others hold.
+        held: u64,
+        /// How many others.
+        others: usize,
+        /// The overcommit in force, described.
+        overcommit: String,
+    },
+}
+
+/// What one tenant reserves of the host: memory (guest + VMM overhead) and vCPUs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Reservation {
+    /// MiB of memory.
+    pub memory_mib: u64,
+    /// vCPUs.
+    pub vcpus: u64,
+}
+
+/// What this host gives tenants, and how far past it the operator lets them go. Every
+/// tenant that is not destroyed holds its reservation (a stopped one keeps it, so that it
+/// can always start again); a create that would go past the total is refused before
+/// anything is recorded. Overcommit is explicit and off (1.0) by default.
+#[derive(Debug, Clone)]
+pub struct HostCapacity {
+    /// MiB of memory for tenants: the host's memory less its own reserve.
+    pub memory_mib: u64,
+    /// CPUs for tenants.
+    pub cpus: u64,
+    /// How many times `memory_mib` tenants may reserve in all (1.0: no overcommit).
+    pub memory_overcommit: f64,
+    /// How many times `cpus` tenants may reserve in all (1.0: no overcommit).
+    pub vcpu_overcommit: f64,
+    /// Held from the check to the tenant's insertion, so two creates cannot both take the
+    /// last room.
+    lock: Arc<Mutex<()>>,
+}
+
+/// Memory kept for the host itself by default (the daemon, the kernel, page cache).
+pub const DEFAULT_HOST_RESERVED_MIB: u64 = 1024;
+
+impl HostCapacity {
+    /// This host: `MemTotal` of /proc/meminfo less `reserved_mib`, and the CPUs this process
+    /// may run on; no overcommit.
+    pub fn detect(reserved_mib: u64) -> std::io::Result<Self> {
+        let meminfo = std::fs::read_to_string("/proc/meminfo")?;
+        let total_kib: u64 = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    "no MemTotal in /proc/meminfo",
+                )
+            })?;
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+        Ok(Self::fixed(
+            (total_kib / 1024).saturating_sub(reserved_mib),
+            cpus,
+        ))
+    }
+
+    /// A host of this size (tests, and hosts described rather than detected); no overcommit.
+    pub fn fixed(memory_mib: u64, cpus: u64) -> Self {
+        HostCapacity {
+            memory_mib,
+            cpus,
+            memory_overcommit: 1.0,
+            vcpu_overcommit: 1.0,
+            lock: Arc::default(),
+        }
+    }
+
+    /// The same host with these overcommit ratios (at least 1.0 each).
+    pub fn with_overcommit(mut self, memory: f64, vcpus: f64) -> Self {
+        self.memory_overcommit = memory.max(1.0);
+        self.vcpu_overcommit = vcpus.max(1.0);
+        self
+    }
+
+    /// Taken while checking and recording a new tenant.
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.lock.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Checks that the host can hold `spec` beside `others` (the specs of every tenant that
+    /// is not destroyed). Call it with [`HostCapacity::lock`] held until the tenant is
+    /// recorded.
+    pub fn check_room<'a>(
+        &self,
+        others: impl Iterator<Item = &'a TenantSpec>,
+        vmm_overhead_mib: u64,
+        spec: &TenantSpec,
+    ) -> Result<(), CapacityError> {
+        let mut held = Reservation::default();
+        let mut count = 0;
+        for other in others {
+            let r = reservation(other, vmm_overhead_mib);
+            held.memory_mib += r.memory_mib;
+            held.vcpus += r.vcpus;
+            count += 1;
+        }
+        self.check(&spec.name, reservation(spec, vmm_overhead_mib), held, count)
+    }
+
+    /// Whether `want` fits beside `held` (what `others` tenants reserve already).
+    pub fn check(
+        &self,
+        tenant: &str,
+        want: Reservation,
+        held: Reservation,
+        others: usize,
+    ) -> Result<(), CapacityError> {
+        let scaled = |n: u64, ratio: f64| (n as f64 * ratio).floor() as u64;
+        let describe = |ratio: f64| {
+            if ratio > 1.0 {
+                format!(", overcommit {ratio}x")
+            } else {
+                ", no overcommit".to_string()
+            }
+        };
+        let total_mib = scaled(self.memory_mib, self.memory_overcommit);
+        let free_mib = total_mib.saturating_sub(held.memory_mib);
+        if want.memory_mib > free_mib {
+            return Err(CapacityError::Memory {
+                tenant: tenant.to_string(),
+                need_mib: want.memory_mib,
+                free_mib,
+                total_mib,
+                held_mib: held.memory_mib,
+                others,
+                overcommit: describe(self.memory_overcommit),
+            });
+        }
+        let total = scaled(self.cpus, self.vcpu_overcommit);
+        let free = total.saturating_sub(held.vcpus);
+        if want.vcpus > free {
+            return Err(CapacityError::Vcpus {
+                tenant: tenant.to_string(),
+                need: want.vcpus,
+                free,
+                total,
+                held: held.vcpus,
+                others,
+                overcommit: describe(self.vcpu_overcommit),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// What `spec` would reserve: its memory plus the VMM's overhead, and its vCPUs.
+pub fn reservation(spec: &TenantSpec, vmm_overhead_mib: u64) -> Reservation {
+    Reservation {
+        memory_mib: u64::from(spec.memory_mib) + vmm_overhead_mib,
+        vcpus: u64::from(spec.vcpus),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -291,5 +482,47 @@ mod tests {
         assert!(a.admit("id-a", "a", &q, now).is_err());
         a.forget("id-a");
         assert!(a.admit("id-a", "a", &q, now).is_ok());
+    }
+
+    #[test]
+    fn capacity_counts_what_others_hold_and_overcommit_is_explicit() {
+        let host = HostCapacity::fixed(24 * 1024, 2);
+        let r = |memory_mib, vcpus| Reservation { memory_mib, vcpus };
+        assert!(host.check("a", r(1 << 20, 1), r(0, 0), 0).is_err());
+        assert!(host.check("a", r(8 * 1024, 1), r(0, 0), 0).is_ok());
+        let err = host
+            .check("b", r(20 * 1024, 1), r(8 * 1024, 1), 1)
+            .unwrap_err();
+        assert!(matches!(err, CapacityError::Memory { free_mib, .. } if free_mib == 16 * 1024));
+        let err = host.check("c", r(64, 2), r(64, 1), 1).unwrap_err();
+        assert!(matches!(err, CapacityError::Vcpus { free: 1, .. }), "{err}");
+        assert!(err.to_string().contains("--vcpu-overcommit"));
+        let roomy = host.with_overcommit(2.0, 4.0);
+        assert!(roomy.check("c", r(64, 2), r(64, 1), 1).is_ok());
+        assert!(roomy.check("d", r(40 * 1024, 1), r(0, 0), 0).is_ok());
+        assert!(roomy.check("d", r(49 * 1024, 1), r(0, 0), 0).is_err());
+    }
+
+    #[test]
+    fn a_tenant_the_host_cannot_hold_is_refused_and_nothing_is_recorded() {
+        use crate::auth::Caller;
+        use crate::tenant::fault::FaultHook;
+        use crate::tenant::service::{TenantCommand, TenantServiceError};
+        use crate::tenant::test_utils::Harness;
+        let h = Harness::new(FaultHook::default());
+        let huge = TenantSpec::from_toml(
+            "name = \"huge\"\nmemory_mib = 1048576\n[image]\nname = \"hello\"\n",
+        )
+        .unwrap();
+        let err = h
+            .svc
+            .execute(&Caller::Admin, TenantCommand::Create(huge))
+            .unwrap_err();
+        assert!(
+            matches!(err, TenantServiceError::Capacity(_)),
+            "a 1 TiB tenant was not refused: {err:?}"
+        );
+        assert!(err.to_string().contains("--memory-overcommit"), "{err}");
+        assert!(h.svc.store().tenant("huge").unwrap().is_none());
     }
 }

@@ -1,10 +1,11 @@
 //! The settings of the tenant layer: where tenants live, which uids they get, how long each
-//! wait on a VM or a guest may take.
+//! wait on a VM or a guest may take, what the host gives tenants.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::domain::TenantName;
+use crate::tenant::admission::{HostCapacity, DEFAULT_HOST_RESERVED_MIB};
 use crate::tenant::departure::DepartureConfig;
 
 /// Settings of the service.
@@ -30,6 +31,8 @@ pub struct ServiceConfig {
     pub departure: DepartureConfig,
     /// How long a guest-image tenant's agent, and then its payload, may take to answer.
     pub agent_timeout: Duration,
+    /// What the host gives tenants; creates beyond it are refused.
+    pub capacity: HostCapacity,
 }
 
 impl ServiceConfig {
@@ -45,6 +48,11 @@ impl ServiceConfig {
             vmm_overhead_mib: 64,
             departure: DepartureConfig::under(&state_dir),
             agent_timeout: Duration::from_secs(300),
+            capacity: HostCapacity::detect(DEFAULT_HOST_RESERVED_MIB).unwrap_or_else(|e| {
+                // Nothing is admitted on a host whose size cannot be read.
+                tracing::error!(error = %e, "cannot read this host's memory size");
+                HostCapacity::fixed(0, 0)
+            }),
             state_dir,
         }
     }

@@ -204,10 +204,10 @@ fn a_failed_step_leaves_destroying_and_destroy_again_resumes() {
         &h,
         TenantCommand::Create(spec("d", "{ kind = \"none\" }", 1)),
     );
-    // A damaged audit log refuses appends: write-receipt fails.
+    // An audit log that cannot be opened (a directory in its place) refuses appends:
+    // write-receipt fails. (A damaged log no longer does: it is set aside.)
     let log = h.svc.config().departure.audit_log.clone();
-    std::fs::create_dir_all(log.parent().unwrap()).unwrap();
-    std::fs::write(&log, b"not a log entry\n").unwrap();
+    std::fs::create_dir_all(&log).unwrap();
     run(&h, TenantCommand::Destroy("d".into()));
     let t = h.svc.store().tenant("d").unwrap().unwrap();
     assert_eq!(t.state, LifecycleState::Destroying);
@@ -219,7 +219,7 @@ fn a_failed_step_leaves_destroying_and_destroy_again_resumes() {
     // Everything before the failed step is done: the disk is gone already.
     assert!(!image_path(h.svc.config(), "d").exists());
 
-    std::fs::remove_file(&log).unwrap();
+    std::fs::remove_dir(&log).unwrap();
     run(&h, TenantCommand::Destroy("d".into()));
     assert_eq!(state(&h, "d"), None);
     let entries = receipts_of(&h, "d");

@@ -2,12 +2,12 @@
 //! tenant's jail and cgroups, and planning GPU placements.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
 use crate::domain::spec::GpuRequest;
-use crate::jail::{self, Cgroups, JailError};
+use crate::jail::{self, BlockIoLimit, BlockIoOutcome, Cgroups, JailError};
 use crate::receipt::{Assurance, StepResult};
 use crate::store::GpuPlacement;
 
@@ -18,11 +18,28 @@ pub trait JailCleaner: Send + Sync {
     fn cleanup(&self, tenant: &str, tenant_dir: &Path) -> Result<(), JailError>;
     /// Tenants that have a cgroup on the host.
     fn list(&self) -> Result<Vec<String>, JailError>;
+    /// Before the VM starts: limits the tenant cgroup's block I/O on the devices holding
+    /// `disks` to `limit` (beside the VMM's own throttling).
+    fn limit_block_io(
+        &self,
+        tenant: &str,
+        disks: &[PathBuf],
+        limit: BlockIoLimit,
+    ) -> Result<Vec<BlockIoOutcome>, JailError>;
 }
 
 impl JailCleaner for Cgroups {
     fn cleanup(&self, tenant: &str, tenant_dir: &Path) -> Result<(), JailError> {
         jail::cleanup_tenant(self, tenant, tenant_dir)
+    }
+
+    fn limit_block_io(
+        &self,
+        tenant: &str,
+        disks: &[PathBuf],
+        limit: BlockIoLimit,
+    ) -> Result<Vec<BlockIoOutcome>, JailError> {
+        Cgroups::limit_block_io(self, tenant, disks, limit)
     }
 
     fn list(&self) -> Result<Vec<String>, JailError> {

@@ -2,15 +2,17 @@
 //! host files, or a guest image set (`guest-image/build.sh` output, recognised by its
 //! `manifest.json`, whose guest runs the tenantvm agent). Checked at create, before anything
 //! is recorded; resolved again at each launch (a set's files are checked against their
-//! manifest every time, so a modified set never boots).
+//! manifest every time, so a modified set never boots). Every boot file must lie under the
+//! daemon's image directory once symlinks are resolved ([`check_under_image_dir`]), so a
+//! spec (or a symlink planted in the image directory) can never hand a host file such as
+//! `/etc/shadow` to a guest.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use tenantvm_agent::image::ImageSet;
+use tenantvm_agent_protocol::ImageSet;
 use thiserror::Error;
 
-use crate::backend::BackendKind;
 use crate::domain::spec::TenantSpec;
 use crate::domain::GuestKind;
 use crate::tenant::config::ServiceConfig;
@@ -89,7 +91,11 @@ pub fn boot_files(
                 ))
             }
         };
-        return set_files(&dir);
+        let boot = set_files(&dir)?;
+        let mut files = vec![boot.kernel.as_path()];
+        files.extend(boot.initramfs.as_deref());
+        check_under_image_dir(cfg.image_dir.as_deref(), &files)?;
+        return Ok(boot);
     }
     let (kernel, initramfs, cmdline) = match (&img.name, &img.kernel) {
         (Some(name), None) => {
@@ -131,6 +137,9 @@ pub fn boot_files(
             kernel.display()
         )));
     }
+    let mut files = vec![kernel.as_path()];
+    files.extend(initramfs.as_deref());
+    check_under_image_dir(cfg.image_dir.as_deref(), &files)?;
     if let Some(i) = &initramfs {
         if !i.is_file() {
             return Err(ImageError(format!(
@@ -146,28 +155,46 @@ pub fn boot_files(
     })
 }
 
-/// Refuses, before anything is recorded, a tenant this daemon cannot boot: missing or
-/// modified image files, and guest image sets this backend or spec cannot run.
+/// Checks that every boot file lies under `image_dir` once symlinks are resolved. Missing
+/// files are left to the caller's existence check.
+pub fn check_under_image_dir(image_dir: Option<&Path>, files: &[&Path]) -> Result<(), ImageError> {
+    let no_image_dir = || {
+        ImageError(
+            "tenantvmd runs without --image-dir, so no guest files can be used; restart it with --image-dir and put the guest's files there".into(),
+        )
+    };
+    let root = image_dir
+        .ok_or_else(no_image_dir)?
+        .canonicalize()
+        .map_err(|_| no_image_dir())?;
+    for file in files {
+        let Ok(resolved) = file.canonicalize() else {
+            continue;
+        };
+        if !resolved.starts_with(&root) {
+            return Err(ImageError(format!(
+                "boot file {} is not under the image directory {} (symlinks resolved): put the guest's files there, or use a named image",
+                resolved.display(),
+                root.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses, before anything is recorded, a tenant this daemon cannot boot: missing,
+/// modified or misplaced image files, and guest image sets the spec cannot run.
 pub fn check_create(
     cfg: &ServiceConfig,
-    backend: BackendKind,
     spec: &TenantSpec,
     guest: GuestKind,
 ) -> Result<(), ImageError> {
-    if guest == GuestKind::Agent {
+    if guest == GuestKind::Agent && spec.disk_gib == 0 {
         let dir = image_set_dir(cfg, spec).unwrap_or_default();
-        if backend == BackendKind::TenantvmVmm {
-            return Err(ImageError(format!(
-                "{} is a Linux guest image set: its agent is reached over virtio-serial, which only the QEMU backends offer (the vsock path through tenantvm-vmm is not wired to the agent yet); run tenantvmd with --backend qemu-tcg or --backend qemu-kvm for this tenant",
-                dir.display()
-            )));
-        }
-        if spec.disk_gib == 0 {
-            return Err(ImageError(format!(
-                "{} is a guest image set: its agent unlocks and mounts the tenant's encrypted disk before it starts the payload; set disk_gib = 1 or more",
-                dir.display()
-            )));
-        }
+        return Err(ImageError(format!(
+            "{} is a guest image set: its agent unlocks and mounts the tenant's encrypted disk before it starts the payload; set disk_gib = 1 or more",
+            dir.display()
+        )));
     }
     boot_files(cfg, spec, guest).map(|_| ())
 }
@@ -195,10 +222,6 @@ mod tests {
         (tmp, cfg)
     }
 
-    const QEMU: BackendKind = BackendKind::Qemu {
-        accel: crate::backend::QemuAccel::Tcg,
-    };
-
     #[test]
     fn only_named_images_with_a_manifest_run_the_agent() {
         let (_tmp, cfg) = image_dir(true);
@@ -208,24 +231,9 @@ mod tests {
     }
 
     #[test]
-    fn tenantvm_vmm_refuses_a_linux_guest_image_and_names_the_qemu_backends() {
-        let (_tmp, cfg) = image_dir(true);
-        let err = check_create(
-            &cfg,
-            BackendKind::TenantvmVmm,
-            &spec("a", 1),
-            GuestKind::Agent,
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("--backend qemu-tcg"), "{err}");
-        assert!(err.contains("qemu-kvm"), "{err}");
-    }
-
-    #[test]
     fn a_guest_image_tenant_without_a_disk_is_refused() {
         let (_tmp, cfg) = image_dir(true);
-        let err = check_create(&cfg, QEMU, &spec("a", 0), GuestKind::Agent)
+        let err = check_create(&cfg, &spec("a", 0), GuestKind::Agent)
             .unwrap_err()
             .to_string();
         assert!(err.contains("disk_gib = 1"), "{err}");
@@ -235,12 +243,51 @@ mod tests {
     fn a_tampered_image_set_is_refused_before_anything_runs() {
         // A manifest that lists nothing: the boot files are not vouched for.
         let (_tmp, cfg) = image_dir(true);
-        let err = check_create(&cfg, QEMU, &spec("a", 1), GuestKind::Agent)
+        let err = check_create(&cfg, &spec("a", 1), GuestKind::Agent)
             .unwrap_err()
             .to_string();
         assert!(
             err.contains("rebuild it with guest-image/build.sh"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn boot_files_outside_the_image_directory_are_refused() {
+        use crate::auth::Caller;
+        use crate::tenant::fault::FaultHook;
+        use crate::tenant::service::TenantCommand;
+        use crate::tenant::test_utils::Harness;
+        let h = Harness::new(FaultHook::default());
+        let images = h.dir.path().join("images");
+        // A host file named directly, and a named image whose kernel is a symlink out.
+        let outside = h.dir.path().join("outside-kernel");
+        std::fs::write(&outside, b"host secret").unwrap();
+        std::fs::create_dir_all(images.join("evil")).unwrap();
+        std::os::unix::fs::symlink(&outside, images.join("evil/kernel")).unwrap();
+        for (name, image) in [
+            ("direct", format!("kernel = \"{}\"", outside.display())),
+            ("symlinked", "name = \"evil\"".to_string()),
+        ] {
+            let spec =
+                TenantSpec::from_toml(&format!("name = \"{name}\"\n[image]\n{image}\n")).unwrap();
+            let err = h
+                .svc
+                .execute(&Caller::Admin, TenantCommand::Create(spec))
+                .expect_err(name);
+            assert!(err.to_string().contains("image directory"), "{name}: {err}");
+            assert!(h.svc.store().tenant(name).unwrap().is_none());
+        }
+        // A kernel inside the image directory, named by path, is fine.
+        let inside = images.join("hello/kernel");
+        let spec = TenantSpec::from_toml(&format!(
+            "name = \"inside\"\n[image]\nkernel = \"{}\"\n",
+            inside.display()
+        ))
+        .unwrap();
+        h.svc
+            .execute(&Caller::Admin, TenantCommand::Create(spec))
+            .unwrap();
+        h.svc.wait_idle();
     }
 }

@@ -5,13 +5,12 @@
 
 use std::time::{Duration, Instant};
 
-use tenantvm_agent::client::AgentClientError;
-use tenantvm_agent::protocol::HttpRequest;
+use tenantvm_agent_protocol::{AgentClientError, HttpRequest};
 use thiserror::Error;
 
 use crate::domain::lifecycle::LifecycleState;
 use crate::store::{StoreError, TenantRecord};
-use crate::tenant::admission::{Admission, Refused};
+use crate::tenant::admission::{Admission, Permit, Refused};
 use crate::tenant::context::{StepCtx, StepError, Tenant};
 use crate::tenant::steps::guest;
 
@@ -40,21 +39,55 @@ pub enum InferError {
     Store(#[from] StoreError),
 }
 
+/// An inference request admitted by its tenant's gate: the tenant, and the permit that
+/// keeps its place among the tenant's requests in flight until dropped.
+#[derive(Debug)]
+pub struct AdmittedInfer {
+    /// The target tenant.
+    tenant: TenantRecord,
+    /// Its place in flight.
+    permit: Permit,
+}
+
 /// Forwards an OpenAI-style completion request (a JSON object) to the tenant's payload and
-/// returns its JSON answer.
+/// returns its JSON answer: [`admit`], then [`forward`].
 pub fn infer(
     ctx: &StepCtx<'_>,
     record: &TenantRecord,
     body: serde_json::Value,
 ) -> Result<serde_json::Value, InferError> {
-    // The quota gate comes first: every request counts, whether or not it would succeed,
-    // and a refused one costs nothing further. Held until the answer is back.
-    let _permit = ctx.admission.admit(
+    let admitted = admit(ctx, record.clone())?;
+    forward(ctx, admitted, body)
+}
+
+/// The quota gate, first and without blocking: every request counts, whether or not it
+/// would succeed, and a refused one costs nothing further. The permit is held until the
+/// answer is back.
+pub fn admit(ctx: &StepCtx<'_>, record: TenantRecord) -> Result<AdmittedInfer, InferError> {
+    let permit = ctx.admission.admit(
         &Admission::key(record.id, &record.name),
         &record.name,
         &record.spec.quotas,
         Instant::now(),
     )?;
+    Ok(AdmittedInfer {
+        tenant: record,
+        permit,
+    })
+}
+
+/// Forwards an admitted completion request to the tenant's payload (blocks until the guest
+/// answers or its deadline passes).
+pub fn forward(
+    ctx: &StepCtx<'_>,
+    admitted: AdmittedInfer,
+    body: serde_json::Value,
+) -> Result<serde_json::Value, InferError> {
+    let AdmittedInfer {
+        tenant: record,
+        permit: _permit,
+    } = admitted;
+    let record = &record;
     let t = Tenant::load(ctx, record).map_err(|e| match e {
         StepError::Store(e) => InferError::Store(e),
         other => InferError::Unavailable(other.to_string()),

@@ -4,6 +4,7 @@
 
 use crate::api::types::{LogChunk, LogPosition, LogQuery, LogStream};
 use crate::logs::{LogCursor, LogKind, LogPolicy, TenantLogs, MAX_CHUNK_BYTES, MAX_TAIL_LINES};
+use crate::receipt::rfc3339_from_millis;
 use crate::store::{Store, StoreError, TenantRecord};
 use crate::tenant::config::ServiceConfig;
 
@@ -123,7 +124,14 @@ fn read_events(
         .unwrap_or(q.offset.unwrap_or(0));
     let text = events
         .iter()
-        .map(|e| format!("{} {:<5} {}\n", utc(e.at_ms), e.kind, e.message))
+        .map(|e| {
+            format!(
+                "{} {:<5} {}\n",
+                rfc3339_from_millis(e.at_ms),
+                e.kind,
+                e.message
+            )
+        })
         .collect();
     Ok(LogChunk {
         stream: q.stream,
@@ -135,29 +143,6 @@ fn read_events(
         skipped: false,
         events: events.into_iter().map(crate::tenant::view::event).collect(),
     })
-}
-
-/// `YYYY-MM-DD HH:MM:SS.mmm` (UTC) for milliseconds since the epoch.
-pub fn utc(ms: i64) -> String {
-    let secs = ms.div_euclid(1000);
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}.{:03}",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        ms.rem_euclid(1000)
-    )
 }
 
 /// Serial consoles end lines with CRLF; the runtime's sanitiser turns the CR into U+FFFD
@@ -180,18 +165,9 @@ fn log_err(e: crate::logs::LogError) -> LogReadError {
 
 #[cfg(test)]
 mod tests {
-    use super::utc;
-
     #[test]
     fn crlf_line_ends_lose_their_replaced_cr() {
         assert_eq!(super::crlf_to_lf("a\u{fffd}\nb\u{fffd}".into()), "a\nb");
         assert_eq!(super::crlf_to_lf("a\u{fffd}b\n".into()), "a\u{fffd}b\n");
-    }
-
-    #[test]
-    fn utc_formats_known_instants() {
-        assert_eq!(utc(0), "1970-01-01 00:00:00.000");
-        assert_eq!(utc(951_782_400_123), "2000-02-29 00:00:00.123");
-        assert_eq!(utc(1_796_051_003_092), "2026-11-30 15:03:23.092");
     }
 }

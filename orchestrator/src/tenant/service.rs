@@ -23,7 +23,7 @@ use crate::tenant::departure::{DepartureError, DepartureKit, Kit};
 #[cfg(any(test, feature = "test-hooks"))]
 use crate::tenant::fault::FaultHook;
 use crate::tenant::host::{GpuPlanError, GpuPlanner, JailCleaner};
-use crate::tenant::infer::InferError;
+use crate::tenant::infer::{AdmittedInfer, InferError};
 use crate::tenant::runner::{self, Ended};
 use crate::tenant::steps::{vm, OnFailure, Op};
 
@@ -53,9 +53,6 @@ pub enum TenantServiceError {
     /// The state machine refused the command.
     #[error(transparent)]
     Lifecycle(#[from] LifecycleError),
-    /// The spec asks for something this daemon cannot provide yet.
-    #[error("Not supported yet: {0}")]
-    Unsupported(&'static str),
     /// The guest image cannot be found.
     #[error("Guest image: {0}")]
     Image(String),
@@ -88,6 +85,9 @@ pub enum TenantServiceError {
     /// The tenant is over its request rate or concurrency quota.
     #[error(transparent)]
     QuotaExceeded(#[from] crate::tenant::admission::Refused),
+    /// The host cannot hold the tenant (memory or vCPUs, after the other tenants).
+    #[error(transparent)]
+    Capacity(#[from] crate::tenant::admission::CapacityError),
     /// The guest agent or its payload could not answer.
     #[error("The tenant's guest could not answer: {0}")]
     AgentUnavailable(String),
@@ -451,6 +451,28 @@ impl TenantService {
         }
     }
 
+    /// Admits an inference request of `caller` to tenant `name` without blocking work (one
+    /// store read and the tenant's admission gate): the API calls this before it starts a
+    /// thread for the request, so a refused request costs nothing.
+    pub fn admit_infer(
+        &self,
+        caller: &Caller,
+        name: &str,
+    ) -> Result<AdmittedInfer, TenantServiceError> {
+        let tenant = self.visible(caller, name)?;
+        Ok(crate::tenant::infer::admit(&self.ctx(), tenant)?)
+    }
+
+    /// Forwards an admitted inference request to the tenant's guest and returns its answer
+    /// (blocks until the guest answers or its deadline passes).
+    pub fn infer_admitted(
+        &self,
+        admitted: AdmittedInfer,
+        body: serde_json::Value,
+    ) -> Result<serde_json::Value, TenantServiceError> {
+        Ok(crate::tenant::infer::forward(&self.ctx(), admitted, body)?)
+    }
+
     /// The live tenant `name` if the caller may see it; otherwise NotFound, whether or not
     /// it exists, so a tenant token cannot probe for other tenants' names.
     fn visible(&self, caller: &Caller, name: &str) -> Result<TenantRecord, TenantServiceError> {
@@ -466,20 +488,23 @@ impl TenantService {
 
     fn create(&self, spec: TenantSpec) -> Result<CreateResponse, TenantServiceError> {
         spec.validate()?;
-        if spec.disk_gib > 0 && !self.backend.supports_disks() {
-            return Err(TenantServiceError::Unsupported(
-                "this VM backend cannot attach disks: create the tenant with disk_gib = 0, or run tenantvmd with a backend that can (tenantvm-vmm, qemu-kvm, qemu-tcg)",
-            ));
-        }
         // Fail fast on what can be checked before anything is recorded. What runs in the
         // guest is decided here, once, and stored with the tenant.
         let guest = crate::tenant::image::guest_kind(&self.config, &spec);
-        crate::tenant::image::check_create(&self.config, self.backend.kind(), &spec, guest)
+        crate::tenant::image::check_create(&self.config, &spec, guest)
             .map_err(|e| TenantServiceError::Image(e.to_string()))?;
         if spec.gpu.wants_gpu() {
             self.gpu.candidates(&spec.gpu)?;
         }
         let guard = self.mark_busy(&spec.name)?;
+        // Held until the tenant is recorded: two creates never take the same room.
+        let _room = self.config.capacity.lock();
+        let others = self.store.list_tenants(false)?;
+        self.config.capacity.check_room(
+            others.iter().map(|t| &t.spec),
+            self.config.vmm_overhead_mib,
+            &spec,
+        )?;
         let record = self.store.insert_tenant(&spec, guest)?;
         let token = auth::new_token();
         self.store

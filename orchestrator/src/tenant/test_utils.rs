@@ -7,6 +7,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tenantvm_agent_protocol::AgentEndpoint;
+
 use crate::backend::{
     BackendError, BackendKind, ExitReason, JailConfig, RunningVm, VmBackend, VmSpec, VmState,
 };
@@ -30,8 +32,6 @@ pub struct FakeHostState {
     pub fail_launch: bool,
     /// Limits each launch asked for.
     pub launched_with: Vec<JailConfig>,
-    /// The fake backend cannot attach disks, so the refusal path stays tested.
-    pub no_disks: bool,
     /// Fake processes that run but whose control socket does not answer (a wedged VMM):
     /// `state` fails, and `stop` ends with the kill after its grace.
     pub unresponsive: BTreeSet<i32>,
@@ -40,6 +40,8 @@ pub struct FakeHostState {
     /// Fake processes whose `state` blocks (a silent VMM) until removed from this set, or
     /// 30 s at most.
     pub stalled: BTreeSet<i32>,
+    /// Block I/O limits the launches asked the jail for: (tenant, disks, limit).
+    pub block_io: Vec<(String, Vec<std::path::PathBuf>, crate::jail::BlockIoLimit)>,
 }
 
 /// A fake host shared by [`FakeBackend`] and the fake jail cleaner.
@@ -59,10 +61,6 @@ pub struct FakeBackend(pub FakeHost);
 impl VmBackend for FakeBackend {
     fn kind(&self) -> BackendKind {
         BackendKind::TenantvmVmm
-    }
-
-    fn supports_disks(&self) -> bool {
-        !self.0.state().no_disks
     }
 
     fn launch(&self, spec: &VmSpec, jail: &JailConfig) -> Result<RunningVm, BackendError> {
@@ -125,6 +123,11 @@ impl VmBackend for FakeBackend {
         self.0.state().processes.remove(&vm.pid);
         Ok(())
     }
+
+    /// The fake host runs no guest: nothing listens there.
+    fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint {
+        AgentEndpoint::Serial(vm.tenant_dir.join("run/fake-agent.sock"))
+    }
 }
 
 /// A fake jail cleaner over [`FakeHost`].
@@ -140,6 +143,25 @@ impl JailCleaner for FakeJail {
 
     fn list(&self) -> Result<Vec<String>, JailError> {
         Ok(self.0.state().cgroups.iter().cloned().collect())
+    }
+
+    fn limit_block_io(
+        &self,
+        tenant: &str,
+        disks: &[std::path::PathBuf],
+        limit: crate::jail::BlockIoLimit,
+    ) -> Result<Vec<crate::jail::BlockIoOutcome>, JailError> {
+        self.0
+            .state()
+            .block_io
+            .push((tenant.to_string(), disks.to_vec(), limit));
+        Ok(disks
+            .iter()
+            .map(|d| crate::jail::BlockIoOutcome::NotLimited {
+                disk: d.clone(),
+                reason: "fake host".into(),
+            })
+            .collect())
     }
 }
 
@@ -271,6 +293,8 @@ impl Harness {
         cfg.boot_timeout = boot_timeout;
         cfg.departure.kek = crate::keys::KekSource::File(root.join("host-kek"));
         cfg.departure.keyslot_cost = crate::disk::KeyslotCost::TEST;
+        // A fake host, roomy enough for every test's tenants.
+        cfg.capacity = crate::tenant::admission::HostCapacity::fixed(64 * 1024, 64);
         TenantService::new(
             store,
             Arc::new(FakeBackend(host.clone())),

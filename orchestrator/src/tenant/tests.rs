@@ -404,20 +404,6 @@ fn a_vm_that_ends_on_its_own_turns_its_tenant_failed() {
 }
 
 #[test]
-fn disks_are_refused_by_a_backend_that_cannot_attach_them() {
-    let h = Harness::new(FaultHook::default());
-    h.host.state().no_disks = true;
-    let mut s = spec("d", "{ kind = \"none\" }");
-    s.disk_gib = 1;
-    let err = h
-        .svc
-        .execute(&Caller::Admin, TenantCommand::Create(s))
-        .unwrap_err();
-    assert!(matches!(err, TenantServiceError::Unsupported(_)), "{err}");
-    assert!(h.svc.store().list_tenants(true).unwrap().is_empty());
-}
-
-#[test]
 fn infer_is_refused_for_unknown_foreign_and_agentless_tenants() {
     let h = Harness::new(FaultHook::default());
     for name in ["a", "b"] {

@@ -127,3 +127,32 @@ pub fn one_guest_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     ONE.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
+
+/// SIGSTOPs every process of a VM's cgroup: a wedged VMM that accepts nothing and answers
+/// nothing (a compromised one could do the same).
+pub fn freeze(cgroup: &tenantvm::jail::CgroupHandle) {
+    let members = cgroup.members().unwrap();
+    assert!(!members.is_empty(), "the VM has no processes to stop");
+    for pid in members {
+        // SAFETY: kill(2) with a pid read from the test VM's cgroup and a valid signal.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+    }
+}
+
+/// Runs `f` on its own thread and returns its result and how long it took; panics if it
+/// has not returned after `limit` (so a hang fails the test instead of stalling the run).
+pub fn within<T: Send + 'static>(
+    limit: Duration,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> (T, Duration) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let started = Instant::now();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(value) => (value, started.elapsed()),
+        Err(_) => panic!("{what} did not return within {limit:?}"),
+    }
+}

@@ -87,9 +87,15 @@ pub fn qemu_skip() -> Option<String> {
         .then(|| ".cache/kernel/vmlinuz is missing: run scripts/setup.sh".to_string())
 }
 
-/// Creates a tenant with a disk booting the stock kernel under the QEMU backend.
+/// Creates a tenant with a disk booting the stock kernel under the QEMU backend. Boot files
+/// must lie under the daemon's image directory: the kernel is copied there once.
 pub fn create_qemu(d: &TestDaemon, name: &str, extra: &str) -> Output {
-    let kernel = stock_kernel().expect("checked by qemu_skip");
+    let stock = stock_kernel().expect("checked by qemu_skip");
+    let kernel = d.dir.path().join("img/stock/vmlinuz");
+    if !kernel.exists() {
+        std::fs::create_dir_all(kernel.parent().unwrap()).unwrap();
+        std::fs::copy(&stock, &kernel).unwrap();
+    }
     create_spec(
         d,
         name,

@@ -209,10 +209,11 @@ impl TestDaemon {
             .arg(self.dir.path().join("img"))
             .arg("--vmm-binary")
             .arg(vmm_binary())
-            // Other tests' daemons share this host's cgroup tree.
-            .arg("--keep-unknown-cgroups")
             .arg("--uid-range")
             .arg(format!("{}:64", self.uid_first))
+            // Tests run many 1-vCPU tenants on a 2-core machine: an explicit overcommit.
+            .arg("--vcpu-overcommit")
+            .arg("32")
             .args(&self.extra_args)
             .env_remove("TENANTVM_TEST_CRASH_AT")
             // A private host KEK and the cheap test keyslot cost, never /etc/tenantvm.
@@ -319,7 +320,9 @@ impl Drop for TestDaemon {
                     .collect()
             })
             .unwrap_or_default();
-        if let Ok(cgroups) = tenantvm::jail::Cgroups::detect() {
+        let scoped =
+            tenantvm::jail::Cgroups::detect().and_then(|c| c.for_state_dir(&self.state_dir()));
+        if let Ok(cgroups) = scoped {
             let mut all = names;
             if let Ok(store) = Store::open(&self.state_dir().join("state.db")) {
                 all.extend(
@@ -334,13 +337,19 @@ impl Drop for TestDaemon {
                 let dir = self.state_dir().join("tenants").join(&name);
                 let _ = tenantvm::jail::cleanup_tenant(&cgroups, &name, &dir);
             }
+            // The daemon's own subtree, now empty (rmdir refuses one that is not).
+            let root = Path::new(tenantvm::jail::cgroup::DEFAULT_CGROUP_ROOT);
+            for hierarchy in ["", "memory", "cpu", "pids", "blkio"] {
+                let _ = fs::remove_dir(root.join(hierarchy).join(cgroups.subtree()));
+            }
         }
     }
 }
 
-/// Pids of processes in the tenant's cgroup(s) according to /proc/PID/cgroup.
+/// Pids of processes in the tenant's cgroup(s) according to /proc/PID/cgroup, in any
+/// daemon's subtree (`/tenantvm/<daemon id>/<tenant>`; names are unique per test process).
 pub fn processes_in_cgroup_of(tenant: &str) -> Vec<i32> {
-    let needle = format!("/tenantvm/{tenant}");
+    let leaf = format!("/{tenant}");
     let mut out = Vec::new();
     for entry in fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
@@ -349,7 +358,10 @@ pub fn processes_in_cgroup_of(tenant: &str) -> Vec<i32> {
         let Ok(cg) = fs::read_to_string(entry.path().join("cgroup")) else {
             continue;
         };
-        if cg.lines().any(|l| l.ends_with(&needle)) {
+        if cg
+            .lines()
+            .any(|l| l.contains("/tenantvm/") && l.ends_with(&leaf))
+        {
             out.push(pid);
         }
     }
@@ -378,10 +390,24 @@ pub fn processes_of_uid(uid: u32) -> Vec<i32> {
     out
 }
 
-/// Whether the tenant has a cgroup directory in any hierarchy.
+/// Whether the tenant has a cgroup directory in any hierarchy, in any daemon's subtree
+/// (`tenantvm/<daemon id>/<tenant>`) or directly under `tenantvm/`.
 pub fn cgroup_exists(tenant: &str) -> bool {
-    let cgroups = tenantvm::jail::Cgroups::detect().unwrap();
-    cgroups.list_tenants().unwrap().iter().any(|t| t == tenant)
+    let root = Path::new(tenantvm::jail::cgroup::DEFAULT_CGROUP_ROOT);
+    let parents: Vec<PathBuf> = if root.join("cgroup.controllers").exists() {
+        vec![root.join("tenantvm")]
+    } else {
+        ["memory", "cpu", "pids"]
+            .iter()
+            .map(|c| root.join(c).join("tenantvm"))
+            .collect()
+    };
+    parents.iter().any(|parent| {
+        parent.join(tenant).is_dir()
+            || fs::read_dir(parent)
+                .map(|d| d.flatten().any(|e| e.path().join(tenant).is_dir()))
+                .unwrap_or(false)
+    })
 }
 
 /// A tenant name unique to this test process (tests share the host's cgroup tree).

@@ -12,10 +12,10 @@ use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 
-use super::command::{parse_request, VmCommand, VmResponse};
+use tenantvm_vmm_api::control::{parse_request, VmCommand, VmResponse, MAX_LINE_BYTES};
 
-/// Longest accepted request line, newline excluded.
-pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+/// Longest accepted request line, newline excluded (the contract's line cap).
+pub const MAX_REQUEST_BYTES: usize = MAX_LINE_BYTES;
 /// Most simultaneous client connections; more are closed at once.
 pub const MAX_CONNECTIONS: usize = 16;
 /// Bytes read per readable event.
@@ -240,8 +240,8 @@ impl Drop for ApiServer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::command::VmState;
     use std::io::{BufRead, BufReader};
+    use tenantvm_vmm_api::control::VmState;
 
     fn answer(cmd: VmCommand) -> VmResponse {
         match cmd {

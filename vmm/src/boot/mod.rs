@@ -10,23 +10,12 @@ pub mod params;
 use std::path::{Path, PathBuf};
 
 use linux_loader::loader::{load_cmdline, Cmdline};
-use serde::{Deserialize, Serialize};
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 
 pub use kernel::{EntryPoint, InitramfsPlacement, LoadedKernel};
 
-/// Which entry point of the kernel to use.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum BootProtocol {
-    /// PVH when the ELF has a PVH note, else the 64-bit Linux entry.
-    #[default]
-    Auto,
-    /// The 64-bit Linux boot protocol (zero page in rsi), even when a PVH note exists.
-    Linux,
-    /// The PVH entry (32-bit protected mode, start info in ebx); fails without the note.
-    Pvh,
-}
+/// Which entry point of the kernel to use (part of the config file: tenantvm-vmm-api).
+pub use tenantvm_vmm_api::BootProtocol;
 
 /// Why a kernel could not be made ready to run.
 #[derive(Debug, thiserror::Error)]

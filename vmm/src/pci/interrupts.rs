@@ -236,7 +236,9 @@ mod tests {
             eprintln!("skipping: /dev/kvm is absent");
             return None;
         }
-        Some(Arc::new(Vm::new().expect("create a VM")))
+        let mem = vm_memory::GuestMemoryMmap::from_ranges(&[(vm_memory::GuestAddress(0), 1 << 20)])
+            .expect("map 1 MiB of guest memory");
+        Some(Arc::new(Vm::new(&mem).expect("create a VM")))
     }
 
     #[test]

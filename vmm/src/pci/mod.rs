@@ -345,8 +345,8 @@ mod tests {
             eprintln!("skipping: /dev/kvm is absent");
             return None;
         }
-        let vm = Arc::new(Vm::new().expect("create a VM"));
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 16 << 20)]).unwrap();
+        let vm = Arc::new(Vm::new(&mem).expect("create a VM"));
         let windows =
             PciWindows::new(16 << 20, 46, tenantvm_devices::pci::MMIO64_DEFAULT_SIZE).unwrap();
         let mut pio = Bus::new();

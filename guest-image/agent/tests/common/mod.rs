@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tenantvm_agent::image::{Accel, ImageSet, QemuGuest};
+use tenantvm_agent_protocol::{ImageSet, VIRTIO_SERIAL_PORT_NAME};
+use tenantvm_vmm_api::{BlockConfig, QemuAccel, QemuCommand, SerialPort};
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
@@ -109,18 +110,33 @@ pub fn boot_tcg(image: &Path, disk: &Path, sock: &Path, console: &Path) -> Qemu 
 pub fn boot(image: &Path, disk: &Path, sock: &Path, console: &Path, kvm: bool) -> Qemu {
     let set = ImageSet::open(image).unwrap_or_else(|e| panic!("{e}"));
     let (accel, memory_mib, vcpus) = if kvm {
-        (Accel::Kvm, 1024, 2)
+        (QemuAccel::Kvm, 1024, 2)
     } else {
-        (Accel::Tcg, 512, 1)
+        (QemuAccel::Tcg, 512, 1)
     };
-    let args = set.qemu_args(&QemuGuest {
-        disk,
-        agent_socket: sock,
-        console,
+    // The same command line the orchestrator's QEMU backend runs, with host paths.
+    let args = QemuCommand {
+        name: "agent-e2e".into(),
         accel,
-        memory_mib,
         vcpus,
-    });
+        memory_mib,
+        kernel: set.dir.join("vmlinuz"),
+        initramfs: Some(set.dir.join("initramfs.cpio.gz")),
+        cmdline: set.cmdline.clone(),
+        serial_log: console.to_path_buf(),
+        agent_port: Some(SerialPort {
+            socket: sock.to_path_buf(),
+            name: VIRTIO_SERIAL_PORT_NAME.into(),
+        }),
+        qmp_socket: None,
+        disks: vec![BlockConfig {
+            path: disk.to_path_buf(),
+            read_only: false,
+            id: None,
+            rate_limit: None,
+        }],
+    }
+    .args();
     let child = Command::new("qemu-system-x86_64")
         .args(args)
         .stdin(Stdio::null())

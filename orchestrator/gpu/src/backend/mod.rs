@@ -12,7 +12,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::mig::{self, GpuModel, Layout};
+use crate::mig::{self, GpuFacts, GpuModel, Layout, VgpuSupport};
 use crate::plan::HostGpu;
 
 /// Errors of the GPU backends.
@@ -106,6 +106,14 @@ pub struct GpuInstance {
     pub start: u32,
     /// Size in placement units.
     pub size: u32,
+    /// Whether its compute instance exists (a crash between the two creates can leave a GPU
+    /// instance without one; [`GpuBackend::ensure_compute_instance`] repairs it).
+    #[serde(default = "default_true")]
+    pub has_compute_instance: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// One GPU as a backend reports it.
@@ -130,6 +138,10 @@ pub struct GpuInfo {
     pub assigned_whole: bool,
     /// IOMMU group (from sysfs on a live host), if known.
     pub iommu_group: Option<u32>,
+    /// Major version of the loaded NVIDIA driver, if known.
+    pub driver_major: Option<u32>,
+    /// How MIG instances of this GPU can reach a VM (from sysfs on a live host).
+    pub vgpu: VgpuSupport,
     /// Existing GPU instances.
     pub instances: Vec<GpuInstance>,
 }
@@ -138,6 +150,16 @@ impl GpuInfo {
     /// The database model, if any.
     pub fn gpu_model(&self) -> Option<&'static GpuModel> {
         self.model.and_then(|k| mig::model_by_key(k).ok())
+    }
+
+    /// What [`mig::decide`] needs to know about this GPU.
+    pub fn facts(&self) -> GpuFacts {
+        GpuFacts {
+            device_id: self.pci_device_id,
+            memory_mib: Some(self.memory_mib).filter(|m| *m > 0),
+            driver_major: self.driver_major,
+            vgpu: self.vgpu.clone(),
+        }
     }
 }
 
@@ -157,13 +179,37 @@ pub trait GpuBackend: Send + Sync {
     ) -> Result<Vec<(u32, u32)>, BackendError>;
     /// How many more instances of the profile fit now.
     fn remaining_capacity(&self, gpu: u32, profile_id: u32) -> Result<u32, BackendError>;
-    /// Creates a GPU instance at `start` and one compute instance spanning it; returns the GI.
-    fn create_instance(
+    /// Creates a GPU instance of the profile at `start` (no compute instance yet).
+    fn create_gpu_instance(
         &self,
         gpu: u32,
         profile_id: u32,
         start: u32,
     ) -> Result<GpuInstance, BackendError>;
+    /// Creates one compute instance spanning GPU instance `gi_id`, unless it has one already.
+    fn ensure_compute_instance(&self, gpu: u32, gi_id: u32) -> Result<(), BackendError>;
+    /// Creates a GPU instance at `start` and one compute instance spanning it; returns the GI.
+    /// The GPU instance is destroyed again when the compute instance cannot be made.
+    fn create_instance(
+        &self,
+        gpu: u32,
+        profile_id: u32,
+        start: u32,
+    ) -> Result<GpuInstance, BackendError> {
+        let gi = self.create_gpu_instance(gpu, profile_id, start)?;
+        match self.ensure_compute_instance(gpu, gi.gi_id) {
+            Ok(()) => Ok(GpuInstance {
+                has_compute_instance: true,
+                ..gi
+            }),
+            Err(e) => {
+                if let Err(undo) = self.destroy_instance(gpu, gi.gi_id) {
+                    tracing::error!(gpu, gi = gi.gi_id, error = %undo, "destroying a GPU instance whose compute instance failed also failed");
+                }
+                Err(e)
+            }
+        }
+    }
     /// Destroys the compute instances of a GPU instance, then the GPU instance.
     fn destroy_instance(&self, gpu: u32, gi_id: u32) -> Result<(), BackendError>;
 }
@@ -197,12 +243,13 @@ pub fn open(spec: &BackendSpec) -> Result<Box<dyn GpuBackend>, BackendError> {
     }
 }
 
-/// The host as the planner sees it: MIG-capable GPUs with their existing instances. GPUs the
-/// database does not know are left out (they are listed by `host check`).
+/// The host as the planner sees it: every GPU with its existing instances, and whether it can
+/// be shared or only given whole ([`mig::decide`], the rule `host check` prints).
 pub fn host_gpus(gpus: &[GpuInfo]) -> Result<Vec<HostGpu>, BackendError> {
     let mut out = Vec::new();
     for g in gpus {
-        let Some(model) = g.gpu_model() else { continue };
+        let class = mig::decide(&g.facts());
+        let model = class.model;
         let mut layout = Layout::empty();
         layout.whole = g.assigned_whole;
         for i in &g.instances {
@@ -222,6 +269,7 @@ pub fn host_gpus(gpus: &[GpuInfo]) -> Result<Vec<HostGpu>, BackendError> {
         out.push(HostGpu {
             index: g.index,
             model,
+            sharing: class.sharing,
             layout,
         });
     }

@@ -12,8 +12,8 @@ use nvml_wrapper::Nvml;
 use nvml_wrapper_sys::bindings as sys;
 
 use super::{BackendError, GpuBackend, GpuInfo, GpuInstance};
-use crate::host::{PciAddress, Sysfs};
-use crate::mig::{self, ReportedProfile};
+use crate::host::{vgpu_support, PciAddress, Sysfs};
+use crate::mig::{self, ReportedProfile, VgpuSupport};
 
 /// The live-host backend.
 pub struct NvmlBackend {
@@ -166,12 +166,7 @@ impl NvmlBackend {
             };
             check("nvmlDeviceGetGpuInstances", gpu, code)?;
             for h in handles.into_iter().take(count as usize) {
-                let mut gi = MaybeUninit::<sys::nvmlGpuInstanceInfo_t>::zeroed();
-                // SAFETY: `h` came from NVML just now; `gi` is a properly sized out-struct.
-                let code = unsafe { lib.nvmlGpuInstanceGetInfo(h, gi.as_mut_ptr()) };
-                check("nvmlGpuInstanceGetInfo", gpu, code)?;
-                // SAFETY: NVML filled the struct on success (and it was zeroed before).
-                let gi = unsafe { gi.assume_init() };
+                let gi = self.gi_info(gpu, h)?;
                 out.push((
                     h,
                     GpuInstance {
@@ -179,9 +174,80 @@ impl NvmlBackend {
                         profile_id: gi.profileId,
                         start: gi.placement.start,
                         size: gi.placement.size,
+                        has_compute_instance: !self.compute_instances(gpu, h)?.is_empty(),
                     },
                 ));
             }
+        }
+        Ok(out)
+    }
+
+    /// The GPU instance with id `gi_id`.
+    fn gi_by_id(&self, gpu: u32, gi_id: u32) -> Result<sys::nvmlGpuInstance_t, BackendError> {
+        let lib = self.nvml.lib();
+        let device = self.handle(gpu)?;
+        let mut gi: sys::nvmlGpuInstance_t = std::ptr::null_mut();
+        // SAFETY: valid device handle and out-pointer.
+        let code = unsafe { lib.nvmlDeviceGetGpuInstanceById(device, gi_id, &mut gi) };
+        if code == sys::nvmlReturn_enum_NVML_ERROR_NOT_FOUND
+            || code == sys::nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT
+        {
+            return Err(BackendError::NoSuchInstance { gpu, gi: gi_id });
+        }
+        check("nvmlDeviceGetGpuInstanceById", gpu, code)?;
+        Ok(gi)
+    }
+
+    fn gi_info(
+        &self,
+        gpu: u32,
+        gi: sys::nvmlGpuInstance_t,
+    ) -> Result<sys::nvmlGpuInstanceInfo_t, BackendError> {
+        let mut info = MaybeUninit::<sys::nvmlGpuInstanceInfo_t>::zeroed();
+        // SAFETY: `gi` is a live GPU instance handle; `info` is a sized out-struct.
+        let code = unsafe {
+            self.nvml
+                .lib()
+                .nvmlGpuInstanceGetInfo(gi, info.as_mut_ptr())
+        };
+        check("nvmlGpuInstanceGetInfo", gpu, code)?;
+        // SAFETY: NVML filled the struct on success (and it was zeroed before).
+        Ok(unsafe { info.assume_init() })
+    }
+
+    /// Every compute instance of a GPU instance, of every compute-instance profile.
+    fn compute_instances(
+        &self,
+        gpu: u32,
+        gi: sys::nvmlGpuInstance_t,
+    ) -> Result<Vec<sys::nvmlComputeInstance_t>, BackendError> {
+        let lib = self.nvml.lib();
+        let mut out = Vec::new();
+        for ci_enum in 0..sys::NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
+            let mut ci_info = MaybeUninit::<sys::nvmlComputeInstanceProfileInfo_t>::zeroed();
+            // SAFETY: valid GPU instance and out-struct.
+            let code = unsafe {
+                lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                    gi,
+                    ci_enum,
+                    sys::NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                    ci_info.as_mut_ptr(),
+                )
+            };
+            if code != sys::nvmlReturn_enum_NVML_SUCCESS {
+                continue;
+            }
+            // SAFETY: filled by NVML on success.
+            let ci_info = unsafe { ci_info.assume_init() };
+            let mut cis: Vec<sys::nvmlComputeInstance_t> =
+                vec![std::ptr::null_mut(); ci_info.instanceCount.max(1) as usize];
+            let mut count = 0u32;
+            // SAFETY: `cis` has room for `instanceCount` handles.
+            let code = unsafe {
+                lib.nvmlGpuInstanceGetComputeInstances(gi, ci_info.id, cis.as_mut_ptr(), &mut count)
+            };
+            check("nvmlGpuInstanceGetComputeInstances", gpu, code)?;
+            out.extend(cis.into_iter().take(count as usize));
         }
         Ok(out)
     }
@@ -193,6 +259,12 @@ impl GpuBackend for NvmlBackend {
     }
 
     fn gpus(&self) -> Result<Vec<GpuInfo>, BackendError> {
+        let sysfs = Sysfs::new("/");
+        let driver_major = self
+            .nvml
+            .sys_driver_version()
+            .ok()
+            .and_then(|v| v.split('.').next()?.parse().ok());
         let n = self
             .nvml
             .device_count()
@@ -229,8 +301,14 @@ impl GpuBackend for NvmlBackend {
                 assigned_whole: false,
                 iommu_group: PciAddress::parse(&address)
                     .ok()
-                    .and_then(|a| Sysfs::new("/").device(&a).ok())
+                    .and_then(|a| sysfs.device(&a).ok())
                     .and_then(|d| d.iommu_group),
+                driver_major,
+                vgpu: PciAddress::parse(&address)
+                    .map(|a| vgpu_support(&sysfs, &a))
+                    .unwrap_or(VgpuSupport::Missing {
+                        reason: format!("NVML reports an unreadable PCI address {address}"),
+                    }),
                 instances,
             });
         }
@@ -298,14 +376,13 @@ impl GpuBackend for NvmlBackend {
         Ok(count)
     }
 
-    fn create_instance(
+    fn create_gpu_instance(
         &self,
         gpu: u32,
         profile_id: u32,
         start: u32,
     ) -> Result<GpuInstance, BackendError> {
         let lib = self.nvml.lib();
-        let info = self.profile_info(gpu, profile_id)?;
         let device = self.handle(gpu)?;
         let placement = sys::nvmlGpuInstancePlacement_t { start, size: 0 };
         let mut gi: sys::nvmlGpuInstance_t = std::ptr::null_mut();
@@ -315,90 +392,54 @@ impl GpuBackend for NvmlBackend {
             lib.nvmlDeviceCreateGpuInstanceWithPlacement(device, profile_id, &placement, &mut gi)
         };
         check("nvmlDeviceCreateGpuInstanceWithPlacement", gpu, code)?;
-        let created = (|| {
-            let ci_enum = ci_profile_for(info.slice_count).ok_or(BackendError::UnknownProfile {
-                gpu,
-                profile: profile_id,
-            })?;
-            let mut ci_info = MaybeUninit::<sys::nvmlComputeInstanceProfileInfo_t>::zeroed();
-            // SAFETY: `gi` is the instance just created; `ci_info` is a sized out-struct.
-            let code = unsafe {
-                lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gi,
-                    ci_enum,
-                    sys::NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
-                    ci_info.as_mut_ptr(),
-                )
-            };
-            check("nvmlGpuInstanceGetComputeInstanceProfileInfo", gpu, code)?;
-            // SAFETY: filled by NVML on success.
-            let ci_info = unsafe { ci_info.assume_init() };
-            let mut ci: sys::nvmlComputeInstance_t = std::ptr::null_mut();
-            // SAFETY: valid GPU instance and out-pointer.
-            let code = unsafe { lib.nvmlGpuInstanceCreateComputeInstance(gi, ci_info.id, &mut ci) };
-            check("nvmlGpuInstanceCreateComputeInstance", gpu, code)?;
-            let mut gi_info = MaybeUninit::<sys::nvmlGpuInstanceInfo_t>::zeroed();
-            // SAFETY: valid GPU instance and out-struct.
-            let code = unsafe { lib.nvmlGpuInstanceGetInfo(gi, gi_info.as_mut_ptr()) };
-            check("nvmlGpuInstanceGetInfo", gpu, code)?;
-            // SAFETY: filled by NVML on success.
-            let gi_info = unsafe { gi_info.assume_init() };
-            Ok(GpuInstance {
-                gi_id: gi_info.id,
-                profile_id,
-                start: gi_info.placement.start,
-                size: gi_info.placement.size,
-            })
-        })();
-        if created.is_err() {
-            // Roll back the GPU instance so a failed create leaves nothing behind.
-            // SAFETY: `gi` is the instance created above and not yet destroyed.
-            let _ = unsafe { lib.nvmlGpuInstanceDestroy(gi) };
+        let info = self.gi_info(gpu, gi)?;
+        Ok(GpuInstance {
+            gi_id: info.id,
+            profile_id,
+            start: info.placement.start,
+            size: info.placement.size,
+            has_compute_instance: false,
+        })
+    }
+
+    fn ensure_compute_instance(&self, gpu: u32, gi_id: u32) -> Result<(), BackendError> {
+        let lib = self.nvml.lib();
+        let gi = self.gi_by_id(gpu, gi_id)?;
+        if !self.compute_instances(gpu, gi)?.is_empty() {
+            return Ok(());
         }
-        created
+        let info = self.gi_info(gpu, gi)?;
+        let slices = self.profile_info(gpu, info.profileId)?.slice_count;
+        let ci_enum = ci_profile_for(slices).ok_or(BackendError::UnknownProfile {
+            gpu,
+            profile: info.profileId,
+        })?;
+        let mut ci_info = MaybeUninit::<sys::nvmlComputeInstanceProfileInfo_t>::zeroed();
+        // SAFETY: `gi` is a live GPU instance; `ci_info` is a sized out-struct.
+        let code = unsafe {
+            lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                gi,
+                ci_enum,
+                sys::NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                ci_info.as_mut_ptr(),
+            )
+        };
+        check("nvmlGpuInstanceGetComputeInstanceProfileInfo", gpu, code)?;
+        // SAFETY: filled by NVML on success.
+        let ci_info = unsafe { ci_info.assume_init() };
+        let mut ci: sys::nvmlComputeInstance_t = std::ptr::null_mut();
+        // SAFETY: valid GPU instance and out-pointer.
+        let code = unsafe { lib.nvmlGpuInstanceCreateComputeInstance(gi, ci_info.id, &mut ci) };
+        check("nvmlGpuInstanceCreateComputeInstance", gpu, code)
     }
 
     fn destroy_instance(&self, gpu: u32, gi_id: u32) -> Result<(), BackendError> {
         let lib = self.nvml.lib();
-        let device = self.handle(gpu)?;
-        let mut gi: sys::nvmlGpuInstance_t = std::ptr::null_mut();
-        // SAFETY: valid device handle and out-pointer.
-        let code = unsafe { lib.nvmlDeviceGetGpuInstanceById(device, gi_id, &mut gi) };
-        if code == sys::nvmlReturn_enum_NVML_ERROR_NOT_FOUND
-            || code == sys::nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT
-        {
-            return Err(BackendError::NoSuchInstance { gpu, gi: gi_id });
-        }
-        check("nvmlDeviceGetGpuInstanceById", gpu, code)?;
-        for ci_enum in 0..sys::NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
-            let mut ci_info = MaybeUninit::<sys::nvmlComputeInstanceProfileInfo_t>::zeroed();
-            // SAFETY: valid GPU instance and out-struct.
-            let code = unsafe {
-                lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gi,
-                    ci_enum,
-                    sys::NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
-                    ci_info.as_mut_ptr(),
-                )
-            };
-            if code != sys::nvmlReturn_enum_NVML_SUCCESS {
-                continue;
-            }
-            // SAFETY: filled by NVML on success.
-            let ci_info = unsafe { ci_info.assume_init() };
-            let mut cis: Vec<sys::nvmlComputeInstance_t> =
-                vec![std::ptr::null_mut(); ci_info.instanceCount.max(1) as usize];
-            let mut count = 0u32;
-            // SAFETY: `cis` has room for `instanceCount` handles.
-            let code = unsafe {
-                lib.nvmlGpuInstanceGetComputeInstances(gi, ci_info.id, cis.as_mut_ptr(), &mut count)
-            };
-            check("nvmlGpuInstanceGetComputeInstances", gpu, code)?;
-            for ci in cis.into_iter().take(count as usize) {
-                // SAFETY: `ci` was just returned by NVML for this GPU instance.
-                let code = unsafe { lib.nvmlComputeInstanceDestroy(ci) };
-                check("nvmlComputeInstanceDestroy", gpu, code)?;
-            }
+        let gi = self.gi_by_id(gpu, gi_id)?;
+        for ci in self.compute_instances(gpu, gi)? {
+            // SAFETY: `ci` was just returned by NVML for this GPU instance.
+            let code = unsafe { lib.nvmlComputeInstanceDestroy(ci) };
+            check("nvmlComputeInstanceDestroy", gpu, code)?;
         }
         // SAFETY: `gi` is a live GPU instance handle with no compute instances left.
         let code = unsafe { lib.nvmlGpuInstanceDestroy(gi) };
@@ -443,7 +484,7 @@ mod tests {
     #[test]
     fn live_gpu_profiles_match_the_database() {
         let Ok(idx) = std::env::var("TENANTVM_TEST_GPU") else {
-            eprintln!("skipping: TENANTVM_TEST_GPU is not set (an NVIDIA GPU index)");
+            eprintln!("SKIP live_gpu_profiles_match_the_database: TENANTVM_TEST_GPU is not set (an NVIDIA GPU index)");
             return;
         };
         let gpu: u32 = idx.parse().expect("TENANTVM_TEST_GPU must be a GPU index");
@@ -456,7 +497,7 @@ mod tests {
             .expect("the GPU exists");
         let Some(model) = info.gpu_model() else {
             eprintln!(
-                "skipping: GPU {gpu} ({}) has no MIG entry in the database",
+                "SKIP live_gpu_profiles_match_the_database: GPU {gpu} ({}) has no MIG entry in the database",
                 info.name
             );
             return;

@@ -7,6 +7,10 @@
 //! checkable end to end.
 
 pub mod fake;
+pub mod mdev;
+pub mod reset;
+pub mod sriov;
+pub mod uuid;
 pub mod vfio;
 pub mod vgpu;
 
@@ -15,6 +19,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 use thiserror::Error;
+
+use crate::mig::VgpuSupport;
 
 /// Errors of host device work.
 #[derive(Debug, Error)]
@@ -61,31 +67,16 @@ pub enum HostDeviceError {
         /// What it has now.
         actual: String,
     },
-    /// SR-IOV is not available on the device.
-    #[error("{0} has no SR-IOV capability: MIG-backed vGPU needs a GPU with SR-IOV and the vGPU manager driver")]
-    NoSriov(String),
-    /// Every VF already carries a vGPU.
-    #[error("Every virtual function of {0} already has a vGPU: release one first")]
-    NoFreeVf(String),
-    /// No vGPU type matches.
-    #[error("No creatable vGPU type on {device} matches {wanted}; creatable: {creatable}")]
-    NoVgpuType {
-        /// The VF or GPU.
+    /// The device is a vGPU virtual function, which must stay on the nvidia driver.
+    #[error("{0} is a vGPU virtual function: it stays bound to nvidia (never vfio-pci); hand it to the VM by its sysfs path")]
+    VgpuVf(String),
+    /// The GPU has SR-IOV virtual functions enabled (it is in vGPU mode).
+    #[error("{device} has {vfs} SR-IOV virtual functions enabled (it is in vGPU mode): let its vGPU tenants depart and leave vGPU mode before giving it whole")]
+    VfsEnabled {
+        /// The GPU.
         device: String,
-        /// What was looked for.
-        wanted: String,
-        /// What the driver offers.
-        creatable: String,
-    },
-    /// The mdev type does not exist or has no room.
-    #[error("mdev type {type_id} on {device}: {reason}")]
-    Mdev {
-        /// Parent device.
-        device: String,
-        /// The type.
-        type_id: String,
-        /// What is wrong.
-        reason: String,
+        /// Enabled VFs.
+        vfs: u32,
     },
 }
 
@@ -159,8 +150,14 @@ impl PciDevice {
     }
 }
 
-/// Hook that emulates the kernel's reaction to a sysfs write (fake trees only).
-pub(crate) type KernelEmulation = fn(&Sysfs, &Path, &str) -> io::Result<()>;
+/// The fake kernel's hooks (fake trees only).
+#[derive(Clone, Copy)]
+pub(crate) struct KernelEmulation {
+    /// Performs a write, the file's new contents included, or refuses it with an errno.
+    pub write: fn(&Sysfs, &Path, &str) -> io::Result<()>,
+    /// Answers a read of a dynamic attribute; `None`: read the file.
+    pub read: fn(&Sysfs, &Path) -> Option<io::Result<Vec<u8>>>,
+}
 
 /// Sysfs (and /dev, /proc) under a root.
 #[derive(Clone)]
@@ -205,15 +202,37 @@ impl Sysfs {
         self.path("sys/bus/pci/devices").join(addr.as_str())
     }
 
+    /// Reads a file's bytes (through the fake kernel for a fake tree's dynamic attributes).
+    pub fn read_bytes(&self, path: &Path) -> Result<Vec<u8>, HostDeviceError> {
+        let answer = match self.emulate.and_then(|e| (e.read)(self, path)) {
+            Some(answer) => answer,
+            None => std::fs::read(path),
+        };
+        answer.map_err(|source| HostDeviceError::Io {
+            op: "read",
+            path: path.display().to_string(),
+            source,
+        })
+    }
+
     /// Reads a file as trimmed text.
     pub fn read(&self, path: &Path) -> Result<String, HostDeviceError> {
-        std::fs::read_to_string(path)
-            .map(|s| s.trim().to_string())
-            .map_err(|source| HostDeviceError::Io {
-                op: "read",
-                path: path.display().to_string(),
-                source,
-            })
+        let bytes = self.read_bytes(path)?;
+        Ok(String::from_utf8_lossy(&bytes).trim().to_string())
+    }
+
+    /// Reads an attribute that the kernel answers with ENXIO while it has no value (a VF's
+    /// `nvidia/gpu_instance_id` before a vGPU type is set): `None` then.
+    pub fn read_unless_enxio(&self, path: &Path) -> Result<Option<String>, HostDeviceError> {
+        match self.read(path) {
+            Ok(v) => Ok(Some(v)),
+            Err(HostDeviceError::Io { source, .. })
+                if source.raw_os_error() == Some(libc::ENXIO) =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Writes `value` to a sysfs file (one write, as the kernel expects).
@@ -224,17 +243,33 @@ impl Sysfs {
             path: path.display().to_string(),
             source,
         };
+        if let Some(emulate) = self.emulate {
+            return (emulate.write)(self, path, value).map_err(io_err);
+        }
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .truncate(true)
             .open(path)
             .map_err(io_err)?;
-        std::io::Write::write_all(&mut f, value.as_bytes()).map_err(io_err)?;
-        drop(f);
-        if let Some(emulate) = self.emulate {
-            emulate(self, path, value).map_err(io_err)?;
-        }
-        Ok(())
+        std::io::Write::write_all(&mut f, value.as_bytes()).map_err(io_err)
+    }
+
+    /// The sysfs directory of a PCI device.
+    pub fn device_dir(&self, addr: &PciAddress) -> PathBuf {
+        self.pci_dir(addr)
+    }
+
+    /// The PF of a virtual function (its `physfn` link), or None for a PF.
+    pub fn physfn(&self, addr: &PciAddress) -> Option<PciAddress> {
+        self.link_name(&self.pci_dir(addr).join("physfn"))
+            .and_then(|n| PciAddress::parse(&n).ok())
+    }
+
+    /// Major version of the loaded NVIDIA driver (`/sys/module/nvidia/version`).
+    pub fn nvidia_driver(&self) -> Option<(String, u32)> {
+        let v = self.read(&self.path("sys/module/nvidia/version")).ok()?;
+        let major = v.split('.').next()?.parse().ok()?;
+        Some((v, major))
     }
 
     /// Basename of a symlink's target (`driver` → `nvidia`), or None when it is absent.
@@ -317,6 +352,34 @@ impl Sysfs {
     /// Whether a PCI driver is registered (its module is loaded).
     pub fn has_driver(&self, name: &str) -> bool {
         self.path("sys/bus/pci/drivers").join(name).is_dir()
+    }
+}
+
+/// How MIG instances of the GPU at `addr` could reach a VM, from sysfs: SR-IOV VFs with
+/// NVIDIA's vGPU manager loaded, mdev types, or neither (and what is missing). `host check`
+/// and the NVML backend both use this, so they feed [`crate::mig::decide`] the same facts.
+pub fn vgpu_support(sysfs: &Sysfs, addr: &PciAddress) -> VgpuSupport {
+    let dir = sysfs.pci_dir(addr);
+    let total_vfs: u32 = sysfs
+        .read(&dir.join("sriov_totalvfs"))
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let manager = sysfs.path("sys/module/nvidia_vgpu_vfio").is_dir();
+    if total_vfs > 0 && manager {
+        VgpuSupport::Sriov { total_vfs }
+    } else if dir.join("mdev_supported_types").is_dir() {
+        VgpuSupport::Mdev
+    } else if total_vfs > 0 {
+        VgpuSupport::Missing {
+            reason: format!(
+                "the GPU has {total_vfs} SR-IOV VFs but NVIDIA's vGPU manager (nvidia_vgpu_vfio) is not loaded"
+            ),
+        }
+    } else {
+        VgpuSupport::Missing {
+            reason: "the GPU has neither SR-IOV VFs nor mdev types".into(),
+        }
     }
 }
 

@@ -1,10 +1,18 @@
 //! Whole-GPU passthrough: bind every endpoint of the GPU's IOMMU group to vfio-pci
-//! (`driver_override`, unbind, `drivers_probe`) and give the previous drivers back on
-//! release. Bridges stay with the host. Other functions of the GPU's own slot (its HDMI audio,
-//! USB-C and UCSI functions) go with it; any other device of the group that a host driver
-//! holds makes the bind refuse, since passing it to a tenant would take it from the host.
+//! (`driver_override`, unbind, `drivers_probe`) and give the previous drivers back at
+//! departure. Bridges stay with the host. Other functions of the GPU's own slot (its HDMI
+//! audio, USB-C and UCSI functions) go with it; any other device of the group that a host
+//! driver holds makes the bind refuse, since passing it to a tenant would take it from the
+//! host.
+//!
+//! Crash safety: [`plan_bind`] reads the drivers the devices have now and touches nothing; the
+//! caller records the [`VfioBinding`] before [`apply_bind`] moves any device, so a process
+//! killed half-way still knows every device's original driver. Both [`apply_bind`] and
+//! [`rebind_host_drivers`] check each device first and only move the ones not yet where they
+//! should be, so either can be run again until it succeeds.
 
 use serde::{Deserialize, Serialize};
+use thiserror::Error;
 
 use super::{HostDeviceError, PciAddress, PciDevice, Sysfs};
 
@@ -36,12 +44,57 @@ pub struct VfioBinding {
     pub devices: Vec<BoundDevice>,
 }
 
+/// Why a device could not be given back to its host driver (departure step
+/// [`RebindError::STEP`]).
+#[derive(Debug, Error)]
+pub enum RebindError {
+    /// A sysfs write or read failed.
+    #[error("Rebinding {device} to its host driver ({wanted}) failed: {source}")]
+    Sysfs {
+        /// The device.
+        device: String,
+        /// The driver it should get back.
+        wanted: String,
+        /// The cause.
+        source: HostDeviceError,
+    },
+    /// The kernel bound another driver (or none).
+    #[error("Rebinding {device} to its host driver failed: it is bound to {actual}, not {wanted}; check that the {wanted} module is loaded and see `dmesg`")]
+    Mismatch {
+        /// The device.
+        device: String,
+        /// The driver it should have.
+        wanted: String,
+        /// What it has.
+        actual: String,
+    },
+}
+
+impl RebindError {
+    /// The departure step this error belongs to, as receipts name it.
+    pub const STEP: &'static str = "rebind-host-driver";
+}
+
 /// The endpoints of the GPU's group that would be bound, or why the group cannot be taken.
 pub fn group_endpoints(
     sysfs: &Sysfs,
     gpu: &PciAddress,
 ) -> Result<(u32, Vec<PciDevice>), HostDeviceError> {
     let dev = sysfs.device(gpu)?;
+    if sysfs.physfn(gpu).is_some() && sysfs.device_dir(gpu).join("nvidia").is_dir() {
+        return Err(HostDeviceError::VgpuVf(gpu.to_string()));
+    }
+    let vfs: u32 = sysfs
+        .read(&sysfs.device_dir(gpu).join("sriov_numvfs"))
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    if vfs > 0 {
+        return Err(HostDeviceError::VfsEnabled {
+            device: gpu.to_string(),
+            vfs,
+        });
+    }
     let group = dev
         .iommu_group
         .ok_or_else(|| HostDeviceError::NoIommuGroup(gpu.to_string()))?;
@@ -109,43 +162,107 @@ fn rebind(
     Ok(())
 }
 
-/// Binds every endpoint of the GPU's IOMMU group to vfio-pci. On failure the devices
-/// already moved are given back before the error is returned.
-pub fn bind_group(sysfs: &Sysfs, gpu: &PciAddress) -> Result<VfioBinding, HostDeviceError> {
+/// What binding the GPU's group would do: every endpoint with the driver and override it has
+/// now. Touches nothing; record the result before [`apply_bind`].
+pub fn plan_bind(sysfs: &Sysfs, gpu: &PciAddress) -> Result<VfioBinding, HostDeviceError> {
     if !sysfs.has_driver(VFIO_DRIVER) {
         return Err(HostDeviceError::NoVfioDriver);
     }
     let (group, endpoints) = group_endpoints(sysfs, gpu)?;
-    let mut binding = VfioBinding {
-        group,
-        gpu: gpu.to_string(),
-        devices: Vec::new(),
-    };
+    let mut devices = Vec::with_capacity(endpoints.len());
     for d in endpoints {
-        let previous_override = read_override(sysfs, d.address.as_str())?;
-        binding.devices.push(BoundDevice {
+        devices.push(BoundDevice {
+            previous_override: read_override(sysfs, d.address.as_str())?,
             address: d.address.to_string(),
             previous_driver: d.driver.clone(),
-            previous_override,
         });
-        if let Err(e) = rebind(sysfs, &d.address, Some(VFIO_DRIVER), VFIO_DRIVER) {
-            if let Err(undo) = release(sysfs, &binding) {
+    }
+    Ok(VfioBinding {
+        group,
+        gpu: gpu.to_string(),
+        devices,
+    })
+}
+
+/// Moves every device of a recorded binding to vfio-pci; devices already there are left
+/// alone. On failure the devices are given back to their recorded drivers before the error
+/// is returned.
+pub fn apply_bind(sysfs: &Sysfs, binding: &VfioBinding) -> Result<(), HostDeviceError> {
+    for d in &binding.devices {
+        let addr = PciAddress::parse(&d.address)?;
+        let done = current_driver(sysfs, &addr)?.as_deref() == Some(VFIO_DRIVER)
+            && read_override(sysfs, &d.address)?.as_deref() == Some(VFIO_DRIVER);
+        if done {
+            continue;
+        }
+        if let Err(e) = rebind(sysfs, &addr, Some(VFIO_DRIVER), VFIO_DRIVER) {
+            if let Err(undo) = rebind_host_drivers(sysfs, binding) {
                 tracing::error!(error = %undo, "restoring drivers after a failed bind also failed");
             }
             return Err(e);
         }
     }
-    tracing::info!(group, gpu = %gpu, devices = binding.devices.len(), "IOMMU group bound to vfio-pci");
+    tracing::info!(group = binding.group, gpu = %binding.gpu, devices = binding.devices.len(), "IOMMU group bound to vfio-pci");
+    Ok(())
+}
+
+/// [`plan_bind`] then [`apply_bind`], for callers that keep nothing across a crash.
+pub fn bind_group(sysfs: &Sysfs, gpu: &PciAddress) -> Result<VfioBinding, HostDeviceError> {
+    let binding = plan_bind(sysfs, gpu)?;
+    apply_bind(sysfs, &binding)?;
     Ok(binding)
 }
 
-/// Gives every device of a binding its previous driver and driver_override back.
-pub fn release(sysfs: &Sysfs, binding: &VfioBinding) -> Result<(), HostDeviceError> {
+/// The sysfs paths of the bound devices, the GPU first: what the VMM is given
+/// (`--device vfio,path=...`, QEMU's `-device vfio-pci,sysfsdev=...`).
+pub fn device_paths(sysfs: &Sysfs, binding: &VfioBinding) -> Vec<std::path::PathBuf> {
+    let mut v: Vec<&BoundDevice> = binding.devices.iter().collect();
+    v.sort_by_key(|d| d.address != binding.gpu);
+    v.into_iter()
+        .map(|d| sysfs.path("sys/bus/pci/devices").join(&d.address))
+        .collect()
+}
+
+/// Departure: gives every device of a binding its recorded driver and `driver_override`
+/// back, and checks that the kernel bound that driver. Devices already back are left alone.
+/// Every device is tried; the first failure is returned.
+pub fn rebind_host_drivers(sysfs: &Sysfs, binding: &VfioBinding) -> Result<(), RebindError> {
     let mut first_error = None;
     for d in binding.devices.iter().rev() {
-        let addr = PciAddress::parse(&d.address)?;
-        let restore = d.previous_override.clone().unwrap_or_else(|| "\n".into());
-        if let Err(e) = rebind(sysfs, &addr, d.previous_driver.as_deref(), &restore) {
+        let wanted = d
+            .previous_driver
+            .clone()
+            .unwrap_or_else(|| "no driver".into());
+        let sysfs_err = |source| RebindError::Sysfs {
+            device: d.address.clone(),
+            wanted: wanted.clone(),
+            source,
+        };
+        let outcome = (|| {
+            let addr = PciAddress::parse(&d.address).map_err(sysfs_err)?;
+            let restore = d.previous_override.clone().unwrap_or_else(|| "\n".into());
+            match rebind(sysfs, &addr, d.previous_driver.as_deref(), &restore) {
+                Ok(()) => {}
+                Err(HostDeviceError::BindFailed { actual, .. }) => {
+                    return Err(RebindError::Mismatch {
+                        device: d.address.clone(),
+                        wanted: wanted.clone(),
+                        actual,
+                    })
+                }
+                Err(e) => return Err(sysfs_err(e)),
+            }
+            let actual = current_driver(sysfs, &addr).map_err(sysfs_err)?;
+            if actual != d.previous_driver {
+                return Err(RebindError::Mismatch {
+                    device: d.address.clone(),
+                    wanted: wanted.clone(),
+                    actual: actual.unwrap_or_else(|| "no driver".into()),
+                });
+            }
+            Ok(())
+        })();
+        if let Err(e) = outcome {
             tracing::error!(device = %d.address, error = %e, "could not restore driver");
             first_error.get_or_insert(e);
         }
@@ -184,7 +301,7 @@ mod tests {
             .device(&PciAddress::parse("0000:00:01.0").unwrap())
             .unwrap();
         assert_eq!(bridge.driver.as_deref(), Some("pcieport"));
-        release(&s, &b).unwrap();
+        rebind_host_drivers(&s, &b).unwrap();
         let gpu_dev = s.device(&gpu).unwrap();
         assert_eq!(gpu_dev.driver.as_deref(), Some("nvidia"));
         let audio = s

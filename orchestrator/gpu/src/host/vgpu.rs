@@ -1,36 +1,79 @@
-//! MIG-backed vGPU: SR-IOV virtual functions of the GPU, the vGPU type written to a free VF
-//! (recent drivers: `nvidia/creatable_vgpu_types` → `nvidia/current_vgpu_type`), and the
-//! mdev path for older drivers (`mdev_supported_types/<type>/create`, `<uuid>/remove`).
-//! VFs stay on the nvidia driver; the VF itself is what is passed to the VM with VFIO.
-//! All of this needs NVIDIA's licensed vGPU manager on the host.
+//! MIG-backed vGPU on SR-IOV virtual functions (vGPU 17+, Hopper and newer), through a VF's
+//! `nvidia/` attributes. The VF stays on the nvidia driver (never vfio-pci) and is handed to
+//! the VM by its sysfs path; NVIDIA's vendor-specific VFIO framework serves it.
+//!
+//! What the driver does (and what [`crate::host::fake`] models):
+//! - `creatable_vgpu_types` (`ID : vGPU Name` lines under a header) lists only types whose MIG
+//!   profile has a GPU instance without a vGPU: empty until the instance exists;
+//! - writing a type id to `current_vgpu_type` starts the vGPU on such an instance; `0` stops it;
+//! - `gpu_instance_id` and `placement_id` read ENXIO until a type is set, then name the
+//!   instance the VF serves. The caller checks that it is the instance it planned
+//!   ([`crate::route::vgpu`]).
+//!
+//! These functions are single steps; the order they run in is the route's business.
 
 use serde::{Deserialize, Serialize};
+use thiserror::Error;
 
 use super::{HostDeviceError, PciAddress, Sysfs};
-use crate::mig::MigProfile;
+use crate::mig::{GpuModel, MigProfile};
+
+/// Errors of vGPU work on a VF.
+#[derive(Debug, Error)]
+pub enum VgpuError {
+    /// A sysfs read or write failed.
+    #[error("vGPU on {vf}: {source}")]
+    Sysfs {
+        /// The VF.
+        vf: String,
+        /// The cause.
+        source: HostDeviceError,
+    },
+    /// The device is not a VF with NVIDIA's vGPU attributes.
+    #[error("{0} is not a vGPU virtual function (no nvidia/current_vgpu_type): are VFs enabled and NVIDIA's vGPU manager loaded?")]
+    NotAVgpuVf(String),
+    /// Every VF of the GPU carries a vGPU.
+    #[error("Every virtual function of {0} already has a vGPU: release one first")]
+    NoFreeVf(String),
+    /// No creatable type matches the profile.
+    #[error("No creatable vGPU type on {vf} matches {wanted}; creatable: {creatable}")]
+    NoCreatableType {
+        /// The VF.
+        vf: String,
+        /// What was looked for.
+        wanted: String,
+        /// What the driver offers.
+        creatable: String,
+    },
+    /// The type read back is not the one written.
+    #[error("{vf}: wrote vGPU type {wanted}, the driver reports {actual}")]
+    TypeNotSet {
+        /// The VF.
+        vf: String,
+        /// The type written.
+        wanted: String,
+        /// The type read back.
+        actual: String,
+    },
+    /// The driver answered with something unreadable.
+    #[error("{vf}: {attribute} reads `{value}`, not a number")]
+    Unreadable {
+        /// The VF.
+        vf: String,
+        /// The attribute.
+        attribute: &'static str,
+        /// What it said.
+        value: String,
+    },
+}
 
 /// One vGPU type the driver offers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VgpuType {
     /// Type id to write to `current_vgpu_type` (or the mdev type directory name).
     pub id: String,
-    /// Name, e.g. `NVIDIA H100-3-40C`.
+    /// Name, e.g. `NVIDIA H100XM-3-40C`.
     pub name: String,
-}
-
-/// A vGPU set on a VF; store it to clear the VF on release.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct VgpuAssignment {
-    /// The physical function (the GPU).
-    pub pf: String,
-    /// The virtual function passed to the VM.
-    pub vf: String,
-    /// The vGPU type.
-    pub vgpu_type: VgpuType,
-}
-
-fn pci(sysfs: &Sysfs, addr: &str, file: &str) -> std::path::PathBuf {
-    sysfs.path("sys/bus/pci/devices").join(addr).join(file)
 }
 
 /// The name suffix of the MIG-backed vGPU type for a profile: `3g.40gb` → `-3-40C`,
@@ -50,6 +93,14 @@ pub fn type_for_profile<'t>(types: &'t [VgpuType], profile: &MigProfile) -> Opti
     types.iter().find(|t| t.name.ends_with(&suffix))
 }
 
+/// The MIG profile of `model` a vGPU type name stands for.
+pub fn profile_for_type<'m>(model: &'m GpuModel, type_name: &str) -> Option<&'m MigProfile> {
+    model
+        .profiles
+        .iter()
+        .find(|p| type_name.ends_with(&vgpu_suffix(p)))
+}
+
 /// Parses `creatable_vgpu_types` (`ID : vGPU Name` lines under a header).
 pub fn parse_creatable(text: &str) -> Vec<VgpuType> {
     text.lines()
@@ -65,210 +116,130 @@ pub fn parse_creatable(text: &str) -> Vec<VgpuType> {
         .collect()
 }
 
-/// The VFs of a PF (from its `virtfnN` links), in VF order.
-pub fn vfs(sysfs: &Sysfs, pf: &PciAddress) -> Vec<PciAddress> {
-    let dir = pci(sysfs, pf.as_str(), "");
-    let mut v: Vec<(u32, PciAddress)> = sysfs
-        .list(&dir)
-        .iter()
-        .filter_map(|n| {
-            n.strip_prefix("virtfn")?
-                .parse::<u32>()
-                .ok()
-                .map(|i| (i, n.clone()))
-        })
-        .filter_map(|(i, n)| {
-            let target = std::fs::read_link(dir.join(&n)).ok()?;
-            let name = target.file_name()?.to_string_lossy().into_owned();
-            PciAddress::parse(&name).ok().map(|a| (i, a))
-        })
-        .collect();
-    v.sort_by_key(|(i, _)| *i);
-    v.into_iter().map(|(_, a)| a).collect()
+/// What a VF says now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VfState {
+    /// The VF.
+    pub vf: String,
+    /// Its vGPU type id; None for `0` (free).
+    pub vgpu_type: Option<String>,
+    /// The GPU instance its vGPU runs on (None: ENXIO, no type set).
+    pub gpu_instance_id: Option<u32>,
+    /// The driver's `placement_id` (None: ENXIO, no type set).
+    pub placement_id: Option<u32>,
 }
 
-/// Enables every VF of the PF (what `sriov-manage -e` does) when none is enabled yet.
-pub fn enable_vfs(sysfs: &Sysfs, pf: &PciAddress) -> Result<Vec<PciAddress>, HostDeviceError> {
-    let total_path = pci(sysfs, pf.as_str(), "sriov_totalvfs");
-    if !total_path.exists() {
-        return Err(HostDeviceError::NoSriov(pf.to_string()));
-    }
-    let total = sysfs.read(&total_path)?;
-    if total == "0" {
-        return Err(HostDeviceError::NoSriov(pf.to_string()));
-    }
-    let num = pci(sysfs, pf.as_str(), "sriov_numvfs");
-    if sysfs.read(&num)? == "0" {
-        sysfs.write(&num, &total)?;
-    }
-    Ok(vfs(sysfs, pf))
+fn nv(sysfs: &Sysfs, vf: &PciAddress, file: &str) -> std::path::PathBuf {
+    sysfs.device_dir(vf).join("nvidia").join(file)
 }
 
-/// Sets the vGPU type matching `profile` on the first free VF of `pf` (a GPU instance of
-/// that profile must exist). Errors say whether no VF was free or no type matched.
-pub fn assign_vgpu(
+fn sys_err(vf: &PciAddress) -> impl Fn(HostDeviceError) -> VgpuError + '_ {
+    move |source| VgpuError::Sysfs {
+        vf: vf.to_string(),
+        source,
+    }
+}
+
+fn read_id(
     sysfs: &Sysfs,
-    pf: &PciAddress,
-    profile: &MigProfile,
-) -> Result<VgpuAssignment, HostDeviceError> {
-    let mut offered: Vec<String> = Vec::new();
-    let mut any_free = false;
-    for vf in enable_vfs(sysfs, pf)? {
-        let current = pci(sysfs, vf.as_str(), "nvidia/current_vgpu_type");
-        if sysfs.read(&current)? != "0" {
-            continue;
-        }
-        any_free = true;
-        let types = parse_creatable(&sysfs.read(&pci(
-            sysfs,
-            vf.as_str(),
-            "nvidia/creatable_vgpu_types",
-        ))?);
-        if let Some(t) = type_for_profile(&types, profile) {
-            sysfs.write(&current, &t.id)?;
-            let now = sysfs.read(&current)?;
-            if now != t.id {
-                return Err(HostDeviceError::BindFailed {
-                    device: vf.to_string(),
-                    wanted: format!("vGPU type {}", t.id),
-                    actual: format!("vGPU type {now}"),
-                });
-            }
-            return Ok(VgpuAssignment {
-                pf: pf.to_string(),
-                vf: vf.to_string(),
-                vgpu_type: t.clone(),
-            });
-        }
-        offered.extend(types.into_iter().map(|t| format!("{} ({})", t.name, t.id)));
-    }
-    if !any_free {
-        return Err(HostDeviceError::NoFreeVf(pf.to_string()));
-    }
-    offered.dedup();
-    Err(HostDeviceError::NoVgpuType {
-        device: pf.to_string(),
-        wanted: format!(
-            "a type ending in {} for MIG profile {}",
-            vgpu_suffix(profile),
-            profile.name
-        ),
-        creatable: if offered.is_empty() {
-            "none (is the GPU instance created?)".into()
-        } else {
-            offered.join(", ")
-        },
+    vf: &PciAddress,
+    attribute: &'static str,
+) -> Result<Option<u32>, VgpuError> {
+    let Some(v) = sysfs
+        .read_unless_enxio(&nv(sysfs, vf, attribute))
+        .map_err(sys_err(vf))?
+    else {
+        return Ok(None);
+    };
+    v.parse().map(Some).map_err(|_| VgpuError::Unreadable {
+        vf: vf.to_string(),
+        attribute,
+        value: v,
     })
 }
 
-/// Clears the VF's vGPU type (writes 0).
-pub fn release_vgpu(sysfs: &Sysfs, a: &VgpuAssignment) -> Result<(), HostDeviceError> {
-    sysfs.write(&pci(sysfs, &a.vf, "nvidia/current_vgpu_type"), "0")
-}
-
-/// The mdev types of a parent device with their free instances (older drivers).
-pub fn mdev_types(
-    sysfs: &Sysfs,
-    parent: &PciAddress,
-) -> Result<Vec<(VgpuType, u32)>, HostDeviceError> {
-    let dir = pci(sysfs, parent.as_str(), "mdev_supported_types");
-    sysfs
-        .list(&dir)
-        .into_iter()
-        .map(|id| {
-            let name = sysfs.read(&dir.join(&id).join("name"))?;
-            let avail = sysfs
-                .read(&dir.join(&id).join("available_instances"))?
-                .parse()
-                .unwrap_or(0);
-            Ok((VgpuType { id, name }, avail))
-        })
-        .collect()
-}
-
-/// Creates an mdev of the type matching `profile` on `parent`; returns its UUID.
-pub fn create_mdev(
-    sysfs: &Sysfs,
-    parent: &PciAddress,
-    profile: &MigProfile,
-) -> Result<(VgpuType, String), HostDeviceError> {
-    let types = mdev_types(sysfs, parent)?;
-    let plain: Vec<VgpuType> = types.iter().map(|(t, _)| t.clone()).collect();
-    let Some(t) = type_for_profile(&plain, profile) else {
-        return Err(HostDeviceError::NoVgpuType {
-            device: parent.to_string(),
-            wanted: format!("an mdev type ending in {}", vgpu_suffix(profile)),
-            creatable: plain
-                .iter()
-                .map(|t| format!("{} ({})", t.name, t.id))
-                .collect::<Vec<_>>()
-                .join(", "),
-        });
+/// Reads a VF's type and, when one is set, the instance its vGPU serves.
+pub fn vf_state(sysfs: &Sysfs, vf: &PciAddress) -> Result<VfState, VgpuError> {
+    let current = nv(sysfs, vf, "current_vgpu_type");
+    if !current.exists() {
+        return Err(VgpuError::NotAVgpuVf(vf.to_string()));
+    }
+    let t = sysfs.read(&current).map_err(sys_err(vf))?;
+    let vgpu_type = (t != "0").then_some(t);
+    let (gpu_instance_id, placement_id) = if vgpu_type.is_some() {
+        (
+            read_id(sysfs, vf, "gpu_instance_id")?,
+            read_id(sysfs, vf, "placement_id")?,
+        )
+    } else {
+        (None, None)
     };
-    let avail = types
-        .iter()
-        .find(|(x, _)| x.id == t.id)
-        .map_or(0, |(_, a)| *a);
-    if avail == 0 {
-        return Err(HostDeviceError::Mdev {
-            device: parent.to_string(),
-            type_id: t.id.clone(),
-            reason: "no instances available: release one or create the GPU instance first".into(),
+    Ok(VfState {
+        vf: vf.to_string(),
+        vgpu_type,
+        gpu_instance_id,
+        placement_id,
+    })
+}
+
+/// The types the driver would create on this VF now.
+pub fn creatable_types(sysfs: &Sysfs, vf: &PciAddress) -> Result<Vec<VgpuType>, VgpuError> {
+    let text = sysfs
+        .read(&nv(sysfs, vf, "creatable_vgpu_types"))
+        .map_err(sys_err(vf))?;
+    Ok(parse_creatable(&text))
+}
+
+/// Writes a type to a free VF and reads the type back; returns the VF's state, in which
+/// `gpu_instance_id` now names the instance the driver chose.
+pub fn set_vgpu_type(
+    sysfs: &Sysfs,
+    vf: &PciAddress,
+    vgpu_type: &VgpuType,
+) -> Result<VfState, VgpuError> {
+    sysfs
+        .write(&nv(sysfs, vf, "current_vgpu_type"), &vgpu_type.id)
+        .map_err(sys_err(vf))?;
+    let state = vf_state(sysfs, vf)?;
+    if state.vgpu_type.as_deref() != Some(vgpu_type.id.as_str()) {
+        return Err(VgpuError::TypeNotSet {
+            vf: vf.to_string(),
+            wanted: vgpu_type.id.clone(),
+            actual: state.vgpu_type.unwrap_or_else(|| "0".into()),
         });
     }
-    let uuid = new_uuid();
-    let create = pci(sysfs, parent.as_str(), "mdev_supported_types")
-        .join(&t.id)
-        .join("create");
-    sysfs.write(&create, &uuid)?;
-    Ok((t.clone(), uuid))
+    Ok(state)
 }
 
-/// Removes an mdev.
-pub fn remove_mdev(sysfs: &Sysfs, uuid: &str) -> Result<(), HostDeviceError> {
-    if uuid.len() != 36 || !uuid.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
-        return Err(HostDeviceError::BadAddress(uuid.to_string()));
+/// Stops the VF's vGPU (type 0); nothing to do when it has none.
+pub fn clear_vgpu_type(sysfs: &Sysfs, vf: &PciAddress) -> Result<(), VgpuError> {
+    if vf_state(sysfs, vf)?.vgpu_type.is_none() {
+        return Ok(());
     }
-    sysfs.write(
-        &sysfs.path("sys/bus/mdev/devices").join(uuid).join("remove"),
-        "1",
-    )
-}
-
-/// A random (version 4) UUID.
-pub fn new_uuid() -> String {
-    let mut b = [0u8; 16];
-    // SAFETY: getrandom writes at most `b.len()` bytes into the buffer we own.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    assert_eq!(n, 16, "getrandom returned too few bytes");
-    b[6] = (b[6] & 0x0f) | 0x40;
-    b[8] = (b[8] & 0x3f) | 0x80;
-    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[0..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..32]
-    )
+    sysfs
+        .write(&nv(sysfs, vf, "current_vgpu_type"), "0")
+        .map_err(sys_err(vf))?;
+    match vf_state(sysfs, vf)?.vgpu_type {
+        None => Ok(()),
+        Some(actual) => Err(VgpuError::TypeNotSet {
+            vf: vf.to_string(),
+            wanted: "0".into(),
+            actual,
+        }),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host::fake::FakeHost;
     use crate::mig::model_by_key;
-
-    fn pf() -> PciAddress {
-        PciAddress::parse("0000:18:00.0").unwrap()
-    }
 
     #[test]
     fn vgpu_suffix_follows_nvidia_type_names() {
         let h = model_by_key("h100-80gb").unwrap();
         assert_eq!(vgpu_suffix(h.profile("3g.40gb").unwrap()), "-3-40C");
         assert_eq!(vgpu_suffix(h.profile("1g.10gb+me").unwrap()), "-1-10CME");
+        assert_eq!(vgpu_suffix(h.profile("1g.20gb").unwrap()), "-1-20C");
         let types = parse_creatable(
             "ID    : vGPU Name\n1061  : NVIDIA H100XM-1-10CME\n1062  : NVIDIA H100XM-1-10C\n",
         );
@@ -278,94 +249,14 @@ mod tests {
                 .id,
             "1062"
         );
-    }
-
-    #[test]
-    fn assign_enables_vfs_picks_a_free_one_and_release_clears_it() {
-        let host = FakeHost::build(&FakeHost::h100x8_spec()).unwrap();
-        let s = host.sysfs();
-        let p = model_by_key("h100-80gb")
-            .unwrap()
-            .profile("3g.40gb")
-            .unwrap();
-        let a = assign_vgpu(&s, &pf(), p).unwrap();
-        assert_eq!(a.vgpu_type.name, "NVIDIA H100XM-3-40C");
-        assert_eq!(vfs(&s, &pf()).len(), 16);
-        assert_eq!(a.vf, "0000:18:00.4", "first VF at offset 4");
-        let b = assign_vgpu(&s, &pf(), p).unwrap();
-        assert_eq!(b.vf, "0000:18:00.5", "the first VF is taken now");
-        release_vgpu(&s, &a).unwrap();
-        let c = assign_vgpu(&s, &pf(), p).unwrap();
-        assert_eq!(c.vf, a.vf, "a cleared VF is free again");
-    }
-
-    #[test]
-    fn no_sriov_no_free_vf_and_no_matching_type_are_distinct_errors() {
-        let host = FakeHost::build(&FakeHost::h100x8_spec()).unwrap();
-        let s = host.sysfs();
-        let m = model_by_key("a100-40gb").unwrap();
-        let e = assign_vgpu(&s, &pf(), m.profile("3g.20gb").unwrap()).unwrap_err();
-        assert!(e.to_string().contains("-3-20C"), "{e}");
-        let bridge = PciAddress::parse("0000:17:00.0").unwrap();
-        let h = model_by_key("h100-80gb").unwrap();
-        assert!(matches!(
-            assign_vgpu(&s, &bridge, h.profile("7g.80gb").unwrap()),
-            Err(HostDeviceError::NoSriov(_))
-        ));
-        for vf in enable_vfs(&s, &pf()).unwrap() {
-            s.write(&pci(&s, vf.as_str(), "nvidia/current_vgpu_type"), "1")
-                .unwrap();
-        }
-        assert!(matches!(
-            assign_vgpu(&s, &pf(), h.profile("7g.80gb").unwrap()),
-            Err(HostDeviceError::NoFreeVf(_))
-        ));
-    }
-
-    #[test]
-    fn mdev_create_and_remove_track_available_instances() {
-        let host = FakeHost::build(&FakeHost::audio_host_spec()).unwrap();
-        let s = host.sysfs();
-        let parent = PciAddress::parse("0000:05:00.0").unwrap();
-        let p = model_by_key("a100-40gb")
-            .unwrap()
-            .profile("3g.20gb")
-            .unwrap();
-        let (t, uuid) = create_mdev(&s, &parent, p).unwrap();
-        assert_eq!(t.name, "GRID A100-3-20C");
-        assert!(s.path("sys/bus/mdev/devices").join(&uuid).exists());
-        let (_, again) = create_mdev(&s, &parent, p).unwrap();
-        let e = create_mdev(&s, &parent, p).unwrap_err();
-        assert!(e.to_string().contains("no instances available"), "{e}");
-        remove_mdev(&s, &uuid).unwrap();
-        remove_mdev(&s, &again).unwrap();
         assert_eq!(
-            mdev_types(&s, &parent)
-                .unwrap()
-                .iter()
-                .find(|(x, _)| x.id == t.id)
-                .unwrap()
-                .1,
-            2
+            profile_for_type(h, "NVIDIA H100XM-1-10CME").unwrap().name,
+            "1g.10gb+me"
         );
-        assert!(remove_mdev(&s, "../../x").is_err());
-        let e = create_mdev(
-            &s,
-            &parent,
-            model_by_key("a100-40gb")
-                .unwrap()
-                .profile("7g.40gb")
-                .unwrap(),
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("-7-40C"), "{e}");
-    }
-
-    #[test]
-    fn uuids_are_version_4() {
-        let u = new_uuid();
-        assert_eq!(u.len(), 36);
-        assert_eq!(&u[14..15], "4");
-        assert_ne!(u, new_uuid());
+        assert_eq!(
+            profile_for_type(h, "NVIDIA H100XM-2-20C").unwrap().name,
+            "2g.20gb"
+        );
+        assert!(profile_for_type(h, "NVIDIA H100XM-80Q").is_none());
     }
 }

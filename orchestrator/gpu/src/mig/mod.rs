@@ -10,8 +10,10 @@ use serde::Serialize;
 use thiserror::Error;
 
 pub mod layout;
+pub mod sharing;
 
 pub use layout::{Layout, Placed, PlacementError};
+pub use sharing::{decide, GpuClass, GpuFacts, Sharing, VgpuSupport, WholeOnly};
 
 /// NVIDIA's PCI vendor id.
 pub const NVIDIA_VENDOR_ID: u16 = 0x10de;
@@ -89,6 +91,11 @@ pub struct GpuModel {
 }
 
 impl GpuModel {
+    /// Whether the model has MIG (a hardware partition into GPU instances).
+    pub fn has_mig(&self) -> bool {
+        !self.profiles.is_empty()
+    }
+
     /// Memory of the whole GPU in bytes.
     pub fn memory_bytes(&self) -> u64 {
         self.memory_mib * 1024 * 1024
@@ -395,6 +402,69 @@ pub static MODELS: &[GpuModel] = &[
             },
         ],
     },
+    // GPUs without MIG: no hardware partition, so they are only ever given whole. Memory is
+    // what NVML reports as total (nvidia-smi captures, not an NVIDIA document: unconfirmed);
+    // on a live host NVML's own figure is used.
+    GpuModel {
+        key: "l40s",
+        name: "NVIDIA L40S",
+        pci_device_ids: &[0x26b9],
+        memory_mib: 46_068,
+        placement_units: 1,
+        min_driver: 0,
+        confirmed: false,
+        profiles: &[],
+    },
+    GpuModel {
+        key: "l40",
+        name: "NVIDIA L40",
+        pci_device_ids: &[0x26b5],
+        memory_mib: 46_068,
+        placement_units: 1,
+        min_driver: 0,
+        confirmed: false,
+        profiles: &[],
+    },
+    GpuModel {
+        key: "rtx-6000-ada",
+        name: "NVIDIA RTX 6000 Ada Generation",
+        pci_device_ids: &[0x26b1],
+        memory_mib: 49_140,
+        placement_units: 1,
+        min_driver: 0,
+        confirmed: false,
+        profiles: &[],
+    },
+    GpuModel {
+        key: "l4",
+        name: "NVIDIA L4",
+        pci_device_ids: &[0x27b8],
+        memory_mib: 23_034,
+        placement_units: 1,
+        min_driver: 0,
+        confirmed: false,
+        profiles: &[],
+    },
+    GpuModel {
+        key: "a10",
+        name: "NVIDIA A10",
+        pci_device_ids: &[0x2236],
+        memory_mib: 23_028,
+        placement_units: 1,
+        min_driver: 0,
+        confirmed: false,
+        profiles: &[],
+    },
+    GpuModel {
+        key: "rtx-4090",
+        name: "NVIDIA GeForce RTX 4090",
+        pci_device_ids: &[0x2684],
+        memory_mib: 24_564,
+        placement_units: 1,
+        min_driver: 0,
+        confirmed: false,
+        profiles: &[],
+    },
 ];
 
 /// Looks a model up by its key (`h100-80gb`), case-insensitively; `_` and `-` are equivalent.
@@ -408,7 +478,8 @@ pub fn model_by_key(key: &str) -> Result<&'static GpuModel, MigDatabaseError> {
     })
 }
 
-/// Looks a model up by PCI device id (vendor 0x10DE implied); `None` for GPUs without MIG.
+/// Looks a model up by PCI device id (vendor 0x10DE implied); `None` for GPUs the database
+/// does not know (see [`sharing::decide`] for those). Models without MIG have no profiles.
 pub fn model_by_pci_device(device_id: u16) -> Option<&'static GpuModel> {
     MODELS
         .iter()
@@ -451,7 +522,14 @@ mod tests {
     fn lookup_by_pci_device_id() {
         assert_eq!(model_by_pci_device(0x2330).unwrap().key, "h100-80gb");
         assert_eq!(model_by_pci_device(0x20b0).unwrap().key, "a100-40gb");
-        assert!(model_by_pci_device(0x26b9).is_none(), "L40S has no MIG");
+        assert!(
+            !model_by_pci_device(0x26b9).unwrap().has_mig(),
+            "L40S has no MIG"
+        );
+        assert!(
+            model_by_pci_device(0x2204).is_none(),
+            "RTX 3090 is not in the database"
+        );
     }
 
     #[test]

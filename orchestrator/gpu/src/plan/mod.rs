@@ -1,8 +1,12 @@
 //! Planning: size each tenant, choose its share and place it on the host's GPUs.
 //!
-//! [`plan`] is the seam the orchestrator calls (with the instances and reservations that
-//! already exist folded into each [`HostGpu`]'s layout); `tenantvm plan` prints its report.
+//! [`plan`] places a whole tenants file at once (`tenantvm plan`); [`place::place_tenant`]
+//! places one new tenant on a host whose instances and reservations stay where they are (the
+//! daemon's `create`). Both read the same [`GpuRequest`], check it with the same rules and
+//! search with the same exact planner ([`search`]).
 
+pub mod place;
+pub mod request;
 pub mod search;
 pub mod sizing;
 pub mod tenants;
@@ -12,11 +16,13 @@ use std::fmt::Write as _;
 use serde::Serialize;
 use thiserror::Error;
 
+pub use place::{place_tenant, Held, HeldShare, PlaceError, Placement};
+pub use request::{GpuRequest, GpuRequestError, OverheadGib};
 pub use search::{Assignment, Demand, HostGpu, Request, SearchError, Share, Solution};
 pub use sizing::{Need, GIB};
 pub use tenants::{TenantSpec, TenantsFile, TenantsFileError};
 
-use crate::mig::GpuModel;
+use crate::mig::{GpuModel, Sharing};
 use sizing::gib;
 
 /// Errors of planning.
@@ -38,9 +44,96 @@ pub enum PlanError {
         /// Profiles the host's GPUs have.
         known: String,
     },
+    /// A tenant asks for a share of a GPU the host can only give whole.
+    #[error("Tenant `{tenant}` asks for MIG profile `{profile}`, a share of a GPU, but {gpus} cannot be shared: {why}. {fix}")]
+    NoPartition {
+        /// Tenant.
+        tenant: String,
+        /// Profile asked for.
+        profile: String,
+        /// The GPUs in question, in words.
+        gpus: String,
+        /// Why they cannot be shared.
+        why: String,
+        /// What to do.
+        fix: String,
+    },
     /// The host has no GPUs.
     #[error("The host has no GPUs to plan on: give `--gpu MODEL --count N`, a simulated host, or run where NVML sees GPUs")]
     NoGpus,
+}
+
+/// Checks a tenant's demand against the host: a named profile must exist on a GPU that can be
+/// shared (a profile of a whole-only GPU is refused with the reason), and must hold the
+/// tenant's model. The batch planner and the per-tenant placement both call this.
+pub fn check_demand(
+    gpus: &[HostGpu],
+    tenant: &str,
+    demand: &Demand,
+    need: Option<&Need>,
+) -> Result<(), PlanError> {
+    let Demand::Profile(p) = demand else {
+        return Ok(());
+    };
+    let has = |g: &HostGpu| {
+        g.model
+            .profile(p)
+            .is_ok_and(|x| x.name.eq_ignore_ascii_case(p))
+    };
+    if !gpus.iter().any(|g| g.sharing.can_share() && has(g)) {
+        let whole_only: Vec<&HostGpu> = gpus.iter().filter(|g| !g.sharing.can_share()).collect();
+        let blocked: Vec<&HostGpu> = match whole_only.iter().filter(|g| has(g)).count() {
+            0 if !gpus.iter().any(|g| g.sharing.can_share()) => whole_only.clone(),
+            0 => Vec::new(),
+            _ => whole_only.iter().copied().filter(|g| has(g)).collect(),
+        };
+        if let Some(first) = blocked.first() {
+            let Sharing::WholeOnly(reason) = &first.sharing else {
+                unreachable!("filtered on whole-only GPUs")
+            };
+            let names: Vec<String> = blocked
+                .iter()
+                .map(|g| format!("GPU {} ({})", g.index, g.model.name))
+                .collect();
+            return Err(PlanError::NoPartition {
+                tenant: tenant.to_string(),
+                profile: p.clone(),
+                gpus: names.join(", "),
+                why: reason.explain(),
+                fix: format!("It can only be given whole: {}", reason.fix()),
+            });
+        }
+        let mut names: Vec<&str> = gpus
+            .iter()
+            .filter(|g| g.sharing.can_share())
+            .flat_map(|g| g.model.profiles.iter().map(|p| p.name))
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        names.retain(|n| seen.insert(*n));
+        return Err(PlanError::UnknownProfile {
+            tenant: tenant.to_string(),
+            profile: p.clone(),
+            known: names.join(", "),
+        });
+    }
+    if let Some(n) = need {
+        let fits_somewhere = gpus.iter().any(|g| {
+            g.sharing.can_share()
+                && g.model
+                    .profile(p)
+                    .is_ok_and(|x| x.memory_bytes() >= n.total)
+        });
+        if !fits_somewhere {
+            return Err(PlanError::Tenant(TenantsFileError::Invalid {
+                tenant: tenant.to_string(),
+                reason: format!(
+                    "needs {} but profile {p} is smaller: drop `profile` to let the planner choose, or shrink context/concurrency",
+                    gib(n.total)
+                ),
+            }));
+        }
+    }
+    Ok(())
 }
 
 /// One tenant in the report.
@@ -91,7 +184,8 @@ pub struct PlanReport {
     pub search_nodes: u64,
 }
 
-fn describe(demand: &Demand) -> String {
+/// What a demand asks for, in words.
+pub fn describe(demand: &Demand) -> String {
     match demand {
         Demand::Memory(b) => format!("a MIG instance (or whole GPU) with at least {}", gib(*b)),
         Demand::Profile(p) => format!("MIG profile {p}"),
@@ -101,7 +195,7 @@ fn describe(demand: &Demand) -> String {
 }
 
 /// Every share a host's GPU models offer, largest memory first (whole GPUs before 7g).
-fn shares_by_size(gpus: &[HostGpu]) -> Vec<(u64, Demand)> {
+pub(crate) fn shares_by_size(gpus: &[HostGpu]) -> Vec<(u64, Demand)> {
     let mut models: Vec<&GpuModel> = Vec::new();
     for g in gpus {
         if !models.iter().any(|m| m.key == g.model.key) {
@@ -133,42 +227,7 @@ pub fn plan(
     for t in tenants {
         let demand = t.demand()?;
         let need = t.need()?;
-        if let Demand::Profile(p) = &demand {
-            let known = gpus.iter().any(|g| {
-                g.model
-                    .profile(p)
-                    .is_ok_and(|x| x.name.eq_ignore_ascii_case(p))
-            });
-            if !known {
-                let mut names: Vec<&str> = gpus
-                    .iter()
-                    .flat_map(|g| g.model.profiles.iter().map(|p| p.name))
-                    .collect();
-                let mut seen = std::collections::HashSet::new();
-                names.retain(|n| seen.insert(*n));
-                return Err(PlanError::UnknownProfile {
-                    tenant: t.name.clone(),
-                    profile: p.clone(),
-                    known: names.join(", "),
-                });
-            }
-            if let Some(n) = need {
-                let fits_somewhere = gpus.iter().any(|g| {
-                    g.model
-                        .profile(p)
-                        .is_ok_and(|x| x.memory_bytes() >= n.total)
-                });
-                if !fits_somewhere {
-                    return Err(PlanError::Tenant(TenantsFileError::Invalid {
-                        tenant: t.name.clone(),
-                        reason: format!(
-                            "needs {} but profile {p} is smaller: drop `profile` to let the planner choose, or shrink context/concurrency",
-                            gib(n.total)
-                        ),
-                    }));
-                }
-            }
-        }
+        check_demand(gpus, &t.name, &demand, need.as_ref())?;
         plans.push(TenantPlan {
             name: t.name.clone(),
             need,
@@ -336,32 +395,23 @@ impl PlanReport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mig::{model_by_key, Layout};
+    use crate::mig::model_by_key;
 
     fn gpus(model: &str, n: u32) -> Vec<HostGpu> {
         let m = model_by_key(model).unwrap();
-        (0..n)
-            .map(|index| HostGpu {
-                index,
-                model: m,
-                layout: Layout::empty(),
-            })
-            .collect()
+        (0..n).map(|index| HostGpu::new(index, m)).collect()
     }
 
     fn tenant(name: &str, model: &str, context: u64, concurrency: u64) -> TenantSpec {
-        TenantSpec {
-            name: name.into(),
-            model: Some(model.into()),
-            custom: None,
-            dtype: None,
-            kv_dtype: None,
-            context: Some(context),
-            concurrency: Some(concurrency),
-            overhead_gib: None,
-            profile: None,
-            whole_gpu: false,
-        }
+        TenantSpec::new(
+            name,
+            GpuRequest {
+                model: Some(model.into()),
+                context: Some(context),
+                concurrency: Some(concurrency),
+                ..GpuRequest::default()
+            },
+        )
     }
 
     #[test]
@@ -412,10 +462,10 @@ mod tests {
     #[test]
     fn explicit_profile_must_exist_and_hold_the_model() {
         let mut t = tenant("a", "llama-3-8b", 4096, 1);
-        t.profile = Some("3g.20gb".into());
+        t.request.profile = Some("3g.20gb".into());
         let e = plan(&gpus("h100-80gb", 1), std::slice::from_ref(&t), 1000).unwrap_err();
         assert!(e.to_string().contains("3g.40gb"), "{e}");
-        t.profile = Some("1g.10gb".into());
+        t.request.profile = Some("1g.10gb".into());
         let e = plan(&gpus("h100-80gb", 1), &[t], 1000).unwrap_err();
         assert!(e.to_string().contains("drop `profile`"), "{e}");
         assert!(matches!(plan(&[], &[], 10), Err(PlanError::NoGpus)));

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::mig::{GpuModel, Layout, MigProfile};
+use crate::mig::{GpuModel, Layout, MigProfile, Sharing, WholeOnly};
 
 /// Normalised cost of a whole GPU; a profile costs `size × WHOLE / placement_units`.
 pub const WHOLE: u32 = 120;
@@ -37,8 +37,28 @@ pub struct HostGpu {
     pub index: u32,
     /// Its model.
     pub model: &'static GpuModel,
+    /// Whether MIG instances of it may be handed out ([`crate::mig::decide`]); a whole-only
+    /// GPU is offered whole or not at all.
+    pub sharing: Sharing,
     /// What already exists on it (instances, or handed out whole).
     pub layout: Layout,
+}
+
+impl HostGpu {
+    /// An empty GPU of a database model: shareable when the model has MIG (a planning host,
+    /// where drivers and the vGPU manager are assumed).
+    pub fn new(index: u32, model: &'static GpuModel) -> Self {
+        HostGpu {
+            index,
+            model,
+            sharing: if model.has_mig() {
+                Sharing::Mig
+            } else {
+                Sharing::WholeOnly(WholeOnly::NoMig)
+            },
+            layout: Layout::empty(),
+        }
+    }
 }
 
 /// What a request asks for.
@@ -99,14 +119,27 @@ pub struct Assignment {
 /// Per GPU, the options of one request with their costs.
 type OptsPerGpu = Vec<Vec<(Opt, u32)>>;
 
+/// One way to serve a request on one GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Opt {
+pub(crate) enum Opt {
+    /// Profile (index into `model.profiles`) at a start slot.
     Mig { profile: usize, start: u32 },
+    /// The whole GPU.
     Whole,
 }
 
-/// Candidate profiles (indexes into `model.profiles`) or whole, per request and model.
-fn candidates(demand: &Demand, model: &GpuModel) -> (Vec<usize>, bool) {
+/// Candidate profiles (indexes into `model.profiles`) or whole, per request and GPU. A
+/// whole-only GPU offers no profiles.
+pub(crate) fn candidates(demand: &Demand, gpu: &HostGpu) -> (Vec<usize>, bool) {
+    let model = gpu.model;
+    let (mut profiles, whole) = candidates_of_model(demand, model);
+    if !gpu.sharing.can_share() {
+        profiles.clear();
+    }
+    (profiles, whole)
+}
+
+fn candidates_of_model(demand: &Demand, model: &GpuModel) -> (Vec<usize>, bool) {
     match demand {
         Demand::Memory(bytes) => {
             let mut c: Vec<usize> = (0..model.profiles.len())
@@ -133,14 +166,15 @@ fn candidates(demand: &Demand, model: &GpuModel) -> (Vec<usize>, bool) {
 }
 
 /// The placement units an option covers.
-fn opt_mask(model: &GpuModel, opt: Opt) -> u32 {
+pub(crate) fn opt_mask(model: &GpuModel, opt: Opt) -> u32 {
     match opt {
         Opt::Mig { profile, start } => model.profiles[profile].mask_at(start),
         Opt::Whole => (1u32 << model.placement_units) - 1,
     }
 }
 
-fn profile_cost(model: &GpuModel, p: &MigProfile) -> u32 {
+/// The cost of one instance of `p`.
+pub(crate) fn profile_cost(model: &GpuModel, p: &MigProfile) -> u32 {
     p.size * WHOLE / model.placement_units
 }
 
@@ -172,21 +206,25 @@ struct Search<'a> {
 
 impl<'a> Search<'a> {
     fn new(gpus: &'a [HostGpu], requests: &'a [Request], budget: u64) -> Self {
-        let mut models: Vec<&str> = Vec::new();
+        // GPUs are interchangeable for the memo only when model and sharing agree.
+        let mut models: Vec<(&str, bool)> = Vec::new();
         let model_idx = gpus
             .iter()
-            .map(|g| match models.iter().position(|k| *k == g.model.key) {
-                Some(i) => i,
-                None => {
-                    models.push(g.model.key);
-                    models.len() - 1
+            .map(|g| {
+                let k = (g.model.key, g.sharing.can_share());
+                match models.iter().position(|x| *x == k) {
+                    Some(i) => i,
+                    None => {
+                        models.push(k);
+                        models.len() - 1
+                    }
                 }
             })
             .collect();
         let per_request = |r: &Request| -> OptsPerGpu {
             gpus.iter()
                 .map(|g| {
-                    let (profiles, whole) = candidates(&r.demand, g.model);
+                    let (profiles, whole) = candidates(&r.demand, g);
                     let mut o: Vec<(Opt, u32)> = profiles
                         .into_iter()
                         .flat_map(|pi| {
@@ -280,19 +318,7 @@ impl<'a> Search<'a> {
     }
 
     fn apply(&self, g: usize, opt: Opt, l: &mut Layout) -> bool {
-        match opt {
-            Opt::Mig { profile, start } => l
-                .place(&self.gpus[g].model.profiles[profile], start)
-                .is_ok(),
-            Opt::Whole => {
-                if l.can_take_whole() {
-                    l.whole = true;
-                    true
-                } else {
-                    false
-                }
-            }
-        }
+        apply_opt(&self.gpus[g], opt, l)
     }
 
     fn undo(&self, g: usize, opt: Opt, l: &mut Layout) {
@@ -410,28 +436,47 @@ impl<'a> Search<'a> {
             let (g, opt, cost) = chosen.expect("an optimal solution replays from its memo");
             remaining -= cost;
             let gpu = &self.gpus[g];
-            let share = match opt {
-                Opt::Mig { profile, start } => {
-                    let p = &gpu.model.profiles[profile];
-                    Share::Mig {
-                        profile_id: p.id,
-                        profile: p.name.to_string(),
-                        start,
-                        size: p.size,
-                        memory_mib: p.memory_mib,
-                    }
-                }
-                Opt::Whole => Share::WholeGpu {
-                    memory_mib: gpu.model.memory_mib,
-                },
-            };
             out.push(Assignment {
                 tenant: self.reqs[i].name.clone(),
                 gpu: gpu.index,
-                share,
+                share: share_of(gpu, opt),
             });
         }
         out
+    }
+}
+
+/// The share an option gives on `gpu`.
+pub(crate) fn share_of(gpu: &HostGpu, opt: Opt) -> Share {
+    match opt {
+        Opt::Mig { profile, start } => {
+            let p = &gpu.model.profiles[profile];
+            Share::Mig {
+                profile_id: p.id,
+                profile: p.name.to_string(),
+                start,
+                size: p.size,
+                memory_mib: p.memory_mib,
+            }
+        }
+        Opt::Whole => Share::WholeGpu {
+            memory_mib: gpu.model.memory_mib,
+        },
+    }
+}
+
+/// Applies an option to a layout; false (and nothing changed) when it does not fit.
+pub(crate) fn apply_opt(gpu: &HostGpu, opt: Opt, l: &mut Layout) -> bool {
+    match opt {
+        Opt::Mig { profile, start } => l.place(&gpu.model.profiles[profile], start).is_ok(),
+        Opt::Whole => {
+            if l.can_take_whole() {
+                l.whole = true;
+                true
+            } else {
+                false
+            }
+        }
     }
 }
 
@@ -475,13 +520,7 @@ mod tests {
 
     fn host(model: &str, n: u32) -> Vec<HostGpu> {
         let m = model_by_key(model).unwrap();
-        (0..n)
-            .map(|index| HostGpu {
-                index,
-                model: m,
-                layout: Layout::empty(),
-            })
-            .collect()
+        (0..n).map(|index| HostGpu::new(index, m)).collect()
     }
 
     fn req(name: &str, demand: Demand) -> Request {
@@ -505,7 +544,7 @@ mod tests {
             }
             let mut best: Option<u32> = None;
             for g in 0..gpus.len() {
-                let (profiles, whole) = candidates(&requests[i].demand, gpus[g].model);
+                let (profiles, whole) = candidates(&requests[i].demand, &gpus[g]);
                 for pi in profiles {
                     let p = &gpus[g].model.profiles[pi];
                     for s in p.starts {
@@ -581,20 +620,18 @@ mod tests {
             let n_gpus = 1 + rng.below(if case % 4 == 3 { 3 } else { 2 }) as u32;
             let mut gpus: Vec<HostGpu> = (0..n_gpus)
                 .map(|index| {
+                    // Mixed hosts may hold a GPU without MIG (whole only).
+                    let mixed = ["h100-80gb", "a100-40gb", "rtx-pro-6000", "l40s"];
                     let model = if case % 4 == 3 {
-                        model_by_key(models[rng.below(models.len() as u64) as usize]).unwrap()
+                        model_by_key(mixed[rng.below(mixed.len() as u64) as usize]).unwrap()
                     } else {
                         model
                     };
-                    HostGpu {
-                        index,
-                        model,
-                        layout: Layout::empty(),
-                    }
+                    HostGpu::new(index, model)
                 })
                 .collect();
             // Existing instances, placed at random where they fit.
-            for g in &mut gpus {
+            for g in gpus.iter_mut().filter(|g| g.model.has_mig()) {
                 let model = g.model;
                 for _ in 0..rng.below(3) {
                     let p = &model.profiles[rng.below(model.profiles.len() as u64) as usize];

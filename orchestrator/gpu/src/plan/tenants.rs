@@ -17,8 +17,11 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use super::request::{GpuRequest, GpuRequestError};
 use super::search::Demand;
-use super::sizing::{self, KvDtype, ModelShape, Need, SizingError, WeightDtype, GIB};
+use super::sizing::{ModelShape, Need, SizingError};
+
+pub use super::request::DEFAULT_CONTEXT;
 
 /// Errors reading a tenants file.
 #[derive(Debug, Error)]
@@ -65,6 +68,22 @@ pub enum TenantsFileError {
     },
 }
 
+impl TenantsFileError {
+    /// A request error of tenant `tenant`.
+    pub fn of(tenant: &str, e: GpuRequestError) -> Self {
+        match e {
+            GpuRequestError::Invalid(reason) => TenantsFileError::Invalid {
+                tenant: tenant.to_string(),
+                reason,
+            },
+            GpuRequestError::Sizing(source) => TenantsFileError::Sizing {
+                tenant: tenant.to_string(),
+                source,
+            },
+        }
+    }
+}
+
 /// A tenants file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -73,43 +92,49 @@ pub struct TenantsFile {
     pub tenants: Vec<TenantSpec>,
 }
 
-/// One tenant's entry.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// One tenant's entry: its name and its [`GpuRequest`], flat in the entry (the same fields a
+/// tenant spec's `gpu = { ... }` table takes, checked as strictly).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "RawEntry")]
 pub struct TenantSpec {
     /// Unique name: letters, digits, `-`, `_`, `.`; at most 64 characters.
     pub name: String,
-    /// A model preset (`llama-3-8b`, `llama-3-70b`, `mistral-7b`, `qwen2.5-32b`).
-    #[serde(default)]
-    pub model: Option<String>,
-    /// Custom model figures instead of a preset.
-    #[serde(default)]
-    pub custom: Option<ModelShape>,
-    /// Weight data type (default bf16).
-    #[serde(default)]
-    pub dtype: Option<WeightDtype>,
-    /// KV-cache data type (default fp16).
-    #[serde(default)]
-    pub kv_dtype: Option<KvDtype>,
-    /// Context length in tokens (default 4096).
-    #[serde(default)]
-    pub context: Option<u64>,
-    /// Concurrent sequences (default 1).
-    #[serde(default)]
-    pub concurrency: Option<u64>,
-    /// Runtime overhead in GiB instead of the default estimate.
-    #[serde(default)]
-    pub overhead_gib: Option<f64>,
-    /// An explicit MIG profile name (e.g. `3g.40gb`).
-    #[serde(default)]
-    pub profile: Option<String>,
-    /// A whole GPU.
-    #[serde(default)]
-    pub whole_gpu: bool,
+    /// What it asks for.
+    #[serde(flatten)]
+    pub request: GpuRequest,
 }
 
-/// Default context length.
-pub const DEFAULT_CONTEXT: u64 = 4096;
+/// An entry as written: the name, and the rest, which must be a [`GpuRequest`]. (Serde's
+/// `flatten` cannot refuse unknown fields; reading the rest as its own table can.)
+#[derive(Deserialize)]
+struct RawEntry {
+    name: String,
+    #[serde(flatten)]
+    rest: serde_json::Map<String, serde_json::Value>,
+}
+
+impl TryFrom<RawEntry> for TenantSpec {
+    type Error = String;
+
+    fn try_from(raw: RawEntry) -> Result<Self, String> {
+        let request = GpuRequest::deserialize(serde_json::Value::Object(raw.rest))
+            .map_err(|e| format!("tenant `{}`: {e}", raw.name))?;
+        Ok(TenantSpec {
+            name: raw.name,
+            request,
+        })
+    }
+}
+
+impl TenantSpec {
+    /// A tenant with a request.
+    pub fn new(name: impl Into<String>, request: GpuRequest) -> Self {
+        TenantSpec {
+            name: name.into(),
+            request,
+        }
+    }
+}
 
 impl TenantsFile {
     /// Reads a `.json` file as JSON and anything else as TOML, then validates it.
@@ -164,79 +189,30 @@ impl TenantsFile {
 impl TenantSpec {
     /// The model shape, if the tenant names one.
     pub fn shape(&self) -> Result<Option<ModelShape>, TenantsFileError> {
-        let invalid = |reason: &str| TenantsFileError::Invalid {
-            tenant: self.name.clone(),
-            reason: reason.into(),
-        };
-        match (&self.model, &self.custom) {
-            (Some(_), Some(_)) => Err(invalid("give either `model` or `custom`, not both")),
-            (Some(m), None) => {
-                sizing::preset(m)
-                    .map(Some)
-                    .map_err(|source| TenantsFileError::Sizing {
-                        tenant: self.name.clone(),
-                        source,
-                    })
-            }
-            (None, Some(c)) => Ok(Some(*c)),
-            (None, None) => Ok(None),
-        }
+        self.request
+            .shape()
+            .map_err(|e| TenantsFileError::of(&self.name, e))
     }
 
     /// The memory need, if the tenant names a model.
     pub fn need(&self) -> Result<Option<Need>, TenantsFileError> {
-        let Some(shape) = self.shape()? else {
-            return Ok(None);
-        };
-        let overhead = match self.overhead_gib {
-            None => None,
-            Some(g) if g.is_finite() && (0.0..=1024.0).contains(&g) => {
-                Some((g * GIB as f64) as u64)
-            }
-            Some(_) => {
-                return Err(TenantsFileError::Invalid {
-                    tenant: self.name.clone(),
-                    reason: "overhead_gib must be between 0 and 1024".into(),
-                })
-            }
-        };
-        sizing::need(
-            &shape,
-            self.dtype.unwrap_or(WeightDtype::Bf16),
-            self.kv_dtype.unwrap_or(KvDtype::Fp16),
-            self.context.unwrap_or(DEFAULT_CONTEXT),
-            self.concurrency.unwrap_or(1),
-            overhead,
-        )
-        .map(Some)
-        .map_err(|source| TenantsFileError::Sizing {
-            tenant: self.name.clone(),
-            source,
-        })
+        self.request
+            .need()
+            .map_err(|e| TenantsFileError::of(&self.name, e))
     }
 
     /// What the tenant asks the placement search for.
     pub fn demand(&self) -> Result<Demand, TenantsFileError> {
-        let need = self.need()?.map(|n| n.total);
-        let invalid = |reason: &str| TenantsFileError::Invalid {
-            tenant: self.name.clone(),
-            reason: reason.into(),
-        };
-        match (&self.profile, self.whole_gpu, need) {
-            (Some(_), true, _) => Err(invalid("give either `profile` or `whole_gpu`, not both")),
-            (Some(p), false, _) => Ok(Demand::Profile(p.clone())),
-            (None, true, n) => Ok(Demand::WholeGpu(n.unwrap_or(0))),
-            (None, false, Some(n)) => Ok(Demand::Memory(n)),
-            (None, false, None) => Err(invalid(
-                "say what it needs: `model` or `custom` (sized), `profile`, or `whole_gpu = true`",
-            )),
-        }
+        self.request
+            .demand()
+            .map_err(|e| TenantsFileError::of(&self.name, e))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::sizing::GIB;
 
     fn parse(toml_text: &str) -> Result<TenantsFile, TenantsFileError> {
         let dir = tempfile::tempdir().unwrap();
@@ -295,6 +271,7 @@ mod tests {
         .unwrap();
         let n = t.tenants[0].need().unwrap().unwrap();
         assert_eq!(n.weights, 500_000_000);
+        assert_eq!(t.tenants[0].request.custom.unwrap().layers, 16);
         assert_eq!(n.kv_per_token, 2 * 16 * 4 * 64);
         assert_eq!(n.overhead, GIB / 2);
         assert_eq!(

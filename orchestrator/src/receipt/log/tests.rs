@@ -258,13 +258,33 @@ fn append_after_a_crash_before_the_head_update_catches_up() {
 }
 
 #[test]
-fn append_refuses_a_tampered_log() {
+fn append_never_chains_onto_a_tampered_log() {
     let f = fixture();
     let mut l = lines(&f.path);
     l.remove(1);
     write_lines(&f.path, &l);
-    let err = f.log.append(&f.signer, &receipt("d4", "dave")).unwrap_err();
-    assert!(matches!(err, ReceiptError::Damaged { .. }), "{err}");
+    let entry = f.log.append(&f.signer, &receipt("d4", "dave")).unwrap();
+    // A new chain, not one that would launder the removal.
+    assert_eq!((entry.seq, entry.prev_hash.as_str()), (0, GENESIS));
+    let report = f.log.verify(&f.signer.verifying_key()).unwrap();
+    assert_eq!(report.entries, 1);
+    assert_eq!(
+        report.problems,
+        vec![ChainProblem::SetAside {
+            path: report.set_aside[0].clone()
+        }]
+    );
+    // The set-aside log still shows what was done to it.
+    let old = AuditLog::new(&report.set_aside[0])
+        .verify(&f.signer.verifying_key())
+        .unwrap();
+    assert!(
+        old.problems
+            .iter()
+            .any(|p| matches!(p, ChainProblem::WrongSequence { .. })),
+        "{:?}",
+        old.problems
+    );
 }
 
 #[test]
@@ -293,4 +313,101 @@ fn garbage_public_key_file_is_refused() {
         load_verifying_key(&path),
         Err(ReceiptError::BadKey { .. })
     ));
+}
+
+/// A receipt whose agent-shutdown record carries what a hostile guest agent sent back: a
+/// 4 MiB error message and evidence full of terminal escapes and newlines.
+fn hostile_receipt(departure: &str) -> Receipt {
+    use crate::receipt::{Assurance, DepartureStep, StepRecord, StepResult};
+    let mut r = receipt(departure, "mallory");
+    r.steps.push(
+        StepRecord::new(
+            DepartureStep::AgentShutdown,
+            "the guest agent did not answer shutdown",
+            StepResult::Ok,
+            Assurance::Unverified,
+            "2026-01-02T03:04:05Z".into(),
+            "2026-01-02T03:04:06Z".into(),
+        )
+        .with_evidence(
+            "agent_error",
+            format!("\x1b[2J{}\ncrypto-shred ok verified", "A".repeat(4 << 20)),
+        )
+        .failed("B".repeat(4 << 20)),
+    );
+    r
+}
+
+#[test]
+fn a_huge_guest_message_is_bounded_and_the_log_stays_readable() {
+    let f = fixture();
+    let entry = f.log.append(&f.signer, &hostile_receipt("d4")).unwrap();
+    let raw = lines(&f.path);
+    assert!(
+        raw[3].len() <= MAX_LINE,
+        "a {} byte line was written; the reader refuses lines over {MAX_LINE}",
+        raw[3].len()
+    );
+    let report = f.log.verify(&f.signer.verifying_key()).unwrap();
+    assert!(report.is_intact(), "{:?}", report.problems);
+    let entries = f.log.entries().unwrap();
+    assert_eq!(entries.len(), 4);
+    let step = entries[3]
+        .receipt
+        .steps
+        .iter()
+        .find(|s| s.step == crate::receipt::DepartureStep::AgentShutdown)
+        .unwrap();
+    let evidence = &step.evidence["agent_error"];
+    assert!(
+        evidence.len() <= crate::untrusted::MAX_FIELD_BYTES,
+        "{}",
+        evidence.len()
+    );
+    assert!(evidence.contains("truncated"), "the cut is marked");
+    assert!(!evidence.contains('\x1b') && !evidence.contains('\n'));
+    assert!(step.error.as_ref().unwrap().contains("truncated"));
+    // What was signed is what was written: the appended entry is the bounded one.
+    assert_eq!(entries[3], entry);
+    // The next departure is not blocked.
+    f.log.append(&f.signer, &receipt("d5", "erin")).unwrap();
+    assert!(problems(&f).is_empty());
+}
+
+#[test]
+fn a_damaged_entry_never_blocks_later_departures() {
+    let f = fixture();
+    let mut l = lines(&f.path);
+    // The damage an unbounded writer once did: one line longer than the reader accepts.
+    l[1] = format!("{{\"seq\":1,\"junk\":\"{}\"}}", "x".repeat(MAX_LINE + 10));
+    write_lines(&f.path, &l);
+    assert!(!problems(&f).is_empty());
+    // Readers skip what they cannot parse instead of failing every request.
+    let readable = f.log.entries().unwrap();
+    assert_eq!(
+        readable
+            .iter()
+            .map(|e| e.receipt.departure_id.as_str())
+            .collect::<Vec<_>>(),
+        ["d1", "d3"]
+    );
+    // The next departure's receipt is appended.
+    let entry = f.log.append(&f.signer, &receipt("d4", "dave")).unwrap();
+    assert_eq!(entry.receipt.departure_id, "d4");
+    // ...to a fresh chain; the damaged log is kept, byte for byte, as evidence.
+    let report = f.log.verify(&f.signer.verifying_key()).unwrap();
+    assert_eq!(report.entries, 1);
+    assert_eq!(report.set_aside.len(), 1, "{report:?}");
+    assert_eq!(lines(&report.set_aside[0]), l);
+    // The damaged log's entries stay readable, and appends stay idempotent across it.
+    let all = f.log.entries().unwrap();
+    assert_eq!(
+        all.iter()
+            .map(|e| e.receipt.departure_id.as_str())
+            .collect::<Vec<_>>(),
+        ["d1", "d3", "d4"]
+    );
+    let again = f.log.append(&f.signer, &receipt("d3", "carol")).unwrap();
+    assert_eq!(again.receipt.departure_id, "d3");
+    assert_eq!(f.log.verify(&f.signer.verifying_key()).unwrap().entries, 1);
 }

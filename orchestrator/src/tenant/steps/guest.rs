@@ -11,19 +11,22 @@
 //! done, so re-running one after a daemon crash is safe. Stop and destroy ask the agent for
 //! a clean shutdown ([`shutdown`]) before the backend's own stop.
 //!
-//! How the agent is reached is decided in one place, [`agent_endpoint`]; every connection
-//! goes through [`connect`], which checks that the socket is served by the tenant's uid
-//! (SO_PEERCRED), so a socket swapped for another tenant's never receives this tenant's key.
-//! Everything the guest sends is hostile: the agent crate's client bounds frames and
-//! deadlines.
+//! How the agent is reached is decided in one place, [`agent_endpoint`], which asks the
+//! backend (QEMU: its virtio-serial port behind `<tenant dir>/run/agent.sock`; tenantvm-vmm:
+//! its hybrid vsock `<tenant dir>/run/vsock.sock`). Every connection goes through
+//! [`connect`], which puts a deadline on the connect and checks that the socket is served by
+//! the tenant's uid (SO_PEERCRED), so a socket swapped for another tenant's never receives
+//! this tenant's key. Everything the guest sends is hostile: the protocol crate's client
+//! bounds frames and puts a deadline on every read and write.
 
-use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-use tenantvm_agent::client::{AgentClient, AgentClientError, AgentEndpoint};
-use tenantvm_agent::protocol::{DiskKey as AgentDiskKey, DiskState, PayloadState, ShutdownReport};
+use tenantvm_agent_protocol::{
+    AgentClient, AgentClientError, AgentEndpoint, DiskKey as AgentDiskKey, DiskState, PayloadState,
+    ShutdownReport,
+};
 
-use crate::backend::{qemu::AGENT_SOCK, BackendError, RunningVm, VmBackend, VmState};
+use crate::backend::{BackendError, RunningVm, VmBackend, VmState};
 use crate::receipt::StepRecord;
 use crate::tenant::context::{StepCtx, StepError, Tenant};
 use crate::tenant::steps::{disk, Op};
@@ -38,49 +41,19 @@ const AWAIT_ROUND: Duration = Duration::from_secs(1);
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Where the agent of `vm` listens: the one place the tenant layer decides how to reach a
-/// guest's agent. Today that is QEMU's virtio-serial port behind `<tenant dir>/run/`;
-/// when the backend says so itself, this asks the backend.
-pub fn agent_endpoint(_backend: &dyn VmBackend, vm: &RunningVm) -> AgentEndpoint {
-    AgentEndpoint::Serial(vm.tenant_dir.join("run").join(AGENT_SOCK))
+/// guest's agent. The backend says where its channel is.
+pub fn agent_endpoint(backend: &dyn VmBackend, vm: &RunningVm) -> AgentEndpoint {
+    backend.agent_endpoint(vm)
 }
 
-/// Connects to the agent of `vm`, refusing a socket not served by the tenant's uid.
+/// Connects to the agent of `vm` (a virtio-serial or hybrid-vsock endpoint) within
+/// `timeout`, refusing a socket not served by the tenant's uid.
 pub fn connect(
     backend: &dyn VmBackend,
     vm: &RunningVm,
     timeout: Duration,
 ) -> Result<AgentClient, AgentClientError> {
-    let path = match agent_endpoint(backend, vm) {
-        AgentEndpoint::Serial(path) => path,
-        AgentEndpoint::HybridVsock { path, .. } => {
-            return Err(AgentClientError::Connect {
-                path,
-                source: std::io::Error::new(
-                    std::io::ErrorKind::Unsupported,
-                    "this daemon reaches guest agents over virtio-serial only",
-                ),
-            })
-        }
-    };
-    let refuse = |message: String| AgentClientError::Connect {
-        path: path.clone(),
-        source: std::io::Error::new(std::io::ErrorKind::PermissionDenied, message),
-    };
-    let stream = UnixStream::connect(&path).map_err(|source| AgentClientError::Connect {
-        path: path.clone(),
-        source,
-    })?;
-    let creds = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials)
-        .map_err(|e| refuse(format!("cannot read the peer's credentials: {e}")))?;
-    if creds.uid() != vm.uid {
-        return Err(refuse(format!(
-            "the socket is served by uid {}, not the tenant's uid {}; refusing to talk to it",
-            creds.uid(),
-            vm.uid
-        )));
-    }
-    stream.set_write_timeout(Some(timeout))?;
-    Ok(AgentClient::from_stream(stream))
+    AgentClient::connect_checked(&agent_endpoint(backend, vm), vm.uid, timeout)
 }
 
 /// The VM of an agent step, or `None` for a tenant whose guest runs no agent.
@@ -330,8 +303,6 @@ mod tests {
     fn a_channel_served_by_another_uid_is_refused() {
         let tmp = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(tmp.path().join("run")).unwrap();
-        let sock = tmp.path().join("run").join(AGENT_SOCK);
-        let _listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
         let me = nix::unistd::getuid().as_raw();
         let vm = RunningVm {
             backend: BackendKind::Qemu {
@@ -346,16 +317,25 @@ mod tests {
                 memory: "/nonexistent".into(),
                 cpu: "/nonexistent".into(),
                 pids: "/nonexistent".into(),
+                blkio: None,
             },
             uid: me.wrapping_add(1),
         };
         let host = crate::tenant::test_utils::FakeHost::default();
         let backend = crate::tenant::test_utils::FakeBackend(host);
+        // Where the backend says the agent is: connect goes there, and only there.
+        let AgentEndpoint::Serial(sock) = agent_endpoint(&backend, &vm) else {
+            panic!("the fake backend serves a serial endpoint");
+        };
+        let _listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
         let err = connect(&backend, &vm, Duration::from_secs(1))
             .err()
-            .unwrap()
-            .to_string();
-        assert!(err.contains("refusing to talk to it"), "{err}");
+            .unwrap();
+        assert!(
+            matches!(err, AgentClientError::PeerMismatch { .. }),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("refusing to talk to it"), "{err}");
         let ok = RunningVm { uid: me, ..vm };
         assert!(connect(&backend, &ok, Duration::from_secs(1)).is_ok());
     }

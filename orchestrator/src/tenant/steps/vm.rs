@@ -1,12 +1,14 @@
-//! The VM's steps: the tenant's uid, launching the VMM in its jail, waiting for it to run,
-//! stopping it, and cleaning the jail up.
+//! The VM's steps: the tenant's uid, launching the VMM in its jail (with the kernel's block
+//! I/O limit on its disks), waiting for it to run, stopping it, and cleaning the jail up.
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::backend::{
     BackendError, ExitReason, JailConfig, ResourceLimits, RunningVm, VmSpec, VmState,
 };
 use crate::domain::spec::TenantSpec;
+use crate::jail::{BlockIoLimit, BlockIoOutcome};
 use crate::receipt::{now_rfc3339, Assurance, DepartureStep, StepRecord, StepResult};
 use crate::store::{ResourceKind, StoreError};
 use crate::tenant::config::ServiceConfig;
@@ -74,6 +76,23 @@ pub fn launch(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepR
         gid: uid,
         limits: limits_for(cfg, &t.spec),
     };
+    // The kernel's block I/O limit beside the VMM's own throttling (docs/jail.md).
+    let disks: Vec<PathBuf> = spec.disks.iter().map(|d| d.path.clone()).collect();
+    if !disks.is_empty() {
+        let limit = BlockIoLimit {
+            bytes_per_s: u64::from(t.spec.quotas.disk_mib_per_s) << 20,
+            ops_per_s: u64::from(t.spec.quotas.disk_iops),
+        };
+        for outcome in ctx
+            .jail
+            .limit_block_io(&t.name, &disks, limit)
+            .map_err(|e| StepError::failed(error_chain(&e)))?
+        {
+            if let BlockIoOutcome::NotLimited { disk, reason } = outcome {
+                tracing::warn!(tenant = %t.name, disk = %disk.display(), %reason, "no kernel block I/O limit; the VMM's own throttling applies");
+            }
+        }
+    }
     let vm = ctx
         .backend
         .launch(&spec, &jail)

@@ -1,12 +1,9 @@
 //! The virtio-blk device: configuration, features, activation.
 
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use virtio_queue::QueueT;
-
-use serde::{Deserialize, Serialize};
 
 use super::disk::{DiskError, DiskFile};
 use super::event_handler::BlockHandler;
@@ -18,22 +15,9 @@ use crate::virtio::{
     DeviceSubscriber, VirtioDevice,
 };
 
-/// One disk of a VM (config file and command line).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct BlockConfig {
-    /// Raw image file or block device.
-    pub path: PathBuf,
-    /// Present the disk read-only.
-    #[serde(default)]
-    pub read_only: bool,
-    /// Serial returned by GET_ID (20 bytes at most; default derived from the file).
-    #[serde(default)]
-    pub id: Option<String>,
-    /// Bandwidth and IOPS limits.
-    #[serde(default)]
-    pub rate_limit: Option<RateLimitConfig>,
-}
+/// One disk of a VM (config file and command line): part of the VMM's contract, defined in
+/// tenantvm-vmm-api.
+pub use tenantvm_vmm_api::BlockConfig;
 
 /// Why a disk could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -165,6 +149,7 @@ impl VirtioDevice for Block {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     fn config(path: PathBuf, read_only: bool) -> BlockConfig {
         BlockConfig {

@@ -25,8 +25,9 @@ pub const SECTOR_SIZE: u64 = 512;
 pub const SECTOR_SHIFT: u32 = 9;
 /// Size of the queue the device offers.
 pub const QUEUE_SIZE: u16 = 256;
-/// Length of the GET_ID answer.
-pub const ID_BYTES: usize = 20;
+/// Length of the GET_ID answer (VIRTIO_BLK_ID_BYTES): the longest disk id the config
+/// accepts.
+pub const ID_BYTES: usize = tenantvm_vmm_api::config::MAX_DISK_ID_BYTES;
 /// Largest data transfer of one request (the guest's block layer uses far less).
 pub const MAX_REQUEST_BYTES: u64 = 32 << 20;
 /// Largest single discard or write-zeroes range, in sectors.

@@ -5,25 +5,9 @@
 
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
-/// A disk's limits (config file and command line).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct RateLimitConfig {
-    /// Sustained bytes per second (absent: no byte limit).
-    #[serde(default)]
-    pub bytes_per_sec: Option<u64>,
-    /// Burst in bytes (default: one second's worth).
-    #[serde(default)]
-    pub bytes_burst: Option<u64>,
-    /// Sustained operations per second (absent: no operation limit).
-    #[serde(default)]
-    pub ops_per_sec: Option<u64>,
-    /// Burst in operations (default: one second's worth).
-    #[serde(default)]
-    pub ops_burst: Option<u64>,
-}
+/// A disk's limits (config file and command line): part of the VMM's contract, defined in
+/// tenantvm-vmm-api.
+pub use tenantvm_vmm_api::RateLimitConfig;
 
 /// Why limits were refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

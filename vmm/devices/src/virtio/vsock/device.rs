@@ -6,8 +6,6 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use serde::{Deserialize, Serialize};
-
 use super::event_handler::VsockHandler;
 use super::{VsockMetrics, QUEUE_SIZE};
 use crate::virtio::{
@@ -15,15 +13,9 @@ use crate::virtio::{
     VirtioDevice,
 };
 
-/// The vsock device of a VM (config file and command line).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct VsockConfig {
-    /// The guest's CID (3 to 2^32 - 2).
-    pub guest_cid: u64,
-    /// The host Unix socket; guest connections to port P go to `<uds_path>_P`.
-    pub uds_path: PathBuf,
-}
+/// The vsock device of a VM (config file and command line): part of the VMM's contract,
+/// defined in tenantvm-vmm-api.
+pub use tenantvm_vmm_api::VsockConfig;
 
 /// Why the vsock device could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -80,7 +72,8 @@ fn bind(path: &Path) -> Result<UnixListener, VsockError> {
 impl Vsock {
     /// Validates the CID and starts listening on the socket.
     pub fn new(config: &VsockConfig) -> Result<Self, VsockError> {
-        if config.guest_cid < 3 || config.guest_cid >= u64::from(u32::MAX) {
+        use tenantvm_vmm_api::config::{MAX_GUEST_CID, MIN_GUEST_CID};
+        if !(MIN_GUEST_CID..=MAX_GUEST_CID).contains(&config.guest_cid) {
             return Err(VsockError::Cid(config.guest_cid));
         }
         let listener = bind(&config.uds_path)?;

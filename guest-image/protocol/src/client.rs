@@ -1,26 +1,36 @@
 //! The host side of the control channel, for the orchestrator: connect over a Unix
 //! socket, wait for the agent, deliver the key, start the payload, check health, forward
-//! inference, shut down. Synchronous (std only) with deadlines on every call.
+//! inference, shut down. Synchronous (std only).
+//!
+//! The socket and everything behind it belong to the tenant, so every connect, read and
+//! write has a deadline ([`crate::channel`]): a VMM that stops accepting, a guest that
+//! stops reading, or one that sends nothing makes the call fail with a timeout instead of
+//! holding the caller's thread. [`AgentClient::connect_checked`] also refuses a socket not
+//! served by the expected uid (`SO_PEERCRED`), so a socket swapped for another tenant's
+//! never receives this tenant's key.
 //!
 //! Everything the guest sends is hostile: frames are decoded by [`FrameDecoder`] with the
 //! protocol's size cap, answers to other ids are dropped (bounded), and a framing error
 //! marks the connection broken so the caller reconnects instead of reading garbage.
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use thiserror::Error;
 
-use crate::protocol::{
-    decode_body, encode_frame, AgentFailure, DiskKey, DiskState, FrameDecoder, FrameError,
-    HttpRequest, HttpResponse, LogLine, Outcome, PayloadState, Reply, Request, RequestFrame,
-    ResponseFrame, ShutdownReport, StatusReply, AGENT_VSOCK_PORT,
+use crate::channel::{self, ChannelError};
+use crate::frame::{decode_body, encode_frame, FrameDecoder, FrameError};
+use crate::message::{
+    AgentFailure, DiskKey, DiskState, HttpRequest, HttpResponse, LogLine, Outcome, PayloadState,
+    Reply, Request, RequestFrame, ResponseFrame, ShutdownReport, StatusReply, AGENT_VSOCK_PORT,
 };
 
 /// Most unrelated responses skipped while waiting for one id.
 const MAX_STALE_RESPONSES: usize = 64;
+/// Longest hybrid-vsock handshake answer (`OK <port>\n`) read before giving up.
+const MAX_HANDSHAKE_LINE: usize = 64;
 
 /// Where the agent's channel is reachable from the host.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,7 +57,8 @@ impl AgentEndpoint {
         }
     }
 
-    fn path(&self) -> &Path {
+    /// The Unix socket the host connects to.
+    pub fn path(&self) -> &Path {
         match self {
             Self::Serial(p) | Self::HybridVsock { path: p, .. } => p,
         }
@@ -60,6 +71,33 @@ pub enum AgentClientError {
     /// The socket could not be opened.
     #[error("Cannot connect to the agent channel at {path}: {source}")]
     Connect {
+        /// Socket path.
+        path: PathBuf,
+        /// Cause.
+        source: io::Error,
+    },
+    /// Nothing accepted the connection before the deadline (the listener's backlog stayed
+    /// full: the VMM is stopped, wedged or hostile).
+    #[error("The agent channel at {path} did not accept a connection within {timeout:?}; the VM's process may be stopped or hung")]
+    ConnectTimeout {
+        /// Socket path.
+        path: PathBuf,
+        /// The limit.
+        timeout: Duration,
+    },
+    /// The socket is served by another user than the one expected.
+    #[error("The agent channel at {path} is served by uid {actual}, not the expected uid {expected}; refusing to talk to it")]
+    PeerMismatch {
+        /// Socket path.
+        path: PathBuf,
+        /// The uid the caller expected (the tenant's).
+        expected: u32,
+        /// The uid serving the socket.
+        actual: u32,
+    },
+    /// The peer's credentials could not be read.
+    #[error("Cannot read the credentials of the process serving {path}: {source}; refusing to talk to it")]
+    PeerCredentials {
         /// Socket path.
         path: PathBuf,
         /// Cause.
@@ -164,74 +202,118 @@ fn what(req: &Request) -> &'static str {
     }
 }
 
+/// The first request id of a new connection: the clock in microseconds (below 2^53, exact
+/// in JSON), so a late answer to an earlier connection's request on the same serial
+/// channel (QEMU keeps one channel across connections) is never taken for an answer to
+/// this one's.
+fn first_id() -> u64 {
+    let micros = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+        .unwrap_or(1);
+    micros.clamp(1, (1 << 53) - 1)
+}
+
 impl AgentClient {
-    /// Connects to the channel (and completes the hybrid-vsock handshake) within `timeout`.
+    /// Connects to the channel (and completes the hybrid-vsock handshake), all within
+    /// `timeout`. Accepts whoever serves the socket: use [`Self::connect_checked`] for a
+    /// socket in a place a tenant could swap.
     pub fn connect(endpoint: &AgentEndpoint, timeout: Duration) -> Result<Self, AgentClientError> {
+        Self::open(endpoint, None, timeout)
+    }
+
+    /// [`Self::connect`], refusing a socket not served by `expected_uid` (`SO_PEERCRED`,
+    /// checked before anything is written to it).
+    pub fn connect_checked(
+        endpoint: &AgentEndpoint,
+        expected_uid: u32,
+        timeout: Duration,
+    ) -> Result<Self, AgentClientError> {
+        Self::open(endpoint, Some(expected_uid), timeout)
+    }
+
+    fn open(
+        endpoint: &AgentEndpoint,
+        expected_uid: Option<u32>,
+        timeout: Duration,
+    ) -> Result<Self, AgentClientError> {
+        let deadline = Instant::now() + timeout;
         let path = endpoint.path();
-        let stream = UnixStream::connect(path).map_err(|source| AgentClientError::Connect {
-            path: path.to_path_buf(),
-            source,
+        let stream = channel::connect(path, deadline).map_err(|e| match e {
+            ChannelError::TimedOut => AgentClientError::ConnectTimeout {
+                path: path.to_path_buf(),
+                timeout,
+            },
+            ChannelError::Io(source) => AgentClientError::Connect {
+                path: path.to_path_buf(),
+                source,
+            },
         })?;
+        if let Some(expected) = expected_uid {
+            let actual =
+                channel::peer_uid(&stream).map_err(|source| AgentClientError::PeerCredentials {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+            if actual != expected {
+                return Err(AgentClientError::PeerMismatch {
+                    path: path.to_path_buf(),
+                    expected,
+                    actual,
+                });
+            }
+        }
         let mut client = Self {
             stream,
             decoder: FrameDecoder::default(),
-            next_id: 1,
+            next_id: first_id(),
             broken: false,
         };
         if let AgentEndpoint::HybridVsock { port, .. } = endpoint {
-            client.handshake(*port, timeout)?;
+            client.handshake(*port, deadline, timeout)?;
         }
         Ok(client)
     }
 
-    fn handshake(&mut self, port: u32, timeout: Duration) -> Result<(), AgentClientError> {
-        self.stream
-            .write_all(format!("CONNECT {port}\n").as_bytes())?;
-        self.stream.set_read_timeout(Some(timeout))?;
+    fn handshake(
+        &mut self,
+        port: u32,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<(), AgentClientError> {
+        let timed_out = |e: ChannelError| match e {
+            ChannelError::TimedOut => AgentClientError::Timeout {
+                what: "vsock CONNECT",
+                timeout,
+            },
+            ChannelError::Io(e) => AgentClientError::Io(e),
+        };
+        channel::write_all_by(
+            &mut self.stream,
+            format!("CONNECT {port}\n").as_bytes(),
+            deadline,
+        )
+        .map_err(timed_out)?;
+        // One byte at a time: the bytes after the newline are the agent's.
         let mut line = Vec::new();
         let mut byte = [0u8; 1];
-        while line.len() < 64 {
-            match self.stream.read(&mut byte) {
-                Ok(0) => break,
-                Ok(_) if byte[0] == b'\n' => {
+        while line.len() < MAX_HANDSHAKE_LINE {
+            match channel::read_by(&mut self.stream, &mut byte, deadline).map_err(timed_out)? {
+                0 => break,
+                _ if byte[0] == b'\n' => {
                     let text = String::from_utf8_lossy(&line).into_owned();
                     if text.starts_with("OK ") {
                         return Ok(());
                     }
                     return Err(AgentClientError::Handshake { port, answer: text });
                 }
-                Ok(_) => line.push(byte[0]),
-                Err(e) if is_timeout(&e) => {
-                    return Err(AgentClientError::Timeout {
-                        what: "vsock CONNECT",
-                        timeout,
-                    })
-                }
-                Err(e) => return Err(e.into()),
+                _ => line.push(byte[0]),
             }
         }
         Err(AgentClientError::Handshake {
             port,
             answer: String::from_utf8_lossy(&line).into_owned(),
         })
-    }
-
-    /// A client over a stream the caller connected itself (e.g. after checking the
-    /// listener's credentials): a serial channel, or a vsock stream past its handshake.
-    /// Its ids start from the clock (below 2^53, exact in JSON), so a late answer to an
-    /// earlier connection's request on the same serial channel is never taken for an
-    /// answer to this one's.
-    pub fn from_stream(stream: UnixStream) -> Self {
-        let micros = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_micros() as u64)
-            .unwrap_or(1);
-        Self {
-            stream,
-            decoder: FrameDecoder::default(),
-            next_id: micros.clamp(1, (1 << 53) - 1),
-            broken: false,
-        }
     }
 
     /// Connects and polls `status` until the agent answers or `timeout` passes. Works
@@ -243,8 +325,9 @@ impl AgentClient {
         Self::wait_for_ready_with(&mut |t| Self::connect(endpoint, t), timeout)
     }
 
-    /// [`Self::wait_for_ready`] with the caller's way of connecting (called again after
-    /// each failed attempt with the time it may take).
+    /// [`Self::wait_for_ready`] with the caller's way of connecting (e.g.
+    /// [`Self::connect_checked`]), called again after each failed attempt with the time
+    /// it may take.
     pub fn wait_for_ready_with(
         connect: &mut dyn FnMut(Duration) -> Result<Self, AgentClientError>,
         timeout: Duration,
@@ -257,7 +340,9 @@ impl AgentClient {
                 Ok(mut client) => {
                     let mut sent = Vec::new();
                     while Instant::now() < deadline {
-                        match client.send(&Request::Status) {
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        let poll = left.min(Duration::from_secs(1));
+                        match client.send(&Request::Status, Instant::now() + poll, poll) {
                             Ok(id) => sent.push(id),
                             Err(e) => {
                                 // The socket may accept before the far end is up; reconnect.
@@ -265,8 +350,7 @@ impl AgentClient {
                                 break;
                             }
                         }
-                        let left = deadline.saturating_duration_since(Instant::now());
-                        match client.receive_any(&sent, left.min(Duration::from_secs(1))) {
+                        match client.receive_any(&sent, Instant::now() + poll, poll) {
                             Ok(ResponseFrame {
                                 outcome: Outcome::Ok(Reply::Status(s)),
                                 ..
@@ -284,7 +368,9 @@ impl AgentClient {
                 }
                 Err(e) => last_err = Some(e),
             }
-            std::thread::sleep(Duration::from_millis(100));
+            std::thread::sleep(
+                Duration::from_millis(100).min(deadline.saturating_duration_since(Instant::now())),
+            );
         }
         Err(last_err.unwrap_or(AgentClientError::Timeout {
             what: "status",
@@ -292,7 +378,15 @@ impl AgentClient {
         }))
     }
 
-    fn send(&mut self, req: &Request) -> Result<u64, AgentClientError> {
+    /// Writes one request frame before `deadline` (`timeout` is what a timeout error
+    /// reports). A write cut short leaves part of a frame on the channel, so any failure
+    /// marks the connection broken.
+    fn send(
+        &mut self,
+        req: &Request,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<u64, AgentClientError> {
         if self.broken {
             return Err(AgentClientError::Broken);
         }
@@ -303,20 +397,27 @@ impl AgentClient {
             request: req.clone(),
         })
         .map_err(AgentClientError::Encode)?;
-        if let Err(e) = self.stream.write_all(&frame) {
+        if let Err(e) = channel::write_all_by(&mut self.stream, &frame, deadline) {
             self.broken = true;
-            return Err(e.into());
+            return Err(match e {
+                ChannelError::TimedOut => AgentClientError::Timeout {
+                    what: "request",
+                    timeout,
+                },
+                ChannelError::Io(e) => e.into(),
+            });
         }
         Ok(id)
     }
 
-    /// Waits for a response to any of `ids`, dropping a bounded number of others.
+    /// Waits until `deadline` for a response to any of `ids`, dropping a bounded number
+    /// of others. `timeout` is what a timeout error reports.
     fn receive_any(
         &mut self,
         ids: &[u64],
+        deadline: Instant,
         timeout: Duration,
     ) -> Result<ResponseFrame, AgentClientError> {
-        let deadline = Instant::now() + timeout;
         let mut skipped = 0;
         let mut buf = [0u8; 16 * 1024];
         loop {
@@ -340,28 +441,19 @@ impl AgentClient {
                     return Err(AgentClientError::Protocol(e));
                 }
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(AgentClientError::Timeout {
-                    what: "response",
-                    timeout,
-                });
-            }
-            self.stream.set_read_timeout(Some(left))?;
-            match self.stream.read(&mut buf) {
+            match channel::read_by(&mut self.stream, &mut buf, deadline) {
                 Ok(0) => {
                     self.broken = true;
                     return Err(AgentClientError::Closed);
                 }
                 Ok(n) => self.decoder.push(&buf[..n]),
-                Err(e) if is_timeout(&e) => {
+                Err(ChannelError::TimedOut) => {
                     return Err(AgentClientError::Timeout {
                         what: "response",
                         timeout,
                     })
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
+                Err(ChannelError::Io(e)) => {
                     self.broken = true;
                     return Err(e.into());
                 }
@@ -371,10 +463,14 @@ impl AgentClient {
 
     /// Sends one request and returns the agent's reply (an agent error becomes
     /// [`AgentClientError::Agent`]).
+    /// The whole call (writing the request, reading the answer) ends within `timeout`.
     pub fn call(&mut self, req: &Request, timeout: Duration) -> Result<Reply, AgentClientError> {
         let name = what(req);
-        let id = self.send(req)?;
-        match self.receive_any(&[id], timeout) {
+        let deadline = Instant::now() + timeout;
+        let sent = self
+            .send(req, deadline, timeout)
+            .and_then(|id| self.receive_any(&[id], deadline, timeout));
+        match sent {
             Ok(resp) => match resp.outcome {
                 Outcome::Ok(reply) => Ok(reply),
                 Outcome::Err(failure) => Err(AgentClientError::Agent {
@@ -535,19 +631,12 @@ impl AgentClient {
     }
 }
 
-fn is_timeout(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::{
-        read_frame, ErrorCode, HEADER_LEN, MAGIC, MAX_BODY_LEN, PROTOCOL_VERSION,
-    };
+    use crate::frame::{read_frame, HEADER_LEN, MAGIC, MAX_BODY_LEN, PROTOCOL_VERSION};
+    use crate::message::ErrorCode;
+    use std::io::{Read, Write};
     use std::os::unix::net::UnixListener;
     use std::thread;
 
@@ -712,7 +801,7 @@ mod tests {
                 protocol: PROTOCOL_VERSION,
                 channel: "virtio-serial".into(),
                 uptime_ms: 1,
-                disk: crate::protocol::DiskState::Locked,
+                disk: DiskState::Locked,
                 payload: PayloadState::NotStarted,
             };
             answer(&mut s, req.id, Outcome::Ok(Reply::Status(status)));
@@ -720,6 +809,196 @@ mod tests {
         });
         let (_c, s) = AgentClient::wait_for_ready(&ep, Duration::from_secs(20)).unwrap();
         assert_eq!(s.channel, "virtio-serial");
+    }
+
+    /// Runs `f` on its own thread and returns its result and how long it took; fails the
+    /// test (instead of hanging it) if `f` has not returned after `limit`.
+    fn finishes_within<T: Send + 'static>(
+        limit: Duration,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> (T, Duration) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        thread::spawn(move || {
+            let started = Instant::now();
+            let out = f();
+            let _ = tx.send((out, started.elapsed()));
+        });
+        rx.recv_timeout(limit)
+            .unwrap_or_else(|_| panic!("still blocked after {limit:?}: the call has no deadline"))
+    }
+
+    /// A listener that never accepts, with its backlog already full (as a QEMU that
+    /// stopped accepting leaves its chardev socket). Returns what must stay alive.
+    fn full_backlog() -> (tempfile::TempDir, PathBuf, Vec<std::os::fd::OwnedFd>) {
+        use nix::sys::socket::{self, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+        use std::os::fd::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wedged.sock");
+        let addr = UnixAddr::new(&path).unwrap();
+        let stream = || {
+            socket::socket(
+                AddressFamily::Unix,
+                SockType::Stream,
+                SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+                None,
+            )
+            .unwrap()
+        };
+        let listener = stream();
+        socket::bind(listener.as_raw_fd(), &addr).unwrap();
+        socket::listen(&listener, Backlog::new(0).unwrap()).unwrap();
+        let mut held = vec![listener];
+        loop {
+            let fd = stream();
+            match socket::connect(fd.as_raw_fd(), &addr) {
+                Ok(()) => held.push(fd),
+                Err(nix::errno::Errno::EAGAIN) => break,
+                Err(e) => panic!("filling the backlog: {e}"),
+            }
+            assert!(held.len() < 64, "the backlog never filled");
+        }
+        (dir, path, held)
+    }
+
+    #[test]
+    fn connect_to_a_listener_that_never_accepts_times_out_within_its_deadline() {
+        let (_dir, path, _held) = full_backlog();
+        let timeout = Duration::from_secs(1);
+        for ep in [
+            AgentEndpoint::Serial(path.clone()),
+            AgentEndpoint::vsock(path.clone()),
+        ] {
+            let (result, took) = finishes_within(Duration::from_secs(60), move || {
+                AgentClient::connect(&ep, timeout).map(|_| ())
+            });
+            match result {
+                Err(AgentClientError::ConnectTimeout { timeout: t, .. }) => {
+                    assert_eq!(t, timeout)
+                }
+                other => panic!("expected ConnectTimeout, got {other:?}"),
+            }
+            assert!(took >= timeout, "gave up early, after {took:?}");
+        }
+        let me = nix::unistd::getuid().as_raw();
+        let (result, _) = finishes_within(Duration::from_secs(60), move || {
+            AgentClient::connect_checked(&AgentEndpoint::Serial(path), me, timeout).map(|_| ())
+        });
+        assert!(matches!(
+            result,
+            Err(AgentClientError::ConnectTimeout { .. })
+        ));
+    }
+
+    #[test]
+    fn vsock_peer_that_accepts_but_never_answers_ok_times_out() {
+        let (_d, ep) = fake_guest(|mut s| {
+            let mut line = [0u8; 13];
+            s.read_exact(&mut line).unwrap();
+            thread::sleep(Duration::from_secs(30));
+        });
+        let AgentEndpoint::Serial(path) = ep else {
+            unreachable!()
+        };
+        let timeout = Duration::from_millis(500);
+        let (result, took) = finishes_within(Duration::from_secs(20), move || {
+            AgentClient::connect(&AgentEndpoint::vsock(path), timeout).map(|_| ())
+        });
+        assert!(
+            matches!(
+                result,
+                Err(AgentClientError::Timeout {
+                    what: "vsock CONNECT",
+                    ..
+                })
+            ),
+            "{result:?}"
+        );
+        assert!(took >= timeout, "gave up early, after {took:?}");
+    }
+
+    #[test]
+    fn vsock_peer_that_trickles_its_answer_cannot_stretch_the_deadline() {
+        // One byte every 300 ms, never a newline: each read answers well within the
+        // timeout, so only a deadline over the whole handshake ends it in time (a
+        // per-read timeout would read 64 bytes over ~19 s and report a bad answer).
+        let (_d, ep) = fake_guest(|mut s| {
+            let mut line = [0u8; 13];
+            s.read_exact(&mut line).unwrap();
+            for _ in 0..100 {
+                if s.write_all(b"O").is_err() {
+                    return;
+                }
+                thread::sleep(Duration::from_millis(300));
+            }
+        });
+        let AgentEndpoint::Serial(path) = ep else {
+            unreachable!()
+        };
+        let (result, _) = finishes_within(Duration::from_secs(60), move || {
+            AgentClient::connect(&AgentEndpoint::vsock(path), Duration::from_secs(1)).map(|_| ())
+        });
+        assert!(
+            matches!(
+                result,
+                Err(AgentClientError::Timeout {
+                    what: "vsock CONNECT",
+                    ..
+                })
+            ),
+            "{result:?}"
+        );
+    }
+
+    #[test]
+    fn a_guest_that_stops_reading_makes_the_request_time_out() {
+        // The guest accepts and then never reads: a request larger than the socket
+        // buffers can only be written in part.
+        let (_d, ep) = fake_guest(|_s| thread::sleep(Duration::from_secs(30)));
+        let timeout = Duration::from_secs(1);
+        let (result, took) = finishes_within(Duration::from_secs(60), move || {
+            let mut c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
+            let big = HttpRequest {
+                method: "POST".into(),
+                path: "/v1/completions".into(),
+                headers: vec![],
+                body: "a".repeat(3 * 1024 * 1024),
+            };
+            let first = c.infer(big, timeout).map(|_| ());
+            let again = c.status(timeout).map(|_| ());
+            (first, again)
+        });
+        assert!(
+            matches!(
+                result.0,
+                Err(AgentClientError::Timeout { what: "infer", .. })
+            ),
+            "{:?}",
+            result.0
+        );
+        assert!(took >= timeout, "gave up early, after {took:?}");
+        // Part of a frame went out: the connection cannot be used again.
+        assert!(matches!(result.1, Err(AgentClientError::Broken)));
+    }
+
+    #[test]
+    fn connect_checked_refuses_a_socket_served_by_another_uid() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let _listener = UnixListener::bind(&path).unwrap();
+        let me = nix::unistd::getuid().as_raw();
+        let ep = AgentEndpoint::Serial(path);
+        match AgentClient::connect_checked(&ep, me.wrapping_add(1), Duration::from_secs(5)) {
+            Err(
+                e @ AgentClientError::PeerMismatch {
+                    expected, actual, ..
+                },
+            ) => {
+                assert_eq!((expected, actual), (me.wrapping_add(1), me));
+                assert!(e.to_string().contains("refusing to talk to it"), "{e}");
+            }
+            other => panic!("expected PeerMismatch, got {:?}", other.err()),
+        }
+        assert!(AgentClient::connect_checked(&ep, me, Duration::from_secs(5)).is_ok());
     }
 
     /// A FAKE agent for client tests: a state machine that answers like the real one,

@@ -1,0 +1,31 @@
+//! tenantvm-agent-protocol: the control channel between the host and the guest agent
+//! (tenantvm-agent, PID 1 of the guest image), shared by both sides.
+//!
+//! - [`frame`]: the `TVAG` framing, its size cap and an incremental decoder;
+//! - [`message`]: the requests and replies, the disk key, the channel's port names;
+//! - [`client`]: the host's synchronous client, with a deadline on every connect, read
+//!   and write and an optional peer-uid check (`SO_PEERCRED`);
+//! - [`image`]: opening a guest image set and verifying it against its manifest.
+//!
+//! The agent binary links this crate for [`frame`] and [`message`]; the orchestrator for
+//! everything. Every public type is also re-exported here, so
+//! `tenantvm_agent_protocol::{AgentClient, AgentEndpoint, DiskKey, ImageSet}` works.
+//! Pure Rust with no C dependencies, so the agent stays a static binary.
+
+mod channel;
+pub mod client;
+pub mod frame;
+pub mod image;
+pub mod message;
+
+pub use client::{AgentClient, AgentClientError, AgentEndpoint, BringUp};
+pub use frame::{
+    decode_body, encode_frame, parse_header, read_frame, resync, skip_body, FrameDecoder,
+    FrameError, FrameHeader, HEADER_LEN, MAGIC, MAX_BODY_LEN, PROTOCOL_VERSION,
+};
+pub use image::{ImageSet, ImageSetError};
+pub use message::{
+    salvage_id, AgentFailure, DiskKey, DiskState, ErrorCode, HttpRequest, HttpResponse, KeyError,
+    LogLine, Outcome, PayloadState, Reply, Request, RequestFrame, ResponseFrame, ShutdownReport,
+    StatusReply, AGENT_VSOCK_PORT, MAX_KEY_LEN, MIN_KEY_LEN, VIRTIO_SERIAL_PORT_NAME,
+};
