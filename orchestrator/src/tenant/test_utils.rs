@@ -40,6 +40,9 @@ pub struct FakeHostState {
     /// Fake processes whose `state` blocks (a silent VMM) until removed from this set, or
     /// 30 s at most.
     pub stalled: BTreeSet<i32>,
+    /// Name the agent's channel as tenantvm-vmm does (a hybrid vsock socket) instead of a
+    /// serial one.
+    pub agent_vsock: bool,
     /// Block I/O limits the launches asked the jail for: (tenant, disks, limit).
     pub block_io: Vec<(String, Vec<std::path::PathBuf>, crate::jail::BlockIoLimit)>,
 }
@@ -124,9 +127,16 @@ impl VmBackend for FakeBackend {
         Ok(())
     }
 
-    /// The fake host runs no guest: nothing listens there.
+    /// The fake host runs no guest: nothing listens there unless a test binds it.
     fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint {
-        AgentEndpoint::Serial(vm.tenant_dir.join("run/fake-agent.sock"))
+        if self.0.state().agent_vsock {
+            AgentEndpoint::HybridVsock {
+                path: vm.tenant_dir.join("run/fake-vsock.sock"),
+                port: tenantvm_agent_protocol::AGENT_VSOCK_PORT,
+            }
+        } else {
+            AgentEndpoint::Serial(vm.tenant_dir.join("run/fake-agent.sock"))
+        }
     }
 }
 

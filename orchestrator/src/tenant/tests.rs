@@ -88,6 +88,32 @@ fn limits_follow_the_spec() {
 }
 
 #[test]
+fn launch_limits_the_block_io_of_the_tenant_disk_only() {
+    let h = Harness::new(FaultHook::default());
+    create(&h, "nodisk");
+    let mut s = spec("disky", "{ kind = \"none\" }");
+    s.disk_gib = 1;
+    s.quotas.disk_mib_per_s = 7;
+    s.quotas.disk_iops = 300;
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Create(s))
+        .unwrap();
+    h.svc.wait_idle();
+    assert_eq!(state(&h, "disky"), Some(LifecycleState::Running));
+    let asked = h.host.state().block_io.clone();
+    // Only the tenant with a disk asks, once, for its disk and its quotas.
+    assert_eq!(asked.len(), 1, "{asked:?}");
+    let (tenant, disks, limit) = &asked[0];
+    assert_eq!(tenant, "disky");
+    assert_eq!(
+        disks,
+        &vec![h.svc.config().tenant_dir("disky").join("disk.img")]
+    );
+    assert_eq!(limit.bytes_per_s, 7 << 20);
+    assert_eq!(limit.ops_per_s, 300);
+}
+
+#[test]
 fn tenant_tokens_cannot_see_or_act_on_others() {
     let h = Harness::new(FaultHook::default());
     create(&h, "alice");

@@ -339,4 +339,46 @@ mod tests {
         let ok = RunningVm { uid: me, ..vm };
         assert!(connect(&backend, &ok, Duration::from_secs(1)).is_ok());
     }
+
+    #[test]
+    fn a_hybrid_vsock_channel_is_reached_through_its_connect_handshake() {
+        use std::io::{BufRead, BufReader, Write};
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(tmp.path().join("run")).unwrap();
+        let me = nix::unistd::getuid().as_raw();
+        let vm = RunningVm {
+            backend: BackendKind::TenantvmVmm,
+            tenant: "a".into(),
+            pid: 1,
+            start_time_ticks: 0,
+            api_sock: tmp.path().join("run/api.sock"),
+            tenant_dir: tmp.path().to_path_buf(),
+            cgroup: crate::jail::CgroupHandle::V1 {
+                memory: "/nonexistent".into(),
+                cpu: "/nonexistent".into(),
+                pids: "/nonexistent".into(),
+                blkio: None,
+            },
+            uid: me,
+        };
+        let host = crate::tenant::test_utils::FakeHost::default();
+        host.state().agent_vsock = true;
+        let backend = crate::tenant::test_utils::FakeBackend(host);
+        let AgentEndpoint::HybridVsock { path, port } = agent_endpoint(&backend, &vm) else {
+            panic!("the backend named a vsock channel");
+        };
+        // The VMM's side: the CONNECT line for the agent's port, then OK.
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let vmm = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut line = String::new();
+            BufReader::new(stream.try_clone().unwrap())
+                .read_line(&mut line)
+                .unwrap();
+            (&stream).write_all(b"OK 1073741824\n").unwrap();
+            line
+        });
+        assert!(connect(&backend, &vm, Duration::from_secs(5)).is_ok());
+        assert_eq!(vmm.join().unwrap(), format!("CONNECT {port}\n"));
+    }
 }
