@@ -15,6 +15,7 @@ if [ -x scripts/build-test-guests.sh ]; then
     (cd tests/guests && cargo test --quiet --target "$(rustc -vV | sed -n 's/^host: //p')")
 fi
 
-# Build the binaries the integration tests launch, then run everything.
-cargo build --workspace --bins
-cargo test --workspace "$@"
+# Build the binaries the integration tests launch, then run everything. The test-hooks
+# feature gives tenantvmd the crash hook the crash-safety tests use (never in a release).
+cargo build --workspace --bins --features tenantvm/test-hooks
+cargo test --workspace --features tenantvm/test-hooks "$@"

@@ -19,8 +19,8 @@ mod peercred;
 use std::time::{Duration, Instant};
 
 use tenantvm::client::Client;
-use tenantvm::tenant::lifecycle::LifecycleState;
-use tenantvm::tenant::spec::TenantSpec;
+use tenantvm::domain::lifecycle::LifecycleState;
+use tenantvm::domain::spec::TenantSpec;
 
 use daemon::TestDaemon;
 

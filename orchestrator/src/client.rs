@@ -14,7 +14,7 @@ use tokio::net::UnixStream;
 use crate::api::types::{
     CreateResponse, ErrorBody, Health, LogChunk, LogQuery, LogStream, TenantList, TenantView,
 };
-use crate::tenant::spec::TenantSpec;
+use crate::domain::spec::TenantSpec;
 
 /// What can go wrong talking to the daemon.
 #[derive(Debug, Error)]

@@ -1,6 +1,9 @@
-//! `tenantvmd`: initialises the state directory, reconciles the host with the store, then
-//! serves the API on a Unix socket until SIGTERM or SIGINT. VMs keep running across daemon
-//! restarts; the next start adopts them.
+//! `tenantvmd`: initialises the state directory, serves the API on a Unix socket, and
+//! recovers (reconciles the host with the store) in the background while it answers, until
+//! SIGTERM or SIGINT. VMs keep running across daemon restarts; the next start adopts them.
+//! A signal stops the daemon within a few seconds whatever its operations are waiting on:
+//! they are told to give up, and those that do not in time are left as a crash would leave
+//! them (every step is recorded and idempotent), to resume at the next start.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -15,9 +18,9 @@ use tracing_subscriber::fmt::MakeWriter;
 use crate::backend::{
     runner::sibling_binary, QemuAccel, QemuBackend, RuntimeConfig, VmBackend, VmmBackend,
 };
-use crate::reconcile::{reconcile, ReconcileOptions};
+use crate::domain::lifecycle::LifecycleState;
+use crate::reconcile::{self, ReconcileOptions};
 use crate::store::Store;
-use crate::tenant::fault::{FaultHook, CRASH_ENV};
 use crate::tenant::host::{GpuPlanner, NoGpus};
 use crate::tenant::service::{ServiceConfig, TenantService};
 use crate::untrusted::LineSafeWriter;
@@ -66,9 +69,10 @@ pub enum BackendArg {
 ///
 /// On first start it creates the state directory (mode 0700) and an admin token in
 /// <state-dir>/admin.token (mode 0600), which the `tenantvm` CLI reads. On every start it
-/// reconciles: finishes or rolls back operations a crash interrupted, adopts VMs that still
-/// run, and releases leaked cgroups, files, uids and GPU reservations. Then it serves the
-/// API (docs/api/openapi.yaml) on --socket.
+/// serves the API (docs/api/openapi.yaml) on --socket and, meanwhile, recovers: finishes or
+/// rolls back operations a crash interrupted, adopts VMs that still run, and releases leaked
+/// cgroups, files, uids and GPU reservations (`tenantvm status` shows tenants not yet
+/// recovered as recovering). SIGTERM or SIGINT stop it within a few seconds.
 #[derive(Debug, Parser)]
 #[command(name = "tenantvmd", version, verbatim_doc_comment)]
 pub struct DaemonArgs {
@@ -219,6 +223,26 @@ fn make_gpu(spec: &str) -> anyhow::Result<Arc<dyn GpuPlanner>> {
     }
 }
 
+/// Arms the crash hook from `TENANTVM_TEST_CRASH_AT` (builds with the `test-hooks` feature,
+/// for the crash-safety tests).
+#[cfg(feature = "test-hooks")]
+fn with_test_hooks(svc: TenantService) -> anyhow::Result<TenantService> {
+    use crate::tenant::fault::{FaultHook, CRASH_ENV};
+    let fault = FaultHook::from_env()?;
+    if fault.is_armed() {
+        tracing::warn!(
+            "{CRASH_ENV} is set: this daemon will SIGKILL itself at a step boundary (tests only)"
+        );
+    }
+    Ok(svc.with_fault_hook(fault))
+}
+
+/// Production builds have no crash hook.
+#[cfg(not(feature = "test-hooks"))]
+fn with_test_hooks(svc: TenantService) -> anyhow::Result<TenantService> {
+    Ok(svc)
+}
+
 /// Binds the socket, refusing to steal one a live daemon answers on.
 async fn bind(socket: &Path) -> anyhow::Result<UnixListener> {
     if let Some(parent) = socket.parent() {
@@ -240,6 +264,11 @@ async fn bind(socket: &Path) -> anyhow::Result<UnixListener> {
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
     Ok(listener)
 }
+
+/// How long in-flight API requests get to finish after a stop signal.
+const DRAIN_REQUESTS: Duration = Duration::from_secs(2);
+/// How long running operations get to reach a point where they can stop.
+const DRAIN_OPERATIONS: Duration = Duration::from_secs(2);
 
 /// The daemon's async runtime: two worker threads, and a small blocking pool for the
 /// daemon's own housekeeping and start-up work (the API does not use it: see
@@ -264,6 +293,8 @@ fn announce(line: &str) {
 
 /// Runs the daemon until a signal stops it.
 pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
+    // Watched from the start: a signal during start-up stops the daemon the same way.
+    let mut stop_signal = Box::pin(shutdown_signal()?);
     // Unwrapped disk keys pass through this process (create-disk, crypto-shred): no core
     // dumps and no ptrace by non-root users of the same uid.
     // SAFETY: prctl(PR_SET_DUMPABLE, 0) only changes this process's dumpable flag.
@@ -274,12 +305,6 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
         );
     }
     make_state_dir(&args.state_dir)?;
-    let fault = FaultHook::from_env()?;
-    if fault.is_armed() {
-        tracing::warn!(
-            "{CRASH_ENV} is set: this daemon will SIGKILL itself at a step boundary (tests only)"
-        );
-    }
     let store = Arc::new(
         Store::open(&args.state_dir.join("state.db")).context("Cannot open the state store")?,
     );
@@ -320,8 +345,8 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
         Arc::new(cgroups),
         make_gpu(&args.gpu_backend)?,
         cfg,
-        fault,
     );
+    let svc = with_test_hooks(svc)?;
 
     // The host KEK and the receipt signing key exist from initialisation on.
     svc.departure_kit()
@@ -332,43 +357,80 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
             "--keep-unknown-cgroups is ignored: this daemon's cgroup subtree is its own, so the sweep of unknown cgroups never reaches another daemon's"
         );
     }
+
+    let listener = bind(&args.socket).await?;
+    // Every live tenant is marked as recovering before the first request is served; the
+    // recovery itself runs in the background, each tenant on its own thread.
+    let plan = reconcile::plan(&svc).context("Cannot start recovery")?;
     let opts = ReconcileOptions {
         sweep_unknown_cgroups: true,
     };
     let rsvc = svc.clone();
-    let report = tokio::task::spawn_blocking(move || reconcile(&rsvc, &opts)).await??;
-    tracing::info!(?report, "reconciled");
+    svc.track(std::thread::spawn(move || {
+        match reconcile::recover(&rsvc, plan, &opts) {
+            Ok(report) => tracing::info!(?report, "recovered"),
+            Err(e) => tracing::error!(error = %e, "recovery failed"),
+        }
+    }));
 
-    let listener = bind(&args.socket).await?;
     announce(&format!("tenantvmd: serving on {}", args.socket.display()));
     let housekeeper = tokio::spawn(housekeeping(svc.clone()));
     let app = crate::api::router(svc.clone());
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .context("API server failed")?;
+    let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = drain_rx.await;
+            })
+            .await
+    });
+    let served = tokio::select! {
+        () = &mut stop_signal => None,
+        ended = &mut server => Some(ended),
+    };
+    // Stopping: operations give up at their next wait; new connections are refused.
+    svc.request_stop();
     housekeeper.abort();
+    let served = match served {
+        Some(ended) => ended,
+        None => {
+            let _ = drain_tx.send(());
+            match tokio::time::timeout(DRAIN_REQUESTS, &mut server).await {
+                Ok(ended) => ended,
+                Err(_) => {
+                    tracing::warn!(
+                        "requests still in flight after {DRAIN_REQUESTS:?}; stopping without them"
+                    );
+                    server.abort();
+                    Ok(Ok(()))
+                }
+            }
+        }
+    };
     let wsvc = svc.clone();
-    tokio::task::spawn_blocking(move || wsvc.wait_idle()).await?;
+    let idle = tokio::task::spawn_blocking(move || wsvc.wait_idle_for(DRAIN_OPERATIONS)).await?;
+    if !idle {
+        tracing::warn!("operations still waiting on a guest or VMM after {DRAIN_OPERATIONS:?}; they resume at the next start");
+    }
     let _ = std::fs::remove_file(&args.socket);
+    served
+        .context("API server task failed")?
+        .context("API server failed")?;
     announce("tenantvmd: stopped (VMs keep running and are adopted at the next start)");
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// Resolves at SIGTERM or SIGINT.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot watch SIGTERM");
-            std::future::pending::<()>().await;
-            return;
+    let mut term = signal(SignalKind::terminate()).context("Cannot watch SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("Cannot watch SIGINT")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
         }
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
+    })
 }
 
 /// Every 2 s: [`housekeeping_pass`] off the async threads.
@@ -394,9 +456,9 @@ pub fn housekeeping_pass(svc: &TenantService) {
         Ok(_) => {}
         Err(e) => tracing::error!(error = %e, "VM check failed"),
     }
-    let root = svc.config().state_dir.join("tenants");
+    let root = svc.config().tenants_dir();
     for t in svc.store().list_tenants(false).unwrap_or_default() {
-        if t.state == crate::tenant::lifecycle::LifecycleState::Destroying {
+        if t.state == LifecycleState::Destroying {
             continue;
         }
         let logs =
@@ -413,7 +475,6 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use super::*;
-    use crate::tenant::lifecycle::LifecycleState;
 
     /// A log sink the test can read back.
     #[derive(Clone, Default)]
@@ -432,10 +493,10 @@ mod tests {
     #[test]
     fn logs_are_capped_in_every_tenant_state_not_only_running() {
         use crate::auth::Caller;
+        use crate::domain::spec::TenantSpec;
         use crate::logs::{LogKind, LogPolicy, TenantLogs, DEFAULT_MAX_BYTES};
         use crate::tenant::fault::FaultHook;
         use crate::tenant::service::TenantCommand;
-        use crate::tenant::spec::TenantSpec;
         use crate::tenant::test_utils::Harness;
         let h = Harness::new(FaultHook::default());
         for name in ["booting", "stopped"] {
@@ -495,9 +556,9 @@ mod tests {
     #[test]
     fn housekeeping_never_recreates_what_a_departure_removes() {
         use crate::auth::Caller;
+        use crate::domain::spec::TenantSpec;
         use crate::tenant::fault::FaultHook;
         use crate::tenant::service::TenantCommand;
-        use crate::tenant::spec::TenantSpec;
         use crate::tenant::test_utils::Harness;
         let h = Harness::new(FaultHook::default());
         let spec =

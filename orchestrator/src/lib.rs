@@ -11,6 +11,7 @@ pub mod cli;
 pub mod client;
 pub mod daemon;
 pub mod disk;
+pub mod domain;
 pub mod jail;
 pub mod keys;
 pub mod logs;

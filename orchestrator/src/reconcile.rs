@@ -1,24 +1,35 @@
-//! Reconciliation at daemon start: make the host match the store again after a crash.
+//! Recovery after a daemon start: make the host match the store again after a crash.
+//!
+//! It runs in the background once the API is up ([`plan`] marks every live tenant as
+//! recovering before the socket serves; [`recover`] then goes through them), so a tenant
+//! whose guest does not answer delays only itself: the API answers, the health check says
+//! recovery is running, and tenants not yet recovered say `recovering` (commands on them
+//! are refused with 409 `busy` until then).
 //!
 //! 1. Work a crash interrupted is finished: `provisioning`, `stopping` and `destroying`
 //!    tenants resume their operation from the first step not recorded as done (every step is
 //!    idempotent); `pending` tenants, whose creator never received a token, are rolled back
-//!    (destroyed).
+//!    (destroyed). Each tenant is recovered on its own thread.
 //! 2. `running` tenants whose recorded VMM still runs (same pid *and* start time) are
 //!    adopted; the others become `failed`.
-//! 3. Leaks are released: cgroups of tenants that should have no VM (their processes are
-//!    SIGKILLed with the cgroup, which is how unrecorded VMMs die), tenant directories and
-//!    resource records of tenants that are gone, and GPU reservations they held.
+//! 3. Leaks are released once every tenant is through: cgroups of tenants that should have
+//!    no VM (their processes are SIGKILLed with the cgroup, which is how unrecorded VMMs
+//!    die), tenant directories and resource records of tenants that are gone, and GPU
+//!    reservations they held. Each name is held while it is looked at, so an operation the
+//!    API started meanwhile is never swept.
 
 use std::collections::HashMap;
 use std::fs;
+use std::sync::Mutex;
 
 use thiserror::Error;
 
-use crate::store::{ResourceKind, StoreError};
-use crate::tenant::lifecycle::LifecycleState;
-use crate::tenant::service::{TenantService, TenantServiceError};
-use crate::tenant::steps::{self, Op};
+use crate::domain::lifecycle::LifecycleState;
+use crate::domain::TenantName;
+use crate::store::{ResourceKind, StoreError, TenantRecord};
+use crate::tenant::context::{error_chain, StepError, Tenant};
+use crate::tenant::service::{BusyGuard, TenantService, TenantServiceError};
+use crate::tenant::steps::{vm::kill_vm, Op};
 
 /// Reconciliation failures (individual tenants that cannot be fixed are logged and marked
 /// failed instead).
@@ -30,6 +41,9 @@ pub enum ReconcileError {
     /// A tenant operation failed in a way that stops reconciliation.
     #[error(transparent)]
     Service(#[from] TenantServiceError),
+    /// Killing a VM or loading a tenant failed.
+    #[error(transparent)]
+    Tenant(#[from] StepError),
     /// Listing cgroups or directories failed.
     #[error("Cannot list {what}: {message}")]
     List {
@@ -73,89 +87,154 @@ pub struct ReconcileReport {
     pub dirs_removed: Vec<String>,
     /// Stale resource records and GPU reservations released.
     pub records_released: usize,
+    /// Tenants whose recovery failed, with why (they are left as they were).
+    pub errors: Vec<String>,
 }
 
-/// Reconciles the host with the store. Runs before the API serves requests.
+/// The tenants a recovery goes through, each already held as recovering.
+pub struct RecoveryPlan {
+    tenants: Vec<(TenantRecord, BusyGuard)>,
+}
+
+/// Marks every live tenant as recovering (and the service as in recovery). Quick: the
+/// daemon calls it before its socket serves, so no command reaches a tenant before its
+/// recovery, then runs [`recover`] in the background.
+pub fn plan(svc: &TenantService) -> Result<RecoveryPlan, ReconcileError> {
+    svc.set_recovering(true);
+    let mut tenants = Vec::new();
+    for t in svc.store().list_tenants(false)? {
+        match svc.mark_recovering(&t.name) {
+            Ok(guard) => tenants.push((t, guard)),
+            // Already held by an operation: it is that operation's to finish.
+            Err(e) => tracing::warn!(tenant = %t.name, error = %e, "not recovering a busy tenant"),
+        }
+    }
+    Ok(RecoveryPlan { tenants })
+}
+
+/// Recovers every tenant of `plan`, each on its own thread (one silent guest delays only
+/// itself), then releases leaks. Each tenant's guard drops when its own recovery is done.
+pub fn recover(
+    svc: &TenantService,
+    plan: RecoveryPlan,
+    opts: &ReconcileOptions,
+) -> Result<ReconcileReport, ReconcileError> {
+    let report = Mutex::new(ReconcileReport::default());
+    std::thread::scope(|scope| {
+        for (t, guard) in plan.tenants {
+            let report = &report;
+            scope.spawn(move || {
+                let _guard = guard;
+                if let Err(e) = recover_one(svc, &t, report) {
+                    tracing::error!(tenant = %t.name, error = %e, "recovery failed");
+                    lock(report).errors.push(format!("{}: {e}", t.name));
+                }
+            });
+        }
+    });
+    let mut report = report.into_inner().unwrap_or_else(|p| p.into_inner());
+    let swept = release_leaks(svc, opts, &mut report);
+    svc.set_recovering(false);
+    swept?;
+    for v in [
+        &mut report.resumed,
+        &mut report.rolled_back,
+        &mut report.adopted,
+        &mut report.failed,
+        &mut report.cgroups_removed,
+        &mut report.dirs_removed,
+    ] {
+        v.sort();
+    }
+    Ok(report)
+}
+
+/// Reconciles the host with the store in one call ([`plan`], then [`recover`]).
 pub fn reconcile(
     svc: &TenantService,
     opts: &ReconcileOptions,
 ) -> Result<ReconcileReport, ReconcileError> {
-    let mut report = ReconcileReport::default();
+    let plan = plan(svc)?;
+    recover(svc, plan, opts)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Recovers one tenant (its recovery guard is held by the caller).
+fn recover_one(
+    svc: &TenantService,
+    t: &TenantRecord,
+    report: &Mutex<ReconcileReport>,
+) -> Result<(), ReconcileError> {
     let store = svc.store();
-    for t in store.list_tenants(false)? {
-        let _guard = svc.mark_busy(&t.name)?;
-        match t.state {
-            LifecycleState::Pending => {
-                let op_id = store
-                    .transition(
+    let ctx = svc.ctx();
+    let name = t.name.to_string();
+    match t.state {
+        LifecycleState::Pending => {
+            let op_id = store
+                .transition(
+                    t.id,
+                    LifecycleState::Destroying,
+                    Some(Op::Destroy.name()),
+                    None,
+                )?
+                .expect("op id");
+            svc.finish_op(t, op_id, Op::Destroy);
+            lock(report).rolled_back.push(name);
+        }
+        LifecycleState::Provisioning | LifecycleState::Stopping | LifecycleState::Destroying => {
+            let op = t.op.as_deref().and_then(Op::parse);
+            match (op, t.op_id) {
+                (Some(op), Some(op_id)) => {
+                    tracing::info!(tenant = %t.name, op = op.name(), "resuming interrupted operation");
+                    svc.finish_op(t, op_id, op);
+                    lock(report).resumed.push(name);
+                }
+                _ => {
+                    kill_vm(&ctx, &mut Tenant::load(&ctx, t)?)?;
+                    store.transition(
                         t.id,
-                        LifecycleState::Destroying,
-                        Some(Op::Destroy.name()),
+                        LifecycleState::Failed,
                         None,
-                    )?
-                    .expect("op id");
-                svc.finish_op(&t, op_id, Op::Destroy);
-                report.rolled_back.push(t.name.clone());
-            }
-            LifecycleState::Provisioning
-            | LifecycleState::Stopping
-            | LifecycleState::Destroying => {
-                let op = t.op.as_deref().and_then(Op::parse);
-                match (op, t.op_id) {
-                    (Some(op), Some(op_id)) => {
-                        tracing::info!(tenant = %t.name, op = op.name(), "resuming interrupted operation");
-                        svc.finish_op(&t, op_id, op);
-                        report.resumed.push(t.name.clone());
-                    }
-                    _ => {
-                        steps::kill_vm(svc, &t)?;
-                        store.transition(
-                            t.id,
-                            LifecycleState::Failed,
-                            None,
-                            Some("interrupted operation not recorded; destroy and recreate"),
-                        )?;
-                        report.failed.push(t.name.clone());
-                    }
+                        Some("interrupted operation not recorded; destroy and recreate"),
+                    )?;
+                    lock(report).failed.push(name);
                 }
             }
-            LifecycleState::Running => match steps::recorded_vm(svc, &t)? {
-                Some(vm) => match svc.backend.state(&vm) {
+        }
+        LifecycleState::Running => {
+            let mut tenant = Tenant::load(&ctx, t)?;
+            let why = match &tenant.vm {
+                None => Some("running, but no VM is recorded".to_string()),
+                Some(vm) => match ctx.backend.state(vm) {
                     Ok(crate::backend::VmState::Running | crate::backend::VmState::Paused) => {
                         store.add_event(
                             Some(t.id),
                             "adopt",
                             &format!("adopted VMM pid {}", vm.pid),
                         )?;
-                        report.adopted.push(t.name.clone());
+                        None
                     }
-                    other => {
-                        let why = match other {
-                            Ok(s) => format!("the VM ended while tenantvmd was down ({s:?})"),
-                            Err(e) => format!("the recorded VM cannot be reached: {e}"),
-                        };
-                        steps::kill_vm(svc, &t)?;
-                        store.transition(t.id, LifecycleState::Failed, None, Some(&why))?;
-                        report.failed.push(t.name.clone());
-                    }
+                    Ok(s) => Some(format!("the VM ended while tenantvmd was down ({s:?})")),
+                    Err(e) => Some(format!("the recorded VM cannot be reached: {e}")),
                 },
-                None => {
-                    store.transition(
-                        t.id,
-                        LifecycleState::Failed,
-                        None,
-                        Some("running, but no VM is recorded"),
-                    )?;
-                    report.failed.push(t.name.clone());
+            };
+            match why {
+                None => lock(report).adopted.push(name),
+                Some(why) => {
+                    kill_vm(&ctx, &mut tenant)?;
+                    store.transition(t.id, LifecycleState::Failed, None, Some(&why))?;
+                    lock(report).failed.push(name);
                 }
-            },
-            LifecycleState::Stopped | LifecycleState::Failed | LifecycleState::Destroyed => {
-                steps::kill_vm(svc, &t)?;
             }
         }
+        LifecycleState::Stopped | LifecycleState::Failed | LifecycleState::Destroyed => {
+            kill_vm(&ctx, &mut Tenant::load(&ctx, t)?)?;
+        }
     }
-    release_leaks(svc, opts, &mut report)?;
-    Ok(report)
+    Ok(())
 }
 
 fn release_leaks(
@@ -164,6 +243,7 @@ fn release_leaks(
     report: &mut ReconcileReport,
 ) -> Result<(), ReconcileError> {
     let store = svc.store();
+    let ctx = svc.ctx();
     let all = store.list_tenants(true)?;
     let live: HashMap<&str, LifecycleState> = all
         .iter()
@@ -173,9 +253,9 @@ fn release_leaks(
     let known: std::collections::HashSet<&str> = all.iter().map(|t| t.name.as_str()).collect();
 
     // Cgroups: only a running tenant may have one with processes in it.
-    let cgroups = svc.jail.list().map_err(|e| ReconcileError::List {
+    let cgroups = ctx.jail.list().map_err(|e| ReconcileError::List {
         what: "tenant cgroups",
-        message: steps::error_chain(&e),
+        message: error_chain(&e),
     })?;
     for name in cgroups {
         let state = live.get(name.as_str()).copied();
@@ -184,14 +264,25 @@ fn release_leaks(
         if wanted || !ours {
             continue;
         }
+        // Held while looked at: an operation the API started since the list was read owns
+        // its tenant's cgroup, and a tenant that became running keeps it.
+        let Ok(_guard) = svc.mark_busy(&name) else {
+            continue;
+        };
+        if store
+            .tenant(&name)?
+            .is_some_and(|t| t.state == LifecycleState::Running)
+        {
+            continue;
+        }
         let dir = svc.config().tenant_dir(&name);
-        match svc.jail.cleanup(&name, &dir) {
+        match ctx.jail.cleanup(&name, &dir) {
             Ok(()) => {
                 store.remove_resource(ResourceKind::Cgroup, &name)?;
                 report.cgroups_removed.push(name);
             }
             Err(e) => {
-                tracing::error!(tenant = %name, error = %steps::error_chain(&e), "cannot remove leaked cgroup")
+                tracing::error!(tenant = %name, error = %error_chain(&e), "cannot remove leaked cgroup")
             }
         }
     }
@@ -204,6 +295,19 @@ fn release_leaks(
             if live.contains_key(name.as_str()) {
                 continue;
             }
+            // A directory with a tenant's name is held while looked at (a create the API
+            // started since may own it); no tenant can have any other name.
+            let _guard = if TenantName::check(&name).is_ok() {
+                let Ok(guard) = svc.mark_busy(&name) else {
+                    continue;
+                };
+                if store.tenant(&name)?.is_some() {
+                    continue;
+                }
+                Some(guard)
+            } else {
+                None
+            };
             if let Err(e) = fs::remove_dir_all(entry.path()) {
                 tracing::error!(dir = %entry.path().display(), error = %e, "cannot remove leaked tenant directory");
             } else {
@@ -222,7 +326,7 @@ fn release_leaks(
         if gone.contains(&r.tenant_id) {
             if r.kind == ResourceKind::Process {
                 if let Some(t) = all.iter().find(|t| t.id == r.tenant_id) {
-                    steps::kill_vm(svc, t)?;
+                    kill_vm(&ctx, &mut Tenant::load(&ctx, t)?)?;
                 }
             }
             store.remove_resource(r.kind, &r.key)?;

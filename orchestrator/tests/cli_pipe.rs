@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use tenantvm::api::types::{LogChunk, LogPosition, LogStream, TenantList, TenantView};
-use tenantvm::tenant::lifecycle::LifecycleState;
-use tenantvm::tenant::spec::TenantSpec;
+use tenantvm::domain::lifecycle::LifecycleState;
+use tenantvm::domain::spec::TenantSpec;
 
 /// The exit status of a command whose output pipe closed (128 + SIGPIPE).
 const BROKEN_PIPE: i32 = 141;
@@ -30,6 +30,7 @@ fn view(name: &str) -> TenantView {
         gpu: None,
         created_ms: 0,
         updated_ms: 0,
+        recovering: false,
     }
 }
 

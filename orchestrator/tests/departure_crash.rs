@@ -16,7 +16,9 @@ use tenantvm::tenant::steps::Op;
 
 #[test]
 fn departure_resumes_after_sigkill_at_every_step_boundary() {
-    if daemon::should_skip("departure_resumes_after_sigkill_at_every_step_boundary") {
+    if daemon::should_skip("departure_resumes_after_sigkill_at_every_step_boundary")
+        || daemon::skip_without_crash_hook("departure_resumes_after_sigkill_at_every_step_boundary")
+    {
         return;
     }
     if let Some(why) = departure_common::qemu_skip() {

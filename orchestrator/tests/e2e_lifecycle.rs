@@ -9,8 +9,8 @@ mod support;
 use std::time::Duration;
 
 use tenantvm::api::types::{LogQuery, LogStream};
-use tenantvm::tenant::lifecycle::LifecycleState;
-use tenantvm::tenant::spec::TenantSpec;
+use tenantvm::domain::lifecycle::LifecycleState;
+use tenantvm::domain::spec::TenantSpec;
 
 use support::daemon::{self, eventually, TestDaemon};
 

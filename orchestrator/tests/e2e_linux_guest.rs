@@ -170,6 +170,9 @@ fn linux_guest_tenant_serves_inference_keeps_its_disk_encrypted_and_leaves_nothi
         eprintln!("skipping {TEST}: {why}");
         return;
     }
+    if daemon::skip_without_crash_hook(TEST) {
+        return;
+    }
     let set = image_set();
     let backend = std::env::var("TENANTVM_E2E_BACKEND").unwrap_or_else(|_| "qemu-tcg".into());
     let mut d = TestDaemon::new().with_args(&[

@@ -8,8 +8,8 @@ mod support;
 
 use std::time::Duration;
 
-use tenantvm::tenant::lifecycle::LifecycleState;
-use tenantvm::tenant::spec::TenantSpec;
+use tenantvm::domain::lifecycle::LifecycleState;
+use tenantvm::domain::spec::TenantSpec;
 
 use support::daemon::{self, eventually, TestDaemon};
 

@@ -115,7 +115,7 @@ fn a_failed_destroy_step_stays_destroying_and_destroy_again_resumes() {
     let t = d.store().tenant(&name).unwrap().unwrap();
     assert_eq!(
         t.state,
-        tenantvm::tenant::lifecycle::LifecycleState::Destroying
+        tenantvm::domain::lifecycle::LifecycleState::Destroying
     );
     // Fixed, destroy resumes the same departure and finishes it.
     std::fs::remove_dir(&log).unwrap();

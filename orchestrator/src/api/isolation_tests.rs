@@ -133,15 +133,21 @@ fn a_tenant_with_its_whole_concurrency_hung_slows_no_one_else() {
         tokio::task::spawn_blocking(move || s2.wait_idle())
             .await
             .unwrap();
-        // Both now run a guest image with an agent (the manifest marks the image as one).
-        std::fs::write(h.dir.path().join("images/hello/manifest.json"), "{}").unwrap();
+        // Both now run a guest image with an agent (as recorded at create for an image set).
         let mut listeners = Vec::new();
         for name in ["hung", "calm"] {
             let t = svc.store().tenant(name).unwrap().unwrap();
-            let vm = crate::tenant::steps::recorded_vm(&svc, &t)
-                .unwrap()
+            svc.store()
+                .set_guest(t.id, crate::domain::GuestKind::Agent)
                 .unwrap();
-            let sock = svc.backend.agent_endpoint(&vm).path().to_path_buf();
+            let ctx = svc.ctx();
+            let vm = crate::tenant::context::Tenant::load(&ctx, &t)
+                .unwrap()
+                .vm
+                .unwrap();
+            let sock = crate::tenant::steps::guest::agent_endpoint(ctx.backend, &vm)
+                .path()
+                .to_path_buf();
             std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
             listeners.push(peercred::listen_as(&sock, vm.uid).unwrap());
         }

@@ -20,10 +20,10 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 
 use crate::auth::{self, AuthError, Caller};
+use crate::domain::spec::TenantSpec;
 use crate::store::StoreError;
 use crate::tenant::host::GpuPlanError;
 use crate::tenant::service::{CommandOutcome, TenantCommand, TenantService, TenantServiceError};
-use crate::tenant::spec::TenantSpec;
 use lanes::{offload, Lane, LaneFull, Lanes, OffloadError};
 use types::{ErrorBody, ErrorDetail, Health, LogQuery};
 
@@ -119,10 +119,6 @@ impl From<TenantServiceError> for ApiError {
             return error;
         }
         let (status, code) = match &e {
-            E::Spec(
-                crate::tenant::spec::TenantSpecError::OutsideImageDir { .. }
-                | crate::tenant::spec::TenantSpecError::NoImageDir,
-            ) => (StatusCode::BAD_REQUEST, "invalid_image"),
             E::Spec(_) => (StatusCode::BAD_REQUEST, "invalid_spec"),
             E::Image(_) => (StatusCode::BAD_REQUEST, "invalid_image"),
             E::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
@@ -135,7 +131,7 @@ impl From<TenantServiceError> for ApiError {
             E::Store(StoreError::Lifecycle(_)) | E::Lifecycle(_) => {
                 (StatusCode::CONFLICT, "invalid_state")
             }
-            E::Busy(_) => (StatusCode::CONFLICT, "busy"),
+            E::Busy(_) | E::Recovering(_) => (StatusCode::CONFLICT, "busy"),
             E::Capacity(_) => (StatusCode::CONFLICT, "insufficient_capacity"),
             E::NotServing(_) => (StatusCode::CONFLICT, "invalid_state"),
             E::AgentUnavailable(_) => (StatusCode::BAD_GATEWAY, "guest_unavailable"),
@@ -227,6 +223,7 @@ async fn health(State(api): State<ApiState>, headers: HeaderMap) -> Result<Respo
         status: "ok".into(),
         version: env!("CARGO_PKG_VERSION").into(),
         backend: api.svc.backend_name(),
+        recovering: api.svc.recovering(),
     })
     .into_response())
 }

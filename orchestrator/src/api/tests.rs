@@ -420,10 +420,11 @@ async fn bad_requests_get_clear_errors_and_change_nothing() {
 #[tokio::test]
 async fn the_checker_rejects_bodies_that_break_the_spec() {
     let spec = OpenApi::load();
-    let good = json!({"status": "ok", "version": "1", "backend": "x"});
+    let good = json!({"status": "ok", "version": "1", "backend": "x", "recovering": false});
     spec.check_response("GET", "/v1/health", 200, &good)
         .unwrap();
-    let extra = json!({"status": "ok", "version": "1", "backend": "x", "debug": true});
+    let extra =
+        json!({"status": "ok", "version": "1", "backend": "x", "recovering": false, "debug": true});
     assert!(spec
         .check_response("GET", "/v1/health", 200, &extra)
         .is_err());
@@ -572,7 +573,7 @@ async fn infer_answers_match_the_spec_and_are_scoped() {
         .await;
     assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
     // Within the API's cap but above what is forwarded to a guest.
-    let big = json!({ "prompt": "x".repeat(crate::tenant::agent_steps::MAX_INFER_BODY) });
+    let big = json!({ "prompt": "x".repeat(crate::tenant::infer::MAX_INFER_BODY) });
     let (s, _) = api
         .checked(
             "POST",

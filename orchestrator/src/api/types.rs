@@ -1,11 +1,14 @@
 //! The API's request and response bodies, shared by the daemon and the CLI.
 //! docs/api/openapi.yaml describes the same shapes; the API tests check them against it.
+//!
+//! These are wire types only: the store's rows are never sent as they are (the tenant layer
+//! copies what a caller may see into these), so the store's schema can change without
+//! changing the API, and the API types do not depend on the store.
 
 use serde::{Deserialize, Serialize};
 
-use crate::store::{EventRecord, GpuPlacement, StepRecord};
-use crate::tenant::lifecycle::LifecycleState;
-use crate::tenant::spec::TenantSpec;
+use crate::domain::lifecycle::LifecycleState;
+use crate::domain::spec::TenantSpec;
 
 /// A tenant as the API shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -20,7 +23,7 @@ pub struct TenantView {
     /// Why the tenant failed, if it did.
     pub error: Option<String>,
     /// The steps of that operation so far.
-    pub steps: Vec<StepRecord>,
+    pub steps: Vec<StepView>,
     /// The spec it was created with.
     pub spec: TenantSpec,
     /// The uid/gid its VMM runs as.
@@ -28,11 +31,81 @@ pub struct TenantView {
     /// Host pid of its VMM (jail launcher).
     pub pid: Option<i32>,
     /// Its GPU reservation.
-    pub gpu: Option<GpuPlacement>,
+    pub gpu: Option<GpuSlice>,
     /// Creation time, ms since the epoch.
     pub created_ms: i64,
     /// Last state change, ms since the epoch.
     pub updated_ms: i64,
+    /// The daemon restarted and has not finished recovering this tenant yet (checking its
+    /// VM, or resuming its interrupted operation): its state is the last one recorded, and
+    /// commands on it are refused until recovery is done.
+    #[serde(default)]
+    pub recovering: bool,
+}
+
+/// One step of a tenant's operation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StepView {
+    /// Step name (`launch-vm`, ...).
+    pub step: String,
+    /// `started`, `done` or `failed`.
+    pub status: String,
+    /// Why it failed.
+    pub error: Option<String>,
+    /// When it started, ms since the epoch.
+    pub started_ms: i64,
+    /// When it ended.
+    pub finished_ms: Option<i64>,
+}
+
+/// A GPU slice: a set of slots on one GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuSlice {
+    /// GPU identifier.
+    pub gpu: String,
+    /// The slots (MIG memory slices; all of them for a whole GPU) it occupies.
+    pub slots: Vec<u32>,
+    /// What it is (`whole`, `1g.10gb@0`, ...).
+    pub label: String,
+}
+
+/// A lifecycle event of a tenant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventView {
+    /// Monotonic id (pass as `offset` to read the events after it).
+    pub id: i64,
+    /// When, ms since the epoch.
+    pub at_ms: i64,
+    /// Short kind (`state`, `step`, `error`, ...).
+    pub kind: String,
+    /// Human-readable text.
+    pub message: String,
+}
+
+/// A quarantined GPU slice: a placement whose scrub did not verify.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuarantinedSliceView {
+    /// The GPU.
+    pub gpu: String,
+    /// Its slots.
+    pub slots: Vec<u32>,
+    /// The placement label (`1g.18gb@3`, `whole`).
+    pub label: String,
+    /// Why it is quarantined.
+    pub reason: String,
+    /// Since when, ms since the epoch.
+    pub since_ms: i64,
+}
+
+impl QuarantinedSliceView {
+    /// The slice as `tenantvm gpu scrub` names it: `<gpu>/<label>`.
+    pub fn id(&self) -> String {
+        format!("{}/{}", self.gpu, self.label)
+    }
 }
 
 /// `GET /v1/tenants`.
@@ -107,7 +180,7 @@ pub struct LogChunk {
     /// True when output was lost to rotation since the given cursor.
     pub skipped: bool,
     /// Events, for the `events` stream.
-    pub events: Vec<EventRecord>,
+    pub events: Vec<EventView>,
 }
 
 /// `GET /v1/health`.
@@ -120,6 +193,10 @@ pub struct Health {
     pub version: String,
     /// Backend in use.
     pub backend: String,
+    /// The daemon's recovery after a restart is still going through tenants (the API
+    /// answers meanwhile; tenants not yet recovered say `recovering`).
+    #[serde(default)]
+    pub recovering: bool,
 }
 
 /// Every error response.
@@ -159,7 +236,7 @@ pub struct ReceiptList {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct QuarantineList {
     /// Quarantined slices.
-    pub slices: Vec<crate::store::QuarantinedSlice>,
+    pub slices: Vec<QuarantinedSliceView>,
 }
 
 /// `POST /v1/gpu/quarantine/scrub` body.

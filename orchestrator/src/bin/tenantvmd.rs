@@ -27,7 +27,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(tenantvm::daemon::run(args)) {
+    let result = rt.block_on(tenantvm::daemon::run(args));
+    // A request or operation still blocked on a guest or VMM must not hold the exit:
+    // whatever it was doing is recorded and resumes at the next start.
+    rt.shutdown_timeout(std::time::Duration::from_millis(500));
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tenantvmd: {e:#}");

@@ -13,7 +13,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::api::types::LogStream;
 use crate::client::{Client, ClientError};
-use crate::tenant::spec::{GpuRequest, GuestImage, Quotas, TenantSpec};
+use crate::domain::spec::{GpuRequest, GuestImage, Quotas, TenantSpec};
+use crate::domain::TenantName;
 
 /// Exit statuses of `tenantvm` (docs/orchestrator.md lists them too).
 pub mod exit {
@@ -453,6 +454,7 @@ pub fn spec_from_args(a: &CreateArgs) -> Result<TenantSpec, CliFailure> {
             })?,
         },
     };
+    let name = TenantName::new(name).map_err(|e| fail(exit::INVALID, e.to_string()))?;
     let spec = TenantSpec {
         name,
         vcpus: a.vcpus,

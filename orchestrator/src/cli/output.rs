@@ -56,7 +56,15 @@ pub(super) fn print_table(out: &mut dyn Write, tenants: &[TenantView]) -> io::Re
 
 pub(super) fn print_status(out: &mut dyn Write, t: &TenantView) -> io::Result<()> {
     writeln!(out, "name:       {}", one_line(&t.name))?;
-    writeln!(out, "state:      {}", t.state)?;
+    if t.recovering {
+        writeln!(
+            out,
+            "state:      {} (last recorded; the daemon restarted and is still recovering this tenant)",
+            t.state
+        )?;
+    } else {
+        writeln!(out, "state:      {}", t.state)?;
+    }
     if let Some(e) = &t.error {
         // Errors quote guests (agent replies, payload errors): one line, escaped.
         writeln!(out, "error:      {}", one_line(e))?;
@@ -150,7 +158,7 @@ pub(super) fn print_receipts(
 /// Prints the quarantined GPU slices.
 pub(super) fn print_quarantine(
     out: &mut dyn Write,
-    slices: &[crate::store::QuarantinedSlice],
+    slices: &[crate::api::types::QuarantinedSliceView],
 ) -> io::Result<()> {
     if slices.is_empty() {
         return writeln!(out, "no quarantined GPU slices");

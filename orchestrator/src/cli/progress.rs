@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::{exit, fail, output, CliFailure, LogsArgs, OpArgs};
 use crate::api::types::{LogQuery, TenantView};
 use crate::client::{Client, ClientError};
-use crate::tenant::lifecycle::LifecycleState;
+use crate::domain::lifecycle::LifecycleState;
 
 pub(super) async fn op(
     client: &Client,

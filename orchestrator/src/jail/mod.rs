@@ -77,20 +77,10 @@ pub enum JailError {
     },
 }
 
-/// Checks a tenant name against `[a-z0-9][a-z0-9-]{0,62}` (names reach paths and cgroups).
+/// Checks a tenant name with [`TenantName`]'s rule (names reach paths and cgroups); for the
+/// `&str` names this module receives from callers and from directory listings.
 pub fn validate_tenant_name(name: &str) -> Result<(), JailError> {
-    let bytes = name.as_bytes();
-    let ok = !bytes.is_empty()
-        && bytes.len() <= 63
-        && (bytes[0].is_ascii_lowercase() || bytes[0].is_ascii_digit())
-        && bytes
-            .iter()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-');
-    if ok {
-        Ok(())
-    } else {
-        Err(JailError::InvalidTenantName(name.to_string()))
-    }
+    crate::domain::TenantName::check(name).map_err(|e| JailError::InvalidTenantName(e.0))
 }
 
 /// Idempotent teardown of a tenant's jail: SIGKILLs every process in the tenant's cgroup,

@@ -20,6 +20,8 @@ use aes_gcm::{Aes256Gcm, Nonce};
 use sha2::{Digest, Sha256};
 use zeroize::Zeroize;
 
+use crate::domain::TenantName;
+
 pub(crate) use files::{
     create_private_dir, create_private_new, read_private, sync_dir, write_private_atomic,
     write_public,
@@ -50,13 +52,12 @@ const TAG_BYTES: usize = 16;
 /// Size of a wrapped key file: magic, KEK id, nonce, ciphertext and tag.
 pub const WRAPPED_BYTES: usize = 8 + KEK_ID_BYTES + NONCE_BYTES + DISK_KEY_BYTES + TAG_BYTES;
 const AAD_PREFIX: &[u8] = b"tenantvm disk key v1\0";
-const MAX_TENANT_ID: usize = 64;
 
 /// Errors of the key store. None of them carries key material.
 #[derive(Debug, thiserror::Error)]
 pub enum KeyError {
     /// A tenant id that cannot name a key file.
-    #[error("Invalid tenant id {0:?}: use 1 to 64 characters from a-z, A-Z, 0-9, '-' and '_', not starting with '-'")]
+    #[error("Invalid tenant name {0:?}: use 1-63 characters from a-z, 0-9 and '-', starting with a letter or digit")]
     InvalidTenantId(String),
     /// The host KEK file or credential was refused.
     #[error("Host key-encryption key refused: {0}")]
@@ -115,19 +116,10 @@ pub enum KeyError {
     Unauthentic(String),
 }
 
-/// Checks that `tenant` is safe to use as a file name and as associated data.
+/// Checks that `tenant` is a tenant name ([`TenantName`]'s rule, the one every layer uses),
+/// which makes it safe as a file name and as associated data.
 pub fn check_tenant_id(tenant: &str) -> Result<(), KeyError> {
-    let ok = !tenant.is_empty()
-        && tenant.len() <= MAX_TENANT_ID
-        && !tenant.starts_with('-')
-        && tenant
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    if ok {
-        Ok(())
-    } else {
-        Err(KeyError::InvalidTenantId(tenant.to_string()))
-    }
+    TenantName::check(tenant).map_err(|e| KeyError::InvalidTenantId(e.0))
 }
 
 fn random_error(e: impl std::fmt::Display) -> KeyError {
@@ -557,12 +549,15 @@ mod tests {
     #[test]
     fn tenant_ids_that_could_escape_the_directory_are_refused() {
         let (_dir, store) = store();
-        for bad in ["", "../etc", "a/b", "-x", ".hidden", &"x".repeat(65), "é"] {
+        let long = "x".repeat(64);
+        for bad in [
+            "", "../etc", "a/b", "-x", ".hidden", &long, "é", "Alice", "a_b", "a\0",
+        ] {
             assert!(
                 matches!(store.create(bad), Err(KeyError::InvalidTenantId(_))),
                 "{bad:?} accepted"
             );
         }
-        assert!(store.create(&"x".repeat(64)).is_ok());
+        assert!(store.create(&"x".repeat(63)).is_ok());
     }
 }

@@ -105,4 +105,9 @@ CREATE TABLE gpu_quarantine (
     PRIMARY KEY (gpu, slot)
 );
 "#,
+    // 3: facts decided once at create and stored with the tenant. Rows from before it have
+    // NULL here; the daemon decides theirs the first time it loads them (and stores it).
+    r#"
+ALTER TABLE tenants ADD COLUMN guest TEXT CHECK (guest IN ('agent', 'plain'));
+"#,
 ];

@@ -19,8 +19,9 @@ use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::tenant::lifecycle::{LifecycleError, LifecycleState};
-use crate::tenant::spec::TenantSpec;
+use crate::domain::lifecycle::{LifecycleError, LifecycleState};
+use crate::domain::spec::TenantSpec;
+use crate::domain::{GuestKind, TenantName};
 
 /// Store failures.
 #[derive(Debug, Error)]
@@ -89,11 +90,14 @@ pub struct TenantRecord {
     /// Row id.
     pub id: i64,
     /// Tenant name.
-    pub name: String,
+    pub name: TenantName,
     /// Lifecycle state.
     pub state: LifecycleState,
     /// The spec it was created with.
     pub spec: TenantSpec,
+    /// What runs in its guest, decided at create; `None` for a row written before this was
+    /// stored (schema version 3), until the daemon decides and stores it.
+    pub guest: Option<GuestKind>,
     /// The operation in progress or last run (`create`, `start`, `stop`, `destroy`).
     pub op: Option<String>,
     /// Row id of that operation.
@@ -223,22 +227,27 @@ impl Store {
 
     // ---- tenants -------------------------------------------------------------------
 
-    /// Records a new tenant in `pending`. Fails if a live tenant has the name.
-    pub fn insert_tenant(&self, spec: &TenantSpec) -> Result<TenantRecord, StoreError> {
+    /// Records a new tenant in `pending`, with what runs in its guest. Fails if a live tenant
+    /// has the name.
+    pub fn insert_tenant(
+        &self,
+        spec: &TenantSpec,
+        guest: GuestKind,
+    ) -> Result<TenantRecord, StoreError> {
         let conn = self.lock();
         let spec_json =
             serde_json::to_string(spec).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let now = now_ms();
         let res = conn.execute(
-            "INSERT INTO tenants (name, state, spec, created_ms, updated_ms) VALUES (?1, 'pending', ?2, ?3, ?3)",
-            params![spec.name, spec_json, now],
+            "INSERT INTO tenants (name, state, spec, guest, created_ms, updated_ms) VALUES (?1, 'pending', ?2, ?4, ?3, ?3)",
+            params![spec.name.as_str(), spec_json, now, guest.as_str()],
         );
         match res {
             Ok(_) => {}
             Err(rusqlite::Error::SqliteFailure(e, _))
                 if e.code == rusqlite::ErrorCode::ConstraintViolation =>
             {
-                return Err(StoreError::DuplicateName(spec.name.clone()))
+                return Err(StoreError::DuplicateName(spec.name.to_string()))
             }
             Err(e) => return Err(e.into()),
         }
@@ -246,6 +255,16 @@ impl Store {
         insert_event(&conn, Some(id), "state", "pending: tenant recorded")?;
         drop(conn);
         self.tenant_by_id(id)
+    }
+
+    /// Stores what runs in a tenant's guest (for rows written before it was stored).
+    pub fn set_guest(&self, tenant_id: i64, guest: GuestKind) -> Result<(), StoreError> {
+        let conn = self.lock();
+        conn.execute(
+            "UPDATE tenants SET guest = ?2 WHERE id = ?1",
+            params![tenant_id, guest.as_str()],
+        )?;
+        Ok(())
     }
 
     /// The live (not destroyed) tenant with this name.
@@ -672,15 +691,17 @@ impl Store {
 }
 
 const TENANT_COLS: &str =
-    "SELECT id, name, state, spec, op, op_id, error, created_ms, updated_ms FROM tenants";
+    "SELECT id, name, state, spec, op, op_id, error, created_ms, updated_ms, guest FROM tenants";
 
 fn row_to_tenant(r: &rusqlite::Row<'_>) -> rusqlite::Result<Result<TenantRecord, StoreError>> {
+    let name: String = r.get(1)?;
     let state: String = r.get(2)?;
     let spec: String = r.get(3)?;
+    let guest: Option<String> = r.get(9)?;
     let parsed = (|| {
         Ok(TenantRecord {
             id: r.get(0)?,
-            name: r.get(1)?,
+            name: TenantName::new(name).map_err(|e| StoreError::Corrupt(e.to_string()))?,
             state: state.parse()?,
             spec: serde_json::from_str(&spec).map_err(|e| StoreError::Corrupt(e.to_string()))?,
             op: r.get(4)?,
@@ -688,6 +709,10 @@ fn row_to_tenant(r: &rusqlite::Row<'_>) -> rusqlite::Result<Result<TenantRecord,
             error: r.get(6)?,
             created_ms: r.get(7)?,
             updated_ms: r.get(8)?,
+            guest: guest
+                .map(|g| g.parse::<GuestKind>())
+                .transpose()
+                .map_err(|e| StoreError::Corrupt(e.to_string()))?,
         })
     })();
     Ok(parsed)

@@ -1,7 +1,7 @@
 use std::sync::{Arc, Barrier};
 
 use super::*;
-use crate::tenant::spec::{GuestImage, TenantSpec};
+use crate::domain::spec::{GuestImage, TenantSpec};
 
 fn spec(name: &str) -> TenantSpec {
     TenantSpec::from_toml(&format!("name = \"{name}\"\n[image]\nname = \"hello\"\n")).unwrap()
@@ -19,7 +19,7 @@ fn reopening_keeps_tenants_and_schema() {
     let path = dir.path().join("state.db");
     {
         let store = Store::open(&path).unwrap();
-        store.insert_tenant(&spec("a")).unwrap();
+        store.insert_tenant(&spec("a"), GuestKind::Plain).unwrap();
     }
     let store = Store::open(&path).unwrap();
     let t = store.tenant("a").unwrap().unwrap();
@@ -36,9 +36,9 @@ fn reopening_keeps_tenants_and_schema() {
 #[test]
 fn duplicate_live_names_are_refused_but_destroyed_names_are_reusable() {
     let (_d, store) = open_temp();
-    let t = store.insert_tenant(&spec("a")).unwrap();
+    let t = store.insert_tenant(&spec("a"), GuestKind::Plain).unwrap();
     assert!(matches!(
-        store.insert_tenant(&spec("a")),
+        store.insert_tenant(&spec("a"), GuestKind::Plain),
         Err(StoreError::DuplicateName(_))
     ));
     store
@@ -47,7 +47,7 @@ fn duplicate_live_names_are_refused_but_destroyed_names_are_reusable() {
     store
         .transition(t.id, LifecycleState::Destroyed, None, None)
         .unwrap();
-    store.insert_tenant(&spec("a")).unwrap();
+    store.insert_tenant(&spec("a"), GuestKind::Plain).unwrap();
     assert_eq!(store.list_tenants(true).unwrap().len(), 2);
     assert_eq!(store.list_tenants(false).unwrap().len(), 1);
 }
@@ -55,7 +55,7 @@ fn duplicate_live_names_are_refused_but_destroyed_names_are_reusable() {
 #[test]
 fn invalid_transitions_change_nothing() {
     let (_d, store) = open_temp();
-    let t = store.insert_tenant(&spec("a")).unwrap();
+    let t = store.insert_tenant(&spec("a"), GuestKind::Plain).unwrap();
     let err = store
         .transition(t.id, LifecycleState::Running, None, None)
         .unwrap_err();
@@ -69,7 +69,7 @@ fn invalid_transitions_change_nothing() {
 #[test]
 fn steps_are_recorded_before_and_after() {
     let (_d, store) = open_temp();
-    let t = store.insert_tenant(&spec("a")).unwrap();
+    let t = store.insert_tenant(&spec("a"), GuestKind::Plain).unwrap();
     let op = store
         .transition(t.id, LifecycleState::Provisioning, Some("create"), None)
         .unwrap()
@@ -93,9 +93,9 @@ fn steps_are_recorded_before_and_after() {
 #[test]
 fn uids_are_lowest_free_and_stable_per_tenant() {
     let (_d, store) = open_temp();
-    let a = store.insert_tenant(&spec("a")).unwrap();
-    let b = store.insert_tenant(&spec("b")).unwrap();
-    let c = store.insert_tenant(&spec("c")).unwrap();
+    let a = store.insert_tenant(&spec("a"), GuestKind::Plain).unwrap();
+    let b = store.insert_tenant(&spec("b"), GuestKind::Plain).unwrap();
+    let c = store.insert_tenant(&spec("c"), GuestKind::Plain).unwrap();
     assert_eq!(store.allocate_uid(a.id, 1000, 2).unwrap(), 1000);
     assert_eq!(store.allocate_uid(a.id, 1000, 2).unwrap(), 1000);
     assert_eq!(store.allocate_uid(b.id, 1000, 2).unwrap(), 1001);
@@ -110,8 +110,8 @@ fn uids_are_lowest_free_and_stable_per_tenant() {
 #[test]
 fn resources_are_unique_across_tenants() {
     let (_d, store) = open_temp();
-    let a = store.insert_tenant(&spec("a")).unwrap();
-    let b = store.insert_tenant(&spec("b")).unwrap();
+    let a = store.insert_tenant(&spec("a"), GuestKind::Plain).unwrap();
+    let b = store.insert_tenant(&spec("b"), GuestKind::Plain).unwrap();
     store
         .add_resource(a.id, ResourceKind::File, "/x", None)
         .unwrap();
@@ -146,9 +146,9 @@ fn slice(gpu: &str, start: u32, len: u32) -> GpuPlacement {
 #[test]
 fn gpu_reservation_skips_taken_slots_and_is_idempotent() {
     let (_d, store) = open_temp();
-    let a = store.insert_tenant(&spec("a")).unwrap();
-    let b = store.insert_tenant(&spec("b")).unwrap();
-    let c = store.insert_tenant(&spec("c")).unwrap();
+    let a = store.insert_tenant(&spec("a"), GuestKind::Plain).unwrap();
+    let b = store.insert_tenant(&spec("b"), GuestKind::Plain).unwrap();
+    let c = store.insert_tenant(&spec("c"), GuestKind::Plain).unwrap();
     let got = store
         .reserve_gpu(a.id, &[slice("g0", 0, 4)])
         .unwrap()
@@ -192,7 +192,12 @@ fn concurrent_gpu_reservations_never_share_a_slot() {
     let path = dir.path().join("state.db");
     let setup = Store::open(&path).unwrap();
     let ids: Vec<i64> = (0..12)
-        .map(|i| setup.insert_tenant(&spec(&format!("t{i}"))).unwrap().id)
+        .map(|i| {
+            setup
+                .insert_tenant(&spec(&format!("t{i}")), GuestKind::Plain)
+                .unwrap()
+                .id
+        })
         .collect();
     // Two GPUs of 8 slots; each tenant wants 2 slots anywhere: 8 fit, 4 must be refused.
     let candidates: Vec<GpuPlacement> = ["g0", "g1"]
@@ -233,7 +238,7 @@ fn concurrent_gpu_reservations_never_share_a_slot() {
 #[test]
 fn tokens_resolve_to_owners_and_revoke() {
     let (_d, store) = open_temp();
-    let a = store.insert_tenant(&spec("a")).unwrap();
+    let a = store.insert_tenant(&spec("a"), GuestKind::Plain).unwrap();
     store.insert_token("aa", &TokenOwner::Admin).unwrap();
     store.insert_token("bb", &TokenOwner::Tenant(a.id)).unwrap();
     assert!(store.has_admin_token().unwrap());
@@ -253,7 +258,7 @@ fn tokens_resolve_to_owners_and_revoke() {
 #[test]
 fn events_page_by_id() {
     let (_d, store) = open_temp();
-    let a = store.insert_tenant(&spec("a")).unwrap();
+    let a = store.insert_tenant(&spec("a"), GuestKind::Plain).unwrap();
     store.add_event(Some(a.id), "note", "one").unwrap();
     store.add_event(Some(a.id), "note", "two").unwrap();
     let all = store.events(a.id, 0, 100).unwrap();
@@ -264,9 +269,40 @@ fn events_page_by_id() {
 }
 
 #[test]
+fn rows_from_before_schema_3_load_and_get_their_guest_kind_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    {
+        // A store as a daemon before schema 3 left it: one tenant, no guest column.
+        let conn = Connection::open(&path).unwrap();
+        for sql in &migrations::MIGRATIONS[..2] {
+            conn.execute_batch(sql).unwrap();
+        }
+        conn.pragma_update(None, "user_version", 2).unwrap();
+        let spec_json = serde_json::to_string(&spec("old")).unwrap();
+        conn.execute(
+            "INSERT INTO tenants (name, state, spec, created_ms, updated_ms) VALUES ('old', 'running', ?1, 1, 1)",
+            [spec_json],
+        )
+        .unwrap();
+    }
+    let store = Store::open(&path).unwrap();
+    let t = store.tenant("old").unwrap().unwrap();
+    assert_eq!(t.state, LifecycleState::Running);
+    assert_eq!(t.guest, None, "undecided until the daemon decides it");
+    store.set_guest(t.id, GuestKind::Agent).unwrap();
+    assert_eq!(
+        store.tenant("old").unwrap().unwrap().guest,
+        Some(GuestKind::Agent)
+    );
+    let new = store.insert_tenant(&spec("new"), GuestKind::Plain).unwrap();
+    assert_eq!(new.guest, Some(GuestKind::Plain));
+}
+
+#[test]
 fn guest_text_in_events_and_errors_is_bounded_to_one_line() {
     let (_d, store) = open_temp();
-    let a = store.insert_tenant(&spec("a")).unwrap();
+    let a = store.insert_tenant(&spec("a"), GuestKind::Plain).unwrap();
     let hostile = format!("{}\ncrypto-shred ok verified\x1b[2K", "E".repeat(4 << 20));
     store.add_event(Some(a.id), "step", &hostile).unwrap();
     store

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::spec::Quotas;
+use crate::domain::spec::{Quotas, TenantSpec};
 
 /// Why a request was not admitted.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -97,6 +97,12 @@ impl Drop for Permit {
 }
 
 impl Admission {
+    /// The gate's key for a tenant: its row id and name, so that a new tenant under a
+    /// destroyed one's name starts afresh.
+    pub fn key(id: i64, name: &str) -> String {
+        format!("{id}:{name}")
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Gate>> {
         self.gates.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -160,16 +166,6 @@ impl Admission {
     pub fn forget(&self, tenant_id: &str) {
         self.lock().remove(tenant_id);
     }
-}
-
-/// An inference request admitted by its tenant's gate: the tenant, and the permit that
-/// keeps its place among the tenant's requests in flight until dropped.
-#[derive(Debug)]
-pub struct AdmittedInfer {
-    /// The target tenant.
-    pub(crate) tenant: crate::store::TenantRecord,
-    /// Its place in flight.
-    pub(crate) permit: Permit,
 }
 
 /// Why a tenant was refused at create: the host cannot hold it.
@@ -289,6 +285,26 @@ impl HostCapacity {
         self.lock.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Checks that the host can hold `spec` beside `others` (the specs of every tenant that
+    /// is not destroyed). Call it with [`HostCapacity::lock`] held until the tenant is
+    /// recorded.
+    pub fn check_room<'a>(
+        &self,
+        others: impl Iterator<Item = &'a TenantSpec>,
+        vmm_overhead_mib: u64,
+        spec: &TenantSpec,
+    ) -> Result<(), CapacityError> {
+        let mut held = Reservation::default();
+        let mut count = 0;
+        for other in others {
+            let r = reservation(other, vmm_overhead_mib);
+            held.memory_mib += r.memory_mib;
+            held.vcpus += r.vcpus;
+            count += 1;
+        }
+        self.check(&spec.name, reservation(spec, vmm_overhead_mib), held, count)
+    }
+
     /// Whether `want` fits beside `held` (what `others` tenants reserve already).
     pub fn check(
         &self,
@@ -336,36 +352,11 @@ impl HostCapacity {
 }
 
 /// What `spec` would reserve: its memory plus the VMM's overhead, and its vCPUs.
-pub fn reservation(spec: &super::spec::TenantSpec, vmm_overhead_mib: u64) -> Reservation {
+pub fn reservation(spec: &TenantSpec, vmm_overhead_mib: u64) -> Reservation {
     Reservation {
         memory_mib: u64::from(spec.memory_mib) + vmm_overhead_mib,
         vcpus: u64::from(spec.vcpus),
     }
-}
-
-/// Checks that the host can hold `spec` beside every tenant that is not destroyed. Call it
-/// with [`HostCapacity::lock`] held until the tenant is recorded.
-pub(crate) fn check_room(
-    capacity: &HostCapacity,
-    store: &crate::store::Store,
-    vmm_overhead_mib: u64,
-    spec: &super::spec::TenantSpec,
-) -> Result<(), super::service::TenantServiceError> {
-    let others = store.list_tenants(false)?;
-    let held = others.iter().fold(Reservation::default(), |acc, t| {
-        let r = reservation(&t.spec, vmm_overhead_mib);
-        Reservation {
-            memory_mib: acc.memory_mib + r.memory_mib,
-            vcpus: acc.vcpus + r.vcpus,
-        }
-    });
-    capacity.check(
-        &spec.name,
-        reservation(spec, vmm_overhead_mib),
-        held,
-        others.len(),
-    )?;
-    Ok(())
 }
 
 #[cfg(test)]
@@ -517,7 +508,6 @@ mod tests {
         use crate::auth::Caller;
         use crate::tenant::fault::FaultHook;
         use crate::tenant::service::{TenantCommand, TenantServiceError};
-        use crate::tenant::spec::TenantSpec;
         use crate::tenant::test_utils::Harness;
         let h = Harness::new(FaultHook::default());
         let huge = TenantSpec::from_toml(

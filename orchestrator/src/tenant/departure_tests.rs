@@ -3,13 +3,13 @@
 
 use crate::auth::Caller;
 use crate::disk::key_opens;
+use crate::domain::lifecycle::LifecycleState;
+use crate::domain::spec::TenantSpec;
 use crate::receipt::{DepartureStep, StepResult};
 use crate::reconcile::{reconcile, ReconcileOptions};
-use crate::tenant::disk_steps::image_path;
 use crate::tenant::fault::{Boundary, FaultHook};
-use crate::tenant::lifecycle::LifecycleState;
 use crate::tenant::service::{CommandOutcome, TenantCommand};
-use crate::tenant::spec::TenantSpec;
+use crate::tenant::steps::disk::image_path;
 use crate::tenant::steps::Op;
 use crate::tenant::test_utils::Harness;
 
@@ -268,4 +268,68 @@ fn a_crash_at_every_destroy_boundary_ends_with_exactly_one_receipt() {
             assert!(log_intact(&h), "{case}");
         }
     }
+}
+
+/// The receipt line of the VM's stop in `name`'s departure.
+fn stop_line(h: &Harness, name: &str) -> crate::receipt::StepRecord {
+    receipts_of(h, name)[0]
+        .receipt
+        .steps
+        .iter()
+        .find(|s| s.step == DepartureStep::AgentShutdown)
+        .cloned()
+        .unwrap()
+}
+
+#[test]
+fn the_stop_line_states_what_happened_to_a_vm_that_stopped_on_request() {
+    let h = Harness::new(FaultHook::default());
+    run(
+        &h,
+        TenantCommand::Create(spec("bob", "{ kind = \"none\" }", 0)),
+    );
+    run(&h, TenantCommand::Destroy("bob".into()));
+    let line = stop_line(&h, "bob");
+    assert_eq!(line.result, StepResult::Ok);
+    // The VMM stopped on request: nothing was killed, so nothing says so.
+    assert!(!line.method.contains("SIGKILL"), "{}", line.method);
+    assert_eq!(line.evidence["found"], "running", "{line:#?}");
+    assert!(
+        line.evidence["ended"].contains("stopped on request"),
+        "{line:#?}"
+    );
+    assert!(
+        line.evidence["elapsed_ms"].parse::<u64>().is_ok(),
+        "{line:#?}"
+    );
+    assert_eq!(line.evidence["grace_ms"], "500", "{line:#?}");
+}
+
+#[test]
+fn a_running_vm_whose_control_socket_is_silent_is_not_recorded_as_not_running() {
+    let h = Harness::new(FaultHook::default());
+    run(
+        &h,
+        TenantCommand::Create(spec("q", "{ kind = \"none\" }", 0)),
+    );
+    // A guest-image tenant (its agent cannot be reached here) whose VMM stopped answering.
+    let t = h.svc.store().tenant("q").unwrap().unwrap();
+    h.svc
+        .store()
+        .set_guest(t.id, crate::domain::GuestKind::Agent)
+        .unwrap();
+    let pid = *h.host.state().processes.keys().next().unwrap();
+    h.host.state().unresponsive.insert(pid);
+    run(&h, TenantCommand::Destroy("q".into()));
+    assert_eq!(state(&h, "q"), None);
+    let line = stop_line(&h, "q");
+    assert!(!line.method.contains("not running"), "{line:#?}");
+    assert_eq!(line.result, StepResult::Ok, "{line:#?}");
+    assert!(
+        line.evidence["found"].contains("not answering"),
+        "{line:#?}"
+    );
+    assert!(line.evidence["agent"].contains("not reached"), "{line:#?}");
+    assert!(line.evidence["ended"].contains("signal 9"), "{line:#?}");
+    assert!(line.method.contains("SIGKILL"), "{line:#?}");
 }

@@ -2,23 +2,19 @@
 //!
 //! `TENANTVM_TEST_CRASH_AT=<op>:<step>:<before|after>` (e.g. `create:launch-vm:after`)
 //! makes the daemon SIGKILL itself when it reaches that boundary, so the crash-safety tests
-//! can stop it at every boundary of create and destroy, systematically. The hook is compiled
-//! in but inert unless the variable is set; the daemon logs a loud warning when it is.
-//! In-process tests use [`FaultHook::fail_at`], which returns an error instead of dying.
+//! can stop it at every boundary of create and destroy, systematically. This module exists
+//! only in unit tests and in builds with the `test-hooks` feature (which the test command
+//! enables for the binaries the integration tests launch); a production build has no hook.
+//! Even then it is inert unless the variable is set, and the daemon logs a loud warning when
+//! it is. In-process tests use [`FaultHook::fail_at`], which returns an error instead of
+//! dying.
 
 use thiserror::Error;
 
+pub use crate::tenant::runner::Boundary;
+
 /// Name of the environment variable that arms the hook.
 pub const CRASH_ENV: &str = "TENANTVM_TEST_CRASH_AT";
-
-/// Which side of a step the boundary is on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Boundary {
-    /// Just before the step is recorded as started.
-    Before,
-    /// Just after the step is recorded as done.
-    After,
-}
 
 /// A malformed hook setting, or the simulated crash itself.
 #[derive(Debug, Error, PartialEq, Eq)]

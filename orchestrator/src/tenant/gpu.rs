@@ -12,9 +12,9 @@ use tenantvm_gpu::backend::{self as gpu_backend, BackendSpec, GpuBackend, GpuInf
 use tenantvm_gpu::mig::{GpuModel, MigProfile};
 use tenantvm_gpu::plan::sizing::{self, KvDtype, WeightDtype};
 
+use crate::domain::spec::GpuRequest;
 use crate::store::GpuPlacement;
 use crate::tenant::host::{GpuPlanError, GpuPlanner};
-use crate::tenant::spec::GpuRequest;
 
 /// Context length a `model` request is sized for.
 pub const MODEL_CONTEXT: u64 = 8192;
@@ -174,7 +174,7 @@ impl GpuPlanner for BackendPlanner {
     fn reset(
         &self,
         placement: &GpuPlacement,
-    ) -> Result<crate::tenant::gpu_scrub::DeviceResetOutcome, GpuPlanError> {
+    ) -> Result<crate::tenant::host::DeviceResetOutcome, GpuPlanError> {
         crate::tenant::gpu_scrub::reset(self.backend.as_ref(), placement)
     }
 

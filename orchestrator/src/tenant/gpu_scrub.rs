@@ -15,25 +15,12 @@ use tenantvm_gpu::backend::{GpuBackend, GpuInfo};
 use crate::receipt::{Assurance, StepResult};
 use crate::scrub::{scrub_in_child, simulate_scrub, ScrubOutcome, VerifyMode};
 use crate::store::GpuPlacement;
-use crate::tenant::host::GpuPlanError;
+use crate::tenant::host::{DeviceResetOutcome, GpuPlanError};
 
 /// TEST ONLY: makes the simulated backend's scrub fail. `all` fails every scrub; otherwise a
 /// comma-separated list of slices (`<gpu>/<label>`, e.g. `1/1g.18gb@0`) whose scrub fails.
 /// Ignored by the NVML backend.
 pub const SIM_SCRUB_FAIL_ENV: &str = "TENANTVM_TEST_SIM_SCRUB_FAIL";
-
-/// What a device reset did, for the receipt.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeviceResetOutcome {
-    /// How it was done.
-    pub method: String,
-    /// `ok`, or `skipped` when the device has no reset of its own.
-    pub result: StepResult,
-    /// How much was checked.
-    pub assurance: Assurance,
-    /// Device ids and the like.
-    pub evidence: BTreeMap<String, String>,
-}
 
 fn plan_err(e: impl std::fmt::Display) -> GpuPlanError {
     GpuPlanError::Plan(e.to_string())

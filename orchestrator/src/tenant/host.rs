@@ -1,13 +1,15 @@
 //! The host-side seams the tenant service needs besides the VM backend: cleaning up a
 //! tenant's jail and cgroups, and planning GPU placements.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
+use crate::domain::spec::GpuRequest;
 use crate::jail::{self, BlockIoLimit, BlockIoOutcome, Cgroups, JailError};
+use crate::receipt::{Assurance, StepResult};
 use crate::store::GpuPlacement;
-use crate::tenant::spec::GpuRequest;
 
 /// Tears down what the jail left on the host. Implemented for the real [`Cgroups`].
 pub trait JailCleaner: Send + Sync {
@@ -45,6 +47,19 @@ impl JailCleaner for Cgroups {
     }
 }
 
+/// What a device reset did, for the receipt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceResetOutcome {
+    /// How it was done.
+    pub method: String,
+    /// `ok`, or `skipped` when the device has no reset of its own.
+    pub result: StepResult,
+    /// How much was checked.
+    pub assurance: Assurance,
+    /// Device ids and the like.
+    pub evidence: BTreeMap<String, String>,
+}
+
 /// Why no GPU placement could be offered.
 #[derive(Debug, Error)]
 pub enum GpuPlanError {
@@ -74,10 +89,7 @@ pub trait GpuPlanner: Send + Sync {
     }
 
     /// Resets the device of a released placement (departure's device-reset step).
-    fn reset(
-        &self,
-        placement: &GpuPlacement,
-    ) -> Result<crate::tenant::gpu_scrub::DeviceResetOutcome, GpuPlanError>;
+    fn reset(&self, placement: &GpuPlacement) -> Result<DeviceResetOutcome, GpuPlanError>;
 
     /// Zeroes and reads back the memory of a released placement whose MIG instance still
     /// exists (departure's gpu-scrub step, and `tenantvm gpu scrub`).
@@ -92,10 +104,7 @@ impl GpuPlanner for NoGpus {
         Err(GpuPlanError::NoGpuBackend)
     }
 
-    fn reset(
-        &self,
-        _placement: &GpuPlacement,
-    ) -> Result<crate::tenant::gpu_scrub::DeviceResetOutcome, GpuPlanError> {
+    fn reset(&self, _placement: &GpuPlacement) -> Result<DeviceResetOutcome, GpuPlanError> {
         Err(GpuPlanError::NoGpuBackend)
     }
 

@@ -5,8 +5,22 @@
 use crate::api::types::{LogChunk, LogPosition, LogQuery, LogStream};
 use crate::logs::{LogCursor, LogKind, LogPolicy, TenantLogs, MAX_CHUNK_BYTES, MAX_TAIL_LINES};
 use crate::receipt::rfc3339_from_millis;
-use crate::store::TenantRecord;
-use crate::tenant::service::{TenantService, TenantServiceError};
+use crate::store::{Store, StoreError, TenantRecord};
+use crate::tenant::config::ServiceConfig;
+
+/// Why a log could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum LogReadError {
+    /// The query is out of range.
+    #[error("Bad request: {0}")]
+    BadRequest(String),
+    /// The log files could not be read.
+    #[error("Cannot read the log: {0}")]
+    Log(String),
+    /// The store failed (events).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
 
 /// Lines (or events) returned when no cursor and no `tail` is given.
 pub const DEFAULT_TAIL: u64 = 100;
@@ -15,10 +29,11 @@ pub const DEFAULT_MAX_BYTES: u64 = 64 << 10;
 
 /// Reads a chunk of one of a tenant's logs.
 pub fn read(
-    svc: &TenantService,
+    store: &Store,
+    config: &ServiceConfig,
     t: &TenantRecord,
     q: &LogQuery,
-) -> Result<LogChunk, TenantServiceError> {
+) -> Result<LogChunk, LogReadError> {
     let tail = q
         .tail
         .unwrap_or(DEFAULT_TAIL)
@@ -26,9 +41,9 @@ pub fn read(
     let kind = match q.stream {
         LogStream::Serial => LogKind::Serial,
         LogStream::Vmm => LogKind::Vmm,
-        LogStream::Events => return read_events(svc, t, q, tail),
+        LogStream::Events => return read_events(store, t, q, tail),
     };
-    let root = svc.config().state_dir.join("tenants");
+    let root = config.tenants_dir();
     if !root.join(&t.name).is_dir() {
         // Nothing provisioned yet (or already removed): an empty log, not an error.
         return Ok(LogChunk {
@@ -89,12 +104,11 @@ pub fn read(
 }
 
 fn read_events(
-    svc: &TenantService,
+    store: &Store,
     t: &TenantRecord,
     q: &LogQuery,
     tail: u64,
-) -> Result<LogChunk, TenantServiceError> {
-    let store = svc.store();
+) -> Result<LogChunk, LogReadError> {
     let events = match q.offset {
         Some(after) => store.events(t.id, i64::try_from(after).unwrap_or(i64::MAX), 1000)?,
         None => {
@@ -127,7 +141,7 @@ fn read_events(
             offset: last,
         },
         skipped: false,
-        events,
+        events: events.into_iter().map(crate::tenant::view::event).collect(),
     })
 }
 
@@ -142,10 +156,10 @@ fn crlf_to_lf(text: String) -> String {
     }
 }
 
-fn log_err(e: crate::logs::LogError) -> TenantServiceError {
+fn log_err(e: crate::logs::LogError) -> LogReadError {
     match e {
-        crate::logs::LogError::InvalidRequest(m) => TenantServiceError::BadRequest(m),
-        other => TenantServiceError::Log(crate::tenant::steps::error_chain(&other)),
+        crate::logs::LogError::InvalidRequest(m) => LogReadError::BadRequest(m),
+        other => LogReadError::Log(crate::tenant::context::error_chain(&other)),
     }
 }
 

@@ -1,23 +1,33 @@
 //! The tenant service: the one place that changes tenants. The API turns requests into
 //! [`TenantCommand`]s; [`TenantService::execute`] authorises them and runs them: state
-//! changes in the store, then the operation's steps ([`super::steps`]) on a worker thread.
+//! changes in the store, then the operation's steps ([`super::runner`]) on a worker thread.
+//! Steps never see the service: they get a [`StepCtx`] built from its parts.
 
-use std::collections::HashSet;
-use std::path::PathBuf;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
 use crate::api::types::{CreateResponse, LogChunk, LogQuery, TenantList, TenantView};
 use crate::auth::{self, Caller};
 use crate::backend::{RunningVm, VmBackend};
+use crate::domain::lifecycle::{LifecycleError, LifecycleState};
+use crate::domain::spec::{TenantSpec, TenantSpecError};
+use crate::domain::TenantName;
 use crate::store::{ResourceKind, Store, StoreError, TenantRecord, TokenOwner};
-use crate::tenant::fault::{FaultError, FaultHook};
+use crate::tenant::admission::Admission;
+use crate::tenant::context::{StepCtx, StepError, StopFlag, Tenant};
+use crate::tenant::departure::{DepartureError, DepartureKit, Kit};
+#[cfg(any(test, feature = "test-hooks"))]
+use crate::tenant::fault::FaultHook;
 use crate::tenant::host::{GpuPlanError, GpuPlanner, JailCleaner};
-use crate::tenant::lifecycle::{LifecycleError, LifecycleState};
-use crate::tenant::spec::{TenantSpec, TenantSpecError};
-use crate::tenant::steps::{self, Op};
+use crate::tenant::infer::{AdmittedInfer, InferError};
+use crate::tenant::runner::{self, Ended};
+use crate::tenant::steps::{vm, OnFailure, Op};
+
+pub use crate::tenant::config::ServiceConfig;
 
 /// Why a command failed.
 #[derive(Debug, Error)]
@@ -37,6 +47,9 @@ pub enum TenantServiceError {
     /// Another operation on this tenant is in progress.
     #[error("Tenant {0:?} is busy with another operation; wait for it (`tenantvm status {0}`) and retry")]
     Busy(String),
+    /// The daemon has restarted and not yet checked this tenant (or resumed its operation).
+    #[error("Tenant {0:?} is being recovered after a daemon restart; wait until `tenantvm status {0}` no longer says recovering, and retry")]
+    Recovering(String),
     /// The state machine refused the command.
     #[error(transparent)]
     Lifecycle(#[from] LifecycleError),
@@ -54,9 +67,6 @@ pub enum TenantServiceError {
     /// The GPU planner refused.
     #[error(transparent)]
     Gpu(#[from] GpuPlanError),
-    /// The test fault hook fired (in-process tests only).
-    #[error(transparent)]
-    Fault(#[from] FaultError),
     /// Reading a log failed.
     #[error("Cannot read the log: {0}")]
     Log(String),
@@ -69,6 +79,9 @@ pub enum TenantServiceError {
     /// The tenant is not running, so its guest cannot serve requests.
     #[error("Tenant {0:?} is not running; start it (`tenantvm start {0}`) and retry")]
     NotServing(String),
+    /// The departure machinery (disk keys, receipts) could not be loaded.
+    #[error(transparent)]
+    Departure(#[from] DepartureError),
     /// The tenant is over its request rate or concurrency quota.
     #[error(transparent)]
     QuotaExceeded(#[from] crate::tenant::admission::Refused),
@@ -78,6 +91,9 @@ pub enum TenantServiceError {
     /// The guest agent or its payload could not answer.
     #[error("The tenant's guest could not answer: {0}")]
     AgentUnavailable(String),
+    /// A step's error outside an operation (a VM check, reconciliation).
+    #[error("{0}")]
+    Host(#[from] StepError),
     /// Reading the audit log failed.
     #[error(transparent)]
     Receipt(#[from] crate::receipt::ReceiptError),
@@ -125,87 +141,46 @@ pub enum CommandOutcome {
     /// Audit log entries.
     Receipts(Vec<crate::receipt::LogEntry>),
     /// Quarantined GPU slices.
-    Quarantine(Vec<crate::store::QuarantinedSlice>),
+    Quarantine(Vec<crate::api::types::QuarantinedSliceView>),
     /// What a re-scrub found.
     Rescrubbed(crate::tenant::departure::RescrubOutcome),
     /// The inference server's JSON answer.
     Inferred(serde_json::Value),
 }
 
-/// Settings of the service.
-#[derive(Debug, Clone)]
-pub struct ServiceConfig {
-    /// The daemon's state directory; tenants live in `<state_dir>/tenants/<name>`.
-    pub state_dir: PathBuf,
-    /// Named images: `<image_dir>/<name>/kernel` (+ `initramfs`, `cmdline`).
-    pub image_dir: Option<PathBuf>,
-    /// First uid handed to tenants.
-    pub uid_first: u32,
-    /// How many uids from `uid_first`.
-    pub uid_count: u32,
-    /// How long `stop` waits for a clean guest shutdown before killing.
-    pub stop_grace: Duration,
-    /// How long `await-running` waits for the VM to report running.
-    pub boot_timeout: Duration,
-    /// Memory added to guest memory for the VMM itself, in MiB.
-    pub vmm_overhead_mib: u64,
-    /// Disk keys, keyslot cost, receipts.
-    pub departure: crate::tenant::departure::DepartureConfig,
-    /// How long a guest-image tenant's agent, and then its payload, may take to answer.
-    pub agent_timeout: Duration,
-    /// What the host gives tenants; creates beyond it are refused.
-    pub capacity: crate::tenant::admission::HostCapacity,
-}
-
-impl ServiceConfig {
-    /// Defaults under `state_dir`.
-    pub fn new(state_dir: PathBuf) -> ServiceConfig {
-        ServiceConfig {
-            image_dir: None,
-            uid_first: 200_000,
-            uid_count: 65_536,
-            stop_grace: Duration::from_secs(5),
-            boot_timeout: Duration::from_secs(30),
-            vmm_overhead_mib: 64,
-            departure: crate::tenant::departure::DepartureConfig::under(&state_dir),
-            agent_timeout: Duration::from_secs(300),
-            capacity: crate::tenant::admission::HostCapacity::detect(
-                crate::tenant::admission::DEFAULT_HOST_RESERVED_MIB,
-            )
-            .unwrap_or_else(|e| {
-                // Nothing is admitted on a host whose size cannot be read.
-                tracing::error!(error = %e, "cannot read this host's memory size");
-                crate::tenant::admission::HostCapacity::fixed(0, 0)
-            }),
-            state_dir,
-        }
-    }
-
-    /// A tenant's directory.
-    pub fn tenant_dir(&self, name: &str) -> PathBuf {
-        self.state_dir.join("tenants").join(name)
-    }
-}
-
 /// Runs tenant commands. Cheap to clone (all shared state is behind `Arc`s).
 #[derive(Clone)]
 pub struct TenantService {
-    pub(crate) store: Arc<Store>,
-    pub(crate) backend: Arc<dyn VmBackend>,
-    pub(crate) jail: Arc<dyn JailCleaner>,
-    pub(crate) gpu: Arc<dyn GpuPlanner>,
-    pub(crate) config: Arc<ServiceConfig>,
-    pub(crate) fault: Arc<FaultHook>,
+    store: Arc<Store>,
+    backend: Arc<dyn VmBackend>,
+    jail: Arc<dyn JailCleaner>,
+    gpu: Arc<dyn GpuPlanner>,
+    config: Arc<ServiceConfig>,
+    /// The crash hook (test builds only).
+    #[cfg(any(test, feature = "test-hooks"))]
+    fault: Arc<FaultHook>,
     /// Per-tenant request rate and concurrency of inference requests.
-    pub(crate) admission: Arc<crate::tenant::admission::Admission>,
-    departure: Arc<Mutex<Option<Arc<crate::tenant::departure::DepartureKit>>>>,
-    busy: Arc<Mutex<HashSet<String>>>,
+    admission: Arc<Admission>,
+    kit: Arc<Kit>,
+    stop: Arc<StopFlag>,
+    busy: Arc<Mutex<HashMap<String, BusyWith>>>,
+    /// Set from the start of a daemon's recovery pass until it has gone through every tenant.
+    recovering: Arc<AtomicBool>,
     workers: Arc<Mutex<Vec<std::thread::JoinHandle<()>>>>,
+}
+
+/// What holds a tenant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BusyWith {
+    /// An operation (or a VM check) runs on it.
+    Operation,
+    /// The daemon's recovery after a restart has not finished with it.
+    Recovery,
 }
 
 /// Marks a tenant busy for as long as it lives.
 pub(crate) struct BusyGuard {
-    busy: Arc<Mutex<HashSet<String>>>,
+    busy: Arc<Mutex<HashMap<String, BusyWith>>>,
     name: String,
 }
 
@@ -227,18 +202,20 @@ impl TenantService {
         jail: Arc<dyn JailCleaner>,
         gpu: Arc<dyn GpuPlanner>,
         config: ServiceConfig,
-        fault: FaultHook,
     ) -> TenantService {
         TenantService {
             store,
             backend,
             jail,
             gpu,
+            kit: Arc::new(Kit::new(config.departure.clone())),
             config: Arc::new(config),
-            fault: Arc::new(fault),
+            #[cfg(any(test, feature = "test-hooks"))]
+            fault: Arc::default(),
             admission: Arc::default(),
-            departure: Arc::default(),
+            stop: Arc::default(),
             busy: Arc::default(),
+            recovering: Arc::default(),
             workers: Arc::default(),
         }
     }
@@ -256,19 +233,52 @@ impl TenantService {
     /// The departure machinery (host KEK, key store, receipt signer, audit log), loaded and
     /// created on first use; the daemon calls this at start so that the KEK exists from
     /// initialisation on and a bad KEK stops the daemon before it serves.
-    pub fn departure_kit(
-        &self,
-    ) -> Result<Arc<crate::tenant::departure::DepartureKit>, crate::tenant::departure::DepartureError>
-    {
-        let mut slot = lock(&self.departure);
-        if let Some(kit) = slot.as_ref() {
-            return Ok(kit.clone());
+    pub fn departure_kit(&self) -> Result<Arc<DepartureKit>, DepartureError> {
+        self.kit.get()
+    }
+
+    /// Arms the crash hook (test builds only): the daemon from `TENANTVM_TEST_CRASH_AT`,
+    /// in-process tests with [`FaultHook::fail_at`].
+    #[cfg(any(test, feature = "test-hooks"))]
+    pub fn with_fault_hook(mut self, hook: FaultHook) -> TenantService {
+        self.fault = Arc::new(hook);
+        self
+    }
+
+    /// Runs `op`'s remaining steps with this build's boundary hook.
+    fn run_steps(&self, ctx: &StepCtx<'_>, t: &mut Tenant, op_id: i64, op: Op) -> Ended {
+        #[cfg(any(test, feature = "test-hooks"))]
+        {
+            let fault = self.fault.clone();
+            let hook = move |op: &str, step: &str, side: runner::Boundary| {
+                fault.check(op, step, side).map_err(|e| e.to_string())
+            };
+            runner::run(ctx, &hook, t, op_id, op)
         }
-        let kit = Arc::new(crate::tenant::departure::DepartureKit::open(
-            &self.config.departure,
-        )?);
-        *slot = Some(kit.clone());
-        Ok(kit)
+        #[cfg(not(any(test, feature = "test-hooks")))]
+        {
+            runner::run(ctx, &runner::no_hook, t, op_id, op)
+        }
+    }
+
+    /// What steps (and reconciliation) may use of this service.
+    pub(crate) fn ctx(&self) -> StepCtx<'_> {
+        StepCtx {
+            store: &self.store,
+            backend: self.backend.as_ref(),
+            jail: self.jail.as_ref(),
+            gpu: self.gpu.as_ref(),
+            keys: &self.kit,
+            admission: &self.admission,
+            config: &self.config,
+            stop: &self.stop,
+        }
+    }
+
+    /// Asks every running operation to give up at its next wait (the daemon is stopping);
+    /// each is left as a crash would leave it and resumes at the next start.
+    pub fn request_stop(&self) {
+        self.stop.set();
     }
 
     /// Name of the backend, for `/v1/health`.
@@ -276,15 +286,74 @@ impl TenantService {
         format!("{:?}", self.backend.kind())
     }
 
-    pub(crate) fn mark_busy(&self, name: &str) -> Result<BusyGuard, TenantServiceError> {
+    fn hold(&self, name: &str, with: BusyWith) -> Result<BusyGuard, TenantServiceError> {
         let mut busy = lock(&self.busy);
-        if !busy.insert(name.to_string()) {
-            return Err(TenantServiceError::Busy(name.to_string()));
+        match busy.get(name) {
+            Some(BusyWith::Operation) => Err(TenantServiceError::Busy(name.to_string())),
+            Some(BusyWith::Recovery) => Err(TenantServiceError::Recovering(name.to_string())),
+            None => {
+                busy.insert(name.to_string(), with);
+                Ok(BusyGuard {
+                    busy: self.busy.clone(),
+                    name: name.to_string(),
+                })
+            }
         }
-        Ok(BusyGuard {
-            busy: self.busy.clone(),
-            name: name.to_string(),
-        })
+    }
+
+    /// Holds a tenant for an operation; refused while another holds it.
+    pub(crate) fn mark_busy(&self, name: &str) -> Result<BusyGuard, TenantServiceError> {
+        self.hold(name, BusyWith::Operation)
+    }
+
+    /// Holds a tenant for the recovery pass after a restart: commands on it are refused
+    /// (saying so) and its view says `recovering` until the guard drops.
+    pub(crate) fn mark_recovering(&self, name: &str) -> Result<BusyGuard, TenantServiceError> {
+        self.hold(name, BusyWith::Recovery)
+    }
+
+    /// Whether anything holds the tenant now.
+    pub(crate) fn is_busy(&self, name: &str) -> bool {
+        lock(&self.busy).contains_key(name)
+    }
+
+    fn is_recovering(&self, name: &str) -> bool {
+        lock(&self.busy).get(name) == Some(&BusyWith::Recovery)
+    }
+
+    /// Whether the daemon's recovery after a restart is still going through tenants
+    /// (`GET /v1/health` says so).
+    pub fn recovering(&self) -> bool {
+        self.recovering.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn set_recovering(&self, on: bool) {
+        self.recovering.store(on, Ordering::SeqCst);
+    }
+
+    /// Keeps a background thread of the daemon (the recovery pass) among those that
+    /// [`TenantService::wait_idle`] waits for.
+    pub(crate) fn track(&self, handle: std::thread::JoinHandle<()>) {
+        lock(&self.workers).push(handle);
+    }
+
+    /// Waits up to `timeout` for every operation started so far (shutdown); false if some
+    /// still run (they are left as a crash would leave them, and resume at the next start).
+    pub fn wait_idle_for(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            {
+                let mut workers = lock(&self.workers);
+                workers.retain(|h| !h.is_finished());
+                if workers.is_empty() {
+                    return true;
+                }
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Waits for every operation started so far (tests and shutdown).
@@ -351,21 +420,33 @@ impl TenantService {
                 if !matches!(caller, Caller::Admin) {
                     return Err(TenantServiceError::AdminOnly("list quarantined GPU slices"));
                 }
-                Ok(CommandOutcome::Quarantine(self.store.quarantined()?))
+                Ok(CommandOutcome::Quarantine(
+                    self.store
+                        .quarantined()?
+                        .into_iter()
+                        .map(crate::tenant::view::quarantined)
+                        .collect(),
+                ))
             }
             TenantCommand::Rescrub(slice) => {
                 if !matches!(caller, Caller::Admin) {
                     return Err(TenantServiceError::AdminOnly("scrub GPU slices"));
                 }
-                crate::tenant::departure::rescrub(self, &slice).map(CommandOutcome::Rescrubbed)
+                crate::tenant::departure::rescrub(&self.store, self.gpu.as_ref(), &slice)
+                    .map(CommandOutcome::Rescrubbed)
+                    .map_err(TenantServiceError::from)
             }
             TenantCommand::Infer(name, body) => {
                 let t = self.visible(caller, &name)?;
-                crate::tenant::agent_steps::infer(self, &t, body).map(CommandOutcome::Inferred)
+                crate::tenant::infer::infer(&self.ctx(), &t, body)
+                    .map(CommandOutcome::Inferred)
+                    .map_err(TenantServiceError::from)
             }
             TenantCommand::Logs(name, query) => {
                 let t = self.visible(caller, &name)?;
-                crate::tenant::logs::read(self, &t, &query).map(CommandOutcome::Log)
+                crate::tenant::logs::read(&self.store, &self.config, &t, &query)
+                    .map(CommandOutcome::Log)
+                    .map_err(TenantServiceError::from)
             }
         }
     }
@@ -377,28 +458,26 @@ impl TenantService {
         &self,
         caller: &Caller,
         name: &str,
-    ) -> Result<crate::tenant::admission::AdmittedInfer, TenantServiceError> {
+    ) -> Result<AdmittedInfer, TenantServiceError> {
         let tenant = self.visible(caller, name)?;
-        let permit = crate::tenant::agent_steps::admit(self, &tenant)?;
-        Ok(crate::tenant::admission::AdmittedInfer { tenant, permit })
+        Ok(crate::tenant::infer::admit(&self.ctx(), tenant)?)
     }
 
     /// Forwards an admitted inference request to the tenant's guest and returns its answer
     /// (blocks until the guest answers or its deadline passes).
     pub fn infer_admitted(
         &self,
-        admitted: crate::tenant::admission::AdmittedInfer,
+        admitted: AdmittedInfer,
         body: serde_json::Value,
     ) -> Result<serde_json::Value, TenantServiceError> {
-        let crate::tenant::admission::AdmittedInfer { tenant, permit } = admitted;
-        crate::tenant::agent_steps::forward(self, &tenant, body, permit)
+        Ok(crate::tenant::infer::forward(&self.ctx(), admitted, body)?)
     }
 
     /// The live tenant `name` if the caller may see it; otherwise NotFound, whether or not
     /// it exists, so a tenant token cannot probe for other tenants' names.
     fn visible(&self, caller: &Caller, name: &str) -> Result<TenantRecord, TenantServiceError> {
         let not_found = || TenantServiceError::NotFound(name.to_string());
-        if crate::tenant::spec::validate_name(name).is_err() {
+        if TenantName::check(name).is_err() {
             return Err(not_found());
         }
         match self.store.tenant(name)? {
@@ -409,22 +488,24 @@ impl TenantService {
 
     fn create(&self, spec: TenantSpec) -> Result<CreateResponse, TenantServiceError> {
         spec.validate()?;
-        // Fail fast on what can be checked before anything is recorded.
-        steps::resolve_image(&self.config, &spec)?;
-        crate::tenant::agent_steps::check_create(&self.config, &spec)?;
+        // Fail fast on what can be checked before anything is recorded. What runs in the
+        // guest is decided here, once, and stored with the tenant.
+        let guest = crate::tenant::image::guest_kind(&self.config, &spec);
+        crate::tenant::image::check_create(&self.config, &spec, guest)
+            .map_err(|e| TenantServiceError::Image(e.to_string()))?;
         if spec.gpu.wants_gpu() {
             self.gpu.candidates(&spec.gpu)?;
         }
         let guard = self.mark_busy(&spec.name)?;
         // Held until the tenant is recorded: two creates never take the same room.
         let _room = self.config.capacity.lock();
-        crate::tenant::admission::check_room(
-            &self.config.capacity,
-            &self.store,
+        let others = self.store.list_tenants(false)?;
+        self.config.capacity.check_room(
+            others.iter().map(|t| &t.spec),
             self.config.vmm_overhead_mib,
             &spec,
         )?;
-        let record = self.store.insert_tenant(&spec)?;
+        let record = self.store.insert_tenant(&spec, guest)?;
         let token = auth::new_token();
         self.store
             .insert_token(&auth::token_hash(&token), &TokenOwner::Tenant(record.id))?;
@@ -476,8 +557,8 @@ impl TenantService {
             Caller::Admin => name.map(str::to_string),
             Caller::Tenant(id) => {
                 // The tenant row may be destroyed: a departed tenant reads its own receipt.
-                let own = self.store.tenant_by_id(*id)?.name;
-                if name.is_some_and(|n| n != own) {
+                let own = self.store.tenant_by_id(*id)?.name.to_string();
+                if name.is_some_and(|n| own != n) {
                     return Err(TenantServiceError::NotFound(
                         name.unwrap_or_default().into(),
                     ));
@@ -527,45 +608,54 @@ impl TenantService {
     }
 
     /// Runs (or resumes) an operation's remaining steps and moves the tenant to the state
-    /// it ends in. Errors end in `failed`, except a simulated crash, which leaves the store
-    /// exactly as a real crash would.
+    /// it ends in. What a failure leaves is the operation's [`OnFailure`]; an abandoned run
+    /// (a simulated crash, the daemon stopping) leaves the store exactly as a crash would.
     pub(crate) fn finish_op(&self, record: &TenantRecord, op_id: i64, op: Op) {
-        match steps::run(self, record, op_id, op) {
-            Ok(()) => {
-                if let Err(e) = self
-                    .store
-                    .transition(record.id, op.success_state(), None, None)
-                {
-                    tracing::error!(tenant = %record.name, error = %e, "cannot record success");
+        let ctx = self.ctx();
+        let ended = match Tenant::load(&ctx, record) {
+            Ok(mut t) => {
+                let ended = self.run_steps(&ctx, &mut t, op_id, op);
+                if let Ended::Failed { .. } = ended {
+                    if op.on_failure() == OnFailure::Fail {
+                        // A failed tenant keeps its resources for inspection until
+                        // destroyed, but never a running VMM.
+                        if let Err(e) = vm::kill_vm(&ctx, &mut t) {
+                            tracing::error!(tenant = %record.name, error = %e, "cannot kill VM of failed tenant");
+                        }
+                    }
                 }
+                ended
             }
-            Err(TenantServiceError::Fault(e)) => {
-                tracing::warn!(tenant = %record.name, error = %e, "operation abandoned");
+            Err(e) => Ended::Failed {
+                step: op.name(),
+                message: format!("cannot load the tenant: {e}"),
+            },
+        };
+        let result = match ended {
+            Ended::Done => self
+                .store
+                .transition(record.id, op.success_state(), None, None)
+                .map(|_| ()),
+            Ended::Abandoned(why) => {
+                tracing::warn!(tenant = %record.name, op = op.name(), why, "operation abandoned; it resumes at the next start");
+                Ok(())
             }
-            Err(e) if op == Op::Destroy => {
-                // A departure never gives up half-way: the tenant stays `destroying` with the
-                // error, and `destroy` again resumes from the failed step.
-                let message = e.to_string();
-                tracing::warn!(tenant = %record.name, error = %message, "destroy stopped at a failed step");
-                if let Err(e2) = self.store.set_tenant_error(record.id, Some(&message)) {
-                    tracing::error!(tenant = %record.name, error = %e2, "cannot record the error");
-                }
-            }
-            Err(e) => {
-                let message = e.to_string();
+            Ended::Failed { step, message } => {
+                let message = TenantServiceError::Step { step, message }.to_string();
                 tracing::warn!(tenant = %record.name, op = op.name(), error = %message, "operation failed");
-                // A failed tenant keeps its resources for inspection until destroyed, but
-                // never a running VMM.
-                if let Err(kill_err) = steps::kill_vm(self, record) {
-                    tracing::error!(tenant = %record.name, error = %kill_err, "cannot kill VM of failed tenant");
-                }
-                if let Err(e2) =
-                    self.store
+                match op.on_failure() {
+                    // The tenant stays where it is with the error; the same operation
+                    // again resumes from the failed step.
+                    OnFailure::Resume => self.store.set_tenant_error(record.id, Some(&message)),
+                    OnFailure::Fail => self
+                        .store
                         .transition(record.id, LifecycleState::Failed, None, Some(&message))
-                {
-                    tracing::error!(tenant = %record.name, error = %e2, "cannot record failure");
+                        .map(|_| ()),
                 }
             }
+        };
+        if let Err(e) = result {
+            tracing::error!(tenant = %record.name, error = %e, "cannot record how the operation ended");
         }
     }
 
@@ -576,7 +666,8 @@ impl TenantService {
     pub fn check_vms(&self) -> Result<Vec<String>, TenantServiceError> {
         let mut marked = Vec::new();
         for t in self.store.list_tenants(false)? {
-            if t.state != LifecycleState::Running || self.vm_is_up(&t)? {
+            // Tenants held by an operation or by the recovery pass are theirs to check.
+            if t.state != LifecycleState::Running || self.is_busy(&t.name) || self.vm_is_up(&t)? {
                 continue;
             }
             // Only a VM that looked dead takes the tenant's guard (so user operations are
@@ -588,16 +679,18 @@ impl TenantService {
             if t.state != LifecycleState::Running || self.vm_is_up(&t)? {
                 continue;
             }
-            let why = match steps::recorded_vm(self, &t)?.map(|vm| self.backend.state(&vm)) {
+            let ctx = self.ctx();
+            let mut tenant = Tenant::load(&ctx, &t)?;
+            let why = match tenant.vm.as_ref().map(|vm| self.backend.state(vm)) {
                 Some(Ok(crate::backend::VmState::Exited { status })) => {
                     format!("the VM exited on its own ({status:?})")
                 }
                 _ => "the VM process is gone".to_string(),
             };
-            steps::kill_vm(self, &t)?;
+            vm::kill_vm(&ctx, &mut tenant)?;
             self.store
                 .transition(t.id, LifecycleState::Failed, None, Some(&why))?;
-            marked.push(t.name.clone());
+            marked.push(t.name.to_string());
         }
         Ok(marked)
     }
@@ -605,7 +698,7 @@ impl TenantService {
     /// Whether the tenant's recorded VM runs; a VM that does not answer its control socket
     /// counts as up (not answering is no proof of death; the next check looks again).
     fn vm_is_up(&self, t: &TenantRecord) -> Result<bool, TenantServiceError> {
-        let Some(vm) = steps::recorded_vm(self, t)? else {
+        let Some(vm) = Tenant::load(&self.ctx(), t)?.vm else {
             return Ok(false);
         };
         Ok(!matches!(
@@ -617,7 +710,12 @@ impl TenantService {
     /// The API view of a tenant.
     pub fn view(&self, t: &TenantRecord) -> Result<TenantView, TenantServiceError> {
         let steps = match t.op_id {
-            Some(op) => self.store.steps(op)?,
+            Some(op) => self
+                .store
+                .steps(op)?
+                .into_iter()
+                .map(crate::tenant::view::step)
+                .collect(),
             None => Vec::new(),
         };
         let mut uid = None;
@@ -636,7 +734,7 @@ impl TenantService {
             }
         }
         Ok(TenantView {
-            name: t.name.clone(),
+            name: t.name.to_string(),
             state: t.state,
             op: t.op.clone(),
             error: t.error.clone(),
@@ -644,9 +742,36 @@ impl TenantService {
             spec: t.spec.clone(),
             uid,
             pid,
-            gpu: self.store.gpu_placement(t.id)?,
+            gpu: self
+                .store
+                .gpu_placement(t.id)?
+                .map(crate::tenant::view::gpu_slice),
             created_ms: t.created_ms,
             updated_ms: t.updated_ms,
+            recovering: self.is_recovering(&t.name),
         })
+    }
+}
+
+impl From<InferError> for TenantServiceError {
+    fn from(e: InferError) -> Self {
+        match e {
+            InferError::Quota(r) => TenantServiceError::QuotaExceeded(r),
+            InferError::BadRequest(m) => TenantServiceError::BadRequest(m),
+            InferError::NotServing(n) => TenantServiceError::NotServing(n),
+            InferError::Unavailable(m) => TenantServiceError::AgentUnavailable(m),
+            InferError::Store(e) => TenantServiceError::Store(e),
+        }
+    }
+}
+
+impl From<crate::tenant::logs::LogReadError> for TenantServiceError {
+    fn from(e: crate::tenant::logs::LogReadError) -> Self {
+        use crate::tenant::logs::LogReadError as E;
+        match e {
+            E::BadRequest(m) => TenantServiceError::BadRequest(m),
+            E::Log(m) => TenantServiceError::Log(m),
+            E::Store(e) => TenantServiceError::Store(e),
+        }
     }
 }

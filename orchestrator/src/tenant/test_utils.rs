@@ -12,12 +12,12 @@ use tenantvm_agent_protocol::AgentEndpoint;
 use crate::backend::{
     BackendError, BackendKind, ExitReason, JailConfig, RunningVm, VmBackend, VmSpec, VmState,
 };
+use crate::domain::spec::GpuRequest;
 use crate::jail::{CgroupHandle, JailError};
 use crate::store::{GpuPlacement, Store};
 use crate::tenant::fault::FaultHook;
 use crate::tenant::host::{GpuPlanError, GpuPlanner, JailCleaner};
 use crate::tenant::service::{ServiceConfig, TenantService};
-use crate::tenant::spec::GpuRequest;
 
 /// What the fake host holds.
 #[derive(Debug, Default)]
@@ -32,6 +32,17 @@ pub struct FakeHostState {
     pub fail_launch: bool,
     /// Limits each launch asked for.
     pub launched_with: Vec<JailConfig>,
+    /// Fake processes that run but whose control socket does not answer (a wedged VMM):
+    /// `state` fails, and `stop` ends with the kill after its grace.
+    pub unresponsive: BTreeSet<i32>,
+    /// Launch every new VM unresponsive (its boot never reports running).
+    pub launch_unresponsive: bool,
+    /// Fake processes whose `state` blocks (a silent VMM) until removed from this set, or
+    /// 30 s at most.
+    pub stalled: BTreeSet<i32>,
+    /// Name the agent's channel as tenantvm-vmm does (a hybrid vsock socket) instead of a
+    /// serial one.
+    pub agent_vsock: bool,
     /// Block I/O limits the launches asked the jail for: (tenant, disks, limit).
     pub block_io: Vec<(String, Vec<std::path::PathBuf>, crate::jail::BlockIoLimit)>,
 }
@@ -63,6 +74,9 @@ impl VmBackend for FakeBackend {
         h.next_pid += 1;
         let pid = 1000 + h.next_pid;
         h.processes.insert(pid, spec.tenant.clone());
+        if h.launch_unresponsive {
+            h.unresponsive.insert(pid);
+        }
         h.cgroups.insert(spec.tenant.clone());
         h.launched_with.push(jail.clone());
         Ok(RunningVm {
@@ -80,7 +94,18 @@ impl VmBackend for FakeBackend {
     }
 
     fn state(&self, vm: &RunningVm) -> Result<VmState, BackendError> {
-        Ok(if self.0.state().processes.contains_key(&vm.pid) {
+        let until = std::time::Instant::now() + Duration::from_secs(30);
+        while self.0.state().stalled.contains(&vm.pid) && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let h = self.0.state();
+        if h.unresponsive.contains(&vm.pid) && h.processes.contains_key(&vm.pid) {
+            return Err(BackendError::Control {
+                path: vm.api_sock.clone(),
+                message: "no answer within 5s (fake)".into(),
+            });
+        }
+        Ok(if h.processes.contains_key(&vm.pid) {
             VmState::Running
         } else {
             VmState::Gone
@@ -88,7 +113,10 @@ impl VmBackend for FakeBackend {
     }
 
     fn stop(&self, vm: &RunningVm, _grace: Duration) -> Result<ExitReason, BackendError> {
-        match self.0.state().processes.remove(&vm.pid) {
+        let mut h = self.0.state();
+        let wedged = h.unresponsive.remove(&vm.pid);
+        match h.processes.remove(&vm.pid) {
+            Some(_) if wedged => Ok(ExitReason::Signaled { signal: 9 }),
             Some(_) => Ok(ExitReason::Stopped),
             None => Err(BackendError::NotRunning(ExitReason::Signaled { signal: 9 })),
         }
@@ -99,9 +127,16 @@ impl VmBackend for FakeBackend {
         Ok(())
     }
 
-    /// The fake host runs no guest: nothing listens there.
+    /// The fake host runs no guest: nothing listens there unless a test binds it.
     fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint {
-        AgentEndpoint::Serial(vm.tenant_dir.join("run/fake-agent.sock"))
+        if self.0.state().agent_vsock {
+            AgentEndpoint::HybridVsock {
+                path: vm.tenant_dir.join("run/fake-vsock.sock"),
+                port: tenantvm_agent_protocol::AGENT_VSOCK_PORT,
+            }
+        } else {
+            AgentEndpoint::Serial(vm.tenant_dir.join("run/fake-agent.sock"))
+        }
     }
 }
 
@@ -183,8 +218,8 @@ impl GpuPlanner for FakeGpus {
     fn reset(
         &self,
         _placement: &GpuPlacement,
-    ) -> Result<crate::tenant::gpu_scrub::DeviceResetOutcome, GpuPlanError> {
-        Ok(crate::tenant::gpu_scrub::DeviceResetOutcome {
+    ) -> Result<crate::tenant::host::DeviceResetOutcome, GpuPlanError> {
+        Ok(crate::tenant::host::DeviceResetOutcome {
             method: "simulated: fake planner".into(),
             result: crate::receipt::StepResult::Ok,
             assurance: crate::receipt::Assurance::Simulated,
@@ -212,6 +247,8 @@ pub struct Harness {
     pub svc: TenantService,
     /// Placement labels whose fake scrub fails.
     pub fail_scrub: Arc<Mutex<BTreeSet<String>>>,
+    /// How long await-running waits (2 s unless a test needs a long wait).
+    pub boot_timeout: Duration,
 }
 
 impl Harness {
@@ -223,31 +260,47 @@ impl Harness {
         std::fs::write(images.join("kernel"), b"not really a kernel").unwrap();
         let host = FakeHost::default();
         let fail_scrub = Arc::default();
-        let svc = Self::service(dir.path(), &host, &fail_scrub, fault);
+        let boot_timeout = Duration::from_secs(2);
+        let svc = Self::service(dir.path(), &host, &fail_scrub, boot_timeout, fault);
         Harness {
             dir,
             host,
             svc,
             fail_scrub,
+            boot_timeout,
         }
     }
 
     /// A new service over the same store file and host: a daemon restart.
     pub fn restart(&mut self, fault: FaultHook) {
         self.svc.wait_idle();
-        self.svc = Self::service(self.dir.path(), &self.host, &self.fail_scrub, fault);
+        self.svc = Self::service(
+            self.dir.path(),
+            &self.host,
+            &self.fail_scrub,
+            self.boot_timeout,
+            fault,
+        );
+    }
+
+    /// The same harness with another boot timeout (a new service over the same store).
+    pub fn with_boot_timeout(mut self, boot_timeout: Duration) -> Harness {
+        self.boot_timeout = boot_timeout;
+        self.restart(FaultHook::default());
+        self
     }
 
     fn service(
         root: &Path,
         host: &FakeHost,
         fail_scrub: &Arc<Mutex<BTreeSet<String>>>,
+        boot_timeout: Duration,
         fault: FaultHook,
     ) -> TenantService {
         let store = Arc::new(Store::open(&root.join("state.db")).unwrap());
         let mut cfg = ServiceConfig::new(root.join("state"));
         cfg.image_dir = Some(root.join("images"));
-        cfg.boot_timeout = Duration::from_secs(2);
+        cfg.boot_timeout = boot_timeout;
         cfg.departure.kek = crate::keys::KekSource::File(root.join("host-kek"));
         cfg.departure.keyslot_cost = crate::disk::KeyslotCost::TEST;
         // A fake host, roomy enough for every test's tenants.
@@ -261,7 +314,7 @@ impl Harness {
                 fail_scrub: fail_scrub.clone(),
             }),
             cfg,
-            fault,
         )
+        .with_fault_hook(fault)
     }
 }

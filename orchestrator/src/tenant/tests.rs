@@ -2,12 +2,12 @@
 //! ([`super::test_utils`]).
 
 use crate::auth::Caller;
+use crate::domain::lifecycle::LifecycleState;
+use crate::domain::spec::TenantSpec;
 use crate::reconcile::{reconcile, ReconcileOptions};
 use crate::store::ResourceKind;
 use crate::tenant::fault::{Boundary, FaultHook};
-use crate::tenant::lifecycle::LifecycleState;
 use crate::tenant::service::{CommandOutcome, TenantCommand, TenantServiceError};
-use crate::tenant::spec::TenantSpec;
 use crate::tenant::steps::Op;
 use crate::tenant::test_utils::Harness;
 
@@ -85,6 +85,32 @@ fn limits_follow_the_spec() {
     assert_eq!(jail.limits.cpu_quota_us, 4 * jail.limits.cpu_period_us);
     assert_eq!(jail.uid, jail.gid);
     assert!(jail.uid >= 200_000);
+}
+
+#[test]
+fn launch_limits_the_block_io_of_the_tenant_disk_only() {
+    let h = Harness::new(FaultHook::default());
+    create(&h, "nodisk");
+    let mut s = spec("disky", "{ kind = \"none\" }");
+    s.disk_gib = 1;
+    s.quotas.disk_mib_per_s = 7;
+    s.quotas.disk_iops = 300;
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Create(s))
+        .unwrap();
+    h.svc.wait_idle();
+    assert_eq!(state(&h, "disky"), Some(LifecycleState::Running));
+    let asked = h.host.state().block_io.clone();
+    // Only the tenant with a disk asks, once, for its disk and its quotas.
+    assert_eq!(asked.len(), 1, "{asked:?}");
+    let (tenant, disks, limit) = &asked[0];
+    assert_eq!(tenant, "disky");
+    assert_eq!(
+        disks,
+        &vec![h.svc.config().tenant_dir("disky").join("disk.img")]
+    );
+    assert_eq!(limit.bytes_per_s, 7 << 20);
+    assert_eq!(limit.ops_per_s, 300);
 }
 
 #[test]
@@ -362,7 +388,10 @@ fn pending_tenants_are_rolled_back() {
     let mut h = Harness::new(FaultHook::default());
     h.svc
         .store()
-        .insert_tenant(&spec("p", "{ kind = \"none\" }"))
+        .insert_tenant(
+            &spec("p", "{ kind = \"none\" }"),
+            crate::domain::GuestKind::Plain,
+        )
         .unwrap();
     h.restart(FaultHook::default());
     let report = reconcile(&h.svc, &ReconcileOptions::default()).unwrap();
@@ -398,4 +427,192 @@ fn a_vm_that_ends_on_its_own_turns_its_tenant_failed() {
         .unwrap()
         .iter()
         .all(|r| r.kind != ResourceKind::Process));
+}
+
+#[test]
+fn infer_is_refused_for_unknown_foreign_and_agentless_tenants() {
+    let h = Harness::new(FaultHook::default());
+    for name in ["a", "b"] {
+        create(&h, name);
+    }
+    h.svc.wait_idle();
+    let body = serde_json::json!({"prompt": "secret prompt"});
+    let infer = |caller: &Caller, name: &str| {
+        h.svc
+            .execute(caller, TenantCommand::Infer(name.into(), body.clone()))
+            .unwrap_err()
+    };
+    assert!(matches!(
+        infer(&Caller::Admin, "nobody"),
+        TenantServiceError::NotFound(_)
+    ));
+    let a = h.svc.store().tenant("a").unwrap().unwrap();
+    // Tenant a's token cannot reach b: answered like a missing tenant.
+    assert!(matches!(
+        infer(&Caller::Tenant(a.id), "b"),
+        TenantServiceError::NotFound(_)
+    ));
+    // The test guest runs no agent: a clear refusal that never echoes the prompt.
+    let err = infer(&Caller::Tenant(a.id), "a");
+    assert!(matches!(err, TenantServiceError::BadRequest(_)), "{err}");
+    assert!(
+        err.to_string().contains("does not run a guest image"),
+        "{err}"
+    );
+    assert!(!err.to_string().contains("secret prompt"));
+}
+
+#[test]
+fn hostile_names_reach_no_tenant_through_any_command() {
+    let h = Harness::new(FaultHook::default());
+    create(&h, "alice");
+    h.svc.wait_idle();
+    let long = "a".repeat(64);
+    for bad in [
+        "", "../alice", "ALICE", "alice/", "alice\0", &long, "älice", ".",
+    ] {
+        for cmd in [
+            TenantCommand::Status(bad.into()),
+            TenantCommand::Stop(bad.into()),
+            TenantCommand::Start(bad.into()),
+            TenantCommand::Destroy(bad.into()),
+            TenantCommand::Logs(bad.into(), Default::default()),
+            TenantCommand::Infer(bad.into(), serde_json::json!({})),
+        ] {
+            let err = h.svc.execute(&Caller::Admin, cmd).unwrap_err();
+            assert!(
+                matches!(err, TenantServiceError::NotFound(_)),
+                "{bad:?}: {err}"
+            );
+        }
+    }
+    assert_eq!(state(&h, "alice"), Some(LifecycleState::Running));
+    // Nothing was created outside the tenants directory.
+    let entries: Vec<_> = std::fs::read_dir(h.svc.config().tenants_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(entries, vec![std::ffi::OsString::from("alice")]);
+}
+
+#[test]
+fn the_guest_kind_is_decided_at_create_and_stored() {
+    let h = Harness::new(FaultHook::default());
+    create(&h, "alice");
+    h.svc.wait_idle();
+    let t = h.svc.store().tenant("alice").unwrap().unwrap();
+    assert_eq!(t.guest, Some(crate::domain::GuestKind::Plain));
+    // An image that later gains a manifest does not turn the tenant into an agent tenant:
+    // the fact was decided at create.
+    let images = h.dir.path().join("images/hello");
+    std::fs::write(images.join("manifest.json"), "{}").unwrap();
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Stop("alice".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Start("alice".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    assert_eq!(state(&h, "alice"), Some(LifecycleState::Running));
+}
+
+#[test]
+fn the_service_answers_while_a_silent_tenant_is_recovered() {
+    let mut h = Harness::new(FaultHook::default());
+    create(&h, "slow");
+    create(&h, "quick");
+    h.svc.wait_idle();
+    let slow_pid = h
+        .host
+        .state()
+        .processes
+        .iter()
+        .find(|(_, t)| *t == "slow")
+        .map(|(p, _)| *p)
+        .unwrap();
+    // After a restart, the slow tenant's VMM does not answer while it is checked.
+    h.host.state().stalled.insert(slow_pid);
+    h.restart(FaultHook::default());
+    let plan = crate::reconcile::plan(&h.svc).unwrap();
+    assert!(h.svc.recovering());
+    let svc = h.svc.clone();
+    let recovery = std::thread::spawn(move || {
+        crate::reconcile::recover(&svc, plan, &ReconcileOptions::default()).unwrap()
+    });
+    let view = |name: &str| match h
+        .svc
+        .execute(&Caller::Admin, TenantCommand::Status(name.into()))
+        .unwrap()
+    {
+        CommandOutcome::Tenant(v) => v,
+        other => panic!("{other:?}"),
+    };
+    // The quick tenant is through; the slow one says it is still being recovered, with
+    // its last recorded state, and commands on it say why they are refused.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while view("quick").recovering {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "quick never recovered"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let slow = view("slow");
+    assert!(slow.recovering);
+    assert_eq!(slow.state, LifecycleState::Running);
+    let err = h
+        .svc
+        .execute(&Caller::Admin, TenantCommand::Stop("slow".into()))
+        .unwrap_err();
+    assert!(matches!(err, TenantServiceError::Recovering(_)), "{err}");
+    assert!(err.to_string().contains("being recovered"), "{err}");
+    assert!(h.svc.recovering());
+    // The quick tenant takes commands meanwhile.
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Stop("quick".into()))
+        .unwrap();
+    h.host.state().stalled.clear();
+    let report = recovery.join().unwrap();
+    assert_eq!(
+        report.adopted,
+        vec!["quick".to_string(), "slow".to_string()]
+    );
+    assert!(!h.svc.recovering());
+    assert!(!view("slow").recovering);
+    h.svc.wait_idle();
+    assert_eq!(state(&h, "quick"), Some(LifecycleState::Stopped));
+}
+
+#[test]
+fn a_stop_request_ends_an_operation_waiting_on_a_silent_vm_as_a_crash_would() {
+    let h =
+        Harness::new(FaultHook::default()).with_boot_timeout(std::time::Duration::from_secs(300));
+    h.host.state().launch_unresponsive = true;
+    create(&h, "mute");
+    // await-running waits (up to 300 s) for a VMM that never answers.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let t = h.svc.store().tenant("mute").unwrap().unwrap();
+        let steps = h.svc.store().steps(t.op_id.unwrap()).unwrap();
+        if steps.iter().any(|s| s.step == "await-running") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{steps:?}");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let asked = std::time::Instant::now();
+    h.svc.request_stop();
+    assert!(
+        h.svc.wait_idle_for(std::time::Duration::from_secs(5)),
+        "the operation did not give up"
+    );
+    assert!(asked.elapsed() < std::time::Duration::from_secs(5));
+    // Left as a crash leaves it: still provisioning, the step started, not failed.
+    let t = h.svc.store().tenant("mute").unwrap().unwrap();
+    assert_eq!(t.state, LifecycleState::Provisioning);
+    assert_eq!(t.error, None);
+    let steps = h.svc.store().steps(t.op_id.unwrap()).unwrap();
+    let step = steps.iter().find(|s| s.step == "await-running").unwrap();
+    assert_eq!(step.status, "started");
 }

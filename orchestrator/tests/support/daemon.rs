@@ -34,6 +34,18 @@ pub fn skip_reason() -> Option<String> {
     None
 }
 
+/// Whether tenantvmd lacks the crash hook (built without `--features test-hooks`, which
+/// scripts/test.sh passes): prints `SKIP <test>: <reason>` and returns true if so.
+pub fn skip_without_crash_hook(test: &str) -> bool {
+    if cfg!(feature = "test-hooks") {
+        return false;
+    }
+    eprintln!(
+        "SKIP {test}: tenantvmd is built without its crash hook; run `cargo test -p tenantvm --features test-hooks` (scripts/test.sh does)"
+    );
+    true
+}
+
 /// Prints why a test skips and returns true if it must.
 pub fn should_skip(test: &str) -> bool {
     match skip_reason() {
@@ -125,9 +137,63 @@ impl TestDaemon {
         self.dir.path().join("d.sock")
     }
 
-    /// Starts the daemon (with `crash_at` armed if given) and waits for its socket.
+    /// Starts the daemon (with `crash_at` armed if given), waits for its socket, and then
+    /// for its recovery after the start to finish (the health check says so).
     pub fn start(&mut self, crash_at: Option<&str>) {
+        self.start_serving(crash_at);
+        self.wait_recovered(Duration::from_secs(600));
+    }
+
+    /// The daemon's `GET /v1/health` answer, read with a plain blocking request.
+    pub fn health(&self) -> Option<serde_json::Value> {
+        use std::io::{Read, Write};
+        let mut conn = std::os::unix::net::UnixStream::connect(self.socket()).ok()?;
+        conn.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+        write!(
+            conn,
+            "GET /v1/health HTTP/1.1\r\nHost: tenantvmd\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
+            self.admin_token()
+        )
+        .ok()?;
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer).ok()?;
+        let (_, body) = answer.split_once("\r\n\r\n")?;
+        serde_json::from_str(body).ok()
+    }
+
+    /// Waits until the daemon's recovery after its start is done.
+    pub fn wait_recovered(&mut self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(h) = self.health() {
+                // (A daemon without the field recovers before it serves.)
+                if h.get("recovering") != Some(&serde_json::Value::Bool(true)) {
+                    return;
+                }
+            }
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
+                panic!(
+                    "tenantvmd exited while recovering ({status}):\n{}",
+                    self.log()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "tenantvmd did not finish recovering in {timeout:?}:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Starts the daemon (with `crash_at` armed if given) and returns as soon as its socket
+    /// answers, recovery or not.
+    pub fn start_serving(&mut self, crash_at: Option<&str>) {
         assert!(self.child.is_none(), "daemon already running");
+        assert!(
+            crash_at.is_none() || cfg!(feature = "test-hooks"),
+            "the crash hook needs `--features test-hooks` (check skip_without_crash_hook first)"
+        );
         let _ = fs::remove_file(self.socket());
         let log = fs::OpenOptions::new()
             .create(true)
@@ -264,7 +330,7 @@ impl Drop for TestDaemon {
                         .list_tenants(true)
                         .unwrap_or_default()
                         .into_iter()
-                        .map(|t| t.name),
+                        .map(|t| t.name.to_string()),
                 );
             }
             for name in all {

@@ -1,0 +1,17 @@
+//! What a tenant is, independent of how it is stored, served or run: its validated name
+//! ([`name::TenantName`]), its spec ([`spec::TenantSpec`]), what runs in its guest
+//! ([`guest::GuestKind`]) and its lifecycle state machine ([`lifecycle::LifecycleState`]).
+//!
+//! These are plain values with no I/O. Every other layer may use them; they use nothing of
+//! the crate but each other, so the store, the API types and the tenant layer can all depend
+//! on them without depending on one another.
+
+pub mod guest;
+pub mod lifecycle;
+pub mod name;
+pub mod spec;
+
+pub use guest::GuestKind;
+pub use lifecycle::LifecycleState;
+pub use name::TenantName;
+pub use spec::TenantSpec;
