@@ -73,6 +73,10 @@ for m in virtio_pci virtio_blk virtio_console crc32c_generic ext4 kvm_amd vhost_
     $B modprobe "$m" || say "modprobe $m failed"
 done
 [ -c /dev/kvm ] || say "no /dev/kvm after loading kvm_amd"
+# Inner guests touch their RAM sparsely (the VMM's memory tests write one word per 2 MiB of
+# a 5 GiB guest); transparent huge pages would back each touch with 2 MiB of this guest's
+# few GiB.
+echo never >/sys/kernel/mm/transparent_hugepage/enabled
 
 scratch_dev="$(wait_disk nh-scratch)" || die "no virtio disk with serial nh-scratch"
 $B mkdir -p /scratch

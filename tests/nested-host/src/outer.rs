@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::catalog::Scenario;
 use crate::inputs::{check_kernel, kernel_dir, Inputs};
-use crate::watch::{watch, Outcome, Progress, WatchConfig};
+use crate::watch::{watch_with, Outcome, Progress, WatchConfig};
 use crate::HarnessError;
 
 /// The name of the virtio-serial port the results come back on (init.sh looks for it).
@@ -69,15 +69,19 @@ pub struct OuterConfig {
 }
 
 impl OuterConfig {
-    /// The defaults: $QEMU or qemu-system-x86_64, 3 GiB, 2 vCPUs, ext4 (it boots faster here;
+    /// The defaults: $QEMU or qemu-system-x86_64, 3 GiB, 1 vCPU, ext4 (it boots faster here;
     /// docs/testing.md), an 8 GiB scratch disk, 300 s to boot, 120 s grace.
+    ///
+    /// One vCPU: with two, QEMU 7.2's multi-threaded TCG now and then froze the whole outer
+    /// guest (both vCPUs in its kernel with interrupts off) while inner guests ran under
+    /// nested SVM, and on this 2-core machine one vCPU was as fast or faster anyway.
     pub fn new(work_dir: PathBuf) -> Self {
         OuterConfig {
             qemu: std::env::var_os("QEMU")
                 .map(PathBuf::from)
                 .unwrap_or_else(|| "qemu-system-x86_64".into()),
             memory_mib: 3072,
-            vcpus: 2,
+            vcpus: 1,
             format: RootFormat::Ext4,
             scratch_gib: 8,
             boot_timeout: Duration::from_secs(300),
@@ -222,7 +226,50 @@ pub fn qemu_args(
     ));
     push("-device".into());
     push("nvme,serial=nh-nvme,drive=nv0".into());
+    // QMP, for the CPU state when the guest stops answering.
+    push("-qmp".into());
+    push(format!(
+        "unix:{},server=on,wait=off",
+        w.join("qmp.sock").display()
+    ));
     args
+}
+
+/// Asks QEMU (over QMP) for every vCPU's registers and where each is, and writes the answer
+/// to `out`: what a hung outer guest was doing.
+pub fn save_cpu_state(qmp: &Path, out: &Path) -> std::io::Result<()> {
+    use std::io::{BufRead, BufReader, Write};
+    let stream = std::os::unix::net::UnixStream::connect(qmp)?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut writer = stream;
+    let mut line = String::new();
+    reader.read_line(&mut line)?; // the greeting
+    let mut text = String::new();
+    for cmd in [
+        r#"{"execute":"qmp_capabilities"}"#,
+        r#"{"execute":"human-monitor-command","arguments":{"command-line":"info cpus"}}"#,
+        r#"{"execute":"human-monitor-command","arguments":{"command-line":"info registers -a"}}"#,
+    ] {
+        writeln!(writer, "{cmd}")?;
+        loop {
+            line.clear();
+            if reader.read_line(&mut line)? == 0 {
+                break;
+            }
+            // Asynchronous events come in between; the answer has "return" or "error".
+            if line.contains("\"return\"") || line.contains("\"error\"") {
+                break;
+            }
+        }
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+        match v.get("return").and_then(|r| r.as_str()) {
+            Some(r) => text.push_str(r),
+            None => text.push_str(&line),
+        }
+        text.push('\n');
+    }
+    std::fs::write(out, text)
 }
 
 fn make_disks(cfg: &OuterConfig) -> Result<(), HarnessError> {
@@ -307,7 +354,22 @@ pub fn run(
         grace: cfg.grace,
         what: "the outer guest",
     };
-    let outcomes = watch(&mut child, scenarios, &watch_cfg, report);
+    let qmp = cfg.work_dir.join("qmp.sock");
+    let cpu_state = cfg.work_dir.join("cpu-state.txt");
+    let outcomes =
+        watch_with(
+            &mut child,
+            scenarios,
+            &watch_cfg,
+            report,
+            &mut || match save_cpu_state(&qmp, &cpu_state) {
+                Ok(()) => eprintln!(
+                    "nested-host: the outer guest's CPU state is in {}",
+                    cpu_state.display()
+                ),
+                Err(e) => eprintln!("nested-host: could not read the CPU state over QMP: {e}"),
+            },
+        );
     // After DONE the guest powers off; give it a moment, then make sure it is gone.
     let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline && child.try_wait().ok().flatten().is_none() {

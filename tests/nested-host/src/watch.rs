@@ -231,6 +231,18 @@ pub fn watch(
     cfg: &WatchConfig,
     report: &mut dyn FnMut(&Progress),
 ) -> Vec<Outcome> {
+    watch_with(child, scenarios, cfg, report, &mut || ())
+}
+
+/// [`watch`], calling `before_kill` when the process stopped answering, before it is killed
+/// (the outer guest saves its CPU state then).
+pub fn watch_with(
+    child: &mut Child,
+    scenarios: &[Scenario],
+    cfg: &WatchConfig,
+    report: &mut dyn FnMut(&Progress),
+    before_kill: &mut dyn FnMut(),
+) -> Vec<Outcome> {
     let console_tail = || tail(&cfg.console, CONSOLE_TAIL_LINES);
     let started = Instant::now();
     let mut reader = LineReader::default();
@@ -297,6 +309,7 @@ pub fn watch(
                     cfg.grace.as_secs()
                 ),
             });
+            before_kill();
             let _ = child.kill();
             let _ = child.wait();
             break;
