@@ -87,8 +87,7 @@ fn skip() -> Option<String> {
 macro_rules! require {
     () => {
         if let Some(reason) = skip() {
-            eprintln!("skipping: {reason}");
-            return;
+            tenantvm_skip::skip!("{reason}");
         }
     };
 }
@@ -292,8 +291,7 @@ const ADOPT_ENV: &str = "TENANTVM_TEST_ADOPT_DIR";
 #[ignore = "run by vmm_adopted_after_daemon_restart_is_managed in a child process"]
 fn adopt_helper_launch_and_exit() {
     let Ok(root) = std::env::var(ADOPT_ENV) else {
-        eprintln!("skipping: only meaningful when {ADOPT_ENV} is set by the adoption test");
-        return;
+        tenantvm_skip::skip!("only meaningful when {ADOPT_ENV} is set by the adoption test");
     };
     let root = PathBuf::from(root);
     let tenant = common::tenant("vadopt");

@@ -164,11 +164,8 @@ fn must(o: Output, what: &str, d: &TestDaemon, name: &str) -> Output {
 
 #[test]
 fn linux_guest_tenant_serves_inference_keeps_its_disk_encrypted_and_leaves_nothing() {
-    const TEST: &str =
-        "linux_guest_tenant_serves_inference_keeps_its_disk_encrypted_and_leaves_nothing";
     if let Some(why) = skip_reason() {
-        eprintln!("skipping {TEST}: {why}");
-        return;
+        tenantvm_skip::skip!("{why}");
     }
     let set = image_set();
     let backend = std::env::var("TENANTVM_E2E_BACKEND").unwrap_or_else(|_| "qemu-tcg".into());

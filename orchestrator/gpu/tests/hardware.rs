@@ -15,8 +15,9 @@ fn nvml_create_overlap_and_destroy_follow_the_simulated_rules() {
         std::env::var("TENANTVM_TEST_GPU"),
         std::env::var("TENANTVM_TEST_MIG_CREATE"),
     ) else {
-        eprintln!("skipping: set TENANTVM_TEST_GPU=<index> and TENANTVM_TEST_MIG_CREATE=1 to create a MIG instance");
-        return;
+        tenantvm_skip::skip!(
+            "set TENANTVM_TEST_GPU=<index> and TENANTVM_TEST_MIG_CREATE=1 to create a MIG instance"
+        );
     };
     let gpu: u32 = idx.parse().expect("TENANTVM_TEST_GPU is a GPU index");
     let b = NvmlBackend::new().expect("NVML loads");
@@ -26,15 +27,13 @@ fn nvml_create_overlap_and_destroy_follow_the_simulated_rules() {
         .find(|g| g.index == gpu)
         .expect("the GPU exists");
     if !info.mig_enabled {
-        eprintln!(
-            "skipping: MIG is disabled on GPU {gpu} (enable it with `nvidia-smi -i {gpu} -mig 1`)"
+        tenantvm_skip::skip!(
+            "MIG is disabled on GPU {gpu} (enable it with `nvidia-smi -i {gpu} -mig 1`)"
         );
-        return;
     }
     let host = host_gpus(std::slice::from_ref(info)).unwrap();
     let Some(h) = host.first() else {
-        eprintln!("skipping: GPU {gpu} is not in the MIG database");
-        return;
+        tenantvm_skip::skip!("GPU {gpu} is not in the MIG database");
     };
     let one = h.model.profile("19").unwrap();
     let placements = b.possible_placements(gpu, one.id).unwrap();
@@ -46,8 +45,7 @@ fn nvml_create_overlap_and_destroy_follow_the_simulated_rules() {
             .collect::<Vec<_>>()
     );
     let Some(start) = h.layout.free_starts(one).first().copied() else {
-        eprintln!("skipping: no free 1g start on GPU {gpu}");
-        return;
+        tenantvm_skip::skip!("no free 1g start on GPU {gpu}");
     };
     let gi = b.create_instance(gpu, one.id, start).unwrap();
     assert_eq!(gi.start, start);
@@ -67,10 +65,9 @@ fn nvml_create_overlap_and_destroy_follow_the_simulated_rules() {
 #[test]
 fn vfio_bind_and_release_restore_the_real_drivers() {
     let Ok(addr) = std::env::var("TENANTVM_TEST_VFIO_GPU") else {
-        eprintln!(
-            "skipping: set TENANTVM_TEST_VFIO_GPU=<pci address> to bind a real GPU to vfio-pci"
+        tenantvm_skip::skip!(
+            "set TENANTVM_TEST_VFIO_GPU=<pci address> to bind a real GPU to vfio-pci"
         );
-        return;
     };
     let s = Sysfs::new("/");
     let gpu = PciAddress::parse(&addr).expect("TENANTVM_TEST_VFIO_GPU is a PCI address");

@@ -34,11 +34,11 @@ pub fn skip_reason() -> Option<String> {
     None
 }
 
-/// Prints why a test skips and returns true if it must.
+/// Records the skip of `test` (tenantvm-skip) and returns true if it must skip.
 pub fn should_skip(test: &str) -> bool {
     match skip_reason() {
         Some(why) => {
-            eprintln!("skipping {test}: {why}");
+            tenantvm_skip::record(&format!("{}::{test}", env!("CARGO_CRATE_NAME")), why);
             true
         }
         None => false,

@@ -233,7 +233,7 @@ mod tests {
 
     fn vm() -> Option<Arc<Vm>> {
         if !std::path::Path::new("/dev/kvm").exists() {
-            eprintln!("skipping: /dev/kvm is absent");
+            tenantvm_skip::record_skip!("/dev/kvm is absent");
             return None;
         }
         Some(Arc::new(Vm::new().expect("create a VM")))
