@@ -139,7 +139,7 @@ resolve() {
     p="${path_of[$n]:-}"
     if [ -z "$p" ]; then
         grep -q "/${n}.ko\$" <<<"$builtin" && return 0
-        die "kernel module $n is neither in $kmods nor built in"
+        die "kernel module $n is neither in $kmods nor built in: run scripts/setup.sh"
     fi
     for d in $(modinfo -F depends "$kmods/$p" | tr ',' ' '); do resolve "$d"; done
     closure+=("$p")
@@ -284,9 +284,10 @@ else
     kib="$(du -sk --apparent-size "$stage" | cut -f1)"
     size_mib=$(( kib / 1024 * 5 / 4 + 64 ))
     uuid="$(printf '%s' "$hash" | sha256sum | sed -E 's/^(.{8})(.{4})(.{4})(.{4})(.{12}).*/\1-\2-\3-\4-\5/')"
+    truncate -s "${size_mib}M" "$work/root.ext4"
     E2FSPROGS_FAKE_TIME=$epoch mke2fs -q -F -t ext4 -L nh-root -U "$uuid" \
         -E "hash_seed=$uuid,root_owner=0:0,lazy_itable_init=0" -O ^has_journal -m 0 \
-        -d "$stage" "$work/root.ext4" "${size_mib}M" >&2
+        -d "$stage" "$work/root.ext4" >&2
     # The first stage: busybox and the modules that reach the root disk.
     s1="$work/stage1"
     mkdir -p "$s1"/{bin,proc,sys,dev,newroot}

@@ -62,6 +62,9 @@ enum Cmd {
         /// Print the outcomes as JSON at the end.
         #[arg(long)]
         json: bool,
+        /// Only check that the scenarios exist (an unknown one lists the known ones).
+        #[arg(long)]
+        check_names: bool,
     },
 }
 
@@ -85,7 +88,7 @@ fn list(json: bool) -> Result<(), String> {
     );
     for s in catalog.all() {
         println!(
-            "{:<16} {:>5} s  {:<14} {}",
+            "{:<20} {:>5} s  {:<14} {}",
             s.name,
             s.limit_s,
             s.sets.join(","),
@@ -110,9 +113,13 @@ fn main() -> ExitCode {
             grace,
             work_dir,
             json,
+            check_names,
         } => (|| {
             let catalog = Catalog::load(&Catalog::default_dir()).map_err(|e| e.to_string())?;
             let chosen = catalog.select(&scenarios).map_err(|e| e.to_string())?;
+            if check_names {
+                return Ok(true);
+            }
             let inputs = Inputs::load(&inputs.unwrap_or_else(|| Inputs::default_path("debug")))
                 .map_err(|e| e.to_string())?;
             let work_dir = work_dir.unwrap_or_else(tenantvm_nested_host::default_work_dir);

@@ -15,8 +15,9 @@
 //! page cache is dropped and is in the host file afterwards; the rng gives 32 bytes that are
 //! not all equal; a vsock round trip each way (the host through the VMM's hybrid socket to a
 //! guest listener, the guest to a host listener on `<socket>_5000`); then ACPI power-off
-//! (VMM exit 0) or a reboot (exit 3, the reset status). Boots: vmlinux (PVH) on 1 vCPU and
-//! on 2, the bzImage on 1 and on 2; the last one reboots, the others power off.
+//! (VMM exit 0) or a reboot (exit 3, the reset status). Boots: vmlinux through PVH on 1 vCPU
+//! and through its 64-bit entry (`--boot linux`) on 2, the bzImage on 1 and on 2; the last
+//! one reboots, the others power off.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -79,6 +80,8 @@ fn which(tool: &str) -> Option<PathBuf> {
 /// One boot of the check.
 struct Boot {
     kernel: &'static str,
+    /// `--boot`: auto (PVH for the vmlinux, which has the note) or linux (its 64-bit entry).
+    entry: &'static str,
     vcpus: u32,
     reboot: bool,
 }
@@ -144,6 +147,7 @@ fn check_boot(env: &Env, n: usize, boot: &Boot) -> Result<(), String> {
         .arg(env.kernel_dir.join(boot.kernel))
         .arg("--initramfs")
         .arg(&env.initramfs)
+        .args(["--boot", boot.entry])
         .args([
             "--memory-mib",
             &MEMORY_MIB.to_string(),
@@ -272,16 +276,17 @@ fn check_boot(env: &Env, n: usize, boot: &Boot) -> Result<(), String> {
 
 fn check() -> Result<(), String> {
     let env = setup()?;
-    let boot = |kernel, vcpus, reboot| Boot {
+    let boot = |kernel, entry, vcpus, reboot| Boot {
         kernel,
+        entry,
         vcpus,
         reboot,
     };
     let boots = [
-        boot("vmlinux", 1, false),
-        boot("vmlinux", 2, false),
-        boot("vmlinuz", 1, false),
-        boot("vmlinuz", 2, true),
+        boot("vmlinux", "auto", 1, false),
+        boot("vmlinux", "linux", 2, false),
+        boot("vmlinuz", "auto", 1, false),
+        boot("vmlinuz", "auto", 2, true),
     ];
     for (n, boot) in boots.iter().enumerate() {
         check_boot(&env, n, boot)?;
