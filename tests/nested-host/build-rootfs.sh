@@ -63,7 +63,7 @@ done <"$inputs"
 
 kdir="${TENANTVM_KERNEL_DIR:-$root/.cache/kernel}"
 cache="${NH_CACHE:-$root/.cache/nested-host}"
-for tool in busybox cryptsetup mke2fs depmod modinfo cpio ldd strip sha256sum; do
+for tool in busybox cryptsetup mke2fs debugfs dumpe2fs depmod modinfo cpio ldd strip sha256sum; do
     command -v "$tool" >/dev/null || die "$tool is missing: run scripts/setup.sh"
 done
 [ -f "$kdir/vmlinuz" ] && [ -f "$kdir/vmlinux" ] && [ -f "$kdir/version" ] ||
@@ -288,6 +288,17 @@ else
     E2FSPROGS_FAKE_TIME=$epoch mke2fs -q -F -t ext4 -L nh-root -U "$uuid" \
         -E "hash_seed=$uuid,root_owner=0:0,lazy_itable_init=0" -O ^has_journal -m 0 \
         -d "$stage" "$work/root.ext4" >&2
+    # mke2fs -d copies each inode's change time from the staged file, which nothing can set,
+    # and its access time, which mke2fs's own reads move: fix both to the epoch so that the
+    # same inputs give the same image. It numbers inodes in order, so the used ones are the
+    # root (2) and 11 up to the count in use.
+    used="$(dumpe2fs -h "$work/root.ext4" 2>/dev/null | awk -F: '
+        /^Inode count/ { total = $2 } /^Free inodes/ { free = $2 } END { print total - free }')"
+    for ino in 2 $(seq 11 "$used"); do
+        printf 'sif <%s> ctime @%s\nsif <%s> atime @%s\n' "$ino" "$epoch" "$ino" "$epoch"
+    done >"$work/times.debugfs"
+    E2FSPROGS_FAKE_TIME=$epoch debugfs -w -f "$work/times.debugfs" "$work/root.ext4" >/dev/null 2>&1 ||
+        die "debugfs could not fix the inode times of the root image"
     # The first stage: busybox and the modules that reach the root disk.
     s1="$work/stage1"
     mkdir -p "$s1"/{bin,proc,sys,dev,newroot}

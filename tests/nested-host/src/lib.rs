@@ -52,11 +52,25 @@ pub fn harness_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Where a run's files go: target/nested-host/runs/<pid>.
+/// Runs whose files are kept in target/nested-host/runs.
+const RUNS_KEPT: usize = 5;
+
+/// Where a run's files go: target/nested-host/runs/<pid>. Older runs beyond the last few
+/// are removed.
 pub fn default_work_dir() -> PathBuf {
-    repo_root()
-        .join("target/nested-host/runs")
-        .join(std::process::id().to_string())
+    let runs = repo_root().join("target/nested-host/runs");
+    if let Ok(entries) = std::fs::read_dir(&runs) {
+        let mut dirs: Vec<(std::time::SystemTime, PathBuf)> = entries
+            .flatten()
+            .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+            .collect();
+        dirs.sort();
+        let excess = dirs.len().saturating_sub(RUNS_KEPT - 1);
+        for (_, dir) in dirs.into_iter().take(excess) {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+    runs.join(std::process::id().to_string())
 }
 
 /// Runs `scenarios` on the nested host (one boot of the outer guest), or on this host when
