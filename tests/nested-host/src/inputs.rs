@@ -38,6 +38,14 @@ pub enum InputsError {
         /// The key.
         key: &'static str,
     },
+    /// cargo built a newer binary of a listed test since the list was made.
+    #[error("The nested host's inputs are stale: {newer} is newer than the listed {listed}; run {PREPARE} again")]
+    Stale {
+        /// The binary in the list.
+        listed: PathBuf,
+        /// The newer build of the same test.
+        newer: PathBuf,
+    },
     /// A file the inputs name is not there.
     #[error("{what} {path} is missing: run {fix}")]
     Absent {
@@ -132,12 +140,40 @@ impl Inputs {
             Path::new(self.get("NH_TEST_GUESTS")).join("tvm-testguest"),
             "scripts/build-test-guests.sh",
         )?;
+        let list = PathBuf::from(self.get("NH_KVM_TESTS_LIST"));
         absent(
             "The list of the VMM's KVM test binaries",
-            PathBuf::from(self.get("NH_KVM_TESTS_LIST")),
+            list.clone(),
             PREPARE,
-        )
+        )?;
+        let text = std::fs::read_to_string(&list).unwrap_or_default();
+        for listed in text.lines().filter(|l| !l.is_empty()).map(PathBuf::from) {
+            absent("The KVM test binary", listed.clone(), PREPARE)?;
+            if let Some(newer) = newer_build(&listed) {
+                return Err(InputsError::Stale { listed, newer });
+            }
+        }
+        Ok(())
     }
+}
+
+/// A newer build of the same test as `listed` (`deps/NAME-HASH`): cargo names a rebuild
+/// with changed dependencies with another hash, leaving the listed one behind.
+fn newer_build(listed: &Path) -> Option<PathBuf> {
+    let name = listed.file_name()?.to_str()?;
+    let stem = &name[..name.rfind('-')? + 1];
+    let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let listed_time = mtime(listed)?;
+    std::fs::read_dir(listed.parent()?)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(stem) && !n.contains('.') && n != name)
+        })
+        .find(|p| mtime(p).is_some_and(|t| t > listed_time))
 }
 
 /// The stock kernel directory: `$TENANTVM_KERNEL_DIR` or .cache/kernel (scripts/setup.sh).
@@ -204,6 +240,26 @@ mod tests {
             err.contains("guest image") && err.contains("run guest-image/build.sh"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_newer_build_of_a_listed_test_makes_the_inputs_stale() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = dir.path().join("guest_smp-aaaa");
+        std::fs::write(&old, "").unwrap();
+        std::fs::write(dir.path().join("guest_smp-aaaa.d"), "").unwrap();
+        std::fs::write(dir.path().join("guest_smpx-cccc"), "").unwrap();
+        assert_eq!(newer_build(&old), None);
+        let past = std::time::SystemTime::now() - std::time::Duration::from_secs(60);
+        std::fs::File::options()
+            .write(true)
+            .open(&old)
+            .unwrap()
+            .set_modified(past)
+            .unwrap();
+        let new = dir.path().join("guest_smp-bbbb");
+        std::fs::write(&new, "").unwrap();
+        assert_eq!(newer_build(&old), Some(new));
     }
 
     #[test]

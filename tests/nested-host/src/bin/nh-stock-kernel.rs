@@ -96,8 +96,9 @@ fn line_value(serial: &str, prefix: &str) -> Option<String> {
 
 fn check_boot(env: &Env, n: usize, boot: &Boot) -> Result<(), String> {
     let label = format!(
-        "{} on {} vCPU(s), {}",
+        "{} (--boot {}) on {} vCPU(s), {}",
         boot.kernel,
+        boot.entry,
         boot.vcpus,
         if boot.reboot { "reboot" } else { "power-off" }
     );
