@@ -28,7 +28,7 @@ shift
 emit() { printf '%s\n' "$*" >>"$results"; }
 now() { cut -d' ' -f1 /proc/uptime; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
-one_line() { tr '\r\n\t' '   ' | cut -c1-400; }
+one_line() { tr '\r\n\t' '   ' | sed 's/ *$//' | cut -c1-400; }
 # Whether process $1 still runs (a zombie does not).
 running() {
     state="$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" || return 1
@@ -65,7 +65,7 @@ for name in "$@"; do
     # Let tee finish the output, then end whatever the scenario left behind.
     i=0
     while [ "$timed_out" = 0 ] && running "$pid" && [ $i -lt 10 ]; do sleep 0.3; i=$((i + 1)); done
-    kill -KILL -- "-$pid" 2>/dev/null
+    kill -KILL "-$pid" 2>/dev/null
     wait "$pid" 2>/dev/null
     took="$(since "$t0")"
     if [ -f "$NH_NOTES" ]; then

@@ -6,13 +6,13 @@
 # limit: 180
 # sets: ci
 . "$NH_LIB"
-need_modules vfio_pci vfio_iommu_type1
 edu="$(pci_devices 1234 11e8 | head -n 1)"
 # QEMU's nvme (1b36:0010) exists only in QEMU guests: a real host's NVMe disks never match.
 nvme="$(pci_devices 1b36 0010 | head -n 1)"
 [ -n "$edu" ] || skip "no edu device (1234:11e8): QEMU's edu exists on the nested host only"
 [ -n "$nvme" ] || skip "no QEMU nvme device (1b36:0010): it exists on the nested host only"
 [ -n "$(iommu_group "$edu")" ] || skip "no IOMMU (intel_iommu=on) for $edu"
+need_modules vfio_pci vfio_iommu_type1
 trap 'unbind_vfio "$edu"; unbind_vfio "$nvme"' EXIT
 bind_vfio "$edu"
 bind_vfio "$nvme"
