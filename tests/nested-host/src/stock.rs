@@ -1,5 +1,5 @@
 //! The small initramfs the stock-kernel scenario boots the stock Debian kernel with: busybox,
-//! the virtio modules (resolved through the kernel's modules.dep), the static nh-vsock-echo,
+//! the virtio modules (with what they depend on), the static nh-vsock-echo,
 //! and an /init that checks the devices and reports on the serial console with `NHSK:` lines.
 
 use std::collections::BTreeMap;
@@ -88,51 +88,70 @@ fn read(path: &Path) -> Result<Vec<u8>, StockError> {
     })
 }
 
-/// The module name of a modules.dep path (`kernel/drivers/char/hw_random/virtio-rng.ko` is
+/// The module name of a `.ko` path (`kernel/drivers/char/hw_random/virtio-rng.ko` is
 /// `virtio_rng`).
-fn module_name(path: &str) -> String {
-    Path::new(path)
-        .file_name()
+fn module_name(path: &Path) -> String {
+    path.file_name()
         .and_then(|n| n.to_str())
         .unwrap_or_default()
         .trim_end_matches(".ko")
         .replace('-', "_")
 }
 
-/// The files of `wanted` and their dependencies, dependencies first, from the text of a
-/// modules.dep.
-pub fn module_closure(
-    modules_dep: &str,
-    wanted: &[&str],
-) -> Result<Vec<(String, String)>, StockError> {
-    let deps: BTreeMap<String, (String, Vec<String>)> = modules_dep
-        .lines()
-        .filter_map(|l| l.split_once(':'))
-        .map(|(path, deps)| {
-            (
-                module_name(path),
-                (
-                    path.to_string(),
-                    deps.split_whitespace().map(module_name).collect(),
-                ),
-            )
+/// The `depends=` list of a module file's .modinfo strings (NUL-separated `key=value`).
+pub fn module_depends(ko: &[u8]) -> Vec<String> {
+    ko.split(|b| *b == 0)
+        .find_map(|field| field.strip_prefix(b"depends="))
+        .map(|deps| {
+            String::from_utf8_lossy(deps)
+                .split(',')
+                .filter(|d| !d.is_empty())
+                .map(|d| d.replace('-', "_"))
+                .collect()
         })
-        .collect();
-    let mut order: Vec<(String, String)> = Vec::new();
+        .unwrap_or_default()
+}
+
+/// Every `.ko` under `dir`, by module name.
+fn index_modules(dir: &Path, out: &mut BTreeMap<String, PathBuf>) -> Result<(), StockError> {
+    let entries = std::fs::read_dir(dir).map_err(|source| StockError::Read {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            index_modules(&path, out)?;
+        } else if path.extension().is_some_and(|e| e == "ko") {
+            out.insert(module_name(&path), path);
+        }
+    }
+    Ok(())
+}
+
+/// The files of `wanted` and their dependencies, dependencies first, found in the kernel's
+/// modules folder and the modules' own `depends=` (the kernel package ships no modules.dep;
+/// depmod makes it at install time).
+pub fn module_closure(
+    modules: &Path,
+    wanted: &[&str],
+) -> Result<Vec<(String, PathBuf)>, StockError> {
+    let mut index = BTreeMap::new();
+    index_modules(&modules.join("kernel"), &mut index)?;
+    let mut order: Vec<(String, PathBuf)> = Vec::new();
     fn visit(
         name: &str,
-        deps: &BTreeMap<String, (String, Vec<String>)>,
-        order: &mut Vec<(String, String)>,
+        index: &BTreeMap<String, PathBuf>,
+        order: &mut Vec<(String, PathBuf)>,
     ) -> Result<(), StockError> {
         if order.iter().any(|(n, _)| n == name) {
             return Ok(());
         }
-        let (path, ds) = deps
+        let path = index
             .get(name)
             .ok_or_else(|| StockError::NoModule(name.to_string()))?;
-        // modules.dep lists the direct dependency last; load the deepest first.
-        for d in ds.iter().rev() {
-            visit(d, deps, order)?;
+        for dep in module_depends(&read(path)?) {
+            visit(&dep, index, order)?;
         }
         if !order.iter().any(|(n, _)| n == name) {
             order.push((name.to_string(), path.clone()));
@@ -140,7 +159,7 @@ pub fn module_closure(
         Ok(())
     }
     for w in wanted {
-        visit(&w.replace('-', "_"), &deps, &mut order)?;
+        visit(&w.replace('-', "_"), &index, &mut order)?;
     }
     Ok(order)
 }
@@ -151,9 +170,7 @@ pub fn initramfs(
     busybox: &Path,
     vsock_echo: &Path,
 ) -> Result<Vec<u8>, StockError> {
-    let mdir = kernel_dir.join("modules");
-    let dep = String::from_utf8_lossy(&read(&mdir.join("modules.dep"))?).into_owned();
-    let closure = module_closure(&dep, &MODULES)?;
+    let closure = module_closure(&kernel_dir.join("modules"), &MODULES)?;
     let mut c = Cpio::new();
     c.dir("bin").dir("m").dir("proc").dir("sys").dir("dev");
     c.file("init", INIT.as_bytes(), true);
@@ -162,7 +179,7 @@ pub fn initramfs(
     c.file("bin/nh-vsock-echo", &read(vsock_echo)?, true);
     let mut order = String::new();
     for (name, path) in &closure {
-        c.file(&format!("m/{name}.ko"), &read(&mdir.join(path))?, false);
+        c.file(&format!("m/{name}.ko"), &read(path)?, false);
         order.push_str(name);
         order.push('\n');
     }
@@ -175,36 +192,52 @@ mod tests {
     use super::*;
 
     #[test]
+    fn depends_come_from_the_modinfo_strings() {
+        let ko = b"\x7fELF junk\0license=GPL\0depends=virtio_ring,virtio,vsock-x\0vermagic=6.1\0";
+        assert_eq!(module_depends(ko), ["virtio_ring", "virtio", "vsock_x"]);
+        assert!(module_depends(b"\0depends=\0").is_empty());
+        assert!(module_depends(b"no modinfo").is_empty());
+    }
+
+    #[test]
     fn dependencies_come_first_and_dashes_are_underscores() {
-        let dep = "kernel/a/virtio_pci.ko: kernel/a/virtio_pci_modern_dev.ko kernel/a/virtio_ring.ko kernel/a/virtio.ko\n\
-                   kernel/a/virtio.ko:\nkernel/a/virtio_ring.ko:\n\
-                   kernel/a/virtio_pci_modern_dev.ko:\nkernel/b/virtio-rng.ko: kernel/a/virtio_ring.ko kernel/a/virtio.ko\n";
-        let order = module_closure(dep, &["virtio_pci", "virtio-rng"]).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let put = |rel: &str, deps: &str| {
+            let p = dir.path().join("kernel").join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, format!("\0depends={deps}\0")).unwrap();
+        };
+        put(
+            "a/virtio_pci.ko",
+            "virtio_pci_modern_dev,virtio_ring,virtio",
+        );
+        put("a/virtio.ko", "");
+        put("a/virtio_ring.ko", "");
+        put("a/virtio_pci_modern_dev.ko", "");
+        put("b/virtio-rng.ko", "virtio_ring,virtio");
+        let order = module_closure(dir.path(), &["virtio_pci", "virtio-rng"]).unwrap();
         let names: Vec<&str> = order.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(
             names,
             [
-                "virtio",
-                "virtio_ring",
                 "virtio_pci_modern_dev",
+                "virtio_ring",
+                "virtio",
                 "virtio_pci",
                 "virtio_rng"
             ]
         );
-        assert_eq!(order[4].1, "kernel/b/virtio-rng.ko");
-        assert!(module_closure(dep, &["nope"]).is_err());
+        assert!(order[4].1.ends_with("b/virtio-rng.ko"));
+        assert!(module_closure(dir.path(), &["nope"]).is_err());
     }
 
     #[test]
     fn the_stock_kernel_modules_resolve() {
         let kdir = crate::inputs::kernel_dir();
-        let Ok(dep) = std::fs::read_to_string(kdir.join("modules/modules.dep")) else {
-            tenantvm_skip::skip!(
-                "{} has no modules.dep (run scripts/setup.sh)",
-                kdir.display()
-            );
-        };
-        let order = module_closure(&dep, &MODULES).unwrap();
+        if !kdir.join("modules/kernel").is_dir() {
+            tenantvm_skip::skip!("{} has no modules (run scripts/setup.sh)", kdir.display());
+        }
+        let order = module_closure(&kdir.join("modules"), &MODULES).unwrap();
         let names: Vec<&str> = order.iter().map(|(n, _)| n.as_str()).collect();
         for m in MODULES {
             assert!(names.contains(&m), "{names:?}");
