@@ -328,8 +328,8 @@ printf '%s\n' "$manifest" >"$out.tmp/inputs"
 touch "$out.tmp/done"
 rm -rf "$out"
 mv "$out.tmp" "$out"
-# Keep the three most recently used images of each format.
-ls -1dt "$cache/$format"-* 2>/dev/null | tail -n +4 | while read -r old; do rm -rf "$old"; done
+# Keep the two most recently used images of each format.
+ls -1dt "$cache/$format"-* 2>/dev/null | tail -n +3 | while read -r old; do rm -rf "$old"; done
 end=$(date +%s.%N)
 say "outer root file system ready in $(awk "BEGIN {printf \"%.1f\", $end - $start}") s ($(du -sh "$out" | cut -f1))"
 echo "$out"
