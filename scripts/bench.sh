@@ -15,6 +15,11 @@
 #   4. the stock Debian kernel (.cache/kernel/vmlinux, fetched by scripts/setup.sh) to its
 #      first serial line ("Linux version"), BENCH_KERNEL_RUNS runs (default 2). Reported
 #      separately: here the guest's own speed under this machine's nested hypervisor dominates.
+#   5. the nested host (tests/nested-host, docs/testing.md), with release binaries: the outer
+#      guest from QEMU's start to its init, BENCH_NESTED_RUNS runs (default 3) for each root
+#      format (ext4, initramfs); inside it, in one boot, the stock kernel to userspace under
+#      tenantvm-vmm and under qemu-system-x86_64 -M microvm -accel kvm on the same kernel and
+#      initramfs (3 runs each, the ratio), and the guest image to the agent's first answer.
 #
 # usage: scripts/bench.sh            (builds tenantvm-vmm --release and the test guests first)
 # env:   BENCH_RUNS, BENCH_KERNEL_RUNS, BENCH_SKIP_KERNEL=1, BENCH_SKIP_DEVICES=1,
@@ -22,7 +27,8 @@
 #        its data from L3; 4 KiB workloads use a quarter), BENCH_QD (default 8),
 #        BENCH_BLK_RUNS (default 3; medians), BENCH_BLK_NOTIFY (event_idx, the
 #        default and what Linux negotiates; flags; poll),
-#        BENCH_ONLY_DEVICES=1, BENCH_ONLY_STARTUP=1 (part 1 only),
+#        BENCH_ONLY_DEVICES=1, BENCH_ONLY_STARTUP=1 (part 1 only), BENCH_SKIP_NESTED=1,
+#        BENCH_ONLY_NESTED=1, BENCH_NESTED_RUNS,
 #        BENCH_VMM_BASELINE=PATH (a second tenantvm-vmm binary, e.g. a build of an older
 #        commit, timed in part 1 in the same interleaved run: a before/after A/B),
 #        QEMU (default qemu-system-x86_64)
@@ -30,9 +36,40 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-[ -r /dev/kvm ] && [ -w /dev/kvm ] || { echo "bench: /dev/kvm is not usable here" >&2; exit 1; }
 qemu="${QEMU:-qemu-system-x86_64}"
 command -v "$qemu" >/dev/null || { echo "bench: $qemu missing; run scripts/setup.sh" >&2; exit 1; }
+
+# 5. The nested host: after the others, or alone with BENCH_ONLY_NESTED=1.
+nested_bench() {
+    [ "${BENCH_SKIP_NESTED:-0}" = 1 ] && { echo "nested host: skipped (BENCH_SKIP_NESTED=1)"; return 0; }
+    local runs="${BENCH_NESTED_RUNS:-3}" nh=target/debug/nested-host
+    local inputs=target/nested-host/release/inputs
+    tests/nested-host/prepare.sh --profile release
+    cargo build --quiet -p tenantvm-nested-host --bin nested-host
+    echo
+    echo "nested host: outer guest (QEMU TCG, q35, -cpu max, 1 vCPU, 3 GiB) from QEMU's start to its init ready, $runs runs per root format"
+    local fmt i t times
+    for fmt in ext4 initramfs; do
+        times=()
+        for i in $(seq "$runs"); do
+            t="$("$nh" run --inputs "$inputs" --format "$fmt" platform 2>/dev/null |
+                sed -n 's/.* \([0-9.]*\) s after the start.*/\1/p')"
+            [ -n "$t" ] || { echo "bench: the outer guest did not boot ($fmt)" >&2; return 1; }
+            times+=("$t")
+        done
+        printf '%-10s median %s s (runs: %s)\n' "$fmt" \
+            "$(printf '%s\n' "${times[@]}" | sort -n | sed -n "$(( (runs + 1) / 2 ))p")" "${times[*]}"
+    done
+    echo "inside the outer guest (release binaries; one boot):"
+    "$nh" run --inputs "$inputs" bench-stock-kernel bench-guest-image 2>/dev/null |
+        sed -n 's/^NOTE [a-z-]*: /  /p; /^FAIL/p'
+}
+if [ "${BENCH_ONLY_NESTED:-0}" = 1 ]; then
+    nested_bench
+    exit
+fi
+
+[ -r /dev/kvm ] && [ -w /dev/kvm ] || { echo "bench: /dev/kvm is not usable here" >&2; exit 1; }
 
 cargo build --release --quiet -p tenantvm-vmm
 scripts/build-test-guests.sh
@@ -47,7 +84,7 @@ if [ -n "${BENCH_VMM_BASELINE:-}" ]; then
     export BENCH_VMM_BASELINE
 fi
 
-exec python3 - <<'PY'
+python3 - <<'PY'
 import os, random, select, socket, statistics, subprocess, sys, tempfile, time
 
 VMM = os.environ["BENCH_VMM"]
@@ -385,3 +422,8 @@ else:
         print(f"{name:14} first line {fmt_ms(kres[name])} (median; runs: {', '.join(fmt_ms(x).strip() for x in lines)})")
     print(f"ratio qemu/tenantvm: {kres['qemu-microvm'] / kres['tenantvm-vmm']:.2f}x")
 PY
+
+if [ "${BENCH_ONLY_STARTUP:-0}" = 1 ] || [ "${BENCH_ONLY_DEVICES:-0}" = 1 ]; then
+    exit 0
+fi
+nested_bench

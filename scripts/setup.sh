@@ -41,6 +41,11 @@ packages=(
     # Guest image (guest-image/build.sh): busybox, cryptsetup and mke2fs copied into the
     # initramfs (cryptsetup also formats the test disks on the host), depmod/modinfo.
     busybox-static cryptsetup-bin e2fsprogs kmod
+    # The nested test host (tests/nested-host): QEMU (TCG, q35, intel-iommu, edu, nvme) boots
+    # an outer root made with mke2fs -d from busybox, cryptsetup, the kernel package's
+    # modules (kvm-amd, vfio-pci, vhost_vsock, dm-crypt: all in linux-image-amd64) and the
+    # build; strip and ldd come with build-essential and libc-bin.
+    qemu-system-x86 e2fsprogs busybox-static cpio kmod
 )
 
 missing=()

@@ -70,14 +70,12 @@ fn main() {
         .unwrap_or(10);
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 || !PathBuf::from("/dev/kvm").exists() {
-        eprintln!("skipping: needs root and /dev/kvm");
-        return;
+        tenantvm_skip::skip!("needs root and /dev/kvm");
     }
     let vmm = find_binary("tenantvm-vmm");
     let jail_bin = find_binary("tenantvm-jail");
     if !vmm.exists() || !jail_bin.exists() {
-        eprintln!("skipping: build tenantvm-vmm and tenantvm-jail first (cargo build -p tenantvm-vmm -p tenantvm --bins)");
-        return;
+        tenantvm_skip::skip!("build tenantvm-vmm and tenantvm-jail first (cargo build -p tenantvm-vmm -p tenantvm --bins)");
     }
     let mut config = RuntimeConfig::detect().unwrap();
     config.jail_binary = jail_bin;

@@ -40,8 +40,7 @@ fn skip() -> Option<String> {
 macro_rules! require {
     () => {
         if let Some(reason) = skip() {
-            eprintln!("skipping: {reason}");
-            return;
+            tenantvm_skip::skip!("{reason}");
         }
     };
 }
@@ -56,8 +55,8 @@ fn config() -> RuntimeConfig {
 fn vmm_backend() -> Option<VmmBackend> {
     let bin = sibling_binary("tenantvm-vmm").unwrap();
     if !bin.exists() {
-        eprintln!(
-            "skipping: {} is not built: run cargo build -p tenantvm-vmm",
+        tenantvm_skip::record_skip!(
+            "{} is not built: run cargo build -p tenantvm-vmm",
             bin.display()
         );
         return None;
@@ -67,7 +66,7 @@ fn vmm_backend() -> Option<VmmBackend> {
 
 fn qemu_backend(accel: QemuAccel) -> Option<QemuBackend> {
     if !PathBuf::from(QEMU).exists() {
-        eprintln!("skipping: {QEMU} is not installed (apt-get install qemu-system-x86)");
+        tenantvm_skip::record_skip!("{QEMU} is not installed (apt-get install qemu-system-x86)");
         return None;
     }
     Some(QemuBackend::new(PathBuf::from(QEMU), accel, config()))

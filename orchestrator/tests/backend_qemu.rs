@@ -81,8 +81,7 @@ fn uid_of(pid: i32) -> Option<u32> {
 fn qemu_guest_launches_reports_state_and_stops() {
     let _one = common::one_guest_at_a_time();
     if let Some(reason) = skip() {
-        eprintln!("skipping: {reason}");
-        return;
+        tenantvm_skip::skip!("{reason}");
     }
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "qemu");
@@ -135,12 +134,10 @@ fn qemu_guest_launches_reports_state_and_stops() {
 fn qemu_kvm_accel_opens_the_jails_kvm_node() {
     let _one = common::one_guest_at_a_time();
     if let Some(reason) = skip() {
-        eprintln!("skipping: {reason}");
-        return;
+        tenantvm_skip::skip!("{reason}");
     }
     if let Some(reason) = common::kvm_unusable() {
-        eprintln!("skipping: {reason}");
-        return;
+        tenantvm_skip::skip!("{reason}");
     }
     let tmp = tempfile::tempdir().unwrap();
     let mut spec = spec(&tmp, "qkvm");
@@ -168,8 +165,7 @@ fn qemu_kvm_accel_opens_the_jails_kvm_node() {
 fn qemu_kill_is_final_and_idempotent() {
     let _one = common::one_guest_at_a_time();
     if let Some(reason) = skip() {
-        eprintln!("skipping: {reason}");
-        return;
+        tenantvm_skip::skip!("{reason}");
     }
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "qkill");
@@ -199,8 +195,7 @@ fn qemu_kill_is_final_and_idempotent() {
 #[test]
 fn qemu_launch_rejects_bad_specs_before_starting_anything() {
     if let Some(reason) = skip() {
-        eprintln!("skipping: {reason}");
-        return;
+        tenantvm_skip::skip!("{reason}");
     }
     let tmp = tempfile::tempdir().unwrap();
     let backend = backend();
@@ -256,8 +251,7 @@ fn qemu_launch_rejects_bad_specs_before_starting_anything() {
 fn qemu_a_stopped_qemu_is_stopped_in_bounded_time() {
     let _one = common::one_guest_at_a_time();
     if let Some(reason) = skip() {
-        eprintln!("SKIP qemu_a_stopped_qemu_is_stopped_in_bounded_time: {reason}");
-        return;
+        tenantvm_skip::skip!("{reason}");
     }
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "qstop");

@@ -87,8 +87,7 @@ fn skip() -> Option<String> {
 macro_rules! require {
     () => {
         if let Some(reason) = skip() {
-            eprintln!("skipping: {reason}");
-            return;
+            tenantvm_skip::skip!("{reason}");
         }
     };
 }
@@ -292,8 +291,7 @@ const ADOPT_ENV: &str = "TENANTVM_TEST_ADOPT_DIR";
 #[ignore = "run by vmm_adopted_after_daemon_restart_is_managed in a child process"]
 fn adopt_helper_launch_and_exit() {
     let Ok(root) = std::env::var(ADOPT_ENV) else {
-        eprintln!("skipping: only meaningful when {ADOPT_ENV} is set by the adoption test");
-        return;
+        tenantvm_skip::skip!("only meaningful when {ADOPT_ENV} is set by the adoption test");
     };
     let root = PathBuf::from(root);
     let tenant = common::tenant("vadopt");
@@ -485,11 +483,10 @@ fn vmm_attaches_a_rate_limited_disk_as_virtio_blk() {
 #[test]
 fn vmm_the_config_the_backend_writes_passes_the_vmms_own_check() {
     if !vmm_binary().exists() {
-        eprintln!(
-            "SKIP vmm_the_config_the_backend_writes_passes_the_vmms_own_check: {} is not built: run cargo build -p tenantvm-vmm",
+        tenantvm_skip::skip!(
+            "{} is not built: run cargo build -p tenantvm-vmm",
             vmm_binary().display()
         );
-        return;
     }
     let tmp = tempfile::tempdir().unwrap();
     let mut spec = spec(&tmp, "vcheck", HELLO_SPIN);

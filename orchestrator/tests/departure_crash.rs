@@ -22,8 +22,7 @@ fn departure_resumes_after_sigkill_at_every_step_boundary() {
         return;
     }
     if let Some(why) = departure_common::qemu_skip() {
-        eprintln!("skipping departure_resumes_after_sigkill_at_every_step_boundary: {why}");
-        return;
+        tenantvm_skip::skip!("{why}");
     }
     for (i, step) in Op::Destroy.steps().iter().enumerate() {
         for boundary in ["before", "after"] {

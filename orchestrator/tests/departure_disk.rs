@@ -22,8 +22,7 @@ fn destroy_crypto_shreds_the_tenant_disk() {
         return;
     }
     if let Some(why) = departure_common::qemu_skip() {
-        eprintln!("skipping destroy_crypto_shreds_the_tenant_disk: {why}");
-        return;
+        tenantvm_skip::skip!("{why}");
     }
     let mut d = TestDaemon::new().with_args(&["--backend", "qemu-tcg"]);
     d.start(None);
@@ -74,7 +73,9 @@ fn destroy_crypto_shreds_the_tenant_disk() {
             .unwrap();
         assert!(open.success(), "cryptsetup refused the tenant key");
     } else {
-        eprintln!("cryptsetup not installed: skipping the stock-tool checks");
+        tenantvm_skip::record_skip!(
+            "the stock-tool checks need cryptsetup (apt-get install cryptsetup-bin)"
+        );
     }
     let keep = d.dir.path().join("image-link");
     std::fs::hard_link(&img, &keep).unwrap();

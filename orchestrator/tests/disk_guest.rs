@@ -273,8 +273,7 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
 #[test]
 fn guest_writes_through_dm_crypt_and_no_plaintext_reaches_the_host_disk() {
     if let Some(reason) = missing_prerequisite() {
-        eprintln!("skipping: {reason}");
-        return;
+        tenantvm_skip::skip!("{reason}");
     }
     let dir = tempfile::tempdir().unwrap();
     let kek = HostKek::load(&KekSource::File(dir.path().join("kek"))).unwrap();

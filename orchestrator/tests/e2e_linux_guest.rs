@@ -164,13 +164,12 @@ fn must(o: Output, what: &str, d: &TestDaemon, name: &str) -> Output {
 
 #[test]
 fn linux_guest_tenant_serves_inference_keeps_its_disk_encrypted_and_leaves_nothing() {
-    const TEST: &str =
-        "linux_guest_tenant_serves_inference_keeps_its_disk_encrypted_and_leaves_nothing";
     if let Some(why) = skip_reason() {
-        eprintln!("skipping {TEST}: {why}");
-        return;
+        tenantvm_skip::skip!("{why}");
     }
-    if daemon::skip_without_crash_hook(TEST) {
+    if daemon::skip_without_crash_hook(
+        "linux_guest_tenant_serves_inference_keeps_its_disk_encrypted_and_leaves_nothing",
+    ) {
         return;
     }
     let set = image_set();

@@ -88,8 +88,7 @@ fn the_api_answers_during_recovery_and_sigterm_stops_a_daemon_waiting_on_a_silen
         return;
     }
     if let Some(why) = departure_common::qemu_skip() {
-        eprintln!("SKIP {TEST}: {why}");
-        return;
+        tenantvm_skip::skip!("{why}");
     }
     let kernel = departure_common::stock_kernel().unwrap();
     let mut d = TestDaemon::new().with_args(&[

@@ -189,7 +189,7 @@ fn run_with_private_dev(setup: &str, kernel: &str) -> Option<(Option<i32>, Strin
         .args(["--mount", "--propagation", "private", "true"])
         .output();
     if !probe.is_ok_and(|o| o.status.success()) {
-        eprintln!("skipping: needs root and unshare(1) for a private mount namespace");
+        tenantvm_skip::record_skip!("needs root and unshare(1) for a private mount namespace");
         return None;
     }
     let script = format!("{setup} && exec \"$0\" --kernel \"$1\" --serial none");
@@ -219,8 +219,7 @@ fn dev_kvm_that_is_not_kvm_exits_16() {
     let kernel = tiny_kernel(dir.path());
     let fake = write_file(dir.path(), "not-kvm", b"");
     if !std::path::Path::new("/dev/kvm").exists() {
-        eprintln!("skipping dev_kvm_that_is_not_kvm_exits_16: no /dev/kvm to cover");
-        return;
+        tenantvm_skip::skip!("no /dev/kvm to cover");
     }
     let setup = format!("mount --bind {} /dev/kvm", fake.display());
     let Some((status, stderr)) = run_with_private_dev(&setup, &kernel) else {

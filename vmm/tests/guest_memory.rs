@@ -59,10 +59,7 @@ fn pattern_covers_all_of_128_mib() {
 fn pattern_covers_all_of_512_mib() {
     require_kvm!("pattern_covers_all_of_512_mib");
     if std::env::var_os("TENANTVM_LONG_TESTS").is_none() {
-        eprintln!(
-            "skipping pattern_covers_all_of_512_mib: takes minutes here; set TENANTVM_LONG_TESTS=1"
-        );
-        return;
+        tenantvm_skip::skip!("takes minutes here; set TENANTVM_LONG_TESTS=1");
     }
     pattern_covers_all_ram(512);
 }

@@ -20,9 +20,10 @@ const FIRST_LINE: &str = "Linux version";
 fn stock_vmlinux(test: &str) -> Option<PathBuf> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/kernel/vmlinux");
     if !path.exists() {
-        eprintln!(
-            "skipping {test}: {} is missing (run scripts/setup.sh)",
-            path.display()
+        let id = format!("{}::{test}", env!("CARGO_CRATE_NAME"));
+        tenantvm_skip::record(
+            &id,
+            format!("{} is missing (run scripts/setup.sh)", path.display()),
         );
         return None;
     }

@@ -60,12 +60,10 @@ fn console_tail(path: &Path) -> String {
 #[test]
 fn guest_unlocks_serves_inference_and_keeps_data_encrypted() {
     if !have("qemu-system-x86_64") {
-        eprintln!("skipping: qemu-system-x86_64 is not installed (run scripts/setup.sh)");
-        return;
+        tenantvm_skip::skip!("qemu-system-x86_64 is not installed (run scripts/setup.sh)");
     }
     if let Some(why) = image_build_blocker() {
-        eprintln!("skipping: {why}");
-        return;
+        tenantvm_skip::skip!("{why}");
     }
     let image = image_set();
     let dir = tempfile::tempdir().unwrap();

@@ -22,7 +22,7 @@ use tenantvm_gpu::plan::GpuRequest;
 use tenantvm_gpu::route::{vgpu, whole};
 
 fn skip(test: &str, reason: &str) {
-    eprintln!("SKIP {test}: {reason}");
+    tenantvm_skip::record(&format!("{}::{test}", env!("CARGO_CRATE_NAME")), reason);
 }
 
 fn is_root() -> bool {
@@ -81,14 +81,12 @@ fn live_host_places_a_1g_tenant() {
 
 #[test]
 fn nvml_create_overlap_and_destroy_follow_the_simulated_rules() {
-    const T: &str = "nvml_create_overlap_and_destroy_follow_the_simulated_rules";
     let (Ok(idx), Ok(_)) = (
         std::env::var("TENANTVM_TEST_GPU"),
         std::env::var("TENANTVM_TEST_MIG_CREATE"),
     ) else {
-        return skip(
-            T,
-            "set TENANTVM_TEST_GPU=<index> and TENANTVM_TEST_MIG_CREATE=1 to create a MIG instance",
+        tenantvm_skip::skip!(
+            "set TENANTVM_TEST_GPU=<index> and TENANTVM_TEST_MIG_CREATE=1 to create a MIG instance"
         );
     };
     let gpu: u32 = idx.parse().expect("TENANTVM_TEST_GPU is a GPU index");
@@ -99,14 +97,13 @@ fn nvml_create_overlap_and_destroy_follow_the_simulated_rules() {
         .find(|g| g.index == gpu)
         .expect("the GPU exists");
     if !info.mig_enabled {
-        return skip(
-            T,
-            &format!("MIG is disabled on GPU {gpu} (enable it with `nvidia-smi -i {gpu} -mig 1`)"),
+        tenantvm_skip::skip!(
+            "MIG is disabled on GPU {gpu} (enable it with `nvidia-smi -i {gpu} -mig 1`)"
         );
     }
     let host = host_gpus(std::slice::from_ref(info)).unwrap();
     let Some(h) = host.first().filter(|h| h.model.has_mig()) else {
-        return skip(T, &format!("GPU {gpu} is not in the MIG database"));
+        tenantvm_skip::skip!("GPU {gpu} is not in the MIG database");
     };
     let one = h.model.profile("19").unwrap();
     let placements = b.possible_placements(gpu, one.id).unwrap();
@@ -118,7 +115,7 @@ fn nvml_create_overlap_and_destroy_follow_the_simulated_rules() {
             .collect::<Vec<_>>()
     );
     let Some(start) = h.layout.free_starts(one).first().copied() else {
-        return skip(T, &format!("no free 1g start on GPU {gpu}"));
+        tenantvm_skip::skip!("no free 1g start on GPU {gpu}");
     };
     let gi = b.create_gpu_instance(gpu, one.id, start).unwrap();
     assert_eq!(gi.start, start);
@@ -148,9 +145,8 @@ fn nvml_create_overlap_and_destroy_follow_the_simulated_rules() {
 fn whole_card_bind_reset_and_rebind_on_a_real_gpu() {
     const T: &str = "whole_card_bind_reset_and_rebind_on_a_real_gpu";
     let Ok(addr) = std::env::var("TENANTVM_TEST_VFIO_GPU") else {
-        return skip(
-            T,
-            "set TENANTVM_TEST_VFIO_GPU=<pci address> to bind a real GPU to vfio-pci",
+        tenantvm_skip::skip!(
+            "set TENANTVM_TEST_VFIO_GPU=<pci address> to bind a real GPU to vfio-pci"
         );
     };
     if !is_root() {

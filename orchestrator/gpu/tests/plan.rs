@@ -144,8 +144,7 @@ fn bad_inputs_are_clear_errors() {
 #[test]
 fn live_host_planning_uses_nvml_when_a_gpu_is_named() {
     if std::env::var("TENANTVM_TEST_GPU").is_err() {
-        eprintln!("SKIP live_host_planning_uses_nvml_when_a_gpu_is_named: TENANTVM_TEST_GPU is not set (an NVIDIA GPU index)");
-        return;
+        tenantvm_skip::skip!("TENANTVM_TEST_GPU is not set (an NVIDIA GPU index)");
     }
     let a = args("tenants/too-big.json");
     let mut out = Vec::new();

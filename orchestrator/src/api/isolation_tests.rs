@@ -102,10 +102,7 @@ async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
 fn a_tenant_with_its_whole_concurrency_hung_slows_no_one_else() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!(
-            "SKIP a_tenant_with_its_whole_concurrency_hung_slows_no_one_else: needs root to serve agent sockets as tenant uids"
-        );
-        return;
+        tenantvm_skip::skip!("needs root to serve agent sockets as tenant uids");
     }
     let rt = crate::daemon::runtime().unwrap();
     let h = Harness::new(FaultHook::default());

@@ -325,10 +325,7 @@ mod tests {
         let written = Vmm::write_config(&spec, &jail);
         // Only root can hand the file to root with another group.
         if !nix::unistd::geteuid().is_root() {
-            eprintln!(
-                "SKIP the_config_file_is_root_owned_and_group_readable_only: needs root (fchown)"
-            );
-            return;
+            tenantvm_skip::skip!("needs root (fchown)");
         }
         let path = written.unwrap();
         use std::os::unix::fs::MetadataExt;

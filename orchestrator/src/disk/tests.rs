@@ -10,7 +10,9 @@ const SIZE: u64 = 20 << 20;
 fn cryptsetup_available() -> bool {
     let found = Command::new("cryptsetup").arg("--version").output().is_ok();
     if !found {
-        eprintln!("skipping: the cryptsetup tool is absent (apt-get install cryptsetup-bin)");
+        tenantvm_skip::record_skip!(
+            "the cryptsetup tool is absent (apt-get install cryptsetup-bin)"
+        );
     }
     found
 }

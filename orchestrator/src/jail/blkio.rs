@@ -309,8 +309,7 @@ mod tests {
             fs::write(d, b"").unwrap();
         }
         let Some(dev) = backing_device(&disks[0]).unwrap() else {
-            eprintln!("SKIP v1_throttles_the_whole_disk_under_each_disk_once: the temp dir has no block device");
-            return;
+            tenantvm_skip::skip!("the temp dir has no block device");
         };
         let sys = fake_sys();
         let out = cgroups
@@ -365,8 +364,7 @@ mod tests {
         let disk = state.path().join("d.img");
         fs::write(&disk, b"").unwrap();
         if backing_device(&disk).unwrap().is_none() {
-            eprintln!("SKIP v2_writes_io_max_and_hosts_without_the_controller_say_so: no block device under the temp dir");
-            return;
+            tenantvm_skip::skip!("no block device under the temp dir");
         }
         let out = cgroups
             .limit_block_io_in(

@@ -379,8 +379,7 @@ mod tests {
     #[test]
     fn scrub_zeroes_residue_and_read_back_proves_it() {
         let Ok(target) = std::env::var(super::super::TEST_GPU_ENV) else {
-            eprintln!("skipping: set TENANTVM_TEST_GPU=<index or UUID> to run the GPU scrub test");
-            return;
+            tenantvm_skip::skip!("set TENANTVM_TEST_GPU=<index or UUID> to run the GPU scrub test");
         };
         let selector = DeviceSelector::parse(&target);
         // Positive control: a buffer filled with a pattern must be seen as non-zero.

@@ -36,8 +36,7 @@ pub fn kvm_unusable() -> Option<String> {
 macro_rules! require_root {
     () => {
         if let Some(reason) = common::skip_reason() {
-            eprintln!("skipping: {reason}");
-            return;
+            tenantvm_skip::skip!("{reason}");
         }
     };
 }

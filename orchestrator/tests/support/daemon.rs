@@ -35,22 +35,23 @@ pub fn skip_reason() -> Option<String> {
 }
 
 /// Whether tenantvmd lacks the crash hook (built without `--features test-hooks`, which
-/// scripts/test.sh passes): prints `SKIP <test>: <reason>` and returns true if so.
+/// scripts/test.sh passes): records the skip of `test` (tenantvm-skip) and returns true if so.
 pub fn skip_without_crash_hook(test: &str) -> bool {
     if cfg!(feature = "test-hooks") {
         return false;
     }
-    eprintln!(
-        "SKIP {test}: tenantvmd is built without its crash hook; run `cargo test -p tenantvm --features test-hooks` (scripts/test.sh does)"
+    tenantvm_skip::record(
+        &format!("{}::{test}", env!("CARGO_CRATE_NAME")),
+        "tenantvmd is built without its crash hook; run `cargo test -p tenantvm --features test-hooks` (scripts/test.sh does)",
     );
     true
 }
 
-/// Prints why a test skips and returns true if it must.
+/// Records the skip of `test` (tenantvm-skip) and returns true if it must skip.
 pub fn should_skip(test: &str) -> bool {
     match skip_reason() {
         Some(why) => {
-            eprintln!("skipping {test}: {why}");
+            tenantvm_skip::record(&format!("{}::{test}", env!("CARGO_CRATE_NAME")), why);
             true
         }
         None => false,

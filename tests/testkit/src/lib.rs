@@ -2,8 +2,9 @@
 //! `tenantvm-vmm` on them under real KVM with a timeout, capture the serial console and the
 //! exit status, read the guests' `TVMTEST` report lines, and talk to the control socket.
 //!
-//! Tests that need `/dev/kvm` start with [`require_kvm!`], which prints why it skips and
-//! returns when KVM is not usable here.
+//! Tests that need `/dev/kvm` start with [`require_kvm!`], which records the skip
+//! (tenantvm-skip: `SKIP <test>: <reason>`, counted by scripts/test.sh) and returns when KVM
+//! is not usable here.
 
 mod api;
 mod guests;
@@ -29,12 +30,16 @@ pub mod exit {
     pub const SHUTDOWN: i32 = 6;
 }
 
-/// Returns from the calling test, printing why, when `/dev/kvm` is not usable.
+#[doc(hidden)]
+pub use tenantvm_skip as __skip;
+
+/// Returns from the calling test `$test`, recording the skip (tenantvm-skip), when
+/// `/dev/kvm` is not usable.
 #[macro_export]
 macro_rules! require_kvm {
     ($test:expr) => {
         if let Some(reason) = $crate::kvm_unavailable() {
-            eprintln!("skipping {}: {}", $test, reason);
+            $crate::__skip::record(&format!("{}::{}", env!("CARGO_CRATE_NAME"), $test), reason);
             return;
         }
     };

@@ -12,8 +12,7 @@ fn qemu_microvm_boots_the_pvh_guest() {
         .output()
         .is_err()
     {
-        eprintln!("skipping qemu_microvm_boots_the_pvh_guest: qemu-system-x86_64 missing (scripts/setup.sh installs it)");
-        return;
+        tenantvm_skip::skip!("qemu-system-x86_64 missing (scripts/setup.sh installs it)");
     }
     let kernel = guest(GuestImage::Elf).unwrap();
     let out = Command::new("timeout")

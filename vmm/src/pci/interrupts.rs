@@ -233,7 +233,7 @@ mod tests {
 
     fn vm() -> Option<Arc<Vm>> {
         if !std::path::Path::new("/dev/kvm").exists() {
-            eprintln!("skipping: /dev/kvm is absent");
+            tenantvm_skip::record_skip!("/dev/kvm is absent");
             return None;
         }
         let mem = vm_memory::GuestMemoryMmap::from_ranges(&[(vm_memory::GuestAddress(0), 1 << 20)])

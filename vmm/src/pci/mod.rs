@@ -342,7 +342,7 @@ mod tests {
     /// A VM with the PCI platform and one rng function, or `None` without /dev/kvm.
     fn platform() -> Option<(PciPlatform, Bus, Arc<RwLock<Bus>>, u8)> {
         if !std::path::Path::new("/dev/kvm").exists() {
-            eprintln!("skipping: /dev/kvm is absent");
+            tenantvm_skip::record_skip!("/dev/kvm is absent");
             return None;
         }
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 16 << 20)]).unwrap();

@@ -9,7 +9,7 @@ pub fn vmm() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tenantvm-vmm"))
 }
 
-/// Whether /dev/kvm can be opened; prints why a test skips when not.
+/// Whether /dev/kvm can be opened; records the skip of `test` (tenantvm-skip) when not.
 pub fn kvm_available(test: &str) -> bool {
     match std::fs::OpenOptions::new()
         .read(true)
@@ -18,7 +18,8 @@ pub fn kvm_available(test: &str) -> bool {
     {
         Ok(_) => true,
         Err(e) => {
-            eprintln!("skipping {test}: /dev/kvm is not usable here ({e})");
+            let id = format!("{}::{test}", env!("CARGO_CRATE_NAME"));
+            tenantvm_skip::record(&id, format!("/dev/kvm is not usable here ({e})"));
             false
         }
     }

@@ -484,8 +484,7 @@ mod tests {
     #[test]
     fn live_gpu_profiles_match_the_database() {
         let Ok(idx) = std::env::var("TENANTVM_TEST_GPU") else {
-            eprintln!("SKIP live_gpu_profiles_match_the_database: TENANTVM_TEST_GPU is not set (an NVIDIA GPU index)");
-            return;
+            tenantvm_skip::skip!("TENANTVM_TEST_GPU is not set (an NVIDIA GPU index)");
         };
         let gpu: u32 = idx.parse().expect("TENANTVM_TEST_GPU must be a GPU index");
         let b = NvmlBackend::new().expect("NVML loads where TENANTVM_TEST_GPU is set");
@@ -496,11 +495,7 @@ mod tests {
             .find(|g| g.index == gpu)
             .expect("the GPU exists");
         let Some(model) = info.gpu_model() else {
-            eprintln!(
-                "SKIP live_gpu_profiles_match_the_database: GPU {gpu} ({}) has no MIG entry in the database",
-                info.name
-            );
-            return;
+            tenantvm_skip::skip!("GPU {gpu} ({}) has no MIG entry in the database", info.name);
         };
         let reported = b.profiles(gpu).unwrap();
         assert!(!reported.is_empty(), "a MIG-capable GPU reports profiles");

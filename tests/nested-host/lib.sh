@@ -1,0 +1,92 @@
+# Helpers for nested-host scenarios (POSIX sh: busybox inside the outer guest, dash or bash
+# on a real host). A scenario sources it with `. "$NH_LIB"`.
+#
+# Paths a scenario gets (the same names on both hosts; docs/testing.md):
+#   NH_HOST         nested (the outer QEMU guest) or real
+#   NH_BIN          tenantvm-vmm, tenantvm, tenantvmd, tenantvm-jail and the nh-* programs
+#   NH_GUEST_TOOLS  static programs for inner Linux guests (nh-vsock-echo)
+#   NH_KERNEL_DIR   the stock kernel: vmlinuz, vmlinux, version, modules/
+#   NH_GUEST_IMAGE  the guest image set (guest-image/build.sh)
+#   NH_TEST_GUESTS  the no_std test guests (scripts/build-test-guests.sh)
+#   NH_KVM_TESTS_LIST  a file listing the VMM's KVM test binaries (vmm/tests/guest_*.rs)
+#   NH_WORK         an empty folder for this scenario's files (on the scratch disk)
+#   NH_REASON       where `fail` and `skip` write their reason
+#   NH_NOTES        lines written here come back as NOTE lines (benchmark figures)
+
+# Ends the scenario as failed, with a one-line reason.
+fail() {
+    printf '%s\n' "$*" >"$NH_REASON"
+    echo "FAIL: $*" >&2
+    exit 1
+}
+
+# Ends the scenario as skipped (it cannot run on this host), with the reason.
+skip() {
+    printf '%s\n' "$*" >"$NH_REASON"
+    echo "SKIP: $*" >&2
+    exit 77
+}
+
+# Prints a progress line with the time since boot.
+step() {
+    echo "$NH_SCENARIO ($(cut -d' ' -f1 /proc/uptime) s): $*"
+}
+
+# Skips unless /dev/kvm can be opened.
+need_kvm() {
+    [ -c /dev/kvm ] && [ -r /dev/kvm ] && [ -w /dev/kvm ] || skip "/dev/kvm is not usable here"
+}
+
+# Loads kernel modules (already loaded or built in is fine).
+need_modules() {
+    for m in "$@"; do
+        [ -d "/sys/module/$m" ] || modprobe "$m" 2>/dev/null || fail "cannot load kernel module $m"
+    done
+}
+
+# The PCI addresses (0000:00:03.0 ...) of devices with vendor $1 and device $2 (hex, no 0x).
+pci_devices() {
+    for d in /sys/bus/pci/devices/*; do
+        [ "$(cat "$d/vendor")" = "0x$1" ] && [ "$(cat "$d/device")" = "0x$2" ] && echo "${d##*/}"
+    done
+    return 0
+}
+
+# The IOMMU group number of PCI device $1, or nothing without an IOMMU.
+iommu_group() {
+    g="$(readlink "/sys/bus/pci/devices/$1/iommu_group" 2>/dev/null)" || return 0
+    echo "${g##*/}"
+}
+
+# Binds PCI device $1 to vfio-pci (driver_override, then drivers_probe).
+bind_vfio() {
+    dev="/sys/bus/pci/devices/$1"
+    if [ -e "$dev/driver" ]; then
+        [ "$(basename "$(readlink "$dev/driver")")" = vfio-pci ] && return 0
+        echo "$1" >"$dev/driver/unbind" || fail "cannot unbind $1 from its driver"
+    fi
+    echo vfio-pci >"$dev/driver_override" || fail "cannot set driver_override of $1"
+    echo "$1" >/sys/bus/pci/drivers_probe
+    [ "$(basename "$(readlink "$dev/driver" 2>/dev/null)")" = vfio-pci ] || fail "$1 did not bind to vfio-pci"
+}
+
+# Returns PCI device $1 from vfio-pci to no driver (clears driver_override).
+unbind_vfio() {
+    dev="/sys/bus/pci/devices/$1"
+    [ -e "$dev/driver" ] && echo "$1" >"$dev/driver/unbind"
+    echo >"$dev/driver_override"
+    return 0
+}
+
+# Runs a program, its output shown as it goes; when it fails, ends the scenario with the
+# first line of its `FAILED:` message (or its exit status) as the reason.
+run_or_fail() {
+    log="$NH_WORK/run_or_fail.log"
+    rc_file="$NH_WORK/run_or_fail.rc"
+    rm -f "$rc_file"
+    { "$@"; echo $? >"$rc_file"; } 2>&1 | tee "$log"
+    rc="$(cat "$rc_file" 2>/dev/null)"
+    [ "$rc" = 0 ] && return 0
+    reason="$(grep -m 1 'FAILED: ' "$log" | sed 's/.*FAILED: //')"
+    fail "${reason:-$1 exited with status ${rc:-unknown}}"
+}
