@@ -34,8 +34,10 @@ mkdir -p "$out"
 say "building the binaries ($profile)"
 case "$profile" in
     debug)
-        cargo build --quiet --workspace --bins
-        tests_json="$(cargo test --quiet --workspace --no-run --message-format=json 2>/dev/null)" ||
+        # The same features as scripts/test.sh, so the test binaries listed here are the
+        # ones its `cargo test` runs (and nothing is built twice).
+        cargo build --quiet --workspace --bins --features tenantvm/test-hooks
+        tests_json="$(cargo test --quiet --workspace --no-run --features tenantvm/test-hooks --message-format=json 2>/dev/null)" ||
             die "building the workspace's tests failed: run cargo test --workspace --no-run to see why"
         ;;
     release)
