@@ -153,6 +153,9 @@ fn main() -> ExitCode {
         vsock,
         rng: cli.rng,
         seccomp: cli.seccomp,
+        devices: None,
+        uuid: None,
+        exit_report: None,
     };
     let config = match VmConfig::resolve(file.overridden_by(flags)) {
         Ok(config) => config,

@@ -75,6 +75,9 @@ impl Vmm {
             }),
             rng: Some(true),
             seccomp: Some(SeccompMode::On),
+            devices: None,
+            uuid: None,
+            exit_report: None,
         }
     }
 

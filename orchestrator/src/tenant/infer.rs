@@ -164,3 +164,96 @@ pub fn forward(
     }
     Ok(json)
 }
+
+/// An HTTP request for the tenant's payload, as the front door forwards it: an
+/// OpenAI-style route (`/v1/completions`, `/v1/chat/completions`, `/v1/models`) and its
+/// body, already authenticated, admitted and size-checked by the caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayloadRequest {
+    /// `GET` or `POST`.
+    pub method: String,
+    /// Origin-form target, e.g. `/v1/chat/completions`.
+    pub path: String,
+    /// The request's `Content-Type` and `Accept` headers (nothing else is forwarded).
+    pub headers: Vec<(String, String)>,
+    /// The body as the client sent it.
+    pub body: Vec<u8>,
+}
+
+/// The payload's answer: status and headers as soon as the payload sent them, and the body
+/// as a reader that yields it as the payload produces it (server-sent events for
+/// `stream: true`). Dropping it closes the request's stream to the guest.
+pub struct PayloadResponse {
+    /// Status code.
+    pub status: u16,
+    /// The payload's response headers (`Content-Type` matters: `text/event-stream` for
+    /// streams).
+    pub headers: Vec<(String, String)>,
+    /// The body. Every read is bounded by the request's deadline.
+    pub body: Box<dyn std::io::Read + Send>,
+    /// The tenant's place among its requests in flight, held until the body is dropped.
+    _permit: Option<Permit>,
+}
+
+impl std::fmt::Debug for PayloadResponse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PayloadResponse")
+            .field("status", &self.status)
+            .field("headers", &self.headers)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Forwards an admitted request to the tenant's payload and returns its answer as it
+/// arrives (blocks until the payload's status line, or the deadline).
+///
+/// Today the agent protocol carries one buffered request and answer per call, so the body
+/// arrives whole; the per-request stream (issue 15) makes it incremental without changing
+/// this signature.
+pub fn forward_http(
+    ctx: &StepCtx<'_>,
+    admitted: AdmittedInfer,
+    request: PayloadRequest,
+) -> Result<PayloadResponse, InferError> {
+    let AdmittedInfer {
+        tenant: record,
+        permit,
+    } = admitted;
+    let t = Tenant::load(ctx, &record).map_err(|e| match e {
+        StepError::Store(e) => InferError::Store(e),
+        other => InferError::Unavailable(other.to_string()),
+    })?;
+    if !t.has_agent() {
+        return Err(InferError::BadRequest(format!(
+            "tenant {:?} does not run a guest image with an inference server",
+            t.name
+        )));
+    }
+    if record.state != LifecycleState::Running {
+        return Err(InferError::NotServing(t.name.to_string()));
+    }
+    let vm =
+        t.vm.as_ref()
+            .ok_or_else(|| InferError::NotServing(t.name.to_string()))?;
+    let body = String::from_utf8(request.body)
+        .map_err(|_| InferError::BadRequest("the request body is not UTF-8".into()))?;
+    let unavailable = |e: AgentClientError| InferError::Unavailable(e.to_string());
+    let mut agent = guest::connect(ctx.backend, vm, guest::CONNECT_TIMEOUT).map_err(unavailable)?;
+    let answer = agent
+        .infer(
+            HttpRequest {
+                method: request.method,
+                path: request.path,
+                headers: request.headers,
+                body,
+            },
+            INFER_TIMEOUT,
+        )
+        .map_err(unavailable)?;
+    Ok(PayloadResponse {
+        status: answer.status,
+        headers: answer.headers,
+        body: Box::new(std::io::Cursor::new(answer.body.into_bytes())),
+        _permit: Some(permit),
+    })
+}

@@ -8,6 +8,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::devices::{PassthroughConfig, VmUuid};
+
 /// Guest RAM when none is given.
 pub const DEFAULT_MEMORY_MIB: u64 = 128;
 /// Most guest RAM accepted (1 TiB).
@@ -69,6 +71,18 @@ pub struct VmConfigFile {
     /// Seccomp filters on the VMM's threads: `"on"` (default), `"log"` or `"off"`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seccomp: Option<SeccompMode>,
+    /// PCI devices passed through over VFIO, at most
+    /// [`crate::devices::MAX_PASSTHROUGH_DEVICES`] (`--device`; none by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<PassthroughConfig>>,
+    /// The VM's UUID (`--uuid`): SMBIOS system UUID, and the id NVIDIA's vGPU manager
+    /// ties a vGPU to. Random when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<VmUuid>,
+    /// Where the VMM writes its [`crate::devices::ExitReport`] as it ends (`--exit-report`;
+    /// none by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_report: Option<PathBuf>,
 }
 
 impl VmConfigFile {
@@ -99,6 +113,9 @@ impl VmConfigFile {
             vsock: over.vsock.or(self.vsock),
             rng: over.rng.or(self.rng),
             seccomp: over.seccomp.or(self.seccomp),
+            devices: over.devices.or(self.devices),
+            uuid: over.uuid.or(self.uuid),
+            exit_report: over.exit_report.or(self.exit_report),
         }
     }
 }

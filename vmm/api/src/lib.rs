@@ -6,6 +6,8 @@
 //!   writes it.
 //! - [`control`]: the VMM's control socket, newline-delimited JSON ([`VmCommand`] in,
 //!   [`VmResponse`] out).
+//! - [`devices`]: passed-through PCI devices (`--device vfio,path=...`), the VM's UUID,
+//!   and the exit report saying how each device's resets went ([`ExitReport`]).
 //! - [`exit`]: the VMM's exit statuses and what each means ([`ExitStatus`]).
 //! - [`qemu`]: the QEMU command line ([`QemuCommand`]), for the orchestrator's QEMU
 //!   backend and the guest image's own test.
@@ -15,6 +17,7 @@
 
 pub mod config;
 pub mod control;
+pub mod devices;
 pub mod exit;
 pub mod qemu;
 
@@ -23,5 +26,8 @@ pub use config::{
     UnknownName, VmConfigFile, VsockConfig,
 };
 pub use control::{parse_request, VmCommand, VmResponse, VmState, MAX_LINE_BYTES};
+pub use devices::{
+    DeviceReport, ExitReport, PassthroughConfig, ResetOutcome, VmUuid, MAX_PASSTHROUGH_DEVICES,
+};
 pub use exit::ExitStatus;
 pub use qemu::{QemuAccel, QemuCommand, SerialPort};
