@@ -1,7 +1,7 @@
 //! The agent's state machine: one [`Agent`] owns the disk and payload state and answers
 //! each [`Request`]. Channels (server.rs) only move frames.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -11,8 +11,9 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 use tenantvm_agent_protocol::{
-    AgentFailure, DiskKey, DiskState, ErrorCode, HttpRequest, Outcome, PayloadState, Reply,
-    Request, ShutdownReport, StatusReply, MAX_BODY_LEN, PROTOCOL_VERSION,
+    encode_data, AgentFailure, DiskKey, DiskState, ErrorCode, HttpHead, HttpRequest, Outcome,
+    PayloadState, Reply, Request, ResponseFrame, ShutdownReport, StatusReply, MAX_BODY_LEN,
+    MAX_DATA_LEN, PROTOCOL_VERSION,
 };
 
 use crate::config::AgentConfig;
@@ -145,6 +146,14 @@ impl Agent {
                 (Outcome::Ok(Reply::Logs { lines, next }), After::Continue)
             }
             Request::Infer(http) => (self.infer(&http), After::Continue),
+            // Answered by `infer_stream` on the connection itself (see server.rs).
+            Request::InferStream(_) => (
+                failure(
+                    ErrorCode::BadRequest,
+                    "infer-stream is served on a connection of its own; use infer here",
+                ),
+                After::Continue,
+            ),
             Request::Shutdown => (
                 Outcome::Ok(Reply::ShuttingDown(self.shutdown())),
                 After::PowerOff,
@@ -330,6 +339,70 @@ impl Agent {
         match self.exchange(req, INFER_TIMEOUT) {
             Ok(resp) => Outcome::Ok(Reply::Infer(resp)),
             Err(e) => failure(ErrorCode::PayloadUnavailable, e),
+        }
+    }
+
+    /// Answers [`Request::InferStream`] on `w`: the payload's head as a
+    /// [`Reply::InferHead`] frame, then its body as data frames of at most
+    /// [`MAX_DATA_LEN`] bytes, each sent as soon as the payload produced it, and an empty
+    /// one at the end. A payload that fails before its head gets an error answer; one that
+    /// breaks off mid-body gets the connection closed without the empty frame (the host
+    /// tells a cut stream from a complete one). The connection serves nothing else
+    /// afterwards (one request per connection).
+    pub fn infer_stream(&self, id: u64, req: &HttpRequest, w: &mut impl Write) {
+        let send = |w: &mut dyn Write, outcome: Outcome| {
+            crate::server::send(w, &ResponseFrame { id, outcome })
+        };
+        if !matches!(self.payload_state(), PayloadState::Running { .. })
+            || self.state().shutting_down
+        {
+            send(
+                w,
+                failure(
+                    ErrorCode::PayloadUnavailable,
+                    "The payload is not running; start it first",
+                ),
+            );
+            return;
+        }
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.cfg.payload.port));
+        let opened = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+            .map_err(|e| format!("Cannot connect to the payload on {addr}: {e}"))
+            .and_then(|stream| {
+                stream
+                    .set_read_timeout(Some(INFER_TIMEOUT))
+                    .and_then(|()| stream.set_write_timeout(Some(INFER_TIMEOUT)))
+                    .map_err(|e| e.to_string())?;
+                http1::exchange_stream(stream, &addr.to_string(), req).map_err(|e| e.to_string())
+            });
+        let (status, headers, mut body) = match opened {
+            Ok(parts) => parts,
+            Err(e) => {
+                send(w, failure(ErrorCode::PayloadUnavailable, e));
+                return;
+            }
+        };
+        if !send(
+            w,
+            Outcome::Ok(Reply::InferHead(HttpHead { status, headers })),
+        ) {
+            return;
+        }
+        let mut buf = vec![0u8; MAX_DATA_LEN as usize];
+        loop {
+            let n = match body.next_piece(&mut buf) {
+                Ok(n) => n,
+                Err(e) => {
+                    self.log(&format!("a streamed answer broke off: {e}"));
+                    return;
+                }
+            };
+            let Ok(frame) = encode_data(&buf[..n]) else {
+                return;
+            };
+            if w.write_all(&frame).and_then(|()| w.flush()).is_err() || n == 0 {
+                return;
+            }
         }
     }
 

@@ -126,6 +126,17 @@ pub struct HttpResponse {
     pub body: String,
 }
 
+/// The head of a streamed answer ([`Request::InferStream`]): what the payload sent before
+/// its body. The body follows as data frames ([`crate::frame::encode_data`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpHead {
+    /// Status code.
+    pub status: u16,
+    /// Response headers.
+    pub headers: Vec<(String, String)>,
+}
+
 /// A command from the host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "kebab-case", deny_unknown_fields)]
@@ -160,6 +171,12 @@ pub enum Request {
     },
     /// Forward an HTTP request to the payload.
     Infer(HttpRequest),
+    /// Forward an HTTP request to the payload and stream its answer back: a
+    /// [`Reply::InferHead`] frame, then the body as it arrives in raw data frames of at most
+    /// [`crate::frame::MAX_DATA_LEN`] bytes each, ended by an empty one. The connection
+    /// carries nothing else afterwards (one request per connection; a socket channel only),
+    /// and the agent closes it without the empty frame if the payload's answer breaks off.
+    InferStream(HttpRequest),
     /// Stop the payload, unmount, close the disk, sync and power off.
     Shutdown,
 }
@@ -280,6 +297,8 @@ pub enum Reply {
     },
     /// Answer to [`Request::Infer`].
     Infer(HttpResponse),
+    /// First answer to [`Request::InferStream`]; data frames follow.
+    InferHead(HttpHead),
     /// Answer to [`Request::Shutdown`]; the guest powers off after sending it.
     ShuttingDown(ShutdownReport),
 }
