@@ -12,6 +12,7 @@ pub mod client;
 pub mod daemon;
 pub mod disk;
 pub mod domain;
+pub mod frontdoor;
 pub mod jail;
 pub mod keys;
 pub mod logs;

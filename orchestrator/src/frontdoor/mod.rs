@@ -1,0 +1,414 @@
+//! The front door: each tenant's clients reach its inference server here, on TCP with TLS
+//! (`tenantvmd --listen ADDR:PORT --tls-cert FILE --tls-key FILE`), apart from the admin's
+//! Unix socket. OpenAI-compatible: `GET /v1/models`, `POST /v1/completions` and
+//! `POST /v1/chat/completions` with an inference key (`tenantvm key create TENANT`) as the
+//! bearer token; the key alone picks the tenant, so a client written for OpenAI works by
+//! changing its base URL and key, and a key can only run its own tenant's inference.
+//!
+//! Each request is authenticated, size-checked against the tenant's
+//! `quotas.max_request_bytes` and admitted by its tenant's gate (request rate and
+//! concurrency) before any work reaches the guest, then forwarded through
+//! [`forward_http`]: the payload's answer is passed through as the payload produces it
+//! (server-sent events for `stream: true`), never buffered whole.
+//!
+//! Threads and connections, so that no tenant's slow client holds anyone else's place:
+//! - connections: at most [`MAX_CONNECTIONS`] at once (more are closed at accept); the TLS
+//!   handshake has [`HANDSHAKE_TIMEOUT`], each request head [`HEADER_TIMEOUT`] (idle
+//!   keep-alive connections included) and each body [`BODY_TIMEOUT`];
+//! - a forwarded request runs on a thread of its own holding its tenant's admission
+//!   permit; it hands the answer to the connection through a channel of [`PIPE_CHUNKS`]
+//!   pieces, so a client that reads slowly stalls only its own request (and spends only
+//!   its own tenant's concurrency), and one that goes away ends its request at the next
+//!   piece: the guest connection closes and the permit is freed.
+//!
+//! Nothing of a request body (prompts) or an answer (completions) is logged, put in an
+//! event or quoted in an error: log records carry the tenant, the route, the status and
+//! the time taken.
+
+mod errors;
+pub mod keys;
+
+use std::convert::Infallible;
+use std::io::Read;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Bytes, Frame, Incoming};
+use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use thiserror::Error;
+use tokio::sync::{mpsc, oneshot, Semaphore};
+
+pub use errors::OpenAiError;
+
+use crate::tenant::infer::{self, forward_http, InferError, PayloadRequest};
+use crate::tenant::service::TenantService;
+
+/// Most client connections open at once.
+pub const MAX_CONNECTIONS: usize = 1024;
+/// How long a client has to complete the TLS handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client has to send a request's head (also how long an idle keep-alive
+/// connection is kept).
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a client has to send a request's body.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Pieces of an answer buffered between the guest and a slow client (each at most
+/// [`PIECE_BYTES`]).
+pub const PIPE_CHUNKS: usize = 8;
+/// Largest piece read from the guest at a time.
+pub const PIECE_BYTES: usize = 16 * 1024;
+
+/// Why the front door could not start.
+#[derive(Debug, Error)]
+pub enum FrontDoorError {
+    /// The certificate or key file could not be read or parsed.
+    #[error("Cannot read the TLS {what} {path}: {reason}; give a PEM file (e.g. from `openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout key.pem -out cert.pem -subj /CN=localhost`)")]
+    Pem {
+        /// `certificate` or `key`.
+        what: &'static str,
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// rustls refused the pair.
+    #[error("The TLS certificate and key do not make a server configuration: {0}")]
+    Tls(#[from] rustls::Error),
+    /// The listening socket could not be made.
+    #[error("Cannot listen on {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// The TLS server configuration from a PEM certificate chain and private key.
+pub fn tls_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig>, FrontDoorError> {
+    let pem = |what, path: &Path, reason: String| FrontDoorError::Pem {
+        what,
+        path: path.to_path_buf(),
+        reason,
+    };
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+        .map_err(|e| pem("certificate", cert, e.to_string()))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| pem("certificate", cert, e.to_string()))?;
+    if certs.is_empty() {
+        return Err(pem("certificate", cert, "it holds no certificate".into()));
+    }
+    let key_der = PrivateKeyDer::from_pem_file(key).map_err(|e| pem("key", key, e.to_string()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(certs, key_der)?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// Binds the front door's TCP listener.
+pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, FrontDoorError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| FrontDoorError::Listen { addr, source })
+}
+
+/// Serves clients on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    svc: TenantService,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            () = &mut shutdown => return,
+            accepted = listener.accept() => accepted,
+        };
+        let tcp = match accepted {
+            Ok((tcp, _)) => tcp,
+            Err(e) => {
+                tracing::warn!(error = %e, "front door: accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(place) = connections.clone().try_acquire_owned() else {
+            tracing::warn!("front door: {MAX_CONNECTIONS} connections open; closing a new one");
+            continue;
+        };
+        let _ = tcp.set_nodelay(true);
+        let (acceptor, svc) = (acceptor.clone(), svc.clone());
+        tokio::spawn(async move {
+            let _place = place;
+            let Ok(Ok(stream)) =
+                tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+            else {
+                return;
+            };
+            let service = hyper::service::service_fn(move |req| handle(svc.clone(), req));
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+/// The response body type: a whole body, or pieces as the guest sends them.
+type Body = BoxBody<Bytes, std::io::Error>;
+
+fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into())
+        .map_err(|never: Infallible| match never {})
+        .boxed()
+}
+
+fn error_response(e: &OpenAiError) -> Response<Body> {
+    let mut resp = Response::new(full(e.body()));
+    *resp.status_mut() = e.status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Some(secs) = e.retry_after {
+        resp.headers_mut()
+            .insert(RETRY_AFTER, HeaderValue::from(secs));
+    }
+    resp
+}
+
+/// The routes, and the payload path each is forwarded to.
+fn route(method: &Method, path: &str) -> Result<&'static str, OpenAiError> {
+    let (target, allowed) = match path {
+        "/v1/models" => ("/v1/models", "GET"),
+        "/v1/completions" => ("/v1/completions", "POST"),
+        "/v1/chat/completions" => ("/v1/chat/completions", "POST"),
+        _ => return Err(OpenAiError::unknown_route(method.as_str(), path)),
+    };
+    if method.as_str() != allowed {
+        return Err(OpenAiError::wrong_method(method.as_str(), target, allowed));
+    }
+    Ok(target)
+}
+
+async fn handle(svc: TenantService, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    let started = Instant::now();
+    let path = req.uri().path().to_string();
+    let answer = answer(&svc, req).await;
+    let (resp, tenant) = match answer {
+        Ok((resp, tenant)) => (resp, Some(tenant)),
+        Err((e, tenant)) => (error_response(&e), tenant),
+    };
+    // The tenant, the route and the outcome: never a prompt or a completion.
+    tracing::info!(
+        tenant = tenant.as_deref().unwrap_or("-"),
+        route = route_label(&path),
+        status = resp.status().as_u16(),
+        head_ms = started.elapsed().as_millis() as u64,
+        "front door request"
+    );
+    Ok(resp)
+}
+
+/// A fixed label for a path (a client's path is not logged as sent).
+fn route_label(path: &str) -> &'static str {
+    match path {
+        "/v1/models" => "models",
+        "/v1/completions" => "completions",
+        "/v1/chat/completions" => "chat.completions",
+        _ => "unknown",
+    }
+}
+
+type Failure = (OpenAiError, Option<String>);
+
+async fn answer(
+    svc: &TenantService,
+    req: Request<Incoming>,
+) -> Result<(Response<Body>, String), Failure> {
+    let target = route(req.method(), req.uri().path()).map_err(|e| (e, None))?;
+    let authorization = req
+        .headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let record = keys::authenticate(svc.store(), authorization).map_err(|e| (e, None))?;
+    let name = record.name.to_string();
+    let fail = |e: OpenAiError| (e, Some(name.clone()));
+    let limit = record.spec.quotas.max_request_bytes;
+    let accept = req
+        .headers()
+        .get(hyper::header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let body = if req.method() == Method::POST {
+        // Refused from its announced length before a byte of it is read.
+        let announced = req
+            .headers()
+            .get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if announced.is_some_and(|n| n > u64::from(limit)) {
+            return Err(fail(OpenAiError::too_large(limit)));
+        }
+        let limited = Limited::new(req.into_body(), limit as usize);
+        let bytes = match tokio::time::timeout(BODY_TIMEOUT, limited.collect()).await {
+            Err(_) => return Err(fail(OpenAiError::request_timeout())),
+            Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+                return Err(fail(OpenAiError::too_large(limit)))
+            }
+            Ok(Err(_)) => return Err(fail(OpenAiError::request_timeout())),
+            Ok(Ok(collected)) => collected.to_bytes(),
+        };
+        // Checked here so a malformed body costs the guest nothing; the payload checks the
+        // fields (and refuses unknown ones) itself.
+        let is_object = serde_json::from_slice::<serde_json::Value>(&bytes)
+            .map(|v| v.is_object())
+            .unwrap_or(false);
+        if !is_object {
+            return Err(fail(OpenAiError::invalid_json()));
+        }
+        bytes.to_vec()
+    } else {
+        Vec::new()
+    };
+    let admitted = infer::admit(&svc.ctx(), record).map_err(|e| fail(e.into()))?;
+    let mut headers = Vec::new();
+    if !body.is_empty() {
+        headers.push(("Content-Type".to_string(), "application/json".to_string()));
+    }
+    if let Some(accept) = accept.filter(|a| a.len() < 256) {
+        headers.push(("Accept".to_string(), accept));
+    }
+    let request = PayloadRequest {
+        method: if body.is_empty() { "GET" } else { "POST" }.to_string(),
+        path: target.to_string(),
+        headers,
+        body,
+    };
+    let resp = forward(svc.clone(), &name, admitted, request)
+        .await
+        .map_err(fail)?;
+    Ok((resp, name))
+}
+
+/// Runs the forwarded request on a thread of its own and returns the response as soon as
+/// the payload's head is in; the thread then passes the body on piece by piece.
+async fn forward(
+    svc: TenantService,
+    tenant: &str,
+    admitted: infer::AdmittedInfer,
+    request: PayloadRequest,
+) -> Result<Response<Body>, OpenAiError> {
+    let (head_tx, head_rx) = oneshot::channel();
+    let (body_tx, body_rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(PIPE_CHUNKS);
+    let tenant_name = tenant.to_string();
+    std::thread::Builder::new()
+        .name("tenantvmd-frontdoor".into())
+        .spawn(move || {
+            let ctx = svc.ctx();
+            let mut answer = match forward_http(&ctx, admitted, request) {
+                Ok(answer) => answer,
+                Err(e) => {
+                    let _ = head_tx.send(Err(e));
+                    return;
+                }
+            };
+            let head = (answer.status, std::mem::take(&mut answer.headers));
+            if head_tx.send(Ok(head)).is_err() {
+                return;
+            }
+            let mut buf = vec![0u8; PIECE_BYTES];
+            loop {
+                match answer.body.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        let piece = Bytes::copy_from_slice(&buf[..n]);
+                        if body_tx.blocking_send(Ok(piece)).is_err() {
+                            // The client went away: dropping the answer closes the guest
+                            // connection and frees the tenant's place.
+                            tracing::info!(tenant = %tenant_name, "front door: client left mid-answer");
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(tenant = %tenant_name, error = %e, "front door: the guest's answer broke off");
+                        let _ = body_tx.blocking_send(Err(e));
+                        break;
+                    }
+                }
+            }
+        })
+        .map_err(|e| {
+            OpenAiError::from(InferError::Unavailable(format!(
+                "cannot start a thread for the request: {e}"
+            )))
+        })?;
+    let (status, headers) = match head_rx.await {
+        Ok(Ok(head)) => head,
+        Ok(Err(e)) => return Err(e.into()),
+        Err(_) => {
+            return Err(InferError::Unavailable(
+                "the request's thread ended without an answer".into(),
+            )
+            .into())
+        }
+    };
+    let status = StatusCode::from_u16(status)
+        .ok()
+        .filter(|s| (200..600).contains(&s.as_u16()))
+        .ok_or_else(|| {
+            OpenAiError::from(InferError::Unavailable(format!(
+                "the payload answered with status {status}"
+            )))
+        })?;
+    let mut resp = Response::new(ChannelBody(body_rx).boxed());
+    *resp.status_mut() = status;
+    let content_type = headers
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case("content-type"))
+        .and_then(|(_, v)| HeaderValue::from_str(v).ok())
+        .unwrap_or(HeaderValue::from_static("application/json"));
+    if content_type.as_bytes().starts_with(b"text/event-stream") {
+        resp.headers_mut().insert(
+            hyper::header::CACHE_CONTROL,
+            HeaderValue::from_static("no-cache"),
+        );
+    }
+    resp.headers_mut().insert(CONTENT_TYPE, content_type);
+    Ok(resp)
+}
+
+/// A body fed by the request's thread, one piece at a time.
+struct ChannelBody(mpsc::Receiver<Result<Bytes, std::io::Error>>);
+
+impl hyper::body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|piece| piece.map(|r| r.map(Frame::data)))
+    }
+}
+
+#[cfg(test)]
+mod tests;
