@@ -7,6 +7,7 @@
 //! request's own under the budget of whoever it waits for (the target tenant's admission
 //! gate for inference, the caller's lane otherwise); the health check does no blocking work.
 
+pub mod keys;
 pub mod lanes;
 pub mod types;
 
@@ -435,6 +436,14 @@ pub fn router(svc: TenantService) -> Router {
         .route("/v1/tenants/{name}/start", post(start))
         .route("/v1/tenants/{name}/logs", get(logs))
         .route("/v1/tenants/{name}/infer", post(infer))
+        .route(
+            "/v1/tenants/{name}/keys",
+            get(keys::list).post(keys::create),
+        )
+        .route(
+            "/v1/tenants/{name}/keys/{id}",
+            axum::routing::delete(keys::revoke),
+        )
         .route("/v1/receipts", get(receipts))
         .route("/v1/gpu/quarantine", get(quarantine))
         .route("/v1/gpu/quarantine/scrub", post(rescrub))

@@ -1,6 +1,7 @@
 //! The `tenantvm` command line: a thin client of tenantvmd's API (see [`crate::client`]).
 //! The binary only parses arguments and calls [`run`].
 
+mod key;
 mod output;
 mod progress;
 
@@ -130,6 +131,9 @@ pub enum Command {
     /// Size tenants' GPU needs and place them on a host (live, simulated or hypothetical).
     /// Runs locally; needs no daemon.
     Plan(tenantvm_gpu::cli::PlanArgs),
+    /// Inference keys for the front door: `key create|list|revoke TENANT`.
+    #[command(subcommand)]
+    Key(key::KeyCommand),
     /// Inspect this host.
     Host {
         /// What to do.
@@ -665,6 +669,7 @@ async fn run_inner(cli: Cli, out: &mut dyn Write, err: &mut dyn Write) -> Result
             }
             Ok(())
         }
+        Command::Key(k) => key::run(&client, k, out, err).await,
         Command::Stop(a) => op(&client, a, "stop", out, err).await,
         Command::Start(a) => op(&client, a, "start", out, err).await,
         Command::Destroy(a) => op(&client, a, "destroy", out, err).await,
