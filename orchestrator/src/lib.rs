@@ -16,6 +16,7 @@ pub mod frontdoor;
 pub mod jail;
 pub mod keys;
 pub mod logs;
+pub mod metrics;
 pub mod receipt;
 pub mod reconcile;
 pub mod scrub;

@@ -180,6 +180,25 @@ fn keys_from_the_cli_open_the_tls_front_door_until_revoked_or_departed() {
     let _ = plain.read_to_end(&mut got);
     assert!(!got.starts_with(b"HTTP/"), "plain HTTP was answered");
 
+    // `tenantvm top`: the admin sees the tenant's row with its VM's memory from the cgroup;
+    // the tenant's own token sees its row too.
+    for token in [&admin, &tok] {
+        let o = tenantvm(&d, token, &["top", "--once"]);
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+        let out = String::from_utf8_lossy(&o.stdout).to_string();
+        let row = out
+            .lines()
+            .find(|l| l.starts_with(name.as_str()))
+            .unwrap_or_else(|| panic!("no row for {name}: {out}"));
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(cols[1], "1", "one request answered (the 400): {out}");
+        let mem: f64 = cols[10].parse().unwrap();
+        assert!(
+            mem > 0.0,
+            "the VM's memory was not read from its cgroup: {out}"
+        );
+    }
+
     // Revoked: refused at once; revoking again, or another tenant's, is "not found" (5).
     let o = tenantvm(&d, &tok, &["key", "revoke", &name, &id]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));

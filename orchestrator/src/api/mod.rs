@@ -9,6 +9,7 @@
 
 pub mod keys;
 pub mod lanes;
+mod metrics;
 pub mod types;
 
 use std::sync::Arc;
@@ -444,6 +445,7 @@ pub fn router(svc: TenantService) -> Router {
             "/v1/tenants/{name}/keys/{id}",
             axum::routing::delete(keys::revoke),
         )
+        .route("/v1/metrics", get(metrics::metrics))
         .route("/v1/receipts", get(receipts))
         .route("/v1/gpu/quarantine", get(quarantine))
         .route("/v1/gpu/quarantine/scrub", post(rescrub))

@@ -4,6 +4,7 @@
 mod key;
 mod output;
 mod progress;
+mod top;
 
 use progress::{logs, op, wait_for};
 
@@ -134,6 +135,8 @@ pub enum Command {
     /// Inference keys for the front door: `key create|list|revoke TENANT`.
     #[command(subcommand)]
     Key(key::KeyCommand),
+    /// Per-tenant metrics as a live table (admin: every tenant; a tenant token: its own).
+    Top(top::TopArgs),
     /// Inspect this host.
     Host {
         /// What to do.
@@ -670,6 +673,7 @@ async fn run_inner(cli: Cli, out: &mut dyn Write, err: &mut dyn Write) -> Result
             Ok(())
         }
         Command::Key(k) => key::run(&client, k, out, err).await,
+        Command::Top(a) => top::run(&client, a, out).await,
         Command::Stop(a) => op(&client, a, "stop", out, err).await,
         Command::Start(a) => op(&client, a, "start", out, err).await,
         Command::Destroy(a) => op(&client, a, "destroy", out, err).await,

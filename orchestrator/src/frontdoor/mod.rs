@@ -50,6 +50,8 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 
 pub use errors::OpenAiError;
 
+use crate::metrics::RefusalReason;
+use crate::tenant::admission::Refused;
 use crate::tenant::infer::{self, forward_http, InferError, PayloadRequest};
 use crate::tenant::service::TenantService;
 
@@ -209,11 +211,15 @@ fn route(method: &Method, path: &str) -> Result<&'static str, OpenAiError> {
 async fn handle(svc: TenantService, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
     let started = Instant::now();
     let path = req.uri().path().to_string();
-    let answer = answer(&svc, req).await;
+    let answer = answer(&svc, req, started).await;
     let (resp, tenant) = match answer {
         Ok((resp, tenant)) => (resp, Some(tenant)),
         Err((e, tenant)) => (error_response(&e), tenant),
     };
+    if let Some(t) = &tenant {
+        svc.metrics()
+            .request(t, route_label(&path), resp.status().as_u16());
+    }
     // The tenant, the route and the outcome: never a prompt or a completion.
     tracing::info!(
         tenant = tenant.as_deref().unwrap_or("-"),
@@ -231,6 +237,7 @@ fn route_label(path: &str) -> &'static str {
         "/v1/models" => "models",
         "/v1/completions" => "completions",
         "/v1/chat/completions" => "chat.completions",
+        "/metrics" => "metrics",
         _ => "unknown",
     }
 }
@@ -240,8 +247,14 @@ type Failure = (OpenAiError, Option<String>);
 async fn answer(
     svc: &TenantService,
     req: Request<Incoming>,
+    started: Instant,
 ) -> Result<(Response<Body>, String), Failure> {
-    let target = route(req.method(), req.uri().path()).map_err(|e| (e, None))?;
+    let is_metrics = req.uri().path() == "/metrics" && req.method() == Method::GET;
+    let target = if is_metrics {
+        "/metrics"
+    } else {
+        route(req.method(), req.uri().path()).map_err(|e| (e, None))?
+    };
     let authorization = req
         .headers()
         .get(hyper::header::AUTHORIZATION)
@@ -249,6 +262,19 @@ async fn answer(
     let record = keys::authenticate(svc.store(), authorization).map_err(|e| (e, None))?;
     let name = record.name.to_string();
     let fail = |e: OpenAiError| (e, Some(name.clone()));
+    if is_metrics {
+        let text = tenant_metrics(svc.clone(), record).await;
+        let mut resp = Response::new(full(text));
+        resp.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
+        );
+        return Ok((resp, name));
+    }
+    let refused = |e: OpenAiError, reason| {
+        svc.metrics().refused(&name, reason);
+        fail(e)
+    };
     let limit = record.spec.quotas.max_request_bytes;
     let accept = req
         .headers()
@@ -263,13 +289,13 @@ async fn answer(
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         if announced.is_some_and(|n| n > u64::from(limit)) {
-            return Err(fail(OpenAiError::too_large(limit)));
+            return Err(refused(OpenAiError::too_large(limit), RefusalReason::Size));
         }
         let limited = Limited::new(req.into_body(), limit as usize);
         let bytes = match tokio::time::timeout(BODY_TIMEOUT, limited.collect()).await {
             Err(_) => return Err(fail(OpenAiError::request_timeout())),
             Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
-                return Err(fail(OpenAiError::too_large(limit)))
+                return Err(refused(OpenAiError::too_large(limit), RefusalReason::Size))
             }
             Ok(Err(_)) => return Err(fail(OpenAiError::request_timeout())),
             Ok(Ok(collected)) => collected.to_bytes(),
@@ -286,7 +312,14 @@ async fn answer(
     } else {
         Vec::new()
     };
-    let admitted = infer::admit(&svc.ctx(), record).map_err(|e| fail(e.into()))?;
+    let admitted = infer::admit(&svc.ctx(), record).map_err(|e| match &e {
+        InferError::Quota(Refused::Rate { .. }) => refused(e.into(), RefusalReason::Rate),
+        InferError::Quota(Refused::Concurrency { .. }) => {
+            refused(e.into(), RefusalReason::Concurrency)
+        }
+        _ => fail(e.into()),
+    })?;
+    let in_flight = svc.metrics().in_flight(&name);
     let mut headers = Vec::new();
     if !body.is_empty() {
         headers.push(("Content-Type".to_string(), "application/json".to_string()));
@@ -300,10 +333,37 @@ async fn answer(
         headers,
         body,
     };
-    let resp = forward(svc.clone(), &name, admitted, request)
+    let resp = forward(svc.clone(), &name, admitted, request, started, in_flight)
         .await
         .map_err(fail)?;
     Ok((resp, name))
+}
+
+/// The tenant's own series, its VM's cgroup sampled first (on a thread of its own: the
+/// store and cgroup reads block).
+async fn tenant_metrics(svc: TenantService, record: crate::store::TenantRecord) -> String {
+    let (tx, rx) = oneshot::channel();
+    let spawned = std::thread::Builder::new()
+        .name("tenantvmd-metrics".into())
+        .spawn(move || {
+            sample_vm(&svc, &record);
+            let _ = tx.send(svc.metrics().render(Some(record.name.as_str())));
+        });
+    match spawned {
+        Ok(_) => rx.await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
+/// Reads the VM's cgroup of `record` into the metrics, if it has a VM.
+pub(crate) fn sample_vm(svc: &TenantService, record: &crate::store::TenantRecord) {
+    let ctx = svc.ctx();
+    if let Ok(t) = crate::tenant::context::Tenant::load(&ctx, record) {
+        if let Some(vm) = &t.vm {
+            svc.metrics()
+                .sample_cgroup(record.name.as_str(), &vm.cgroup);
+        }
+    }
 }
 
 /// Runs the forwarded request on a thread of its own and returns the response as soon as
@@ -313,6 +373,8 @@ async fn forward(
     tenant: &str,
     admitted: infer::AdmittedInfer,
     request: PayloadRequest,
+    started: Instant,
+    in_flight: crate::metrics::InFlight,
 ) -> Result<Response<Body>, OpenAiError> {
     let (head_tx, head_rx) = oneshot::channel();
     let (body_tx, body_rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(PIPE_CHUNKS);
@@ -328,15 +390,30 @@ async fn forward(
                     return;
                 }
             };
+            let _in_flight = in_flight;
             let head = (answer.status, std::mem::take(&mut answer.headers));
+            let mut usage = UsageScanner::new(&head.1);
             if head_tx.send(Ok(head)).is_err() {
                 return;
             }
+            let metrics = svc.metrics();
             let mut buf = vec![0u8; PIECE_BYTES];
+            let mut first = true;
             loop {
                 match answer.body.read(&mut buf) {
-                    Ok(0) => break,
+                    Ok(0) => {
+                        if let Some((prompt, completion)) = usage.finish() {
+                            metrics.tokens(&tenant_name, prompt, completion);
+                        }
+                        metrics.finished(&tenant_name, started.elapsed());
+                        break;
+                    }
                     Ok(n) => {
+                        if first {
+                            metrics.first_byte(&tenant_name, started.elapsed());
+                            first = false;
+                        }
+                        usage.push(&buf[..n]);
                         let piece = Bytes::copy_from_slice(&buf[..n]);
                         if body_tx.blocking_send(Ok(piece)).is_err() {
                             // The client went away: dropping the answer closes the guest
@@ -393,6 +470,80 @@ async fn forward(
     Ok(resp)
 }
 
+/// Finds the payload's usage counts in its answer as it passes, for the token metrics:
+/// in a stream, the `usage` of a `data:` event (line by line, each line bounded); in a
+/// JSON answer, its `usage` (the answer kept up to [`USAGE_SCAN_BYTES`], else not
+/// counted). Only the two numbers are kept; the text is dropped as it is read.
+struct UsageScanner {
+    stream: bool,
+    buf: Vec<u8>,
+    overflow: bool,
+    found: Option<(u64, u64)>,
+}
+
+/// Most bytes of an answer (or of one event line) kept to find its usage.
+const USAGE_SCAN_BYTES: usize = 256 * 1024;
+
+fn usage_of(v: &serde_json::Value) -> Option<(u64, u64)> {
+    let u = v.get("usage")?;
+    Some((
+        u.get("prompt_tokens")?.as_u64()?,
+        u.get("completion_tokens")?.as_u64()?,
+    ))
+}
+
+impl UsageScanner {
+    fn new(headers: &[(String, String)]) -> Self {
+        let stream = headers.iter().any(|(n, v)| {
+            n.eq_ignore_ascii_case("content-type") && v.starts_with("text/event-stream")
+        });
+        UsageScanner {
+            stream,
+            buf: Vec::new(),
+            overflow: false,
+            found: None,
+        }
+    }
+
+    fn push(&mut self, piece: &[u8]) {
+        if !self.stream {
+            if self.buf.len() + piece.len() > USAGE_SCAN_BYTES {
+                self.overflow = true;
+                self.buf = Vec::new();
+            } else if !self.overflow {
+                self.buf.extend_from_slice(piece);
+            }
+            return;
+        }
+        for &b in piece {
+            if b == b'\n' {
+                if !self.overflow {
+                    if let Some(json) = self.buf.strip_prefix(b"data: ") {
+                        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(json) {
+                            self.found = usage_of(&v).or(self.found);
+                        }
+                    }
+                }
+                self.buf.clear();
+                self.overflow = false;
+            } else if self.buf.len() < USAGE_SCAN_BYTES {
+                self.buf.push(b);
+            } else {
+                self.overflow = true;
+            }
+        }
+    }
+
+    fn finish(&mut self) -> Option<(u64, u64)> {
+        if !self.stream && !self.overflow {
+            self.found = serde_json::from_slice::<serde_json::Value>(&self.buf)
+                .ok()
+                .and_then(|v| usage_of(&v));
+        }
+        self.found
+    }
+}
+
 /// A body fed by the request's thread, one piece at a time.
 struct ChannelBody(mpsc::Receiver<Result<Bytes, std::io::Error>>);
 
@@ -412,3 +563,36 @@ impl hyper::body::Body for ChannelBody {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod usage_tests {
+    use super::UsageScanner;
+
+    fn headers(ct: &str) -> Vec<(String, String)> {
+        vec![("Content-Type".into(), ct.into())]
+    }
+
+    #[test]
+    fn usage_is_found_in_split_streams_and_whole_answers_only() {
+        let mut s = UsageScanner::new(&headers("text/event-stream"));
+        let stream = b"data: {\"choices\":[]}\n\ndata: {\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":9}}\n\ndata: [DONE]\n\n";
+        for piece in stream.chunks(5) {
+            s.push(piece);
+        }
+        assert_eq!(s.finish(), Some((7, 9)));
+        let mut s = UsageScanner::new(&headers("application/json"));
+        s.push(br#"{"usage": {"prompt_tokens": 2,"#);
+        s.push(br#" "completion_tokens": 3}}"#);
+        assert_eq!(s.finish(), Some((2, 3)));
+        // Malformed SSE and garbage count nothing, and an oversized line is dropped.
+        let mut s = UsageScanner::new(&headers("text/event-stream"));
+        s.push(b"data: {not json\n");
+        s.push(&vec![b'x'; super::USAGE_SCAN_BYTES + 10]);
+        s.push(b"\n");
+        assert_eq!(s.finish(), None);
+        let mut s = UsageScanner::new(&headers("application/json"));
+        s.push(&vec![b' '; super::USAGE_SCAN_BYTES + 1]);
+        s.push(br#"{"usage": {"prompt_tokens": 2, "completion_tokens": 3}}"#);
+        assert_eq!(s.finish(), None);
+    }
+}

@@ -495,6 +495,35 @@ fn openai_routes_stream_through_and_every_bad_request_gets_openais_error_shape()
         String::from_utf8_lossy(&got)
     );
 
+    // Metrics: alice's key reads alice's series only, tokens from the payload's usage
+    // counts (1 + 1 from the completion, 1 + 3 from the stream), refusals by reason.
+    let m = d.send("GET", "/metrics", Some(&d.keys["alice"]), None);
+    assert_eq!(m.status, 200);
+    let text = String::from_utf8(m.body()).unwrap();
+    assert!(!text.contains("bob"), "{text}");
+    assert!(
+        text.contains("tenantvm_frontdoor_tokens_total{tenant=\"alice\",kind=\"completion\"} 4"),
+        "{text}"
+    );
+    assert!(
+        text.contains("tenantvm_frontdoor_tokens_total{tenant=\"alice\",kind=\"prompt\"} 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("tenantvm_frontdoor_refusals_total{tenant=\"alice\",reason=\"size\"} 1"),
+        "{text}"
+    );
+    assert!(text.contains("tenantvm_frontdoor_requests_total{tenant=\"alice\",route=\"chat.completions\",status=\"200\"} 1"), "{text}");
+    assert!(
+        text.contains("tenantvm_frontdoor_first_byte_seconds_count{tenant=\"alice\"} 3"),
+        "{text}"
+    );
+    assert!(
+        text.contains("tenantvm_frontdoor_in_flight{tenant=\"alice\"} 0"),
+        "{text}"
+    );
+    assert_eq!(d.send("GET", "/metrics", None, None).status, 401);
+
     // A revoked key stops working at once.
     let alice = d.h.svc.store().tenant("alice").unwrap().unwrap();
     let id = d.h.svc.store().inference_keys(alice.id).unwrap()[0].id;
