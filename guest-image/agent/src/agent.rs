@@ -20,6 +20,7 @@ use crate::config::AgentConfig;
 use crate::disk::{self, DiskError};
 use crate::http1;
 use crate::logbuf::LogBuffer;
+use crate::models;
 use crate::reaper::Reaper;
 
 /// Most log lines returned by one `logs` request.
@@ -146,11 +147,13 @@ impl Agent {
                 (Outcome::Ok(Reply::Logs { lines, next }), After::Continue)
             }
             Request::Infer(http) => (self.infer(&http), After::Continue),
-            // Answered by `infer_stream` on the connection itself (see server.rs).
-            Request::InferStream(_) => (
+            Request::ModelList => (self.model_list(), After::Continue),
+            Request::ModelRemove { name } => (self.model_remove(&name), After::Continue),
+            // Answered by `infer_stream` / `model_push` on the connection itself (server.rs).
+            Request::InferStream(_) | Request::ModelPush { .. } => (
                 failure(
                     ErrorCode::BadRequest,
-                    "infer-stream is served on a connection of its own; use infer here",
+                    "infer-stream and model-push take a connection of their own (vsock)",
                 ),
                 After::Continue,
             ),
@@ -404,6 +407,86 @@ impl Agent {
                 return;
             }
         }
+    }
+
+    /// The models directory, if the data disk is mounted.
+    fn models_dir(&self) -> Result<std::path::PathBuf, Outcome> {
+        if self.state().disk != DiskState::Mounted {
+            return Err(failure(
+                ErrorCode::WrongState,
+                "The data disk is not mounted; start the tenant first",
+            ));
+        }
+        Ok(self.cfg.disk.mount_point.join(models::MODELS_DIR))
+    }
+
+    fn model_list(&self) -> Outcome {
+        let dir = match self.models_dir() {
+            Ok(d) => d,
+            Err(o) => return o,
+        };
+        match models::list(&dir) {
+            Ok(models) => Outcome::Ok(Reply::Models { models }),
+            Err(e) => failure(e.code(), e.to_string()),
+        }
+    }
+
+    fn model_remove(&self, name: &str) -> Outcome {
+        let dir = match self.models_dir() {
+            Ok(d) => d,
+            Err(o) => return o,
+        };
+        match models::remove(&dir, name) {
+            Ok(()) => {
+                self.log(&format!("model {name} removed"));
+                Outcome::Ok(Reply::ModelRemoved)
+            }
+            Err(e) => failure(e.code(), e.to_string()),
+        }
+    }
+
+    /// Answers [`Request::ModelPush`] on its connection: checks, [`Reply::ModelReady`], the
+    /// data frames from `r`, then [`Reply::ModelStored`] or the error (nothing stored).
+    pub fn model_push(
+        &self,
+        id: u64,
+        (name, size, sha256): (&str, u64, &str),
+        r: &mut impl std::io::Read,
+        w: &mut impl Write,
+    ) {
+        let send = |w: &mut dyn Write, outcome: Outcome| {
+            crate::server::send(w, &ResponseFrame { id, outcome })
+        };
+        let dir = match self.models_dir() {
+            Ok(d) => d,
+            Err(o) => {
+                send(w, o);
+                return;
+            }
+        };
+        let free = models::free_bytes(&self.cfg.disk.mount_point).unwrap_or(0);
+        if let Err(e) = models::check(&dir, name, size, sha256, free) {
+            send(w, failure(e.code(), e.to_string()));
+            return;
+        }
+        if !send(w, Outcome::Ok(Reply::ModelReady)) {
+            return;
+        }
+        let outcome = match models::receive(&dir, name, size, sha256, r) {
+            Ok((bytes, sha256)) => {
+                self.log(&format!("model {name} stored ({bytes} bytes)"));
+                Outcome::Ok(Reply::ModelStored {
+                    name: name.to_string(),
+                    bytes,
+                    sha256,
+                })
+            }
+            Err(e) => {
+                self.log(&format!("model {name} not stored: {e}"));
+                failure(e.code(), e.to_string())
+            }
+        };
+        send(w, outcome);
     }
 
     /// Stops the payload, unmounts, closes dm-crypt and syncs. The caller powers off.

@@ -127,6 +127,14 @@ pub fn serve_stream(agent: &Agent, mut r: impl Read, mut writer: impl Write) -> 
                 agent.infer_stream(id, &http, &mut writer);
                 return StreamEnd::Closed;
             }
+            Ok(RequestFrame {
+                id,
+                request: Request::ModelPush { name, size, sha256 },
+            }) => {
+                // The connection carries the model's data frames, then ends.
+                agent.model_push(id, (&name, size, &sha256), &mut r, &mut writer);
+                return StreamEnd::Closed;
+            }
             Ok(frame) => {
                 let (outcome, after) = agent.handle(frame.request);
                 let resp = ResponseFrame {

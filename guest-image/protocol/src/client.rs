@@ -23,9 +23,9 @@ use thiserror::Error;
 use crate::channel::{self, ChannelError};
 use crate::frame::{decode_body, encode_frame, FrameDecoder, FrameError, MAX_DATA_LEN};
 use crate::message::{
-    AgentFailure, DiskKey, DiskState, HttpHead, HttpRequest, HttpResponse, LogLine, Outcome,
-    PayloadState, Reply, Request, RequestFrame, ResponseFrame, ShutdownReport, StatusReply,
-    AGENT_VSOCK_PORT,
+    AgentFailure, DiskKey, DiskState, HttpHead, HttpRequest, HttpResponse, LogLine, ModelEntry,
+    Outcome, PayloadState, Reply, Request, RequestFrame, ResponseFrame, ShutdownReport,
+    StatusReply, AGENT_VSOCK_PORT,
 };
 
 /// Most unrelated responses skipped while waiting for one id.
@@ -200,6 +200,9 @@ fn what(req: &Request) -> &'static str {
         Request::Logs { .. } => "logs",
         Request::Infer(_) => "infer",
         Request::InferStream(_) => "infer-stream",
+        Request::ModelPush { .. } => "model-push",
+        Request::ModelList => "model-list",
+        Request::ModelRemove { .. } => "model-remove",
         Request::Shutdown => "shutdown",
     }
 }
@@ -660,6 +663,90 @@ impl AgentClient {
         }
     }
 
+    /// Stores a model on the tenant's disk ([`Request::ModelPush`]): `size` bytes read from
+    /// `data`, which must hash to `sha256`. Each agent answer is awaited at most
+    /// `timeout`, each data frame's write too. Consumes the connection. Returns the bytes
+    /// stored and their hash as the agent checked them.
+    pub fn model_push(
+        mut self,
+        name: &str,
+        size: u64,
+        sha256: &str,
+        data: &mut dyn io::Read,
+        timeout: Duration,
+    ) -> Result<(u64, String), AgentClientError> {
+        let what = "model-push";
+        let by = || Instant::now() + timeout;
+        let id = self.send(
+            &Request::ModelPush {
+                name: name.to_string(),
+                size,
+                sha256: sha256.to_string(),
+            },
+            by(),
+            timeout,
+        )?;
+        match self.receive_any(&[id], by(), timeout)?.outcome {
+            Outcome::Ok(Reply::ModelReady) => {}
+            Outcome::Ok(_) => return Err(AgentClientError::UnexpectedReply { what }),
+            Outcome::Err(failure) => return Err(AgentClientError::Agent { what, failure }),
+        }
+        let mut buf = vec![0u8; MAX_DATA_LEN as usize];
+        loop {
+            let n = match data.read(&mut buf) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // Closing without the end frame: the agent drops the partial file.
+                    self.broken = true;
+                    return Err(AgentClientError::Io(e));
+                }
+            };
+            let frame = crate::frame::encode_data(&buf[..n]).map_err(AgentClientError::Encode)?;
+            if let Err(e) = channel::write_all_by(&mut self.stream, &frame, by()) {
+                self.broken = true;
+                return Err(match e {
+                    ChannelError::TimedOut => AgentClientError::Timeout {
+                        what: "model data",
+                        timeout,
+                    },
+                    ChannelError::Io(e) => e.into(),
+                });
+            }
+            if n == 0 {
+                break;
+            }
+        }
+        match self.receive_any(&[id], by(), timeout)?.outcome {
+            Outcome::Ok(Reply::ModelStored { bytes, sha256, .. }) => Ok((bytes, sha256)),
+            Outcome::Ok(_) => Err(AgentClientError::UnexpectedReply { what }),
+            Outcome::Err(failure) => Err(AgentClientError::Agent { what, failure }),
+        }
+    }
+
+    /// The stored models.
+    pub fn model_list(&mut self, timeout: Duration) -> Result<Vec<ModelEntry>, AgentClientError> {
+        match self.call(&Request::ModelList, timeout)? {
+            Reply::Models { models } => Ok(models),
+            _ => Err(AgentClientError::UnexpectedReply { what: "model-list" }),
+        }
+    }
+
+    /// Removes a stored model.
+    pub fn model_remove(&mut self, name: &str, timeout: Duration) -> Result<(), AgentClientError> {
+        match self.call(
+            &Request::ModelRemove {
+                name: name.to_string(),
+            },
+            timeout,
+        )? {
+            Reply::ModelRemoved => Ok(()),
+            _ => Err(AgentClientError::UnexpectedReply {
+                what: "model-remove",
+            }),
+        }
+    }
+
     /// Asks for a clean shutdown; the guest powers off after answering.
     pub fn shutdown(&mut self, timeout: Duration) -> Result<ShutdownReport, AgentClientError> {
         match self.call(&Request::Shutdown, timeout)? {
@@ -1042,6 +1129,63 @@ mod tests {
             .unwrap();
         let e = io::Read::read_to_end(&mut body, &mut Vec::new()).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
+    }
+
+    #[test]
+    fn a_model_push_sends_its_bytes_as_data_frames_and_returns_the_agents_check() {
+        let (_d, ep) = fake_guest(|mut s| {
+            let req = next_request(&mut s);
+            let Request::ModelPush { name, size, .. } = req.request else {
+                panic!("{req:?}")
+            };
+            assert_eq!((name.as_str(), size), ("m", 100_000));
+            answer(&mut s, req.id, Outcome::Ok(Reply::ModelReady));
+            let mut got = Vec::new();
+            loop {
+                let data = read_frame(&mut s).unwrap();
+                assert!(data.len() <= MAX_DATA_LEN as usize);
+                if data.is_empty() {
+                    break;
+                }
+                got.extend_from_slice(&data);
+            }
+            assert_eq!(got, vec![9u8; 100_000]);
+            answer(
+                &mut s,
+                req.id,
+                Outcome::Ok(Reply::ModelStored {
+                    name: "m".into(),
+                    bytes: 100_000,
+                    sha256: "ab".into(),
+                }),
+            );
+        });
+        let c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
+        let data = vec![9u8; 100_000];
+        let (bytes, sha) = c
+            .model_push("m", 100_000, "ab", &mut &data[..], Duration::from_secs(10))
+            .unwrap();
+        assert_eq!((bytes, sha.as_str()), (100_000, "ab"));
+
+        // A refusal before the data (a full disk) is the agent's error.
+        let (_d, ep) = fake_guest(|mut s| {
+            let req = next_request(&mut s);
+            answer(
+                &mut s,
+                req.id,
+                Outcome::Err(AgentFailure {
+                    code: ErrorCode::NoSpace,
+                    message: "full".into(),
+                }),
+            );
+        });
+        let c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
+        match c.model_push("m", 1, "ab", &mut &b"x"[..], Duration::from_secs(10)) {
+            Err(AgentClientError::Agent { failure, .. }) => {
+                assert_eq!(failure.code, ErrorCode::NoSpace)
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

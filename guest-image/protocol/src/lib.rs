@@ -27,7 +27,7 @@ pub use frame::{
 pub use image::{ImageSet, ImageSetError};
 pub use message::{
     salvage_id, AgentFailure, DiskKey, DiskState, ErrorCode, HttpHead, HttpRequest, HttpResponse,
-    KeyError, LogLine, Outcome, PayloadState, Reply, Request, RequestFrame, ResponseFrame,
-    ShutdownReport, StatusReply, AGENT_VSOCK_PORT, MAX_KEY_LEN, MIN_KEY_LEN,
+    KeyError, LogLine, ModelEntry, Outcome, PayloadState, Reply, Request, RequestFrame,
+    ResponseFrame, ShutdownReport, StatusReply, AGENT_VSOCK_PORT, MAX_KEY_LEN, MIN_KEY_LEN,
     VIRTIO_SERIAL_PORT_NAME,
 };
