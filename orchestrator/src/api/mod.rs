@@ -10,6 +10,7 @@
 pub mod keys;
 pub mod lanes;
 mod metrics;
+pub mod models;
 pub mod types;
 
 use std::sync::Arc;
@@ -445,6 +446,13 @@ pub fn router(svc: TenantService) -> Router {
             "/v1/tenants/{name}/keys/{id}",
             axum::routing::delete(keys::revoke),
         )
+        .route("/v1/tenants/{name}/models", get(models::list))
+        .route(
+            "/v1/tenants/{name}/models/{model}",
+            axum::routing::put(models::push)
+                .delete(models::remove)
+                .layer(DefaultBodyLimit::disable()),
+        )
         .route("/v1/metrics", get(metrics::metrics))
         .route("/v1/receipts", get(receipts))
         .route("/v1/gpu/quarantine", get(quarantine))
@@ -457,5 +465,7 @@ pub fn router(svc: TenantService) -> Router {
 
 #[cfg(test)]
 mod isolation_tests;
+#[cfg(test)]
+mod model_tests;
 #[cfg(test)]
 mod tests;
