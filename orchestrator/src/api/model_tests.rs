@@ -70,7 +70,8 @@ fn serve_one(dir: &Path, mut s: UnixStream) {
             Ok(()) => Outcome::Ok(Reply::ModelRemoved),
             Err(e) => failed(e),
         },
-        other => panic!("unexpected {other:?}"),
+        // Stop and destroy ask the guest to shut down: this stand-in just goes away.
+        _ => return,
     };
     reply(&mut s, req.id, outcome);
 }
@@ -95,9 +96,11 @@ fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure(
     h.host.state().agent_vsock = true;
     let mut tokens = std::collections::HashMap::new();
     for name in ["alice", "bob"] {
-        let spec =
-            TenantSpec::from_toml(&format!("name = \"{name}\"\n[image]\nname = \"hello\"\n"))
-                .unwrap();
+        let spec = TenantSpec::from_toml(&format!(
+            "name = \"{name}\"\ndisk_gib = {}\n[image]\nname = \"hello\"\n",
+            u32::from(name == "alice")
+        ))
+        .unwrap();
         match h
             .svc
             .execute(&Caller::Admin, TenantCommand::Create(spec))
@@ -307,4 +310,31 @@ fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure(
         &["model", "push", "alice", model_path.to_str().unwrap()],
     );
     assert_eq!(code, crate::cli::exit::CONFLICT, "stopped tenant: {text}");
+
+    // Departure: the receipt says the shredded disk held the tenant's pushed models.
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Destroy("alice".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    let kit = h.svc.departure_kit().unwrap();
+    let receipt = kit
+        .log
+        .entries()
+        .unwrap()
+        .into_iter()
+        .find(|e| e.receipt.tenant == "alice")
+        .unwrap()
+        .receipt;
+    let shred = receipt
+        .steps
+        .iter()
+        .find(|s| s.step == crate::receipt::DepartureStep::CryptoShred)
+        .unwrap();
+    assert!(
+        shred
+            .evidence
+            .get("tenant_data")
+            .is_some_and(|v| v.contains("model push")),
+        "{shred:?}"
+    );
 }
