@@ -221,6 +221,9 @@ fn stream_once<S: Read + Write>(
             break;
         }
     }
+    let head_at = t0.elapsed();
+    let debug = std::env::var("TENANTVM_BENCH_DEBUG").is_ok();
+    let mut first_chunk = true;
     let mut first = None;
     let mut events = 0;
     let mut pending = String::new();
@@ -232,6 +235,13 @@ fn stream_once<S: Read + Write>(
         r.read_exact(&mut data).unwrap();
         if size == 0 {
             break;
+        }
+        if debug && first_chunk {
+            eprintln!(
+                "head at {head_at:?}, first chunk of {size} bytes at {:?}",
+                t0.elapsed()
+            );
+            first_chunk = false;
         }
         pending.push_str(&String::from_utf8_lossy(&data[..size]));
         while let Some(end) = pending.find("\n\n") {
@@ -357,23 +367,37 @@ fn main() {
     direct.get_ref().set_nodelay(true).unwrap();
     let mut front = tls_connect(door, &client);
     let (mut ttft_d, mut ttft_f, mut tps_d, mut tps_f) = (vec![], vec![], vec![], vec![]);
+    let (mut total_d, mut total_f) = (vec![], vec![]);
+    // The n-gram model may end a completion before max_tokens; both paths end alike.
+    let mut tokens = 0;
     for round in 0..rounds + 3 {
         let (t1, total1, n1) = stream_once(&mut direct, None, &body);
         let (t2, total2, n2) = stream_once(&mut front, Some(&keys[0]), &body);
         assert_eq!(n1, n2, "the same prompt gave different answers");
+        tokens = n1;
         if round >= 3 {
             ttft_d.push(t1.as_secs_f64() * 1e3);
             ttft_f.push(t2.as_secs_f64() * 1e3);
-            tps_d.push(n1 as f64 / total1.as_secs_f64());
-            tps_f.push(n2 as f64 / total2.as_secs_f64());
+            // Streaming throughput: the tokens after the first over the time after it.
+            tps_d.push((n1 - 1) as f64 / (total1 - t1).as_secs_f64());
+            tps_f.push((n2 - 1) as f64 / (total2 - t2).as_secs_f64());
+            total_d.push(total1.as_secs_f64() * 1e3);
+            total_f.push(total2.as_secs_f64() * 1e3);
         }
     }
     let (md, mf) = (median(&mut ttft_d), median(&mut ttft_f));
     let (sd, sf) = (median(&mut tps_d), median(&mut tps_f));
     println!("overhead: {rounds} rounds, {max_tokens} tokens asked per completion");
+    println!("  ({tokens} token events per completion)");
     println!("  time to first token, median: direct {md:.3} ms, front door {mf:.3} ms, added {:.3} ms (goal < 1 ms)", mf - md);
+    let (td, tf) = (median(&mut total_d), median(&mut total_f));
+    let (wd, wf) = (tokens as f64 / td * 1e3, tokens as f64 / tf * 1e3);
     println!(
-        "  tokens per second, median:   direct {sd:.0}, front door {sf:.0}, {:+.1} % (goal > -5 %)",
+        "  whole completion, median: direct {td:.3} ms, front door {tf:.3} ms: {wd:.0} vs {wf:.0} tokens/s, {:+.1} % (goal > -5 %)",
+        100.0 * (wf - wd) / wd
+    );
+    println!(
+        "  tokens/s after the first token, median: direct {sd:.0}, front door {sf:.0}, {:+.1} %",
         100.0 * (sf - sd) / sd
     );
 
