@@ -8,6 +8,7 @@
 #   TENANTVM_BENCH_ROUNDS=N    alternating direct/front-door rounds (default 40)
 #   TENANTVM_BENCH_REQUESTS=N  requests per stream in the load part (default 10)
 #   TENANTVM_BENCH_TOKENS=N    max_tokens per completion (default 128)
+#   TENANTVM_BENCH_DEBUG=1     print when each answer's head and first chunk arrived
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

@@ -261,6 +261,7 @@ async fn answer(
         .and_then(|v| v.to_str().ok());
     let record = keys::authenticate(svc.store(), authorization).map_err(|e| (e, None))?;
     let name = record.name.to_string();
+    svc.metrics().claim(&name, record.id);
     let fail = |e: OpenAiError| (e, Some(name.clone()));
     if is_metrics {
         let text = tenant_metrics(svc.clone(), record).await;
@@ -357,6 +358,7 @@ async fn tenant_metrics(svc: TenantService, record: crate::store::TenantRecord) 
 
 /// Reads the VM's cgroup of `record` into the metrics, if it has a VM.
 pub(crate) fn sample_vm(svc: &TenantService, record: &crate::store::TenantRecord) {
+    svc.metrics().claim(record.name.as_str(), record.id);
     let ctx = svc.ctx();
     if let Ok(t) = crate::tenant::context::Tenant::load(&ctx, record) {
         if let Some(vm) = &t.vm {

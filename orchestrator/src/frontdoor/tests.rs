@@ -925,3 +925,29 @@ fn no_prompt_or_completion_text_reaches_a_log_an_event_a_file_or_an_error() {
         .unwrap();
     assert!(!files_holding(d.h.dir.path(), b"control-marker-77ab").is_empty());
 }
+
+#[test]
+fn a_bad_certificate_or_key_is_a_clear_error_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let (good_cert, good_key) = (dir.path().join("c.pem"), dir.path().join("k.pem"));
+    std::fs::write(&good_cert, cert.cert.pem()).unwrap();
+    std::fs::write(&good_key, cert.key_pair.serialize_pem()).unwrap();
+    assert!(super::tls_config(&good_cert, &good_key).is_ok());
+    let empty = dir.path().join("empty.pem");
+    std::fs::write(&empty, "").unwrap();
+    let garbage = dir.path().join("garbage.pem");
+    std::fs::write(&garbage, "not a pem file\n").unwrap();
+    let missing = dir.path().join("missing.pem");
+    for (c, k, what) in [
+        (&missing, &good_key, "certificate"),
+        (&empty, &good_key, "certificate"),
+        (&good_cert, &garbage, "key"),
+        (&good_cert, &missing, "key"),
+        // A certificate given as the key.
+        (&good_cert, &good_cert, "key"),
+    ] {
+        let e = super::tls_config(c, k).unwrap_err().to_string();
+        assert!(e.contains(what) && e.contains("openssl req"), "{e}");
+    }
+}

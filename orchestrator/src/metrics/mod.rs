@@ -85,8 +85,24 @@ impl RefusalReason {
     }
 }
 
+/// The label sets recorded for one tenant name, so that they can be dropped.
+#[derive(Default)]
+struct Tracked {
+    requests: std::collections::HashSet<RequestLabels>,
+    refusals: std::collections::HashSet<ReasonLabels>,
+    tokens: std::collections::HashSet<KindLabels>,
+}
+
+/// Which tenant (row id) each name's series belong to, and what was recorded for it.
+#[derive(Default)]
+struct Owners {
+    ids: std::collections::HashMap<String, i64>,
+    tracked: std::collections::HashMap<String, Tracked>,
+}
+
 /// The daemon's metrics.
 pub struct Metrics {
+    owners: std::sync::Mutex<Owners>,
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     refusals: Family<ReasonLabels, Counter>,
@@ -156,6 +172,7 @@ impl Default for Metrics {
             memory.clone(),
         );
         Metrics {
+            owners: Default::default(),
             registry,
             requests,
             refusals,
@@ -188,36 +205,75 @@ impl Drop for InFlight {
 }
 
 impl Metrics {
+    fn owners(&self) -> std::sync::MutexGuard<'_, Owners> {
+        self.owners
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Says that the series named `tenant_name` are those of tenant row `id` from now on:
+    /// when the name belonged to another (destroyed) tenant, its series are dropped first,
+    /// so a new tenant under a reused name never reads its predecessor's figures.
+    pub fn claim(&self, tenant_name: &str, id: i64) {
+        let mut owners = self.owners();
+        let previous = owners.ids.insert(tenant_name.to_string(), id);
+        if previous.is_some_and(|p| p != id) {
+            if let Some(t) = owners.tracked.remove(tenant_name) {
+                for l in &t.requests {
+                    self.requests.remove(l);
+                }
+                for l in &t.refusals {
+                    self.refusals.remove(l);
+                }
+                for l in &t.tokens {
+                    self.tokens.remove(l);
+                }
+            }
+            let label = tenant(tenant_name);
+            self.in_flight.remove(&label);
+            self.first_byte.remove(&label);
+            self.total.remove(&label);
+            self.cpu.remove(&label);
+            self.memory.remove(&label);
+        }
+    }
+
     /// Counts a finished request (`route` is a fixed label such as `completions`).
     pub fn request(&self, tenant_name: &str, route: &str, status: u16) {
-        self.requests
-            .get_or_create(&RequestLabels {
-                tenant: tenant_name.to_string(),
-                route: route.to_string(),
-                status: status.to_string(),
-            })
-            .inc();
+        let labels = RequestLabels {
+            tenant: tenant_name.to_string(),
+            route: route.to_string(),
+            status: status.to_string(),
+        };
+        self.requests.get_or_create(&labels).inc();
+        let mut owners = self.owners();
+        let tracked = owners.tracked.entry(tenant_name.to_string()).or_default();
+        tracked.requests.insert(labels);
     }
 
     /// Counts a refusal.
     pub fn refused(&self, tenant_name: &str, reason: RefusalReason) {
-        self.refusals
-            .get_or_create(&ReasonLabels {
-                tenant: tenant_name.to_string(),
-                reason: reason.label().to_string(),
-            })
-            .inc();
+        let labels = ReasonLabels {
+            tenant: tenant_name.to_string(),
+            reason: reason.label().to_string(),
+        };
+        self.refusals.get_or_create(&labels).inc();
+        let mut owners = self.owners();
+        let tracked = owners.tracked.entry(tenant_name.to_string()).or_default();
+        tracked.refusals.insert(labels);
     }
 
     /// Adds the payload's usage counts.
     pub fn tokens(&self, tenant_name: &str, prompt: u64, completion: u64) {
         for (kind, n) in [("prompt", prompt), ("completion", completion)] {
-            self.tokens
-                .get_or_create(&KindLabels {
-                    tenant: tenant_name.to_string(),
-                    kind: kind.to_string(),
-                })
-                .inc_by(n);
+            let labels = KindLabels {
+                tenant: tenant_name.to_string(),
+                kind: kind.to_string(),
+            };
+            self.tokens.get_or_create(&labels).inc_by(n);
+            let mut owners = self.owners();
+            let tracked = owners.tracked.entry(tenant_name.to_string()).or_default();
+            tracked.tokens.insert(labels);
         }
     }
 
@@ -343,6 +399,26 @@ mod tests {
         // A name that is a prefix of another does not match it.
         m.request("al", "models", 200);
         assert!(!m.render(Some("al")).contains("alice"));
+    }
+
+    #[test]
+    fn a_new_tenant_under_a_reused_name_starts_without_its_predecessors_series() {
+        let m = Metrics::default();
+        m.claim("alice", 1);
+        m.request("alice", "completions", 200);
+        m.refused("alice", RefusalReason::Size);
+        m.tokens("alice", 1, 2);
+        m.first_byte("alice", Duration::from_millis(1));
+        m.claim("alice", 1);
+        assert!(m.render(Some("alice")).contains("status=\"200\"} 1"));
+        // Destroyed, and a new tenant (another row) takes the name.
+        m.claim("alice", 2);
+        let text = m.render(Some("alice"));
+        assert!(!text.contains("tenant=\"alice\""), "{text}");
+        m.request("alice", "models", 200);
+        assert!(m
+            .render(Some("alice"))
+            .contains("route=\"models\",status=\"200\"} 1"));
     }
 
     #[test]
