@@ -107,6 +107,22 @@ impl OpenAiError {
         )
     }
 
+    /// The key's tenant already holds its share of connections.
+    pub fn too_many_connections() -> Self {
+        let mut e = Self::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "requests",
+            "too_many_connections",
+            format!(
+                "This key's tenant already holds {} open connections to this endpoint; \
+                 reuse one (keep-alive) or close some",
+                super::MAX_TENANT_CONNECTIONS
+            ),
+        );
+        e.retry_after = Some(1);
+        e
+    }
+
     /// The front door is serving as many connections as it may.
     pub fn overloaded() -> Self {
         let mut e = Self::new(

@@ -57,6 +57,11 @@ use crate::tenant::service::TenantService;
 
 /// Most client connections open at once.
 pub const MAX_CONNECTIONS: usize = 1024;
+/// Most connections one tenant's clients may hold: a connection belongs to the tenant of
+/// the first key used on it; beyond this many, its request is refused (429) and it is
+/// closed, so no tenant can fill [`MAX_CONNECTIONS`] (its `max_concurrency` bounds its
+/// work; this bounds its idle sockets).
+pub const MAX_TENANT_CONNECTIONS: u32 = 64;
 /// How long a client has to complete the TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a client has to send a request's head (also how long an idle keep-alive
@@ -136,6 +141,7 @@ pub async fn serve(
 ) {
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let tenants = Arc::new(TenantConnections::default());
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
@@ -155,15 +161,23 @@ pub async fn serve(
             continue;
         };
         let _ = tcp.set_nodelay(true);
-        let (acceptor, svc) = (acceptor.clone(), svc.clone());
+        let (acceptor, svc, tenants) = (acceptor.clone(), svc.clone(), tenants.clone());
         tokio::spawn(async move {
             let _place = place;
+            // Whose connection this is, once a key was used on it (held until it closes).
+            let owner: Arc<std::sync::Mutex<Option<TenantConnection>>> = Arc::default();
             let Ok(Ok(stream)) =
                 tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
             else {
                 return;
             };
-            let service = hyper::service::service_fn(move |req| handle(svc.clone(), req));
+            let service = hyper::service::service_fn(move |req| {
+                let conn = Conn {
+                    tenants: tenants.clone(),
+                    owner: owner.clone(),
+                };
+                handle(svc.clone(), conn, req)
+            });
             let _ = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(HEADER_TIMEOUT)
@@ -208,13 +222,86 @@ fn route(method: &Method, path: &str) -> Result<&'static str, OpenAiError> {
     Ok(target)
 }
 
-async fn handle(svc: TenantService, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+/// Connections per tenant (row id).
+#[derive(Default)]
+struct TenantConnections(std::sync::Mutex<std::collections::HashMap<i64, u32>>);
+
+impl TenantConnections {
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<i64, u32>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// A connection counted against its tenant until dropped (when the connection closes).
+struct TenantConnection {
+    tenants: Arc<TenantConnections>,
+    tenant_id: i64,
+}
+
+impl Drop for TenantConnection {
+    fn drop(&mut self) {
+        let mut map = self.tenants.lock();
+        if let Some(n) = map.get_mut(&self.tenant_id) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                map.remove(&self.tenant_id);
+            }
+        }
+    }
+}
+
+/// What a request knows of its connection.
+struct Conn {
+    tenants: Arc<TenantConnections>,
+    owner: Arc<std::sync::Mutex<Option<TenantConnection>>>,
+}
+
+impl Conn {
+    /// Counts the connection against `tenant_id` if it is not counted yet; false when that
+    /// tenant already holds [`MAX_TENANT_CONNECTIONS`].
+    fn claim(&self, tenant_id: i64) -> bool {
+        let mut owner = self
+            .owner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if owner.is_some() {
+            return true;
+        }
+        let mut map = self.tenants.lock();
+        let n = map.entry(tenant_id).or_insert(0);
+        if *n >= MAX_TENANT_CONNECTIONS {
+            return false;
+        }
+        *n += 1;
+        drop(map);
+        *owner = Some(TenantConnection {
+            tenants: self.tenants.clone(),
+            tenant_id,
+        });
+        true
+    }
+}
+
+async fn handle(
+    svc: TenantService,
+    conn: Conn,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
     let started = Instant::now();
     let path = req.uri().path().to_string();
-    let answer = answer(&svc, req, started).await;
+    let answer = answer(&svc, &conn, req, started).await;
     let (resp, tenant) = match answer {
         Ok((resp, tenant)) => (resp, Some(tenant)),
-        Err((e, tenant)) => (error_response(&e), tenant),
+        Err((e, tenant)) => {
+            let mut resp = error_response(&e);
+            if e.code == "too_many_connections" {
+                resp.headers_mut()
+                    .insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            (resp, tenant)
+        }
     };
     if let Some(t) = &tenant {
         svc.metrics()
@@ -246,6 +333,7 @@ type Failure = (OpenAiError, Option<String>);
 
 async fn answer(
     svc: &TenantService,
+    conn: &Conn,
     req: Request<Incoming>,
     started: Instant,
 ) -> Result<(Response<Body>, String), Failure> {
@@ -263,6 +351,9 @@ async fn answer(
     let name = record.name.to_string();
     svc.metrics().claim(&name, record.id);
     let fail = |e: OpenAiError| (e, Some(name.clone()));
+    if !conn.claim(record.id) {
+        return Err(fail(OpenAiError::too_many_connections()));
+    }
     if is_metrics {
         let text = tenant_metrics(svc.clone(), record).await;
         let mut resp = Response::new(full(text));
@@ -401,6 +492,7 @@ async fn forward(
             let metrics = svc.metrics();
             let mut buf = vec![0u8; PIECE_BYTES];
             let mut first = true;
+            let mut broke = None;
             loop {
                 match answer.body.read(&mut buf) {
                     Ok(0) => {
@@ -426,11 +518,19 @@ async fn forward(
                     }
                     Err(e) => {
                         tracing::warn!(tenant = %tenant_name, error = %e, "front door: the guest's answer broke off");
-                        let _ = body_tx.blocking_send(Err(e));
+                        broke = Some(e);
                         break;
                     }
                 }
             }
+            // The guest connection closes and the tenant's place is free before the client
+            // learns that the answer ended (a next request of its may come at once).
+            drop(answer);
+            drop(_in_flight);
+            if let Some(e) = broke {
+                let _ = body_tx.blocking_send(Err(e));
+            }
+            drop(body_tx);
         })
         .map_err(|e| {
             OpenAiError::from(InferError::Unavailable(format!(

@@ -1033,3 +1033,62 @@ fn a_hostile_payload_breaks_only_its_own_answer_and_frees_its_place_at_once() {
         assert_eq!(r.status, 200);
     }
 }
+
+/// A kept-alive connection that has made one `GET /v1/models` with `key`; its status.
+fn kept_alive(d: &Door, key: &str) -> (BufReader<Tls>, u16) {
+    let mut s = d.connect();
+    write!(
+        s,
+        "GET /v1/models HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {key}\r\n\r\n"
+    )
+    .unwrap();
+    s.flush().unwrap();
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    let status = line.split(' ').nth(1).unwrap().parse().unwrap();
+    let mut len = 0;
+    loop {
+        line.clear();
+        r.read_line(&mut line).unwrap();
+        if line == "\r\n" {
+            break;
+        }
+        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+            len = v.trim().parse().unwrap();
+        }
+    }
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body).unwrap();
+    (r, status)
+}
+
+#[test]
+fn one_tenants_clients_cannot_hold_more_than_their_share_of_connections() {
+    let Some(d) = door(&[("alice", "requests_per_s = 100000"), ("bob", "")]) else {
+        return;
+    };
+    let mut held: Vec<_> = (0..super::MAX_TENANT_CONNECTIONS)
+        .map(|_| {
+            let (c, status) = kept_alive(&d, &d.keys["alice"]);
+            assert_eq!(status, 200);
+            c
+        })
+        .collect();
+    let (_, status) = kept_alive(&d, &d.keys["alice"]);
+    assert_eq!(status, 429, "alice opened more than her share");
+    // bob is not affected, and one of alice's connections closing makes room for another.
+    assert_eq!(kept_alive(&d, &d.keys["bob"]).1, 200);
+    drop(held.pop());
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        if kept_alive(&d, &d.keys["alice"]).1 == 200 {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "a closed connection was never given back"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
