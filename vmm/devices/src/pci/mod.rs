@@ -8,6 +8,7 @@ mod allocator;
 mod config;
 mod msix;
 mod root;
+pub mod vfio;
 
 pub use allocator::{
     BarAllocator, BarAllocatorError, PciWindows, ECAM_BASE, ECAM_SIZE, MMIO32_BASE, MMIO32_SIZE,
