@@ -9,7 +9,9 @@
 //! - `areas`: which parts of a BAR are mmapped and which stay trapped;
 //! - `mapping`: one aligned mmap of a BAR area;
 //! - `shadow`: the configuration space the guest sees;
-//! - `device`: the [`VfioPciDevice`] on the PCI root.
+//! - `device`: the [`VfioPciDevice`] on the PCI root;
+//! - `sysfs`: what sysfs says (driver, IOMMU group, group viability);
+//! - `kernel`: the kernel backend (VFIO container/group ioctls).
 //!
 //! The device is hostile input too: everything read from it (capability chains, region
 //! capabilities, sparse areas, BAR sizes) is checked before use.
@@ -18,10 +20,12 @@ mod areas;
 mod backend;
 mod capability;
 mod device;
+mod kernel;
 mod mapping;
 pub mod model;
 mod region_caps;
 mod shadow;
+mod sysfs;
 
 pub use areas::{mmap_areas, AreaError, PAGE_SIZE};
 pub use backend::{
@@ -30,6 +34,7 @@ pub use backend::{
 };
 pub use capability::{ext_id, walk_caps, walk_ext_caps, ExtCap, PciCap, EXT_CAP_START};
 pub use device::{irq_vectors, PlannedArea, VfioDeviceError, VfioMetrics, VfioPciDevice};
+pub use kernel::{KernelVfioDevice, VfioContainer, VfioGroup, VfioKernelError, VFIO_IOCTLS};
 pub use mapping::{MappedArea, MappingError};
 pub use region_caps::{
     encode_region_caps, parse_region_caps, RegionCap, RegionCapError, SparseArea, REGION_INFO_SIZE,
@@ -38,3 +43,4 @@ pub use shadow::{
     probe, ConfigShadow, DeviceProbe, HiddenCap, IrqChange, MsixLayout, ProbedBar, ShadowError,
     ShadowWrite,
 };
+pub use sysfs::{inspect, is_vfio_driver, SysfsDevice, SysfsError};
