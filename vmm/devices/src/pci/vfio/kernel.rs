@@ -39,10 +39,14 @@ const VFIO_GROUP_GET_DEVICE_FD: libc::c_ulong = vfio_io(6);
 const VFIO_DEVICE_GET_INFO: libc::c_ulong = vfio_io(7);
 const VFIO_DEVICE_GET_REGION_INFO: libc::c_ulong = vfio_io(8);
 const VFIO_DEVICE_GET_IRQ_INFO: libc::c_ulong = vfio_io(9);
-const VFIO_DEVICE_SET_IRQS: libc::c_ulong = vfio_io(10);
-const VFIO_DEVICE_RESET: libc::c_ulong = vfio_io(11);
-const VFIO_DEVICE_GET_PCI_HOT_RESET_INFO: libc::c_ulong = vfio_io(12);
-const VFIO_DEVICE_PCI_HOT_RESET: libc::c_ulong = vfio_io(13);
+/// `VFIO_DEVICE_SET_IRQS` (the VMM's seccomp filters name it).
+pub const VFIO_DEVICE_SET_IRQS: libc::c_ulong = vfio_io(10);
+/// `VFIO_DEVICE_RESET` (the VMM's seccomp filters name it).
+pub const VFIO_DEVICE_RESET: libc::c_ulong = vfio_io(11);
+/// `VFIO_DEVICE_GET_PCI_HOT_RESET_INFO` (the VMM's seccomp filters name it).
+pub const VFIO_DEVICE_GET_PCI_HOT_RESET_INFO: libc::c_ulong = vfio_io(12);
+/// `VFIO_DEVICE_PCI_HOT_RESET` (the VMM's seccomp filters name it).
+pub const VFIO_DEVICE_PCI_HOT_RESET: libc::c_ulong = vfio_io(13);
 const VFIO_IOMMU_MAP_DMA: libc::c_ulong = vfio_io(13);
 const VFIO_IOMMU_UNMAP_DMA: libc::c_ulong = vfio_io(14);
 

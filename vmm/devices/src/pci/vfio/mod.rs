@@ -34,7 +34,11 @@ pub use backend::{
 };
 pub use capability::{ext_id, walk_caps, walk_ext_caps, ExtCap, PciCap, EXT_CAP_START};
 pub use device::{irq_vectors, PlannedArea, VfioDeviceError, VfioMetrics, VfioPciDevice};
-pub use kernel::{KernelVfioDevice, VfioContainer, VfioGroup, VfioKernelError, VFIO_IOCTLS};
+pub use kernel::{
+    KernelVfioDevice, VfioContainer, VfioGroup, VfioKernelError,
+    VFIO_DEVICE_GET_PCI_HOT_RESET_INFO, VFIO_DEVICE_PCI_HOT_RESET, VFIO_DEVICE_RESET,
+    VFIO_DEVICE_SET_IRQS, VFIO_IOCTLS,
+};
 pub use mapping::{MappedArea, MappingError};
 pub use region_caps::{
     encode_region_caps, parse_region_caps, RegionCap, RegionCapError, SparseArea, REGION_INFO_SIZE,
