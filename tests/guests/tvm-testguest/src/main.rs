@@ -14,6 +14,7 @@ extern crate std;
 
 mod boot;
 mod bootinfo;
+mod gpu;
 mod hostile;
 mod idt;
 #[macro_use]
@@ -77,6 +78,7 @@ const TESTS: &[&str] = &[
     "hostile-blk",
     "hostile-config",
     "vsock-bench",
+    "vfio-model",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -132,6 +134,7 @@ const TIMED_TESTS: &[&str] = &[
     "hostile-blk",
     "hostile-config",
     "vsock-bench",
+    "vfio-model",
 ];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
@@ -204,11 +207,11 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "blk-bench" => vtests::bench(bi),
         "virtio-vsock" => vsock::run(bi),
         "vsock-bench" => vsock::bench(bi),
-        "hostile-blk" | "hostile-config" => {
-            let result = if name == "hostile-blk" {
-                hostile::block(bi)
-            } else {
-                hostile::config(bi)
+        "hostile-blk" | "hostile-config" | "vfio-model" => {
+            let result = match name {
+                "hostile-blk" => hostile::block(bi),
+                "hostile-config" => hostile::config(bi),
+                _ => gpu::run(bi),
             };
             match result {
                 Ok(detail) => report::pass(name, &detail),
