@@ -233,3 +233,59 @@ pub fn run(bi: &BootInfo) -> Result<Detail, Detail> {
         "slot={slot} bar0={bar0:#x} bar1={bar1:#x} bar3={bar3:#x} size1={size1:#x} boot0={boot0:#x} moved=1 irqs={total} masked_pending=1 dma=256 mapped_writes={MAPPED_WRITES}"
     )))
 }
+
+/// `vfio-irq-bench`: `tvm.n=N` (default 20000) MSI-X round trips with the model GPU: ring
+/// its doorbell (a trapped BAR0 write), wait for the interrupt (device eventfd -> KVM irqfd
+/// -> this CPU). Prints `GO` and `END` around the loop (the host reads the VMM threads'
+/// context switches in between) and reports the rate by the TSC.
+pub fn irq_bench(bi: &BootInfo) -> Result<Detail, Detail> {
+    let n: u32 = crate::bootinfo::cmdline_param(bi.cmdline(), "tvm.n")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    let cfg = ConfigAccess::Ecam(pci::find_ecam()?);
+    let f = pci::find(cfg, VENDOR, DEVICE).ok_or_else(|| {
+        err(format_args!(
+            "No model GPU {VENDOR:04x}:{DEVICE:04x} on bus 0"
+        ))
+    })?;
+    let slot = f.slot;
+    let bar0 = u64::from(cfg.read32(slot, 0x10) & !0xf);
+    cfg.write16(slot, 0x04, CMD_MEMORY | CMD_MASTER);
+    let mut cap = 0u16;
+    pci::capabilities(cfg, slot, |ptr, id| {
+        if id == 0x11 {
+            cap = ptr;
+        }
+    });
+    if cap == 0 {
+        return Err(err(format_args!("No MSI-X capability")));
+    }
+    let table = bar0 + u64::from(cfg.read32(slot, cap + 4) & !7);
+    w(table, 0xfee0_0000u32);
+    w(table + 4, 0u32);
+    w(table + 8, u32::from(IRQ_BASE));
+    w(table + 12, 0u32);
+    let control = cfg.read32(slot, cap);
+    cfg.write32(slot, cap, control | (1 << 31));
+    enable_interrupts();
+    crate::println!("TVMTEST vfio-irq-bench GO");
+    let start = crate::io::rdtsc();
+    for i in 0..n {
+        let before = irqs(0);
+        w(bar0 + IRQ_RAISE, 0u32);
+        let deadline = timer::deadline_ms(5_000);
+        while irqs(0) == before {
+            if timer::expired(deadline) {
+                return Err(err(format_args!("Interrupt {i} of {n} never came")));
+            }
+            core::hint::spin_loop();
+        }
+    }
+    let ticks = crate::io::rdtsc() - start;
+    crate::println!("TVMTEST vfio-irq-bench END");
+    let us = ticks * 1000 / timer::tsc_per_ms().max(1);
+    Ok(Detail::fmt(format_args!(
+        "n={n} us={us} per_second={}",
+        u64::from(n) * 1_000_000 / us.max(1)
+    )))
+}

@@ -79,6 +79,7 @@ const TESTS: &[&str] = &[
     "hostile-config",
     "vsock-bench",
     "vfio-model",
+    "vfio-irq-bench",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -135,6 +136,7 @@ const TIMED_TESTS: &[&str] = &[
     "hostile-config",
     "vsock-bench",
     "vfio-model",
+    "vfio-irq-bench",
 ];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
@@ -206,6 +208,7 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "msix" => vtests::msix(bi),
         "blk-bench" => vtests::bench(bi),
         "virtio-vsock" => vsock::run(bi),
+        "vfio-irq-bench" => gpu::irq_bench(bi),
         "vsock-bench" => vsock::bench(bi),
         "hostile-blk" | "hostile-config" | "vfio-model" => {
             let result = match name {
