@@ -14,6 +14,7 @@ extern crate std;
 
 mod boot;
 mod bootinfo;
+mod edu;
 mod gpu;
 mod hostile;
 mod idt;
@@ -80,6 +81,7 @@ const TESTS: &[&str] = &[
     "vsock-bench",
     "vfio-model",
     "vfio-irq-bench",
+    "vfio-edu",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -137,6 +139,7 @@ const TIMED_TESTS: &[&str] = &[
     "vsock-bench",
     "vfio-model",
     "vfio-irq-bench",
+    "vfio-edu",
 ];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
@@ -209,6 +212,7 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "blk-bench" => vtests::bench(bi),
         "virtio-vsock" => vsock::run(bi),
         "vfio-irq-bench" => gpu::irq_bench(bi),
+        "vfio-edu" => edu::run(bi),
         "vsock-bench" => vsock::bench(bi),
         "hostile-blk" | "hostile-config" | "vfio-model" => {
             let result = match name {

@@ -1,0 +1,132 @@
+//! `vfio-edu`: QEMU's edu device (1234:11e8) passed through by tenantvm-vmm with real
+//! kernel VFIO (the nested host's `vfio-passthrough` scenario): the guest reads its ID
+//! register, checks liveness, computes a factorial, receives its MSI, and has its DMA
+//! engine copy a buffer from guest RAM into the device and back out into another buffer
+//! (IOVA = guest physical address through the host IOMMU).
+
+use crate::bootinfo::BootInfo;
+use crate::idt::IRQ_BASE;
+use crate::pci::{self, ConfigAccess, CMD_MASTER, CMD_MEMORY};
+use crate::report::Detail;
+use crate::timer;
+use crate::virtio::{dma_alloc, enable_interrupts, irqs, r, w};
+use crate::vtests::{check_dma, wait_irq};
+
+const VENDOR: u16 = 0x1234;
+const DEVICE: u16 = 0x11e8;
+/// Registers (QEMU docs/specs/edu.rst).
+const ID: u64 = 0x00;
+const LIVENESS: u64 = 0x04;
+const FACTORIAL: u64 = 0x08;
+const STATUS: u64 = 0x20;
+const IRQ_STATUS: u64 = 0x24;
+const IRQ_RAISE: u64 = 0x60;
+const IRQ_ACK: u64 = 0x64;
+const DMA_SRC: u64 = 0x80;
+const DMA_DST: u64 = 0x88;
+const DMA_COUNT: u64 = 0x90;
+const DMA_CMD: u64 = 0x98;
+/// Where edu's own DMA buffer is, in its address space.
+const EDU_BUFFER: u64 = 0x40000;
+const DMA_BYTES: u64 = 256;
+
+fn err(args: core::fmt::Arguments<'_>) -> Detail {
+    Detail::fmt(args)
+}
+
+fn wait_clear(addr: u64, bit: u32, what: &str) -> Result<(), Detail> {
+    let deadline = timer::deadline_ms(5_000);
+    while r::<u32>(addr) & bit != 0 {
+        if timer::expired(deadline) {
+            return Err(err(format_args!("edu: {what} did not finish in 5 s")));
+        }
+        core::hint::spin_loop();
+    }
+    Ok(())
+}
+
+fn dma(bar: u64, src: u64, dst: u64, to_ram: bool) -> Result<(), Detail> {
+    w(bar + DMA_SRC, src);
+    w(bar + DMA_DST, dst);
+    w(bar + DMA_COUNT, DMA_BYTES);
+    w(bar + DMA_CMD, 1u64 | if to_ram { 2 } else { 0 });
+    wait_clear(bar + DMA_CMD, 1, "DMA")
+}
+
+/// Runs the test (see the module documentation).
+pub fn run(bi: &BootInfo) -> Result<Detail, Detail> {
+    check_dma(bi)?;
+    let cfg = ConfigAccess::Ecam(pci::find_ecam()?);
+    let f = pci::find(cfg, VENDOR, DEVICE)
+        .ok_or_else(|| err(format_args!("No edu {VENDOR:04x}:{DEVICE:04x} on bus 0")))?;
+    let slot = f.slot;
+    let bar = u64::from(cfg.read32(slot, 0x10) & !0xf);
+    cfg.write16(slot, 0x04, CMD_MEMORY | CMD_MASTER);
+    let id: u32 = r(bar + ID);
+    if id & 0xffff != 0x00ed {
+        return Err(err(format_args!("edu ID register reads {id:#x}")));
+    }
+    w(bar + LIVENESS, 0x1234_5678u32);
+    let live: u32 = r(bar + LIVENESS);
+    if live != !0x1234_5678u32 {
+        return Err(err(format_args!("edu liveness reads {live:#x}")));
+    }
+    w(bar + FACTORIAL, 10u32);
+    wait_clear(bar + STATUS, 1, "factorial")?;
+    let fact: u32 = r(bar + FACTORIAL);
+    if fact != 3_628_800 {
+        return Err(err(format_args!("edu 10! = {fact}")));
+    }
+
+    // MSI to this CPU (the VMM emulates the capability and wires the device's eventfd to
+    // a KVM irqfd).
+    let mut msi = 0u16;
+    pci::capabilities(cfg, slot, |ptr, id| {
+        if id == 0x05 {
+            msi = ptr;
+        }
+    });
+    if msi == 0 {
+        return Err(err(format_args!("edu shows no MSI capability")));
+    }
+    let control = (cfg.read32(slot, msi) >> 16) as u16;
+    let data_at = if control & 0x80 != 0 { 12 } else { 8 };
+    cfg.write32(slot, msi + 4, 0xfee0_0000);
+    if data_at == 12 {
+        cfg.write32(slot, msi + 8, 0);
+    }
+    cfg.write16(slot, msi + data_at, u16::from(IRQ_BASE));
+    cfg.write16(slot, msi + 2, control | 1);
+    enable_interrupts();
+    let before = irqs(0);
+    w(bar + IRQ_RAISE, 0x5u32);
+    if !wait_irq(0, before) {
+        return Err(err(format_args!(
+            "No MSI after the raise register (irq status {:#x})",
+            r::<u32>(bar + IRQ_STATUS)
+        )));
+    }
+    w(bar + IRQ_ACK, 0x5u32);
+
+    // DMA: guest RAM -> edu -> other guest RAM.
+    let src = dma_alloc(4096, 4096)?;
+    let dst = dma_alloc(4096, 4096)?;
+    for i in 0..DMA_BYTES / 4 {
+        w(src + 4 * i, 0xed00_0000u32 | i as u32);
+        w(dst + 4 * i, 0u32);
+    }
+    dma(bar, src, EDU_BUFFER, false)?;
+    dma(bar, EDU_BUFFER, dst, true)?;
+    let copied = (0..DMA_BYTES / 4)
+        .filter(|&i| r::<u32>(dst + 4 * i) == 0xed00_0000 | i as u32)
+        .count();
+    if copied as u64 != DMA_BYTES / 4 {
+        return Err(err(format_args!(
+            "edu DMA copied {copied} of {} words",
+            DMA_BYTES / 4
+        )));
+    }
+    Ok(Detail::fmt(format_args!(
+        "slot={slot} bar0={bar:#x} id={id:#x} factorial=3628800 msi=1 dma={DMA_BYTES}"
+    )))
+}
