@@ -289,3 +289,29 @@ pub fn irq_bench(bi: &BootInfo) -> Result<Detail, Detail> {
         u64::from(n) * 1_000_000 / us.max(1)
     )))
 }
+
+/// `pci-list`: every function on bus 0 as `ids=vvvv:dddd,...` (slot order), for the gated
+/// real-device test to find the device it passed through.
+pub fn list(_bi: &BootInfo) -> Result<Detail, Detail> {
+    use core::fmt::Write;
+    let cfg = ConfigAccess::Ecam(pci::find_ecam()?);
+    let mut d = Detail::new();
+    let _ = write!(d, "ids=");
+    let mut n = 0;
+    for slot in 0..32u8 {
+        let id = cfg.read32(slot, 0);
+        if id == u32::MAX {
+            continue;
+        }
+        let _ = write!(
+            d,
+            "{}{:04x}:{:04x}",
+            if n == 0 { "" } else { "," },
+            id as u16,
+            id >> 16
+        );
+        n += 1;
+    }
+    let _ = write!(d, " functions={n}");
+    Ok(d)
+}

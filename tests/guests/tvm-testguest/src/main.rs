@@ -82,6 +82,7 @@ const TESTS: &[&str] = &[
     "vfio-model",
     "vfio-irq-bench",
     "vfio-edu",
+    "pci-list",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -213,6 +214,7 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "virtio-vsock" => vsock::run(bi),
         "vfio-irq-bench" => gpu::irq_bench(bi),
         "vfio-edu" => edu::run(bi),
+        "pci-list" => gpu::list(bi),
         "vsock-bench" => vsock::bench(bi),
         "hostile-blk" | "hostile-config" | "vfio-model" => {
             let result = match name {
