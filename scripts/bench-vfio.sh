@@ -8,9 +8,12 @@
 #   2. MSI-X round trips per second (tvm.test=vfio-irq-bench, BENCH_IRQS round trips,
 #      default 20000: a trapped doorbell write, then the interrupt from the device's eventfd
 #      through KVM's irqfd), and the VMM's wake-ups per interrupt: context switches of every
-#      VMM thread except the vCPU between the guest's GO and END lines.
+#      VMM thread except the vCPU between the guest's GO and END lines;
+#   3. with BENCH_NESTED=1, in the nested host (tests/nested-host, its scenario
+#      bench-vfio-edu): edu MSI round trips per second under tenantvm-vmm and under QEMU's
+#      vfio-pci, the same test guest, three runs each in one boot.
 #
-# usage: scripts/bench-vfio.sh
+# usage: scripts/bench-vfio.sh      env: BENCH_RUNS, BENCH_IRQS, BENCH_NESTED=1
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -91,3 +94,8 @@ for name in sorted(after):
     kind = "vCPU" if name.startswith("vcpu") else "VMM"
     print(f"   {kind:4} thread {name:28} context switches {d:6}  per interrupt {d / irqs:.4f}")
 PY
+
+if [ "${BENCH_NESTED:-0}" = 1 ]; then
+    echo "3. nested host: edu MSI round trips, tenantvm-vmm and QEMU vfio-pci (same guest)"
+    scripts/nested-host.sh --release bench-vfio-edu 2>/dev/null | sed -n 's/^NOTE [a-z-]*: /   /p; /^FAIL/p'
+fi

@@ -83,6 +83,7 @@ const TESTS: &[&str] = &[
     "vfio-irq-bench",
     "vfio-edu",
     "pci-list",
+    "vfio-edu-bench",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -141,6 +142,7 @@ const TIMED_TESTS: &[&str] = &[
     "vfio-model",
     "vfio-irq-bench",
     "vfio-edu",
+    "vfio-edu-bench",
 ];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
@@ -215,6 +217,7 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "vfio-irq-bench" => gpu::irq_bench(bi),
         "vfio-edu" => edu::run(bi),
         "pci-list" => gpu::list(bi),
+        "vfio-edu-bench" => edu::bench(bi),
         "vsock-bench" => vsock::bench(bi),
         "hostile-blk" | "hostile-config" | "vfio-model" => {
             let result = match name {
