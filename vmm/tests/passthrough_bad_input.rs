@@ -161,3 +161,28 @@ fn model_gpu_is_reset_at_attach_and_detach_and_reported() {
     assert_eq!(r.devices[0].reset_at_attach, flr);
     assert_eq!(r.devices[0].reset_at_detach, flr);
 }
+
+#[test]
+fn devices_uuid_and_exit_report_come_from_the_config_file_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = tiny_kernel(dir.path());
+    let out = dir.path().join("exit.json");
+    let config = write_file(
+        dir.path(),
+        "vm.json",
+        serde_json::json!({
+            "kernel": kernel,
+            "devices": [{"path": "/sys/bus/pci/devices/0000:ff:1f.6"}],
+            "uuid": "0b1e5b2f-6c3d-4c8e-9a52-3f1d2e4a5b6c",
+            "exit_report": out,
+        })
+        .to_string()
+        .as_bytes(),
+    );
+    let (status, stderr) = run(&["--config", config.to_str().unwrap(), "--check"]);
+    assert_eq!(status, Some(0), "{stderr}");
+    let (status, stderr) = run(&["--config", config.to_str().unwrap()]);
+    assert_eq!(status, Some(21), "{stderr}");
+    assert!(stderr.contains("0000:ff:1f.6"), "{stderr}");
+    assert_eq!(report(&out).status, 21);
+}
