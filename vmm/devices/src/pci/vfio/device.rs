@@ -415,3 +415,104 @@ mod tests {
         ));
     }
 }
+
+#[cfg(test)]
+mod proptests {
+    use proptest::prelude::*;
+
+    use super::super::model::{self, ModelGpu, ModelReset};
+    use super::super::shadow::probe;
+    use super::*;
+    use crate::test_utils::FakeMsiSink;
+
+    /// One guest access: a config write, or a trapped BAR0 read or write.
+    #[derive(Debug, Clone)]
+    enum Access {
+        Config {
+            reg: usize,
+            offset: usize,
+            len: usize,
+            value: u32,
+        },
+        BarWrite {
+            offset: u64,
+            len: usize,
+            value: u64,
+        },
+        BarRead {
+            offset: u64,
+            len: usize,
+        },
+    }
+
+    fn access() -> impl Strategy<Value = Access> {
+        let len = prop_oneof![Just(1usize), Just(2), Just(4), Just(8), Just(3)];
+        // BAR0 offsets near what matters: the register page, the MSI-X table and PBA, the end.
+        let table = u64::from(model::MSIX_TABLE_OFFSET);
+        let pba = u64::from(model::MSIX_PBA_OFFSET);
+        let offset = prop_oneof![
+            0u64..0x40,
+            (table - 8)..(table + 0x110),
+            (pba - 8)..(pba + 16),
+            (model::BAR0_SIZE - 16)..(model::BAR0_SIZE + 8),
+        ];
+        prop_oneof![
+            (0usize..1030, 0usize..4, len.clone(), any::<u32>()).prop_map(
+                |(reg, offset, len, value)| Access::Config {
+                    reg: if reg % 3 == 0 { reg % 64 } else { reg },
+                    offset,
+                    len,
+                    value
+                }
+            ),
+            (offset.clone(), len.clone(), any::<u64>())
+                .prop_map(|(offset, len, value)| Access::BarWrite { offset, len, value }),
+            (offset, len).prop_map(|(offset, len)| Access::BarRead { offset, len }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+        #[test]
+        fn hostile_guest_accesses_never_panic_or_reach_bar_registers(
+            accesses in proptest::collection::vec(access(), 1..96)
+        ) {
+            let gpu = Arc::new(ModelGpu::new(ModelReset::Flr).unwrap());
+            let p = probe(gpu.as_ref()).unwrap();
+            let sink = Arc::new(FakeMsiSink::new(irq_vectors(&p)));
+            let mut dev = VfioPciDevice::new(
+                gpu.clone(),
+                p,
+                &[(0, 0xc000_0000), (1, 128 << 30), (3, 0x2_0000_0000)],
+                sink.clone(),
+                sink.clone_eventfds(),
+            )
+            .unwrap();
+            gpu.take_config_writes();
+            for a in accesses {
+                match a {
+                    Access::Config { reg, offset, len, value } => {
+                        let bytes = value.to_le_bytes();
+                        dev.config_write(reg, offset, &bytes[..len.min(4)]);
+                        dev.config_read(reg);
+                    }
+                    Access::BarWrite { offset, len, value } => {
+                        dev.bar_write(0, offset, &value.to_le_bytes()[..len]);
+                    }
+                    Access::BarRead { offset, len } => {
+                        let mut data = [0u8; 8];
+                        dev.bar_read(0, offset, &mut data[..len]);
+                    }
+                }
+            }
+            for (offset, len) in gpu.take_config_writes() {
+                let end = offset + len as u64;
+                prop_assert!(
+                    !(offset < 0x28 && end > 0x10 || offset < 0x34 && end > 0x30),
+                    "device got a config write at {offset:#x}+{len}"
+                );
+            }
+            dev.disable_interrupts();
+        }
+    }
+}
