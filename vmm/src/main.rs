@@ -88,7 +88,8 @@ struct Cli {
         value_name = "vfio,path=/sys/bus/pci/devices/DDDD:BB:DD.F"
     )]
     devices: Vec<String>,
-    /// The VM's UUID (NVIDIA's vGPU manager reads it from the VMM's command line).
+    /// The VM's UUID; `-uuid UUID` (QEMU's spelling, which NVIDIA's vGPU manager looks for
+    /// on the VMM's command line) is accepted too.
     #[arg(long, value_name = "UUID")]
     uuid: Option<VmUuid>,
     /// Write the exit report (exit status, each device's resets at attach and detach) to
@@ -140,7 +141,10 @@ fn fail(status: ExitStatus, message: impl std::fmt::Display) -> ExitCode {
 
 fn parse_cli() -> Result<Cli, clap::Error> {
     let command = Cli::command().after_help(format!("Exit statuses:\n{}", help_table()));
-    Cli::from_arg_matches(&command.try_get_matches()?)
+    // QEMU's spelling `-uuid` is accepted too: NVIDIA's vGPU manager looks for it on the
+    // VMM's command line.
+    let args = std::env::args_os().map(|a| if a == "-uuid" { "--uuid".into() } else { a });
+    Cli::from_arg_matches(&command.try_get_matches_from(args)?)
 }
 
 fn main() -> ExitCode {

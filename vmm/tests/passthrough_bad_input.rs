@@ -186,3 +186,23 @@ fn devices_uuid_and_exit_report_come_from_the_config_file_too() {
     assert!(stderr.contains("0000:ff:1f.6"), "{stderr}");
     assert_eq!(report(&out).status, 21);
 }
+
+#[test]
+fn uuid_takes_qemus_spelling_and_refuses_garbage() {
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = tiny_kernel(dir.path());
+    let uuid = "0b1e5b2f-6c3d-4c8e-9a52-3f1d2e4a5b6c";
+    for flag in ["--uuid", "-uuid"] {
+        let out = vmm()
+            .args(["--kernel", &kernel, flag, uuid, "--check"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{flag}: {out:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains(uuid),
+            "{flag}"
+        );
+    }
+    let (status, stderr) = run(&["--kernel", &kernel, "-uuid", "not-a-uuid"]);
+    assert_eq!(status, Some(2), "{stderr}");
+}
