@@ -338,37 +338,10 @@ mod tests {
         assert!(matches!(ApiServer::bind(&path), Err(ApiError::Busy { .. })));
         drop(live);
         let stale_path = dir.path().join("stale.sock");
-        bind_without_listening(&stale_path);
+        tenantvm_testkit::stale_unix_socket(&stale_path);
         assert!(stale_path.exists());
         let replaced = ApiServer::bind(&stale_path);
         assert!(replaced.is_ok(), "{:?}", replaced.err());
-    }
-
-    /// Leaves a socket file that nobody listens on, as a VMM killed
-    /// mid-run does. The socket never listens, so a test elsewhere in this
-    /// process that forks (and briefly holds a copy of every fd) cannot
-    /// make it answer, as a closed `UnixListener` could.
-    fn bind_without_listening(path: &Path) {
-        use std::os::unix::ffi::OsStrExt;
-        // SAFETY: socket() takes no pointers; the fd it returns is closed below.
-        let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
-        // SAFETY: sockaddr_un is plain old data; all-zero is a valid value.
-        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-        let bytes = path.as_os_str().as_bytes();
-        assert!(bytes.len() < addr.sun_path.len());
-        for (dst, src) in addr.sun_path.iter_mut().zip(bytes) {
-            *dst = *src as libc::c_char;
-        }
-        let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
-        // SAFETY: addr is a valid sockaddr_un that outlives the call, and
-        // len is its size.
-        let rc = unsafe { libc::bind(fd, std::ptr::addr_of!(addr).cast(), len) };
-        let err = std::io::Error::last_os_error();
-        // SAFETY: fd is ours and closed exactly once.
-        unsafe { libc::close(fd) };
-        assert_eq!(rc, 0, "bind: {err}");
     }
 
     #[test]
