@@ -22,6 +22,7 @@ mod idt;
 mod io;
 mod memtest;
 mod mptable;
+mod nvme;
 mod paging;
 mod pci;
 mod phys;
@@ -84,6 +85,7 @@ const TESTS: &[&str] = &[
     "vfio-edu",
     "pci-list",
     "vfio-edu-bench",
+    "vfio-nvme",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -143,6 +145,7 @@ const TIMED_TESTS: &[&str] = &[
     "vfio-irq-bench",
     "vfio-edu",
     "vfio-edu-bench",
+    "vfio-nvme",
 ];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
@@ -218,6 +221,7 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "vfio-edu" => edu::run(bi),
         "pci-list" => gpu::list(bi),
         "vfio-edu-bench" => edu::bench(bi),
+        "vfio-nvme" => nvme::run(bi),
         "vsock-bench" => vsock::bench(bi),
         "hostile-blk" | "hostile-config" | "vfio-model" => {
             let result = match name {
