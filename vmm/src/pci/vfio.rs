@@ -16,7 +16,8 @@ use kvm_bindings::{
 use kvm_ioctls::DeviceFd;
 use tenantvm_devices::pci::vfio::{
     self, irq_vectors, DeviceProbe, KernelVfioDevice, MappedArea, MappingError, ShadowError,
-    SysfsError, VfioBackend, VfioContainer, VfioDeviceError, VfioKernelError, VfioPciDevice,
+    SysfsError, VfioBackend, VfioBackendError, VfioContainer, VfioDeviceError, VfioKernelError,
+    VfioPciDevice,
 };
 use tenantvm_devices::pci::{
     BarAllocatorError, BarKind, BarMove, MsiInterruptSink, MsiMessage, MsiSinkError, PciBarWindow,
@@ -91,6 +92,15 @@ pub enum PassthroughError {
     /// MSI routes or irqfds could not be set up.
     #[error(transparent)]
     Msi(#[from] MsiRoutingError),
+    /// The device refused its INTx eventfds.
+    #[error("Cannot wire INTx of the device in slot {slot}: {source}")]
+    Intx {
+        /// PCI slot.
+        slot: u8,
+        /// What the device said.
+        #[source]
+        source: VfioBackendError,
+    },
     /// The model GPU (test builds) could not be created.
     #[error("Cannot create the model GPU: {0}")]
     Model(#[source] std::io::Error),
@@ -587,6 +597,7 @@ impl PciPlatform {
                 .bar_slots
                 .add(&self.vm, slot, area.bar, gpa, area.offset, mapped)?;
         }
+        self.wire_intx(&opened.backend, &function, slot)?;
         let name = format!("vfio{index}");
         self.counters
             .add(name.clone(), Box::new(move || metrics.snapshot()));
@@ -602,6 +613,39 @@ impl PciPlatform {
             backend: opened.backend,
             function,
         })
+    }
+}
+
+impl PciPlatform {
+    /// INTx of a device that has it: a KVM irqfd with a resample eventfd on the slot's GSI
+    /// (`pci::intx_gsi`, what the DSDT's `_PRT` tells the guest), so the level-triggered
+    /// line is raised by VFIO and unmasked at the guest's EOI without the VMM.
+    fn wire_intx(
+        &self,
+        backend: &Arc<dyn VfioBackend>,
+        function: &Arc<Mutex<VfioPciDevice>>,
+        slot: u8,
+    ) -> Result<(), PassthroughError> {
+        let mut pin = [0u8];
+        let offered = backend
+            .irq_info(vfio::IrqIndex::Intx)
+            .is_some_and(|i| i.count > 0);
+        if !offered || backend.config_read(0x3d, &mut pin).is_err() || !(1..=4).contains(&pin[0]) {
+            return Ok(());
+        }
+        let gsi = tenantvm_devices::pci::intx_gsi(slot, pin[0] - 1);
+        let kvm = |what| move |source| PassthroughError::Kvm { what, source };
+        let trigger = EventFd::new(EFD_NONBLOCK)
+            .map_err(|e| PassthroughError::Msi(MsiRoutingError::Irqfd(e)))?;
+        let resample = EventFd::new(EFD_NONBLOCK)
+            .map_err(|e| PassthroughError::Msi(MsiRoutingError::Irqfd(e)))?;
+        self.vm
+            .fd()
+            .register_irqfd_with_resample(&trigger, &resample, gsi)
+            .map_err(kvm("register an INTx irqfd with resample"))?;
+        lock(function)
+            .enable_intx(trigger, resample)
+            .map_err(|source| PassthroughError::Intx { slot, source })
     }
 }
 

@@ -177,3 +177,49 @@ pub fn run(bi: &BootInfo) -> Result<Detail, Detail> {
         "slot={slot} bar0={bar:#x} id={id:#x} factorial=3628800 msi=1 dma={DMA_BYTES}"
     )))
 }
+
+/// The I/O APIC's register window.
+const IOAPIC: u64 = 0xfec0_0000;
+
+fn ioapic_write(reg: u32, value: u32) {
+    w(IOAPIC, reg);
+    w(IOAPIC + 0x10, value);
+}
+
+/// `vfio-edu-intx`: edu's legacy interrupt (MSI left off). The VMM routes INTA-INTD of slot
+/// S to I/O APIC pin 16 + (S + pin) % 8 (its DSDT `_PRT` says so); the guest programs that
+/// pin level-triggered to IDT vector `IRQ_BASE + 1`, raises three interrupts one after the
+/// other and acknowledges each: the second and third only arrive if the line was unmasked
+/// after the EOI before (VFIO's INTx unmask through KVM's resample eventfd).
+pub fn intx(bi: &BootInfo) -> Result<Detail, Detail> {
+    check_dma(bi)?;
+    let cfg = ConfigAccess::Ecam(pci::find_ecam()?);
+    let (slot, bar) = open_edu(cfg)?;
+    let pin = ((cfg.read32(slot, 0x3c) >> 8) & 0xff) as u8;
+    if !(1..=4).contains(&pin) {
+        return Err(err(format_args!("edu's interrupt pin is {pin}")));
+    }
+    let gsi = 16 + (u32::from(slot) + u32::from(pin) - 1) % 8;
+    crate::io::outb(0x21, 0xff);
+    crate::io::outb(0xa1, 0xff);
+    // Vector IRQ_BASE + 1, fixed delivery, physical destination APIC 0, level-triggered.
+    ioapic_write(0x11 + 2 * gsi, 0);
+    ioapic_write(0x10 + 2 * gsi, (u32::from(IRQ_BASE) + 1) | (1 << 15));
+    enable_interrupts();
+    for round in 0..3 {
+        let before = irqs(1);
+        w(bar + IRQ_RAISE, 0x10u32);
+        if !wait_irq(1, before) {
+            return Err(err(format_args!(
+                "No INTx interrupt in round {round} on GSI {gsi} (edu irq status {:#x})",
+                r::<u32>(bar + IRQ_STATUS)
+            )));
+        }
+        w(bar + IRQ_ACK, 0x10u32);
+        timer::delay_us(10_000);
+    }
+    Ok(Detail::fmt(format_args!(
+        "slot={slot} pin={pin} gsi={gsi} rounds=3 irqs={}",
+        irqs(1)
+    )))
+}

@@ -86,6 +86,7 @@ const TESTS: &[&str] = &[
     "pci-list",
     "vfio-edu-bench",
     "vfio-nvme",
+    "vfio-edu-intx",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -146,6 +147,7 @@ const TIMED_TESTS: &[&str] = &[
     "vfio-edu",
     "vfio-edu-bench",
     "vfio-nvme",
+    "vfio-edu-intx",
 ];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
@@ -222,6 +224,7 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "pci-list" => gpu::list(bi),
         "vfio-edu-bench" => edu::bench(bi),
         "vfio-nvme" => nvme::run(bi),
+        "vfio-edu-intx" => edu::intx(bi),
         "vsock-bench" => vsock::bench(bi),
         "hostile-blk" | "hostile-config" | "vfio-model" => {
             let result = match name {

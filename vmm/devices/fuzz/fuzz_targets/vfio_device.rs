@@ -55,6 +55,9 @@ impl VfioBackend for HostileDevice {
     fn irq_unmask(&self, _: IrqIndex) -> Result<(), VfioBackendError> {
         Ok(())
     }
+    fn irq_unmask_on(&self, _: IrqIndex, _: &EventFd) -> Result<(), VfioBackendError> {
+        Ok(())
+    }
     fn reset(&self) -> ResetOutcome {
         ResetOutcome::Unsupported
     }

@@ -152,6 +152,9 @@ pub trait VfioBackend: Send + Sync {
     fn irq_disable(&self, index: IrqIndex) -> Result<(), VfioBackendError>;
     /// Unmasks `index` (INTx after the guest's EOI).
     fn irq_unmask(&self, index: IrqIndex) -> Result<(), VfioBackendError>;
+    /// Unmasks `index` whenever `fd` is signalled (INTx: KVM's resample eventfd, signalled
+    /// at the guest's EOI, so the line is unmasked without the VMM).
+    fn irq_unmask_on(&self, index: IrqIndex, fd: &EventFd) -> Result<(), VfioBackendError>;
     /// Resets the device (function reset, then a hot reset as the fallback) and says how
     /// it went. Never panics and never hides a failure.
     fn reset(&self) -> ResetOutcome;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::areas::{mmap_areas, AreaError};
-use super::backend::{IrqIndex, VfioBackend};
+use super::backend::{IrqIndex, VfioBackend, VfioBackendError};
 use super::shadow::{ConfigShadow, DeviceProbe, IrqChange, MsixLayout, ShadowError};
 use crate::pci::{BarMove, MsiInterruptSink, MsixConfig, MsixMetrics, PciDevice};
 
@@ -75,6 +75,10 @@ pub struct VfioPciDevice {
     sink: Arc<dyn MsiInterruptSink>,
     irqfds: Vec<EventFd>,
     msi_enabled: bool,
+    /// INTx: the trigger and resample eventfds (KVM irqfd with resample), and whether the
+    /// device signals them now (not while MSI or MSI-X is on).
+    intx: Option<(EventFd, EventFd)>,
+    intx_on: bool,
     metrics: Arc<VfioMetrics>,
 }
 
@@ -107,8 +111,60 @@ impl VfioPciDevice {
             sink,
             irqfds,
             msi_enabled: false,
+            intx: None,
+            intx_on: false,
             metrics: Arc::default(),
         })
+    }
+
+    /// Wires INTx: the device signals `trigger` (a KVM irqfd on the slot's GSI) and is
+    /// unmasked when KVM signals `resample` at the guest's EOI. Active until the guest
+    /// enables MSI or MSI-X, and again when it turns them off.
+    pub fn enable_intx(
+        &mut self,
+        trigger: EventFd,
+        resample: EventFd,
+    ) -> Result<(), VfioBackendError> {
+        self.backend.irq_enable(IrqIndex::Intx, &[&trigger])?;
+        self.backend.irq_unmask_on(IrqIndex::Intx, &resample)?;
+        self.intx = Some((trigger, resample));
+        self.intx_on = true;
+        Ok(())
+    }
+
+    /// Whether INTx is signalled now.
+    pub fn intx_active(&self) -> bool {
+        self.intx_on
+    }
+
+    /// INTx off before MSI or MSI-X goes on (VFIO allows one kind at a time), back on when
+    /// neither is on.
+    fn switch_intx(&mut self, on: bool) {
+        let Some((trigger, resample)) = &self.intx else {
+            return;
+        };
+        if on == self.intx_on {
+            return;
+        }
+        let result = if on {
+            self.backend
+                .irq_enable(IrqIndex::Intx, &[trigger])
+                .and_then(|()| self.backend.irq_unmask_on(IrqIndex::Intx, resample))
+        } else {
+            self.backend.irq_disable(IrqIndex::Intx)
+        };
+        crate::inc(&self.metrics.irq_changes);
+        match result {
+            Ok(()) => self.intx_on = on,
+            Err(e) => {
+                crate::inc(&self.metrics.irq_errors);
+                warn_limited!("VFIO INTx {}: {e}", if on { "enable" } else { "disable" });
+            }
+        }
+    }
+
+    fn msix_enabled(&self) -> bool {
+        self.msix.as_ref().is_some_and(|(_, m)| m.enabled())
     }
 
     /// The counters.
@@ -188,11 +244,20 @@ impl VfioPciDevice {
                     return;
                 };
                 let was = msix.enabled();
+                let vectors = usize::from(layout.vectors);
+                if control & 0x8000 != 0 && !was {
+                    self.switch_intx(false);
+                }
+                let Some((_, msix)) = self.msix.as_mut() else {
+                    return;
+                };
                 msix.set_message_control(control);
                 let now = msix.enabled();
-                let vectors = usize::from(layout.vectors);
                 if now != was {
                     self.set_irq(IrqIndex::Msix, vectors, now);
+                }
+                if !now && !self.msi_enabled {
+                    self.switch_intx(true);
                 }
             }
             IrqChange::Msi {
@@ -205,8 +270,14 @@ impl VfioPciDevice {
                     warn_limited!("{e}");
                 }
                 if enabled != self.msi_enabled {
+                    if enabled {
+                        self.switch_intx(false);
+                    }
                     self.msi_enabled = enabled;
                     self.set_irq(IrqIndex::Msi, 1, enabled);
+                    if !enabled && !self.msix_enabled() {
+                        self.switch_intx(true);
+                    }
                 }
             }
         }
@@ -232,6 +303,9 @@ impl VfioPciDevice {
 
     /// Turns interrupts off at the device (detach).
     pub fn disable_interrupts(&mut self) {
+        if self.intx_on {
+            self.switch_intx(false);
+        }
         if self.msix.as_ref().is_some_and(|(_, m)| m.enabled()) {
             self.set_irq(IrqIndex::Msix, 0, false);
         }
@@ -398,6 +472,32 @@ mod tests {
                 .load(std::sync::atomic::Ordering::Relaxed),
             1
         );
+    }
+
+    #[test]
+    fn intx_gives_way_to_msix_and_msi_and_comes_back() {
+        let (gpu, _, mut dev) = attach();
+        let trigger = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let resample = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        dev.enable_intx(trigger.try_clone().unwrap(), resample)
+            .unwrap();
+        assert!(gpu.raise(0));
+        assert_eq!(trigger.read().unwrap(), 1);
+        let msix = model::cap_offset::MSIX;
+        dev.config_write(msix / 4, 2, &0x8000u16.to_le_bytes());
+        assert!(!dev.intx_active());
+        dev.config_write(msix / 4, 2, &0u16.to_le_bytes());
+        assert!(dev.intx_active());
+        let msi = model::cap_offset::MSI;
+        dev.config_write(msi / 4, 2, &[1]);
+        assert!(!dev.intx_active());
+        dev.config_write(msi / 4, 2, &[0]);
+        assert!(dev.intx_active());
+        assert!(gpu.raise(0));
+        assert_eq!(trigger.read().unwrap(), 1);
+        dev.disable_interrupts();
+        assert!(!dev.intx_active());
+        assert!(!gpu.raise(0));
     }
 
     #[test]

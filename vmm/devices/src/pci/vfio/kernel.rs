@@ -643,6 +643,19 @@ impl VfioBackend for KernelVfioDevice {
         })
     }
 
+    fn irq_unmask_on(&self, index: IrqIndex, fd: &EventFd) -> Result<(), VfioBackendError> {
+        self.set_irqs(
+            index,
+            VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_UNMASK,
+            &[fd.as_raw_fd()],
+            1,
+        )
+        .map_err(|source| VfioBackendError::Os {
+            op: "VFIO_DEVICE_SET_IRQS (unmask eventfd)",
+            source,
+        })
+    }
+
     fn reset(&self) -> ResetOutcome {
         let mut errors = Vec::new();
         if self.flags & VFIO_DEVICE_FLAGS_RESET != 0 {

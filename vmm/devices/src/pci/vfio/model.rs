@@ -547,6 +547,11 @@ impl VfioBackend for ModelGpu {
         Ok(())
     }
 
+    /// The model's INTx is never masked (it raises edges), so there is nothing to unmask.
+    fn irq_unmask_on(&self, _index: IrqIndex, _fd: &EventFd) -> Result<(), VfioBackendError> {
+        Ok(())
+    }
+
     fn reset(&self) -> ResetOutcome {
         match self.reset_mode {
             ModelReset::Flr => {
