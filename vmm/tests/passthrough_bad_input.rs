@@ -74,7 +74,12 @@ fn device_path_that_is_not_a_pci_device_exits_21_and_still_reports() {
     assert!(stderr.contains("is not a PCI device"), "{stderr}");
     let r = report(&out);
     assert_eq!(r.status, 21);
-    assert!(r.devices.is_empty());
+    // One entry per configured device, even one refused before it was touched.
+    assert_eq!(r.devices.len(), 1);
+    assert_eq!(
+        r.devices[0].reset_at_attach,
+        tenantvm_vmm_api::ResetOutcome::NotAttempted
+    );
 }
 
 #[test]
@@ -148,18 +153,23 @@ fn model_gpu_is_reset_at_attach_and_detach_and_reported() {
         "none",
         "--device",
         "model-gpu",
+        "--device",
+        "model-gpu",
         "--exit-report",
         out.to_str().unwrap(),
     ]);
     assert_eq!(status, Some(0), "{stderr}");
     let r = report(&out);
     assert_eq!(r.status, 0);
-    assert_eq!(r.devices.len(), 1);
+    // Two GPUs, two 128 GiB BARs placed side by side, each reset twice.
+    assert_eq!(r.devices.len(), 2);
     let flr = tenantvm_vmm_api::ResetOutcome::Reset {
         method: Some("flr".into()),
     };
-    assert_eq!(r.devices[0].reset_at_attach, flr);
-    assert_eq!(r.devices[0].reset_at_detach, flr);
+    for d in &r.devices {
+        assert_eq!(d.reset_at_attach, flr);
+        assert_eq!(d.reset_at_detach, flr);
+    }
 }
 
 #[test]

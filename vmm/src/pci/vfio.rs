@@ -144,6 +144,8 @@ pub enum DeviceSource {
 
 /// One opened, probed device, not yet on the PCI root.
 struct Opened {
+    /// Its entry in the exit report.
+    report: usize,
     path: PathBuf,
     backend: Arc<dyn VfioBackend>,
     kernel: Option<Arc<KernelVfioDevice>>,
@@ -153,7 +155,8 @@ struct Opened {
 
 /// An attached device: what detach needs.
 struct Attached {
-    path: PathBuf,
+    /// Its entry in the exit report.
+    report: usize,
     backend: Arc<dyn VfioBackend>,
     function: Arc<Mutex<VfioPciDevice>>,
 }
@@ -165,6 +168,8 @@ pub struct Passthrough {
     container: Option<Arc<VfioContainer>>,
     opened: Vec<Opened>,
     attached: Vec<Attached>,
+    /// Reset at attach but refused at probing: still reset at detach.
+    unprobed: Vec<(usize, Arc<dyn VfioBackend>)>,
     reports: Arc<Mutex<Vec<DeviceReport>>>,
     kvm_vfio: Option<DeviceFd>,
 }
@@ -175,7 +180,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Passthrough {
     /// Opens every device (checking sysfs, the group and /dev/vfio), resets it, and
-    /// probes its BARs. `reports` gets one entry per device, in order, as it goes.
+    /// probes its BARs. `reports` gets one entry per configured device, in order, up front
+    /// (`not_attempted`), filled in as each reset happens.
     pub fn open(
         sources: &[DeviceSource],
         vfio_dev_dir: &Path,
@@ -185,10 +191,24 @@ impl Passthrough {
             container: None,
             opened: Vec::new(),
             attached: Vec::new(),
+            unprobed: Vec::new(),
             reports,
             kvm_vfio: None,
         };
-        for source in sources {
+        let first = {
+            let mut reports = lock(&this.reports);
+            let first = reports.len();
+            reports.extend(sources.iter().map(|s| DeviceReport {
+                path: match s {
+                    DeviceSource::Kernel(path) => path.clone(),
+                    DeviceSource::Model => MODEL_GPU_PATH.into(),
+                },
+                reset_at_attach: ResetOutcome::NotAttempted,
+                reset_at_detach: ResetOutcome::NotAttempted,
+            }));
+            first
+        };
+        for (report, source) in (first..).zip(sources) {
             let (path, backend, kernel, model): (PathBuf, Arc<dyn VfioBackend>, _, _) = match source
             {
                 DeviceSource::Kernel(path) => {
@@ -214,17 +234,18 @@ impl Passthrough {
                 }
             };
             let reset = backend.reset();
-            lock(&this.reports).push(DeviceReport {
-                path: path.clone(),
-                reset_at_attach: reset,
-                reset_at_detach: ResetOutcome::NotAttempted,
-            });
-            let probe =
-                vfio::probe(backend.as_ref()).map_err(|source| PassthroughError::Probe {
-                    path: path.clone(),
-                    source,
-                })?;
+            if let Some(r) = lock(&this.reports).get_mut(report) {
+                r.reset_at_attach = reset;
+            }
+            let probe = match vfio::probe(backend.as_ref()) {
+                Ok(probe) => probe,
+                Err(source) => {
+                    this.unprobed.push((report, backend));
+                    return Err(PassthroughError::Probe { path, source });
+                }
+            };
             this.opened.push(Opened {
+                report,
                 path,
                 backend,
                 kernel,
@@ -254,24 +275,18 @@ impl Passthrough {
     /// Resets every attached device at detach (interrupts off first) and records the
     /// outcomes. Safe to call more than once.
     pub fn detach(&mut self) {
+        let mut resets: Vec<(usize, Arc<dyn VfioBackend>)> = Vec::new();
         for device in self.attached.drain(..) {
             lock(&device.function).disable_interrupts();
-            let outcome = device.backend.reset();
-            if let Some(report) = lock(&self.reports)
-                .iter_mut()
-                .find(|r| r.path == device.path && r.reset_at_detach == ResetOutcome::NotAttempted)
-            {
-                report.reset_at_detach = outcome;
-            }
+            resets.push((device.report, device.backend));
         }
-        // Opened but never attached: still reset, the device may have been touched.
-        for device in self.opened.drain(..) {
-            let outcome = device.backend.reset();
-            if let Some(report) = lock(&self.reports)
-                .iter_mut()
-                .find(|r| r.path == device.path && r.reset_at_detach == ResetOutcome::NotAttempted)
-            {
-                report.reset_at_detach = outcome;
+        // Opened (or refused at probing) but never attached: still reset, the device was.
+        resets.extend(self.opened.drain(..).map(|d| (d.report, d.backend)));
+        resets.append(&mut self.unprobed);
+        for (report, backend) in resets {
+            let outcome = backend.reset();
+            if let Some(r) = lock(&self.reports).get_mut(report) {
+                r.reset_at_detach = outcome;
             }
         }
     }
@@ -609,7 +624,7 @@ impl PciPlatform {
         }
         drop(opened.kernel);
         Ok(Attached {
-            path,
+            report: opened.report,
             backend: opened.backend,
             function,
         })
