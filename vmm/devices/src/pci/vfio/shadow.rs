@@ -200,6 +200,14 @@ fn probe_bars(backend: &dyn VfioBackend) -> Result<Vec<ProbedBar>, ShadowError> 
     Ok(bars)
 }
 
+/// Bytes an MSI capability at `offset` covers: 10, plus 4 for 64-bit addresses, plus 10
+/// for per-vector masking.
+fn msi_cap_len(cfg: &[u8], offset: usize) -> usize {
+    let control = cfg.get(offset + 2).copied().unwrap_or(0);
+    let pvm = cfg.get(offset + 3).copied().unwrap_or(0) & 1 != 0;
+    10 + if control & 0x80 != 0 { 4 } else { 0 } + if pvm { 10 } else { 0 }
+}
+
 fn hidden_len(id: u16, cfg: &[u8], offset: usize) -> Option<usize> {
     let len = match id {
         ext_id::ARI => 8,
@@ -258,7 +266,7 @@ pub fn probe(backend: &dyn VfioBackend) -> Result<DeviceProbe, ShadowError> {
     };
     let msi = caps
         .iter()
-        .find(|c| c.id == id::MSI && c.offset + 24 <= 256)
+        .find(|c| c.id == id::MSI && c.offset + msi_cap_len(&cfg, c.offset) <= 256)
         .filter(|_| offered(IrqIndex::Msi) > 0)
         .map(|c| c.offset);
     let hidden = walk_ext_caps(&cfg)
@@ -405,9 +413,14 @@ impl ConfigShadow {
         }
         let msi = match probe.msi {
             Some(offset) => {
+                // Only the capability's own bytes: it may end at the end of a 256-byte space.
                 let mut device = [0u8; 24];
                 backend
-                    .config_read(offset as u64, &mut device)
+                    .config_read(offset as u64, &mut device[..4])
+                    .map_err(|_| ShadowError::ConfigRead(offset as u64))?;
+                let len = msi_cap_len(&[0, 0, device[2], device[3]], 0);
+                backend
+                    .config_read(offset as u64, &mut device[..len])
                     .map_err(|_| ShadowError::ConfigRead(offset as u64))?;
                 Some(MsiCap::new(offset, device))
             }
@@ -645,6 +658,17 @@ mod tests {
         assert_eq!((w.moves[0].old, w.moves[0].new), (0xc000_0000, 0xd000_0000));
         // Only the command register reached the device.
         assert_eq!(gpu.take_config_writes(), vec![(4, 2)]);
+    }
+
+    #[test]
+    fn msi_cap_length_follows_its_control_word() {
+        let mut cfg = vec![0u8; 256];
+        cfg[0xf4 + 2] = 0x00; // 32-bit, no per-vector mask: 10 bytes, fits before 0x100
+        assert_eq!(msi_cap_len(&cfg, 0xf4), 10);
+        cfg[0xf4 + 2] = 0x80;
+        cfg[0xf4 + 3] = 0x01;
+        assert_eq!(msi_cap_len(&cfg, 0xf4), 24);
+        assert_eq!(msi_cap_len(&cfg, 0x1000), 10);
     }
 
     #[test]
