@@ -91,11 +91,17 @@ impl Check for DepartureCheck {
             .host
             .complete(&p.name, &p.token, "a departing tenant", 4);
         let uid = ctx.host.tenant(&name)?.and_then(|t| t.uid);
-        p.destroy_now()?;
+        // A departure that does not complete is a failed departure: judge what it left.
+        let destroyed = p.destroy_now();
         let still = ctx.host.tenant(&name)?.is_some();
         let leftovers = ctx.host.leftovers(&name, uid)?;
         let receipts = ctx.host.receipts(&name)?;
         let mut out = judge_departure(&name, still, &leftovers, &receipts);
+        if let Err(e) = destroyed {
+            out.verdict = Verdict::Fail;
+            out.findings
+                .insert(0, format!("{name}: the departure did not complete: {e}"));
+        }
         out.findings.push(
             "no GPU slice: VF types and MIG instances are judged only as the receipt records them"
                 .into(),

@@ -36,6 +36,8 @@ pub mod visibility;
 #[cfg(test)]
 pub(crate) mod fake;
 #[cfg(test)]
+mod live_tests;
+#[cfg(test)]
 mod tests;
 
 use std::path::PathBuf;
