@@ -49,7 +49,13 @@ pub fn record(report: &Report, log: &Path, signing_key: &Path) -> Result<LogEntr
     }
     let signer = ReceiptSigner::load_or_create(signing_key)?;
     let json = serde_json::to_vec_pretty(report).map_err(ReceiptError::from)?;
-    let path = report_path(log, &report.run_id);
+    // Absolute, so the signed entry names the file wherever the log is read from.
+    let path = std::path::absolute(report_path(log, &report.run_id)).map_err(|source| {
+        AuditError::Write {
+            path: report_path(log, &report.run_id),
+            source,
+        }
+    })?;
     let write_err = |source| AuditError::Write {
         path: path.clone(),
         source,

@@ -97,8 +97,19 @@ impl Check for NoisyNeighbourCheck {
             }
             Ok(())
         };
+        // Without answers the latency half cannot be judged; a missing quota still fails.
+        let unmeasured = |mut out: Outcome, e: HostError| {
+            if out.verdict == Verdict::Pass {
+                out.verdict = Verdict::Inconclusive;
+            }
+            out.findings
+                .push(format!("the victim's latency could not be measured: {e}"));
+            Ok(out)
+        };
         let mut idle = Vec::new();
-        sample(&mut idle)?;
+        if let Err(e) = sample(&mut idle) {
+            return unmeasured(out, e);
+        }
         let stop = AtomicBool::new(false);
         let sent = AtomicU64::new(0);
         let mut loaded = Vec::new();
@@ -125,7 +136,9 @@ impl Check for NoisyNeighbourCheck {
             stop.store(true, Ordering::Relaxed);
             r
         });
-        measured?;
+        if let Err(e) = measured {
+            return unmeasured(out, e);
+        }
         out.add(
             "noisy_requests_sent",
             sent.load(Ordering::Relaxed) as f64,
