@@ -131,8 +131,7 @@ pub enum Command {
     /// Size tenants' GPU needs and place them on a host (live, simulated or hypothetical).
     /// Runs locally; needs no daemon.
     Plan(tenantvm_gpu::cli::PlanArgs),
-    /// Run the pre-deployment isolation checklist against this host (admin; see
-    /// `tenantvm verify --help` and docs/verify.md).
+    // Its help is VerifyArgs' own (a man page: the checks, probes, report, exit statuses).
     Verify(verify::VerifyArgs),
     /// Inspect this host.
     Host {

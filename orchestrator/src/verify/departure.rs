@@ -2,7 +2,11 @@
 //! through its payload, so it has logs and disk contents) is destroyed; afterwards no file,
 //! key, log, cgroup or process of its uid may remain, and its receipt must be in the audit
 //! log with every step ended `ok` or `skipped` and every effect `verified`, honestly
-//! `simulated`, or not applicable (a step that ran `unverified`, or failed, fails the check).
+//! `simulated`, or not applicable (a step that failed, or a host-side step that ran
+//! `unverified`, fails the check). The route-off and agent-shutdown steps may be
+//! `unverified`: they rest on what the guest reports, and the host-side steps after them
+//! (reset, scrub, release, crypto-shred, log removal) are what must be verified; they are
+//! counted as guest-reported.
 //!
 //! Not yet done: VF vGPU types and MIG instances of a GPU slice (the probe has no GPU until
 //! GPU attach lands; the receipt's GPU steps are judged as they are recorded).
@@ -39,6 +43,7 @@ pub fn judge_departure(
     };
     let r = &entry.receipt;
     let mut simulated = 0;
+    let mut unverified_courtesy = 0;
     for s in &r.steps {
         let step = format!("{:?}", s.step);
         match (s.result, s.assurance) {
@@ -48,6 +53,16 @@ pub fn judge_departure(
                     "{name}: receipt step {step} failed: {}",
                     crate::untrusted::one_line(s.error.as_deref().unwrap_or(""))
                 ));
+            }
+            // The courtesy steps (the route off, the guest's own shutdown) rest on what a
+            // guest reports; the host-side steps after them destroy what matters.
+            (_, Assurance::Unverified)
+                if matches!(
+                    s.step,
+                    DepartureStep::GatewayRouteOff | DepartureStep::AgentShutdown
+                ) =>
+            {
+                unverified_courtesy += 1;
             }
             (_, Assurance::Unverified) => {
                 out.verdict = Verdict::Fail;
@@ -70,6 +85,11 @@ pub fn judge_departure(
     }
     out.add("receipt_steps", r.steps.len() as f64, "count");
     out.add("receipt_steps_simulated", f64::from(simulated), "count");
+    out.add(
+        "receipt_guest_reported_steps",
+        f64::from(unverified_courtesy),
+        "count",
+    );
     if simulated > 0 {
         out.findings.push(format!(
             "{name}: {simulated} receipt step(s) honestly marked simulated (no real hardware behind them)"

@@ -141,7 +141,8 @@ impl<'h> Probes<'h> {
             name: name.clone(),
             vcpus: 1,
             memory_mib: self.memory_mib,
-            disk_gib: 0,
+            // A guest image's agent opens its encrypted disk before it starts the payload.
+            disk_gib: 1,
             gpu: GpuRequest::None,
             image: GuestImage {
                 name: Some(image),

@@ -502,3 +502,56 @@ fn the_report_prints_a_table_and_is_appended_signed_to_the_audit_log() {
         "{shown}"
     );
 }
+
+#[test]
+fn check_10_a_host_side_step_left_unverified_fails_but_a_guest_reported_one_does_not() {
+    use crate::receipt::{Assurance, DepartureStep, LogEntry, Receipt, StepRecord, StepResult};
+    let entry = |shred: Assurance, shutdown: Assurance| {
+        let step =
+            |s, a| StepRecord::new(s, "test", StepResult::Ok, a, String::new(), String::new());
+        vec![LogEntry {
+            seq: 0,
+            prev_hash: String::new(),
+            appended_at: String::new(),
+            key_id: String::new(),
+            receipt: Receipt {
+                version: 1,
+                departure_id: "d".into(),
+                tenant: "t".into(),
+                started_at: String::new(),
+                finished_at: String::new(),
+                steps: vec![
+                    step(DepartureStep::AgentShutdown, shutdown),
+                    step(DepartureStep::CryptoShred, shred),
+                    step(DepartureStep::LogsRemoved, Assurance::Verified),
+                ],
+                verification: None,
+            },
+            signature: String::new(),
+        }]
+    };
+    let ok = departure::judge_departure(
+        "t",
+        false,
+        &[],
+        &entry(Assurance::Verified, Assurance::Unverified),
+    );
+    assert_eq!(ok.verdict, Verdict::Pass, "{ok:#?}");
+    assert_eq!(ok.value("receipt_guest_reported_steps"), Some(1.0));
+    let bad = departure::judge_departure(
+        "t",
+        false,
+        &[],
+        &entry(Assurance::Unverified, Assurance::Verified),
+    );
+    assert_eq!(bad.verdict, Verdict::Fail, "{bad:#?}");
+    let left = departure::judge_departure(
+        "t",
+        false,
+        &["its cgroup".into()],
+        &entry(Assurance::Verified, Assurance::Verified),
+    );
+    assert_eq!(left.verdict, Verdict::Fail);
+    let none = departure::judge_departure("t", false, &[], &[]);
+    assert_eq!(none.verdict, Verdict::Fail);
+}
