@@ -86,7 +86,7 @@ pub struct VerifyArgs {
     #[arg(long, default_value_t = 250)]
     pub samples: usize,
     /// Words in each prefix-cache probe prompt.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 3000)]
     pub prefix_words: usize,
     /// Significance level of the prefix-cache test.
     #[arg(long, default_value_t = 1e-3)]
@@ -141,8 +141,12 @@ impl VerifyArgs {
                 "--samples must be between 5 and 100000",
             ));
         }
-        if self.prefix_words < 20 {
-            return Err(fail(exit::INVALID, "--prefix-words must be at least 20"));
+        let max_words = crate::verify::prefix::MAX_PREFIX_WORDS;
+        if self.prefix_words < 20 || self.prefix_words > max_words {
+            return Err(fail(
+                exit::INVALID,
+                format!("--prefix-words must be between 20 and {max_words} (the gateway forwards at most 16 KiB of prompt)"),
+            ));
         }
         if self.latency_samples < 2
             || self.max_latency_ratio.is_nan()
@@ -349,6 +353,7 @@ mod tests {
             vec!["--alpha", "2"],
             vec!["--samples", "1"],
             vec!["--prefix-words", "3"],
+            vec!["--prefix-words", "9000"],
             vec!["--max-latency-ratio", "0.5"],
         ] {
             let cli = Cli::try_parse_from(

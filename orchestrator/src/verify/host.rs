@@ -92,6 +92,26 @@ pub trait VerifyHost: Sync {
         prompt: &str,
         max_tokens: u32,
     ) -> Result<Duration, HostError>;
+    /// [`VerifyHost::complete`], retrying (up to `within`) while the tenant's request rate
+    /// refuses it (429): a timing sample is the answered attempt, never a refusal.
+    fn complete_paced(
+        &self,
+        name: &str,
+        token: &str,
+        prompt: &str,
+        max_tokens: u32,
+        within: Duration,
+    ) -> Result<Duration, HostError> {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            match self.complete(name, token, prompt, max_tokens) {
+                Err(e) if e.status() == Some(429) && std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                other => return other,
+            }
+        }
+    }
     /// The GPUs of the host (from the GPU backend the operator named); empty when the host
     /// has none or none was named.
     fn gpus(&self) -> Result<Vec<GpuView>, HostError>;

@@ -302,7 +302,7 @@ impl Default for VerifyConfig {
             probe_memory_mib: 128,
             max_overhead_mib: 512,
             samples_per_arm: 250,
-            prefix_words: 2000,
+            prefix_words: 3000,
             alpha: 1e-3,
             latency_samples: 40,
             max_latency_ratio: 3.0,

@@ -79,7 +79,10 @@ impl Check for NoisyNeighbourCheck {
 
     fn run(&self, ctx: &Ctx<'_>) -> Result<Outcome, HostError> {
         let noisy = ctx.probes.create("noisy", |_| {})?;
-        let victim = ctx.probes.create("victim", |_| {})?;
+        // The victim's own rate quota must not throttle its latency samples.
+        let victim = ctx
+            .probes
+            .create("victim", |s| s.quotas.requests_per_s = 1000)?;
         let mut out = Outcome::new(Verdict::Pass);
         for p in [&noisy, &victim] {
             judge_cpu_quota(
@@ -92,7 +95,13 @@ impl Check for NoisyNeighbourCheck {
         let n = ctx.config.latency_samples.max(2);
         let sample = |into: &mut Vec<f64>| -> Result<(), HostError> {
             for _ in 0..n {
-                let d = ctx.host.complete(&victim.name, &victim.token, PROMPT, 8)?;
+                let d = ctx.host.complete_paced(
+                    &victim.name,
+                    &victim.token,
+                    PROMPT,
+                    8,
+                    Duration::from_secs(30),
+                )?;
                 into.push(d.as_secs_f64() * 1e3);
             }
             Ok(())

@@ -12,21 +12,36 @@
 //! control does not detect the difference the probe lacked power (prompt too short, noise
 //! too high) and the check is inconclusive, never a pass. The test proper has one probe
 //! tenant prime and another probe; it passes only when the control detected the cache, the
-//! test did not (p >= alpha), and the test's median difference is under a tenth of the
-//! control's.
+//! test did not (p >= alpha), and the 95 % bootstrap upper bound of the test's median
+//! difference is under a tenth of the control's median difference (equivalence: any
+//! cross-tenant effect is small next to what a shared cache gives).
 
 use rand::{Rng, SeedableRng};
 
-use super::stats::{interleave, ks_greater, Arm, KsResult};
+use super::stats::{interleave, ks_greater, median_diff_upper_bound, Arm, KsResult};
 use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 
 /// Share of the victim's prompt the attacker repeats in a hit.
 pub const PREFIX_FRACTION: f64 = 0.95;
-/// The test's median difference must stay under this share of the control's.
+/// The upper 95 % bound of the test's median difference must stay under this share of the
+/// control's median difference.
 pub const EQUIVALENCE_SHARE: f64 = 0.1;
+/// Bootstrap resamples of the equivalence bound.
+const BOOTSTRAP_RESAMPLES: usize = 2000;
 
 /// Check 5.
 pub struct PrefixCacheCheck;
+
+/// The timing probes' own request rate: high enough that the gateway's token bucket never
+/// delays a sample (a delay would be noise in the very times being compared).
+const PROBE_RATE: u32 = 1000;
+/// Letters of a random word (17,576 distinct words: a fresh prompt never repeats a block).
+const WORD_LETTERS: usize = 3;
+/// Most words a probe prompt may have: the gateway forwards at most 16 KiB of request body,
+/// and a word costs four bytes.
+pub const MAX_PREFIX_WORDS: usize = 3500;
+/// How long one sample may wait out a rate refusal.
+const PACE_WITHIN: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The times of one run of the procedure, ms.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -40,7 +55,7 @@ pub struct ArmTimes {
 fn random_words(rng: &mut impl Rng, n: usize) -> Vec<String> {
     (0..n)
         .map(|_| {
-            (0..5)
+            (0..WORD_LETTERS)
                 .map(|_| char::from(b'a' + rng.random_range(0..26u8)))
                 .collect()
         })
@@ -128,16 +143,19 @@ pub fn decide(control: &ArmTimes, test: &ArmTimes, alpha: f64) -> Outcome {
         return out;
     }
     let bound = c.median_diff_ms * EQUIVALENCE_SHARE;
-    if t.median_diff_ms >= bound {
+    let upper = median_diff_upper_bound(&test.hit, &test.miss, 0.95, BOOTSTRAP_RESAMPLES, 0x5eed);
+    out.add("test.median_diff_upper95_ms", upper, "ms");
+    out.add("equivalence_bound_ms", bound, "ms");
+    if upper.is_nan() || upper >= bound {
         out.findings.push(format!(
-            "no significant difference across tenants, but its median difference {:.2} ms is not under a tenth of the control's {:.2} ms: rerun with more samples",
-            t.median_diff_ms, c.median_diff_ms
+            "no significant difference across tenants, but the 95 % upper bound of its median difference, {upper:.2} ms, is not under a tenth of the control's {:.2} ms: rerun with more samples or longer prompts on a quieter host",
+            c.median_diff_ms
         ));
         return out;
     }
     out.verdict = Verdict::Pass;
     out.findings.push(format!(
-        "the control detected its own cache (p = {:.3e}, {:.2} ms); across tenants p = {:.3}, median difference {:.2} ms (< {bound:.2} ms)",
+        "the control detected its own cache (p = {:.3e}, {:.2} ms); across tenants p = {:.3}, median difference {:.2} ms, 95 % upper bound {upper:.2} ms < {bound:.2} ms",
         c.p_value, c.median_diff_ms, t.p_value, t.median_diff_ms
     ));
     out
@@ -154,9 +172,10 @@ impl Check for PrefixCacheCheck {
             .control_image
             .clone()
             .or_else(|| cfg.probe_image.clone());
-        let control = ctx
-            .probes
-            .create("ctl", |s| s.image.name.clone_from(&control_image))?;
+        let control = ctx.probes.create("ctl", |s| {
+            s.image.name.clone_from(&control_image);
+            s.quotas.requests_per_s = PROBE_RATE;
+        })?;
         let serving = ctx.host.serving(&control.name)?;
         if serving["prefix_cache"]["enabled"].as_bool() != Some(true) {
             return Ok(Outcome::inconclusive(format!(
@@ -165,7 +184,11 @@ impl Check for PrefixCacheCheck {
             )));
         }
         let time = |name: &str, token: &str, prompt: &str| -> Result<f64, HostError> {
-            Ok(ctx.host.complete(name, token, prompt, 1)?.as_secs_f64() * 1e3)
+            Ok(ctx
+                .host
+                .complete_paced(name, token, prompt, 1, PACE_WITHIN)?
+                .as_secs_f64()
+                * 1e3)
         };
         let order = interleave(cfg.samples_per_arm, ctx.seed);
         let c = measure(
@@ -176,8 +199,12 @@ impl Check for PrefixCacheCheck {
             |p| time(&control.name, &control.token, p),
         )?;
         drop(control);
-        let victim = ctx.probes.create("victim", |_| {})?;
-        let attacker = ctx.probes.create("attacker", |_| {})?;
+        let victim = ctx
+            .probes
+            .create("victim", |s| s.quotas.requests_per_s = PROBE_RATE)?;
+        let attacker = ctx
+            .probes
+            .create("attacker", |s| s.quotas.requests_per_s = PROBE_RATE)?;
         let order = interleave(cfg.samples_per_arm, ctx.seed.rotate_left(17));
         let t = measure(
             &order,
@@ -281,6 +308,26 @@ mod tests {
         assert_eq!(o.verdict, Verdict::Inconclusive, "{o:?}");
         // Even a shared cache is not judged without a working control.
         assert_eq!(run(true, false).verdict, Verdict::Inconclusive);
+    }
+
+    #[test]
+    fn too_noisy_to_bound_the_difference_is_inconclusive() {
+        let control = ArmTimes {
+            hit: (0..40).map(|i| 10.0 + f64::from(i % 5)).collect(),
+            miss: (0..40).map(|i| 100.0 + f64::from(i % 5)).collect(),
+        };
+        // No shift, but spread over 300 ms with 20 samples: the bound cannot be small.
+        let spread = |k: u32| (0..20).map(|i| f64::from((i * 37 + k) % 300)).collect();
+        let test = ArmTimes {
+            hit: spread(11),
+            miss: spread(5),
+        };
+        let o = decide(&control, &test, 1e-3);
+        assert_eq!(o.verdict, Verdict::Inconclusive, "{o:?}");
+        assert!(
+            o.value("test.median_diff_upper95_ms").unwrap() > 9.0,
+            "{o:?}"
+        );
     }
 
     #[test]

@@ -115,6 +115,33 @@ pub fn ks_greater(hit: &[f64], miss: &[f64]) -> Option<KsResult> {
     })
 }
 
+/// The one-sided upper bootstrap confidence bound, at `level` (e.g. 0.95), of
+/// median(miss) - median(hit): `resamples` resamplings of both arms with replacement, drawn
+/// from `seed`. `NaN` when either arm is empty. The equivalence half of the timing check:
+/// "no difference" is claimed only when even this bound is small.
+pub fn median_diff_upper_bound(
+    hit: &[f64],
+    miss: &[f64],
+    level: f64,
+    resamples: usize,
+    seed: u64,
+) -> f64 {
+    if hit.is_empty() || miss.is_empty() || resamples == 0 {
+        return f64::NAN;
+    }
+    use rand::Rng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut draw = |xs: &[f64]| -> Vec<f64> {
+        (0..xs.len())
+            .map(|_| xs[rng.random_range(0..xs.len())])
+            .collect()
+    };
+    let diffs: Vec<f64> = (0..resamples)
+        .map(|_| median(&draw(miss)) - median(&draw(hit)))
+        .collect();
+    quantile(&diffs, level)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,6 +230,20 @@ mod tests {
         let t = ks_greater(&[1.0, 2.0], &[1.0, 2.0]).unwrap();
         assert_eq!(t.statistic, 0.0);
         assert!(ks_greater(&[], &[1.0]).is_none());
+    }
+
+    #[test]
+    fn the_bootstrap_bound_is_tight_without_a_difference_and_above_a_real_one() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        let a = noisy(&mut rng, 250, 100.0, 20.0);
+        let b = noisy(&mut rng, 250, 100.0, 20.0);
+        let ub = median_diff_upper_bound(&a, &b, 0.95, 1000, 1);
+        assert!(ub > -2.0 && ub < 8.0, "{ub}");
+        let fast = noisy(&mut rng, 250, 70.0, 20.0);
+        let ub = median_diff_upper_bound(&fast, &b, 0.95, 1000, 1);
+        assert!(ub > 30.0, "{ub}");
+        assert_eq!(ub, median_diff_upper_bound(&fast, &b, 0.95, 1000, 1));
+        assert!(median_diff_upper_bound(&[], &b, 0.95, 10, 1).is_nan());
     }
 
     #[test]
