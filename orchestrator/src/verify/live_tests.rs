@@ -187,3 +187,55 @@ fn the_departure_check_passes_on_a_daemon_that_shreds_and_fails_when_shred_never
         "{r:#?}"
     );
 }
+
+#[test]
+fn the_gpus_come_from_the_named_backend_with_the_planners_models() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hosts");
+    let host = |backend: Option<String>| {
+        LiveHost::new(
+            "unused",
+            rt.handle().clone(),
+            LivePaths {
+                socket: PathBuf::from("/nonexistent.sock"),
+                state_dir: PathBuf::from("/nonexistent"),
+                cgroup_root: PathBuf::from("/nonexistent"),
+                gpu_backend: backend,
+                scan_extra: Vec::new(),
+            },
+        )
+    };
+    assert!(host(None).gpus().unwrap().is_empty());
+    let mixed = host(Some(format!(
+        "sim:{}",
+        fixtures.join("sim-mixed.json").display()
+    )))
+    .gpus()
+    .unwrap();
+    let keys: Vec<(&str, &str, bool)> = mixed
+        .iter()
+        .map(|g| (g.index.as_str(), g.model.key, g.model.has_mig()))
+        .collect();
+    assert_eq!(
+        keys,
+        vec![
+            ("0", "a100-40gb", true),
+            ("1", "h200", true),
+            ("2", "rtx-pro-6000", true)
+        ]
+    );
+    let whole = host(Some(format!(
+        "sim:{}",
+        fixtures.join("sim-whole-only.json").display()
+    )))
+    .gpus()
+    .unwrap();
+    assert!(whole.iter().any(|g| !g.model.has_mig()), "{whole:?}");
+    let err = host(Some("sim:/nonexistent.json".into()))
+        .gpus()
+        .unwrap_err();
+    assert!(err.to_string().contains("GPU backend"), "{err}");
+}
