@@ -320,7 +320,7 @@ impl VerifyHost for LiveHost {
         roots.extend(self.paths.scan_extra.iter().cloned());
         let mut found = Vec::new();
         for root in roots {
-            scan(&root, marker, &mut found)?;
+            scan(&root, marker, &mut found, &skip_real_disks)?;
         }
         Ok(found)
     }
@@ -392,9 +392,30 @@ impl VerifyHost for LiveHost {
     }
 }
 
-/// Appends to `found` every regular file under `path` (not following symbolic links) that
-/// holds `marker`.
-pub fn scan(path: &Path, marker: &[u8], found: &mut Vec<String>) -> Result<(), HostError> {
+/// Real tenants' disk images are not read by the marker scan: the marker goes to probes
+/// only, a real disk can be hundreds of GiB, and what is on it is that tenant's (encrypted)
+/// data, which the verifier does not touch.
+fn skip_real_disks(path: &Path) -> bool {
+    path.file_name()
+        .is_some_and(|n| n == crate::tenant::steps::disk::IMAGE_FILE)
+        && path
+            .parent()
+            .and_then(Path::file_name)
+            .and_then(|n| n.to_str())
+            .is_some_and(|t| !super::probe::looks_like_probe(t))
+}
+
+/// Appends to `found` every regular file under `path` (not following symbolic links, and
+/// leaving out those `skip` names) that holds `marker`.
+pub fn scan(
+    path: &Path,
+    marker: &[u8],
+    found: &mut Vec<String>,
+    skip: &dyn Fn(&Path) -> bool,
+) -> Result<(), HostError> {
+    if skip(path) {
+        return Ok(());
+    }
     let meta = match std::fs::symlink_metadata(path) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
@@ -404,7 +425,7 @@ pub fn scan(path: &Path, marker: &[u8], found: &mut Vec<String>) -> Result<(), H
         let entries = std::fs::read_dir(path).map_err(io_err(path))?;
         for entry in entries {
             let entry = entry.map_err(io_err(path))?;
-            scan(&entry.path(), marker, found)?;
+            scan(&entry.path(), marker, found, skip)?;
         }
     } else if meta.is_file() && meta.len() <= SCAN_MAX_FILE && file_holds(path, marker)? {
         found.push(path.display().to_string());
@@ -474,13 +495,27 @@ mod tests {
         std::os::unix::fs::symlink(dir.path().join("sub/big.log"), dir.path().join("link"))
             .unwrap();
         let mut found = Vec::new();
-        scan(dir.path(), marker, &mut found).unwrap();
+        scan(dir.path(), marker, &mut found, &skip_real_disks).unwrap();
         assert_eq!(
             found,
             vec![dir.path().join("sub/big.log").display().to_string()]
         );
         let mut none = Vec::new();
-        scan(dir.path(), b"absent-marker", &mut none).unwrap();
+        scan(dir.path(), b"absent-marker", &mut none, &skip_real_disks).unwrap();
         assert!(none.is_empty());
+        // A probe's disk is read; a real tenant's is not.
+        for t in ["alice", "tvm-verify-0badc0de-rest0"] {
+            std::fs::create_dir(dir.path().join(t)).unwrap();
+            std::fs::write(dir.path().join(t).join("disk.img"), marker).unwrap();
+        }
+        let mut disks = Vec::new();
+        scan(dir.path(), marker, &mut disks, &skip_real_disks).unwrap();
+        assert!(
+            disks
+                .iter()
+                .any(|p| p.ends_with("tvm-verify-0badc0de-rest0/disk.img")),
+            "{disks:?}"
+        );
+        assert!(!disks.iter().any(|p| p.contains("alice")), "{disks:?}");
     }
 }
