@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::host::{GpuView, HostError, VerifyHost};
+use super::host::{GpuView, HostError, Overrun, VerifyHost};
 use crate::api::types::{GpuSlice, LogStream, TenantView};
 use crate::backend::ResourceLimits;
 use crate::domain::lifecycle::LifecycleState;
@@ -20,6 +20,8 @@ use crate::receipt::{
 pub struct Broken {
     /// Tenants run without a memory limit in their cgroup.
     pub no_memory_limit: bool,
+    /// The memory limit is written but not enforced (the controller is not really there).
+    pub memory_not_enforced: bool,
     /// Tenants run without a CPU quota, and a busy neighbour slows the others down.
     pub no_cpu_quota: bool,
     /// Disks are plaintext: what a payload writes is readable on the host.
@@ -269,6 +271,24 @@ impl VerifyHost for FakeVerifyHost {
             cpu_period_us: 100_000,
             pids_max: 256,
         }))
+    }
+
+    fn overrun_memory(
+        &self,
+        name: &str,
+        _bytes: u64,
+        _timeout: Duration,
+    ) -> Result<Overrun, HostError> {
+        if !self.st().tenants.contains_key(name) {
+            return Err(refused());
+        }
+        Ok(
+            if self.broken.no_memory_limit || self.broken.memory_not_enforced {
+                Overrun::Completed
+            } else {
+                Overrun::Killed
+            },
+        )
     }
 
     fn serving(&self, name: &str) -> Result<serde_json::Value, HostError> {

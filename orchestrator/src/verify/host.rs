@@ -68,6 +68,17 @@ pub struct GpuView {
     pub model: &'static tenantvm_gpu::mig::GpuModel,
 }
 
+/// What became of a process that allocated past a tenant's memory limit inside its cgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Overrun {
+    /// The kernel killed it (the limit is enforced).
+    Killed,
+    /// It finished: the memory was there to take (the limit is not enforced).
+    Completed,
+    /// It neither finished nor died in time (swapping?); it was killed.
+    TimedOut,
+}
+
 /// What the checks ask of the host. Every wait has a deadline inside the implementation.
 pub trait VerifyHost: Sync {
     /// Every tenant (admin view).
@@ -81,6 +92,14 @@ pub trait VerifyHost: Sync {
     /// The limits in the tenant's cgroup as the kernel holds them (`u64::MAX`: no limit),
     /// `None` when it has no cgroup.
     fn cgroup_limits(&self, name: &str) -> Result<Option<ResourceLimits>, HostError>;
+    /// Runs a process inside the tenant's memory cgroup that touches `bytes` of memory, and
+    /// says what became of it within `timeout`.
+    fn overrun_memory(
+        &self,
+        name: &str,
+        bytes: u64,
+        timeout: Duration,
+    ) -> Result<Overrun, HostError>;
     /// The serving configuration its payload reports through its agent
     /// (`GET /v1/tenantvm/serving`).
     fn serving(&self, name: &str) -> Result<serde_json::Value, HostError>;

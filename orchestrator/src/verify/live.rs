@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tenantvm_agent_protocol::{AgentClient, AgentEndpoint, HttpRequest};
 
-use super::host::{GpuView, HostError, VerifyHost};
+use super::host::{GpuView, HostError, Overrun, VerifyHost};
 use crate::api::types::{LogQuery, LogStream, TenantView};
 use crate::backend::ResourceLimits;
 use crate::client::{Client, ClientError};
@@ -199,6 +199,65 @@ impl VerifyHost for LiveHost {
             .read_limits()
             .map(Some)
             .map_err(|e| HostError::Failed(format!("cgroup of {name}: {e}")))
+    }
+
+    fn overrun_memory(
+        &self,
+        name: &str,
+        bytes: u64,
+        timeout: Duration,
+    ) -> Result<Overrun, HostError> {
+        let handle = self
+            .cgroups()?
+            .handle(name)
+            .map_err(|e| HostError::Failed(e.to_string()))?;
+        let memory = match &handle {
+            crate::jail::CgroupHandle::V1 { memory, .. } => memory.clone(),
+            crate::jail::CgroupHandle::V2 { path } => path.clone(),
+        };
+        if !memory.exists() {
+            return Err(HostError::Failed(format!("{name} has no memory cgroup")));
+        }
+        // The shell joins the cgroup itself, then becomes dd, whose one block of `bytes` is
+        // allocated and written (zeroes read into it) inside the cgroup. No code runs between
+        // fork and exec here; the path is an argument, never shell text.
+        let mut child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(r#"echo $$ > "$1/cgroup.procs" || exit 97; exec dd if=/dev/zero of=/dev/null bs="$2" count=1 status=none"#)
+            .arg("tenantvm-verify-overrun")
+            .arg(&memory)
+            .arg(bytes.to_string())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| HostError::Failed(format!("cannot run sh and dd: {e}")))?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    use std::os::unix::process::ExitStatusExt;
+                    return match (status.signal(), status.code()) {
+                        (Some(libc::SIGKILL), _) => Ok(Overrun::Killed),
+                        (_, Some(0)) => Ok(Overrun::Completed),
+                        (_, Some(97)) => Err(HostError::Failed(format!(
+                            "cannot join the memory cgroup {}",
+                            memory.display()
+                        ))),
+                        _ => Err(HostError::Failed(format!(
+                            "the overrun process ended with {status}"
+                        ))),
+                    };
+                }
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(POLL / 5),
+                Ok(None) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Ok(Overrun::TimedOut);
+                }
+                Err(e) => return Err(HostError::Failed(format!("waiting for dd: {e}"))),
+            }
+        }
     }
 
     fn serving(&self, name: &str) -> Result<serde_json::Value, HostError> {

@@ -205,6 +205,22 @@ fn check_4_a_tenant_without_a_memory_limit_fails() {
             ..Broken::default()
         },
     );
+    // A limit that is written but not enforced: the overrun finishes.
+    let (v, r) = verdict(
+        Broken {
+            memory_not_enforced: true,
+            ..Broken::default()
+        },
+        CheckId::MemoryPartition,
+    );
+    assert_eq!(v, Verdict::Fail, "{r:#?}");
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("not enforced")),
+        "{r:#?}"
+    );
     // A limit far above the guest's memory fails too.
     let mut o = Outcome::new(Verdict::Pass);
     memory::judge_memory_limit(&mut o, "t", 128, Some(4 << 30), 512);
