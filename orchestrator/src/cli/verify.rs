@@ -14,6 +14,8 @@ use crate::verify::{self, CheckId, HostError, Report, VerifyConfig};
 
 /// Exit status of `verify` when a selected check failed or was inconclusive.
 pub const NOT_PASSED: u8 = 14;
+/// Exit status of `verify` interrupted by Ctrl-C (its probes destroyed, nothing recorded).
+pub const INTERRUPTED: u8 = 130;
 
 /// Run the pre-deployment isolation checklist against this host and its daemon.
 ///
@@ -29,7 +31,8 @@ pub const NOT_PASSED: u8 = 14;
 ///    1 threat-model          the operator's threat model (--threat-model) is written down
 ///    2 mig-sku               every GPU tenants share is a MIG-capable SKU (--gpu-backend)
 ///    3 partition-arithmetic  every sized need fits its slice; the host holds them all
-///    4 memory-partition      probe cgroups have a memory limit near their guest memory
+///    4 memory-partition      probe cgroups have a memory limit near their guest memory,
+///                            a process overrunning one is killed, the other still serves
 ///    5 prefix-cache          timing test (one-sided KS, randomised interleaving) across
 ///                            two probes, after a positive control within one probe whose
 ///                            payload has its prefix cache on (--control-image)
@@ -52,8 +55,12 @@ pub const NOT_PASSED: u8 = 14;
 ///   tenantvm verify --checks 1,2,3 --gpu-backend nvml --threat-model threat.md
 ///   tenantvm verify --checks prefix-cache --samples 50 --probe-image ngram --report out.json
 ///
+/// Ctrl-C stops the run and destroys its probe tenants before exiting (130); a run killed
+/// outright leaves them to the next run's sweep.
+///
 /// Exit statuses: 0 every selected check passed; 14 a check failed or was inconclusive;
-/// 2 usage; 3 daemon unreachable; 7 invalid flags; 1 the report could not be recorded.
+/// 2 usage; 3 daemon unreachable; 7 invalid flags; 1 the report could not be recorded;
+/// 130 interrupted.
 #[derive(Debug, Clone, Args)]
 #[command(verbatim_doc_comment)]
 pub struct VerifyArgs {
@@ -174,6 +181,12 @@ impl VerifyArgs {
     }
 }
 
+/// How the async side follows and stops the run: progress lines out, a cancel flag in.
+struct RunControl {
+    progress: tokio::sync::mpsc::UnboundedSender<String>,
+    cancel: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
 fn run_blocking(
     args: VerifyArgs,
     config: VerifyConfig,
@@ -181,8 +194,9 @@ fn run_blocking(
     socket: PathBuf,
     token: String,
     rt: tokio::runtime::Handle,
-    progress: tokio::sync::mpsc::UnboundedSender<String>,
+    control: RunControl,
 ) -> Result<Report, HostError> {
+    let RunControl { progress, cancel } = control;
     let host = LiveHost::new(
         &token,
         rt,
@@ -209,12 +223,16 @@ fn run_blocking(
         config.probe_memory_mib,
         Some(ledger),
         config.probe_timeout,
-    );
+    )
+    .with_cancel(cancel);
     let mut sweep = probes
         .sweep()
         .unwrap_or_else(|e| vec![format!("the sweep of earlier probes failed: {e}")]);
     let mut checks = Vec::new();
     for id in &selection {
+        if probes.cancelled() {
+            break;
+        }
         let _ = progress.send(format!("[{}] {} ...", id.number(), id.key()));
         let mut r = verify::run_checks(&host, &probes, &config, seed, &[*id]);
         if let Some(done) = r.first() {
@@ -249,6 +267,49 @@ fn run_blocking(
     })
 }
 
+/// After Ctrl-C: destroys the probes the ledger names (the running checks' among them) on a
+/// blocking thread of its own, within the probe timeout; returns what it did.
+async fn interrupted_cleanup(args: &VerifyArgs, socket: PathBuf, token: String) -> Vec<String> {
+    let rt = tokio::runtime::Handle::current();
+    let args = args.clone();
+    let job = tokio::task::spawn_blocking(move || {
+        let host = LiveHost::new(
+            &token,
+            rt,
+            LivePaths {
+                socket,
+                state_dir: args.state_dir.clone(),
+                cgroup_root: args.cgroup_root.clone(),
+                gpu_backend: None,
+                scan_extra: Vec::new(),
+            },
+        );
+        let ledger = args
+            .ledger
+            .clone()
+            .unwrap_or_else(|| args.state_dir.join("verify").join("probes"));
+        Probes::new(
+            &host,
+            "interrupt",
+            None,
+            0,
+            Some(ledger),
+            Duration::from_secs(args.probe_timeout_s),
+        )
+        .sweep_interrupted()
+        .unwrap_or_else(|e| {
+            vec![format!(
+                "the cleanup failed: {e}; the next run sweeps the ledger"
+            )]
+        })
+    });
+    job.await.unwrap_or_else(|e| {
+        vec![format!(
+            "the cleanup stopped: {e}; the next run sweeps the ledger"
+        )]
+    })
+}
+
 /// Runs `tenantvm verify`.
 pub(super) async fn run(
     args: &VerifyArgs,
@@ -264,16 +325,38 @@ pub(super) async fn run(
         }
         None => CheckId::ALL.to_vec(),
     };
+    let (socket_for_cleanup, token_for_cleanup) = (socket.clone(), token.clone());
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let rt = tokio::runtime::Handle::current();
+    let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let job = {
         let args = args.clone();
+        let cancel = cancel.clone();
         tokio::task::spawn_blocking(move || {
-            run_blocking(args, config, selection, socket, token, rt, tx)
+            let control = RunControl {
+                progress: tx,
+                cancel,
+            };
+            run_blocking(args, config, selection, socket, token, rt, control)
         })
     };
-    while let Some(line) = rx.recv().await {
-        writeln!(err, "verify: {line}")?;
+    loop {
+        tokio::select! {
+            line = rx.recv() => match line {
+                Some(line) => writeln!(err, "verify: {line}")?,
+                None => break,
+            },
+            _ = tokio::signal::ctrl_c() => {
+                // No new probe from here on; then the ledger's are destroyed.
+                cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                writeln!(err, "verify: interrupted; destroying this run's probe tenants")?;
+                let lines = interrupted_cleanup(args, socket_for_cleanup.clone(), token_for_cleanup.clone()).await;
+                for l in lines {
+                    writeln!(err, "verify: {}", crate::untrusted::one_line(&l))?;
+                }
+                return Err(fail(INTERRUPTED, "interrupted: no report was recorded"));
+            }
+        }
     }
     let report = job
         .await

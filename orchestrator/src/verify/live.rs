@@ -170,10 +170,19 @@ impl VerifyHost for LiveHost {
     }
 
     fn destroy(&self, name: &str, timeout: Duration) -> Result<(), HostError> {
-        match self.rt.block_on(self.admin.destroy(name)) {
-            Ok(_) => {}
-            Err(ClientError::Api { status, .. }) if status.as_u16() == 404 => return Ok(()),
-            Err(e) => return Err(from_client(e)),
+        // A tenant still busy (being created) is waited for, then destroyed.
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.rt.block_on(self.admin.destroy(name)) {
+                Ok(_) => break,
+                Err(ClientError::Api { status, .. }) if status.as_u16() == 404 => return Ok(()),
+                Err(ClientError::Api { status, .. })
+                    if status.as_u16() == 409 && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(POLL);
+                }
+                Err(e) => return Err(from_client(e)),
+            }
         }
         self.wait(name, "destroy", timeout, |t| match t {
             None => Ok(true),

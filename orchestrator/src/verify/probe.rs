@@ -12,8 +12,8 @@
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::domain::spec::{GpuRequest, GuestImage, Quotas, TenantSpec};
@@ -55,6 +55,7 @@ pub struct Probes<'h> {
     live: Mutex<BTreeSet<String>>,
     problems: Mutex<Vec<String>>,
     counter: AtomicU32,
+    cancel: Arc<AtomicBool>,
 }
 
 /// One probe tenant; destroyed when dropped.
@@ -108,7 +109,19 @@ impl<'h> Probes<'h> {
             live: Mutex::default(),
             problems: Mutex::default(),
             counter: AtomicU32::new(0),
+            cancel: Arc::default(),
         }
+    }
+
+    /// The same, refusing new probes once `cancel` is set (the run was interrupted).
+    pub fn with_cancel(mut self, cancel: Arc<AtomicBool>) -> Self {
+        self.cancel = cancel;
+        self
+    }
+
+    /// Whether the run was interrupted.
+    pub fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Relaxed)
     }
 
     /// This run's id.
@@ -135,6 +148,9 @@ impl<'h> Probes<'h> {
                 "this check needs probe tenants: give --probe-image NAME (a named image of the daemon's --image-dir with the n-gram payload)".into(),
             )
         })?;
+        if self.cancelled() {
+            return Err(HostError::Failed("the run was interrupted".into()));
+        }
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         let name = probe_name(&self.run_id, &format!("{role}{n}"))?;
         let mut spec = TenantSpec {
@@ -231,6 +247,17 @@ impl<'h> Probes<'h> {
     /// returns one line per probe found, and per probe-like tenant left alone because it is
     /// not in the ledger.
     pub fn sweep(&self) -> Result<Vec<String>, HostError> {
+        self.sweep_ledger(true)
+    }
+
+    /// [`Probes::sweep`] for an interrupted run: also destroys what the ledger names, but
+    /// keeps the names of tenants not (yet) present, whose create may still be on its way,
+    /// for the next run's sweep.
+    pub fn sweep_interrupted(&self) -> Result<Vec<String>, HostError> {
+        self.sweep_ledger(false)
+    }
+
+    fn sweep_ledger(&self, forget_absent: bool) -> Result<Vec<String>, HostError> {
         let recorded = match &self.ledger {
             Some(l) => ledger_read(l)?,
             None => BTreeSet::new(),
@@ -247,12 +274,12 @@ impl<'h> Probes<'h> {
             }
             if present.contains(name) {
                 match self.release(name) {
-                    Ok(()) => lines.push(format!("{name}: left by an earlier run; destroyed")),
+                    Ok(()) => lines.push(format!("{name}: in the probe ledger; destroyed")),
                     Err(e) => lines.push(format!(
-                        "{name}: left by an earlier run; destroy failed: {e}"
+                        "{name}: in the probe ledger; destroy failed: {e} (the next run tries again)"
                     )),
                 }
-            } else if let Some(l) = &self.ledger {
+            } else if let (Some(l), true) = (&self.ledger, forget_absent) {
                 ledger_remove(l, name)?;
             }
         }

@@ -403,7 +403,7 @@ fn probes_are_destroyed_even_when_a_check_panics_and_the_ledger_sweeps_leftovers
     );
     assert!(lines
         .iter()
-        .any(|l| l.contains("left by an earlier run; destroyed")));
+        .any(|l| l.contains("in the probe ledger; destroyed")));
     assert!(lines
         .iter()
         .any(|l| l.contains("not in the ledger; left alone")));
@@ -570,4 +570,50 @@ fn check_10_a_host_side_step_left_unverified_fails_but_a_guest_reported_one_does
     assert_eq!(left.verdict, Verdict::Fail);
     let none = departure::judge_departure("t", false, &[], &[]);
     assert_eq!(none.verdict, Verdict::Fail);
+}
+
+#[test]
+fn an_interrupted_run_refuses_new_probes_and_its_sweep_keeps_names_not_yet_created() {
+    let host = FakeVerifyHost::new(Broken::default());
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = dir.path().join("probes");
+    let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let probes = Probes::new(
+        &host,
+        "66666666",
+        Some("ngram".into()),
+        128,
+        Some(ledger.clone()),
+        Duration::from_secs(1),
+    )
+    .with_cancel(cancel.clone());
+    std::mem::forget(probes.create("a", |_| {}).unwrap());
+    // A create on its way when Ctrl-C came: in the ledger, not yet a tenant.
+    std::fs::write(
+        &ledger,
+        format!(
+            "{}\ntvm-verify-66666666-b9\n",
+            std::fs::read_to_string(&ledger).unwrap().trim()
+        ),
+    )
+    .unwrap();
+    cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(probes.create("c", |_| {}).is_err());
+    let cleanup = Probes::new(
+        &host,
+        "interrupt",
+        None,
+        0,
+        Some(ledger.clone()),
+        Duration::from_secs(1),
+    );
+    let lines = cleanup.sweep_interrupted().unwrap();
+    assert!(host.names().is_empty(), "{lines:?}");
+    assert_eq!(
+        std::fs::read_to_string(&ledger).unwrap(),
+        "tvm-verify-66666666-b9\n"
+    );
+    // The next run's sweep forgets it once it is sure it does not exist.
+    cleanup.sweep().unwrap();
+    assert_eq!(std::fs::read_to_string(&ledger).unwrap(), "");
 }
