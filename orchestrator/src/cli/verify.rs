@@ -40,7 +40,8 @@ pub const INTERRUPTED: u8 = 130;
 ///                            through its agent
 ///    7 visibility            probe tokens refused on each other's logs and receipts; a
 ///                            marker prompt in no host file
-///    8 noisy-neighbour       CPU quotas present; victim p50/p99 idle vs. neighbour loaded
+///    8 noisy-neighbour       CPU quotas present and binding; victim p50/p99 idle vs.
+///                            neighbour loaded
 ///    9 weights-at-rest       LUKS2 disks, per-tenant sealed keys, no plaintext marker
 ///   10 departure             nothing of a destroyed probe remains; its receipt verifies
 ///

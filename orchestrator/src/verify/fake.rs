@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::host::{GpuView, HostError, Overrun, VerifyHost};
+use super::host::{CpuOverrun, GpuView, HostError, Overrun, VerifyHost};
 use crate::api::types::{GpuSlice, LogStream, TenantView};
 use crate::backend::ResourceLimits;
 use crate::domain::lifecycle::LifecycleState;
@@ -22,6 +22,8 @@ pub struct Broken {
     pub no_memory_limit: bool,
     /// The memory limit is written but not enforced (the controller is not really there).
     pub memory_not_enforced: bool,
+    /// The CPU quota is written but not enforced.
+    pub cpu_not_enforced: bool,
     /// Tenants run without a CPU quota, and a busy neighbour slows the others down.
     pub no_cpu_quota: bool,
     /// Disks are plaintext: what a payload writes is readable on the host.
@@ -289,6 +291,26 @@ impl VerifyHost for FakeVerifyHost {
                 Overrun::Killed
             },
         )
+    }
+
+    fn overrun_cpu(
+        &self,
+        name: &str,
+        workers: u32,
+        _wall: Duration,
+    ) -> Result<CpuOverrun, HostError> {
+        let st = self.st();
+        let t = st.tenants.get(name).ok_or_else(refused)?;
+        let quota = f64::from(t.view.spec.vcpus);
+        Ok(CpuOverrun {
+            workers,
+            outside_cpus: f64::from(workers),
+            inside_cpus: if self.broken.no_cpu_quota || self.broken.cpu_not_enforced {
+                f64::from(workers)
+            } else {
+                quota.min(f64::from(workers))
+            },
+        })
     }
 
     fn serving(&self, name: &str) -> Result<serde_json::Value, HostError> {

@@ -79,6 +79,19 @@ pub enum Overrun {
     TimedOut,
 }
 
+/// CPU taken by busy processes, in CPUs (CPU seconds per second of wall time): the same
+/// number of them outside any tenant cgroup (the control: what the host would give) and
+/// inside a tenant's CPU cgroup.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CpuOverrun {
+    /// Busy processes run in each phase.
+    pub workers: u32,
+    /// CPUs they took outside (the control).
+    pub outside_cpus: f64,
+    /// CPUs they took inside the tenant's cgroup.
+    pub inside_cpus: f64,
+}
+
 /// What the checks ask of the host. Every wait has a deadline inside the implementation.
 pub trait VerifyHost: Sync {
     /// Every tenant (admin view).
@@ -100,6 +113,14 @@ pub trait VerifyHost: Sync {
         bytes: u64,
         timeout: Duration,
     ) -> Result<Overrun, HostError>;
+    /// Runs `workers` busy processes for `wall`, first outside any tenant cgroup, then in
+    /// the tenant's CPU cgroup, and measures the CPU they took in each.
+    fn overrun_cpu(
+        &self,
+        name: &str,
+        workers: u32,
+        wall: Duration,
+    ) -> Result<CpuOverrun, HostError>;
     /// The serving configuration its payload reports through its agent
     /// (`GET /v1/tenantvm/serving`).
     fn serving(&self, name: &str) -> Result<serde_json::Value, HostError>;

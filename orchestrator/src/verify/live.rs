@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tenantvm_agent_protocol::{AgentClient, AgentEndpoint, HttpRequest};
 
-use super::host::{GpuView, HostError, Overrun, VerifyHost};
+use super::host::{CpuOverrun, GpuView, HostError, Overrun, VerifyHost};
 use crate::api::types::{LogQuery, LogStream, TenantView};
 use crate::backend::ResourceLimits;
 use crate::client::{Client, ClientError};
@@ -267,6 +267,32 @@ impl VerifyHost for LiveHost {
                 Err(e) => return Err(HostError::Failed(format!("waiting for dd: {e}"))),
             }
         }
+    }
+
+    fn overrun_cpu(
+        &self,
+        name: &str,
+        workers: u32,
+        wall: Duration,
+    ) -> Result<CpuOverrun, HostError> {
+        let handle = self
+            .cgroups()?
+            .handle(name)
+            .map_err(|e| HostError::Failed(e.to_string()))?;
+        let cpu = match &handle {
+            crate::jail::CgroupHandle::V1 { cpu, .. } => cpu.clone(),
+            crate::jail::CgroupHandle::V2 { path } => path.clone(),
+        };
+        if !cpu.exists() {
+            return Err(HostError::Failed(format!("{name} has no CPU cgroup")));
+        }
+        let outside_cpus = busy_cpus(None, workers, wall)?;
+        let inside_cpus = busy_cpus(Some(&cpu), workers, wall)?;
+        Ok(CpuOverrun {
+            workers,
+            outside_cpus,
+            inside_cpus,
+        })
     }
 
     fn serving(&self, name: &str) -> Result<serde_json::Value, HostError> {
@@ -525,6 +551,66 @@ fn file_holds(path: &Path, marker: &[u8]) -> Result<bool, HostError> {
         let keep = marker.len().saturating_sub(1).min(carry.len());
         carry.drain(..carry.len() - keep);
     }
+}
+
+/// Runs `workers` busy shells (in the cgroup `dir` when given) for `wall`; returns the CPU
+/// seconds they took per second. Each shell joins the cgroup itself before it spins.
+fn busy_cpus(dir: Option<&Path>, workers: u32, wall: Duration) -> Result<f64, HostError> {
+    let script =
+        r#"if [ -n "$1" ]; then echo $$ > "$1/cgroup.procs" || exit 97; fi; while :; do :; done"#;
+    let mut children = Vec::new();
+    for _ in 0..workers {
+        let child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .arg("tenantvm-verify-busy")
+            .arg(dir.map(|d| d.as_os_str().to_owned()).unwrap_or_default())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| HostError::Failed(format!("cannot run sh: {e}")));
+        match child {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                for mut c in children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(e);
+            }
+        }
+    }
+    std::thread::sleep(wall);
+    // SAFETY: sysconf only reads a configuration value.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let mut seconds = 0.0;
+    let mut failed = None;
+    for c in &mut children {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", c.id())).unwrap_or_default();
+        // Fields after the command name (which is in parentheses): state is the first;
+        // utime and stime are the 12th and 13th.
+        let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+        let f: Vec<&str> = after.split_whitespace().collect();
+        let used = f
+            .get(11)
+            .zip(f.get(12))
+            .and_then(|(u, s)| Some(u.parse::<f64>().ok()? + s.parse::<f64>().ok()?));
+        match used {
+            Some(t) => seconds += t / ticks,
+            None => failed = Some(c.id()),
+        }
+    }
+    for mut c in children {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    if let Some(pid) = failed {
+        return Err(HostError::Failed(format!(
+            "busy process {pid} ended early (could it join the cgroup?)"
+        )));
+    }
+    Ok(seconds / wall.as_secs_f64())
 }
 
 /// Pids whose real uid is `uid`.

@@ -4,11 +4,16 @@
 //! concurrency quota; p50 and p99 of both phases are reported, and the p99 ratio loaded/idle
 //! must stay within `--max-latency-ratio`.
 //!
+//! The quota is also exercised: busy processes placed in the noisy probe's CPU cgroup must
+//! take no more than it, while the same processes outside any cgroup (the control) show
+//! what the host would give.
+//!
 //! Not yet done: saturating disk I/O from inside the noisy guest (no agent command for it).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use super::host::CpuOverrun;
 use super::stats::quantile;
 use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 use crate::backend::ResourceLimits;
@@ -40,6 +45,33 @@ pub fn judge_cpu_quota(out: &mut Outcome, name: &str, vcpus: u32, limits: Option
                 ));
             }
         }
+    }
+}
+
+/// Judges busy processes in a tenant's CPU cgroup against its quota (CPUs): more than a
+/// quarter over it fails; the control (the same processes outside) shows whether the host
+/// could have given more at all.
+pub fn judge_cpu_enforcement(out: &mut Outcome, name: &str, quota: f64, o: &CpuOverrun) {
+    out.add("busy_workers", f64::from(o.workers), "count");
+    out.add("busy_outside_cpus", o.outside_cpus, "cpus");
+    out.add(&format!("{name}.busy_inside_cpus"), o.inside_cpus, "cpus");
+    let slack = quota * 1.25 + 0.05;
+    if o.inside_cpus > slack {
+        out.verdict = Verdict::Fail;
+        out.findings.push(format!(
+            "busy processes in {name}'s CPU cgroup took {:.2} CPUs against its quota of {quota:.2}: the quota is not enforced",
+            o.inside_cpus
+        ));
+    } else if o.outside_cpus <= slack {
+        out.findings.push(format!(
+            "the host gave busy processes only {:.2} CPUs even outside any cgroup: the quota of {quota:.2} could not be shown to bind",
+            o.outside_cpus
+        ));
+    } else {
+        out.findings.push(format!(
+            "{name}'s quota binds: {:.2} CPUs inside its cgroup against {:.2} outside",
+            o.inside_cpus, o.outside_cpus
+        ));
     }
 }
 
@@ -91,6 +123,24 @@ impl Check for NoisyNeighbourCheck {
                 p.spec.vcpus,
                 ctx.host.cgroup_limits(&p.name)?.as_ref(),
             );
+        }
+        // The quota enforced: busy processes in the noisy probe's CPU cgroup take no more
+        // than it, while outside (the control) the host gives them more.
+        if let Some(l) = ctx.host.cgroup_limits(&noisy.name)? {
+            if l.cpu_quota_us != u64::MAX && l.cpu_period_us > 0 {
+                let quota = l.cpu_quota_us as f64 / l.cpu_period_us as f64;
+                let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+                let workers = (quota.ceil() as u32 + 1).min(host_cpus.max(1));
+                match ctx
+                    .host
+                    .overrun_cpu(&noisy.name, workers, Duration::from_secs(2))
+                {
+                    Ok(o) => judge_cpu_enforcement(&mut out, &noisy.name, quota, &o),
+                    Err(e) => out
+                        .findings
+                        .push(format!("the CPU quota could not be exercised: {e}")),
+                }
+            }
         }
         let n = ctx.config.latency_samples.max(2);
         let sample = |into: &mut Vec<f64>| -> Result<(), HostError> {

@@ -289,6 +289,32 @@ fn check_8_a_tenant_without_a_cpu_quota_fails() {
         CheckId::NoisyNeighbour,
     );
     assert_eq!(v, Verdict::Fail, "{r:#?}");
+    // A quota written but not enforced: busy processes in the cgroup take more.
+    let (v, r) = verdict(
+        Broken {
+            cpu_not_enforced: true,
+            ..Broken::default()
+        },
+        CheckId::NoisyNeighbour,
+    );
+    assert_eq!(v, Verdict::Fail, "{r:#?}");
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("not enforced")),
+        "{r:#?}"
+    );
+    // A host too busy to give more than the quota even outside: said, not judged.
+    let mut o = Outcome::new(Verdict::Pass);
+    let busy = super::host::CpuOverrun {
+        workers: 2,
+        outside_cpus: 1.0,
+        inside_cpus: 1.0,
+    };
+    noisy::judge_cpu_enforcement(&mut o, "t", 1.0, &busy);
+    assert_eq!(o.verdict, Verdict::Pass);
+    assert!(o.findings[0].contains("could not be shown"), "{o:?}");
     // The latency judgement alone fails a 10x slower neighbour.
     let mut o = Outcome::new(Verdict::Pass);
     noisy::judge_latency(&mut o, &[2.0; 10], &[20.0; 10], 3.0);
