@@ -23,3 +23,4 @@ pub mod scrub;
 pub mod store;
 pub mod tenant;
 pub mod untrusted;
+pub mod verify;

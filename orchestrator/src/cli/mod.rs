@@ -6,6 +6,7 @@ mod model;
 mod output;
 mod progress;
 mod top;
+mod verify;
 
 use progress::{logs, op, wait_for};
 
@@ -50,7 +51,7 @@ pub mod exit {
     /// Over the tenant's request rate or concurrency (429): retry later.
     pub const QUOTA: u8 = 13;
     /// The tenant's disk has no room for it (507, `model push`).
-    pub const NO_SPACE: u8 = 14;
+    pub const NO_SPACE: u8 = 15;
     /// Whoever read the output went away (`tenantvm ... | head`): the command stopped
     /// quietly, with the status of a command killed by SIGPIPE (128 + 13).
     pub const BROKEN_PIPE: u8 = 141;
@@ -79,7 +80,7 @@ const DEFAULT_TOKEN_FILE: &str = "/var/lib/tenantvm/admin.token";
 /// 5 no such tenant, 6 conflict (name taken, busy, wrong state), 7 invalid request,
 /// 8 operation failed, 9 daemon error, 10 forbidden, 11 plan does not fit,
 /// 12 host check failed, 13 over the tenant's request rate or concurrency (retry later),
-/// 14 no room on the tenant's disk (`model push`),
+/// 14 `verify`: a check failed or was inconclusive, 15 no room on the tenant's disk (`model push`),
 /// 141 the reader of the output went away (`| head`), quietly.
 #[derive(Debug, Parser)]
 #[command(name = "tenantvm", version, verbatim_doc_comment)]
@@ -144,6 +145,8 @@ pub enum Command {
     Model(model::ModelCommand),
     /// Per-tenant metrics as a live table (admin: every tenant; a tenant token: its own).
     Top(top::TopArgs),
+    // Its help is VerifyArgs' own (a man page: the checks, probes, report, exit statuses).
+    Verify(verify::VerifyArgs),
     /// Inspect this host.
     Host {
         /// What to do.
@@ -592,6 +595,9 @@ async fn run_inner(cli: Cli, out: &mut dyn Write, err: &mut dyn Write) -> Result
         Command::Host {
             command: HostCommand::Check(args),
         } => return host_check(args, out),
+        Command::Verify(a) => {
+            return verify::run(a, cli.socket.clone(), read_token(&cli)?, out, err).await
+        }
         _ => {}
     }
     // Validate local input before looking for a token, so a bad spec says so first.
@@ -735,7 +741,7 @@ async fn run_inner(cli: Cli, out: &mut dyn Write, err: &mut dyn Write) -> Result
         Command::Receipt(ReceiptCommand::Verify(_)) | Command::Gpu(GpuCommand::ScrubDevice(_)) => {
             Err(fail(exit::OTHER, "local command reached the client"))
         }
-        Command::Plan(_) | Command::Host { .. } => Ok(()), // returned above
+        Command::Plan(_) | Command::Host { .. } | Command::Verify(_) => Ok(()), // returned above
     }
 }
 
