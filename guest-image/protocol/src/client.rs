@@ -628,7 +628,8 @@ impl AgentClient {
     }
 
     /// Forwards an HTTP request to the payload and streams its answer: returns the head
-    /// (within `idle`), and the body as a reader that yields each data frame as the agent
+    /// (by `deadline`: a payload answering without streaming sends its head only with the
+    /// whole answer), and the body as a reader that yields each data frame as the agent
     /// sends it. Every read of the body waits at most `idle` for the guest and none goes
     /// past `deadline`; a data frame over [`MAX_DATA_LEN`] bytes is refused before it is
     /// buffered. Consumes the connection (one request per connection).
@@ -638,9 +639,13 @@ impl AgentClient {
         idle: Duration,
         deadline: Instant,
     ) -> Result<(HttpHead, InferBody), AgentClientError> {
-        let first = deadline.min(Instant::now() + idle);
-        let id = self.send(&Request::InferStream(req), first, idle)?;
-        let resp = self.receive_any(&[id], first, idle)?;
+        let whole = deadline.saturating_duration_since(Instant::now());
+        let id = self.send(
+            &Request::InferStream(req),
+            deadline.min(Instant::now() + idle),
+            idle,
+        )?;
+        let resp = self.receive_any(&[id], deadline, whole)?;
         match resp.outcome {
             Outcome::Ok(Reply::InferHead(head)) => Ok((
                 head,
