@@ -125,7 +125,7 @@ impl Client {
         Ok((status, bytes))
     }
 
-    async fn call<T: DeserializeOwned>(
+    pub(crate) async fn call<T: DeserializeOwned>(
         &self,
         method: Method,
         path: &str,

@@ -138,6 +138,16 @@ pub struct DaemonArgs {
     /// Let tenants reserve up to RATIO vCPUs per host CPU (1 = no overcommit, the default).
     #[arg(long, value_name = "RATIO", default_value_t = 1.0, value_parser = parse_overcommit)]
     pub vcpu_overcommit: f64,
+    /// Serve tenants' clients (the OpenAI-compatible front door, docs/frontdoor.md) on this
+    /// TCP address, with TLS; needs --tls-cert and --tls-key.
+    #[arg(long, value_name = "ADDR:PORT", requires_all = ["tls_cert", "tls_key"])]
+    pub listen: Option<std::net::SocketAddr>,
+    /// The front door's certificate chain (PEM).
+    #[arg(long, value_name = "FILE", requires = "listen")]
+    pub tls_cert: Option<PathBuf>,
+    /// The front door's private key (PEM).
+    #[arg(long, value_name = "FILE", requires = "listen")]
+    pub tls_key: Option<PathBuf>,
 }
 
 fn parse_overcommit(s: &str) -> Result<f64, String> {
@@ -358,6 +368,14 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
         );
     }
 
+    // The front door's certificate and port are checked before anything is served.
+    let front_door = match (&args.listen, &args.tls_cert, &args.tls_key) {
+        (Some(addr), Some(cert), Some(key)) => Some((
+            crate::frontdoor::tls_config(cert, key)?,
+            crate::frontdoor::bind(*addr).await?,
+        )),
+        _ => None,
+    };
     let listener = bind(&args.socket).await?;
     // Every live tenant is marked as recovering before the first request is served; the
     // recovery itself runs in the background, each tenant on its own thread.
@@ -375,6 +393,15 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
 
     announce(&format!("tenantvmd: serving on {}", args.socket.display()));
     let housekeeper = tokio::spawn(housekeeping(svc.clone()));
+    let (door_stop_tx, door_stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let door = front_door.map(|(tls, tcp)| {
+        if let Ok(addr) = tcp.local_addr() {
+            announce(&format!("tenantvmd: front door on https://{addr}"));
+        }
+        tokio::spawn(crate::frontdoor::serve(tcp, tls, svc.clone(), async move {
+            let _ = door_stop_rx.await;
+        }))
+    });
     let app = crate::api::router(svc.clone());
     let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
     let mut server = tokio::spawn(async move {
@@ -391,6 +418,11 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
     // Stopping: operations give up at their next wait; new connections are refused.
     svc.request_stop();
     housekeeper.abort();
+    // The front door takes no new connections; requests in flight end with their guests'.
+    let _ = door_stop_tx.send(());
+    if let Some(door) = door {
+        let _ = tokio::time::timeout(DRAIN_REQUESTS, door).await;
+    }
     let served = match served {
         Some(ended) => ended,
         None => {

@@ -1,7 +1,7 @@
 //! The agent's state machine: one [`Agent`] owns the disk and payload state and answers
 //! each [`Request`]. Channels (server.rs) only move frames.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -11,14 +11,16 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 use tenantvm_agent_protocol::{
-    AgentFailure, DiskKey, DiskState, ErrorCode, HttpRequest, Outcome, PayloadState, Reply,
-    Request, ShutdownReport, StatusReply, MAX_BODY_LEN, PROTOCOL_VERSION,
+    encode_data, AgentFailure, DiskKey, DiskState, ErrorCode, HttpHead, HttpRequest, Outcome,
+    PayloadState, Reply, Request, ResponseFrame, ShutdownReport, StatusReply, MAX_BODY_LEN,
+    MAX_DATA_LEN, PROTOCOL_VERSION,
 };
 
 use crate::config::AgentConfig;
 use crate::disk::{self, DiskError};
 use crate::http1;
 use crate::logbuf::LogBuffer;
+use crate::models;
 use crate::reaper::Reaper;
 
 /// Most log lines returned by one `logs` request.
@@ -145,6 +147,16 @@ impl Agent {
                 (Outcome::Ok(Reply::Logs { lines, next }), After::Continue)
             }
             Request::Infer(http) => (self.infer(&http), After::Continue),
+            Request::ModelList => (self.model_list(), After::Continue),
+            Request::ModelRemove { name } => (self.model_remove(&name), After::Continue),
+            // Answered by `infer_stream` / `model_push` on the connection itself (server.rs).
+            Request::InferStream(_) | Request::ModelPush { .. } => (
+                failure(
+                    ErrorCode::BadRequest,
+                    "infer-stream and model-push take a connection of their own (vsock)",
+                ),
+                After::Continue,
+            ),
             Request::Shutdown => (
                 Outcome::Ok(Reply::ShuttingDown(self.shutdown())),
                 After::PowerOff,
@@ -331,6 +343,150 @@ impl Agent {
             Ok(resp) => Outcome::Ok(Reply::Infer(resp)),
             Err(e) => failure(ErrorCode::PayloadUnavailable, e),
         }
+    }
+
+    /// Answers [`Request::InferStream`] on `w`: the payload's head as a
+    /// [`Reply::InferHead`] frame, then its body as data frames of at most
+    /// [`MAX_DATA_LEN`] bytes, each sent as soon as the payload produced it, and an empty
+    /// one at the end. A payload that fails before its head gets an error answer; one that
+    /// breaks off mid-body gets the connection closed without the empty frame (the host
+    /// tells a cut stream from a complete one). The connection serves nothing else
+    /// afterwards (one request per connection).
+    pub fn infer_stream(&self, id: u64, req: &HttpRequest, w: &mut impl Write) {
+        let send = |w: &mut dyn Write, outcome: Outcome| {
+            crate::server::send(w, &ResponseFrame { id, outcome })
+        };
+        if !matches!(self.payload_state(), PayloadState::Running { .. })
+            || self.state().shutting_down
+        {
+            send(
+                w,
+                failure(
+                    ErrorCode::PayloadUnavailable,
+                    "The payload is not running; start it first",
+                ),
+            );
+            return;
+        }
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.cfg.payload.port));
+        let opened = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+            .map_err(|e| format!("Cannot connect to the payload on {addr}: {e}"))
+            .and_then(|stream| {
+                stream
+                    .set_read_timeout(Some(INFER_TIMEOUT))
+                    .and_then(|()| stream.set_write_timeout(Some(INFER_TIMEOUT)))
+                    .map_err(|e| e.to_string())?;
+                http1::exchange_stream(stream, &addr.to_string(), req).map_err(|e| e.to_string())
+            });
+        let (status, headers, mut body) = match opened {
+            Ok(parts) => parts,
+            Err(e) => {
+                send(w, failure(ErrorCode::PayloadUnavailable, e));
+                return;
+            }
+        };
+        if !send(
+            w,
+            Outcome::Ok(Reply::InferHead(HttpHead { status, headers })),
+        ) {
+            return;
+        }
+        let mut buf = vec![0u8; MAX_DATA_LEN as usize];
+        loop {
+            let n = match body.next_piece(&mut buf) {
+                Ok(n) => n,
+                Err(e) => {
+                    self.log(&format!("a streamed answer broke off: {e}"));
+                    return;
+                }
+            };
+            let Ok(frame) = encode_data(&buf[..n]) else {
+                return;
+            };
+            if w.write_all(&frame).and_then(|()| w.flush()).is_err() || n == 0 {
+                return;
+            }
+        }
+    }
+
+    /// The models directory, if the data disk is mounted.
+    fn models_dir(&self) -> Result<std::path::PathBuf, Outcome> {
+        if self.state().disk != DiskState::Mounted {
+            return Err(failure(
+                ErrorCode::WrongState,
+                "The data disk is not mounted; start the tenant first",
+            ));
+        }
+        Ok(self.cfg.disk.mount_point.join(models::MODELS_DIR))
+    }
+
+    fn model_list(&self) -> Outcome {
+        let dir = match self.models_dir() {
+            Ok(d) => d,
+            Err(o) => return o,
+        };
+        match models::list(&dir) {
+            Ok(models) => Outcome::Ok(Reply::Models { models }),
+            Err(e) => failure(e.code(), e.to_string()),
+        }
+    }
+
+    fn model_remove(&self, name: &str) -> Outcome {
+        let dir = match self.models_dir() {
+            Ok(d) => d,
+            Err(o) => return o,
+        };
+        match models::remove(&dir, name) {
+            Ok(()) => {
+                self.log(&format!("model {name} removed"));
+                Outcome::Ok(Reply::ModelRemoved)
+            }
+            Err(e) => failure(e.code(), e.to_string()),
+        }
+    }
+
+    /// Answers [`Request::ModelPush`] on its connection: checks, [`Reply::ModelReady`], the
+    /// data frames from `r`, then [`Reply::ModelStored`] or the error (nothing stored).
+    pub fn model_push(
+        &self,
+        id: u64,
+        (name, size, sha256): (&str, u64, &str),
+        r: &mut impl std::io::Read,
+        w: &mut impl Write,
+    ) {
+        let send = |w: &mut dyn Write, outcome: Outcome| {
+            crate::server::send(w, &ResponseFrame { id, outcome })
+        };
+        let dir = match self.models_dir() {
+            Ok(d) => d,
+            Err(o) => {
+                send(w, o);
+                return;
+            }
+        };
+        let free = models::free_bytes(&self.cfg.disk.mount_point).unwrap_or(0);
+        if let Err(e) = models::check(&dir, name, size, sha256, free) {
+            send(w, failure(e.code(), e.to_string()));
+            return;
+        }
+        if !send(w, Outcome::Ok(Reply::ModelReady)) {
+            return;
+        }
+        let outcome = match models::receive(&dir, name, size, sha256, r) {
+            Ok((bytes, sha256)) => {
+                self.log(&format!("model {name} stored ({bytes} bytes)"));
+                Outcome::Ok(Reply::ModelStored {
+                    name: name.to_string(),
+                    bytes,
+                    sha256,
+                })
+            }
+            Err(e) => {
+                self.log(&format!("model {name} not stored: {e}"));
+                failure(e.code(), e.to_string())
+            }
+        };
+        send(w, outcome);
     }
 
     /// Stops the payload, unmounts, closes dm-crypt and syncs. The caller powers off.

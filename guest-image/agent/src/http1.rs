@@ -281,13 +281,9 @@ pub fn write_response(
     w.flush()
 }
 
-/// Sends `req` to `stream` (a fresh connection to the payload) and reads the response.
-pub fn exchange<S: Read + Write>(
-    stream: S,
-    host: &str,
-    req: &HttpRequest,
-    max_body: usize,
-) -> Result<HttpResponse, HttpCodecError> {
+/// Writes `req` to `w` with `Connection: close` and the body's length (a fresh connection
+/// to the payload); every field is checked so nothing can inject headers.
+fn write_request(w: &mut impl Write, host: &str, req: &HttpRequest) -> Result<(), HttpCodecError> {
     if !is_token(&req.method) {
         return Err(HttpCodecError::InvalidField("method"));
     }
@@ -309,12 +305,17 @@ pub fn exchange<S: Read + Write>(
         "Content-Length: {}\r\nConnection: close\r\n\r\n",
         req.body.len()
     ));
-    let mut r = BufReader::new(stream);
-    r.get_mut().write_all(head.as_bytes())?;
-    r.get_mut().write_all(req.body.as_bytes())?;
-    r.get_mut().flush()?;
+    w.write_all(head.as_bytes())?;
+    w.write_all(req.body.as_bytes())?;
+    w.flush()?;
+    Ok(())
+}
 
-    let head = read_block(&mut r)?.ok_or(HttpCodecError::Truncated)?;
+/// Reads a response head: status and headers.
+fn read_response_head(
+    r: &mut impl BufRead,
+) -> Result<(u16, Vec<(String, String)>), HttpCodecError> {
+    let head = read_block(r)?.ok_or(HttpCodecError::Truncated)?;
     let mut parsed_headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut parsed = httparse::Response::new(&mut parsed_headers);
     complete(parsed.parse(&head).map_err(head_error)?)?;
@@ -322,13 +323,135 @@ pub fn exchange<S: Read + Write>(
         .code
         .filter(|s| (100..600).contains(s))
         .ok_or(HttpCodecError::Malformed("bad status line"))?;
-    let headers = owned_headers(parsed.headers)?;
+    Ok((status, owned_headers(parsed.headers)?))
+}
+
+/// Sends `req` to `stream` (a fresh connection to the payload) and reads the response.
+pub fn exchange<S: Read + Write>(
+    stream: S,
+    host: &str,
+    req: &HttpRequest,
+    max_body: usize,
+) -> Result<HttpResponse, HttpCodecError> {
+    let mut r = BufReader::new(stream);
+    write_request(r.get_mut(), host, req)?;
+    let (status, headers) = read_response_head(&mut r)?;
     let body = read_body(&mut r, &headers, max_body, true)?;
     Ok(HttpResponse {
         status,
         headers,
         body: String::from_utf8_lossy(&body).into_owned(),
     })
+}
+
+/// How a streamed response body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    /// `Transfer-Encoding: chunked`; bytes left in the current chunk (0: read a size line).
+    Chunked { left: u64 },
+    /// `Content-Length`; bytes left.
+    Length(u64),
+    /// Until the peer closes.
+    Eof,
+    /// Done.
+    Done,
+}
+
+/// A response body read piece by piece, as the payload sends it: what
+/// [`exchange_stream`] returns after the head. Each piece is at most the caller's buffer.
+pub struct BodyStream<S: Read> {
+    r: BufReader<S>,
+    framing: Framing,
+}
+
+impl<S: Read> BodyStream<S> {
+    /// Reads the next piece of the body into `buf`; `Ok(0)` at its end.
+    pub fn next_piece(&mut self, buf: &mut [u8]) -> Result<usize, HttpCodecError> {
+        loop {
+            match self.framing {
+                Framing::Done => return Ok(0),
+                Framing::Eof => {
+                    let n = self.r.read(buf)?;
+                    if n == 0 {
+                        self.framing = Framing::Done;
+                    }
+                    return Ok(n);
+                }
+                Framing::Length(0) => self.framing = Framing::Done,
+                Framing::Length(left) => {
+                    let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                    let n = self.r.read(&mut buf[..want])?;
+                    if n == 0 {
+                        return Err(HttpCodecError::Truncated);
+                    }
+                    self.framing = Framing::Length(left - n as u64);
+                    return Ok(n);
+                }
+                Framing::Chunked { left: 0 } => {
+                    let mut budget = MAX_CHUNK_LINE;
+                    let line = read_raw_line(&mut self.r, &mut budget)?
+                        .ok_or(HttpCodecError::Truncated)?;
+                    if line.trim_ascii().is_empty() {
+                        return Err(HttpCodecError::Malformed("bad chunk size"));
+                    }
+                    let size = match httparse::parse_chunk_size(&line) {
+                        Ok(httparse::Status::Complete((_, size))) => size,
+                        _ => return Err(HttpCodecError::Malformed("bad chunk size")),
+                    };
+                    if size == 0 {
+                        read_block(&mut self.r)?.ok_or(HttpCodecError::Truncated)?;
+                        self.framing = Framing::Done;
+                    } else {
+                        self.framing = Framing::Chunked { left: size };
+                    }
+                }
+                Framing::Chunked { left } => {
+                    let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                    let n = self.r.read(&mut buf[..want])?;
+                    if n == 0 {
+                        return Err(HttpCodecError::Truncated);
+                    }
+                    let left = left - n as u64;
+                    if left == 0 {
+                        let mut budget = 2;
+                        if read_raw_line(&mut self.r, &mut budget)?.as_deref() != Some(b"\r\n") {
+                            return Err(HttpCodecError::Malformed("chunk not followed by CRLF"));
+                        }
+                    }
+                    self.framing = Framing::Chunked { left };
+                    return Ok(n);
+                }
+            }
+        }
+    }
+}
+
+/// A streamed response: status, headers, and the body still to be read.
+pub type StreamedResponse<S> = (u16, Vec<(String, String)>, BodyStream<S>);
+
+/// Sends `req` to `stream` (a fresh connection to the payload) and returns the response's
+/// status and headers as soon as they arrive, and its body as a [`BodyStream`].
+pub fn exchange_stream<S: Read + Write>(
+    stream: S,
+    host: &str,
+    req: &HttpRequest,
+) -> Result<StreamedResponse<S>, HttpCodecError> {
+    let mut r = BufReader::new(stream);
+    write_request(r.get_mut(), host, req)?;
+    let (status, headers) = read_response_head(&mut r)?;
+    let framing = if header(&headers, "transfer-encoding")
+        .is_some_and(|v| v.eq_ignore_ascii_case("chunked"))
+    {
+        Framing::Chunked { left: 0 }
+    } else if let Some(len) = header(&headers, "content-length") {
+        Framing::Length(
+            len.parse()
+                .map_err(|_| HttpCodecError::Malformed("bad Content-Length"))?,
+        )
+    } else {
+        Framing::Eof
+    };
+    Ok((status, headers, BodyStream { r, framing }))
 }
 
 #[cfg(test)]
@@ -396,6 +519,53 @@ mod tests {
         };
         let r = exchange(&mut d, "h", &post(""), 100).unwrap();
         assert_eq!((r.status, r.body.as_str()), (404, "nope"));
+    }
+
+    fn stream_all(input: &[u8], piece: usize) -> Result<(u16, Vec<Vec<u8>>), HttpCodecError> {
+        let d = Duplex {
+            input: Cursor::new(input.to_vec()),
+            output: Vec::new(),
+        };
+        let (status, _, mut body) = exchange_stream(d, "h", &post(""))?;
+        let mut pieces = Vec::new();
+        let mut buf = vec![0u8; piece];
+        loop {
+            let n = body.next_piece(&mut buf)?;
+            if n == 0 {
+                return Ok((status, pieces));
+            }
+            pieces.push(buf[..n].to_vec());
+        }
+    }
+
+    #[test]
+    fn streamed_bodies_come_out_in_pieces_no_larger_than_the_buffer() {
+        let chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n5;x=y\r\ndefgh\r\n0\r\n\r\n";
+        let (status, pieces) = stream_all(chunked, 2).unwrap();
+        assert_eq!(status, 200);
+        assert!(pieces.iter().all(|p| p.len() <= 2));
+        assert_eq!(pieces.concat(), b"abcdefgh");
+        let (_, pieces) = stream_all(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nwxyzIGNORED",
+            64,
+        )
+        .unwrap();
+        assert_eq!(pieces.concat(), b"wxyz");
+        let (status, pieces) = stream_all(b"HTTP/1.0 404 Not Found\r\n\r\nnope", 64).unwrap();
+        assert_eq!((status, pieces.concat()), (404, b"nope".to_vec()));
+        for bad in [
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort"[..],
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab",
+            b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n",
+        ] {
+            assert!(
+                stream_all(bad, 64).is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! the state behind the requests and runs the payload, and [`server`] serves the control
 //! channel. The channel's framing and messages, and the host-side client, live in the
 //! `tenantvm-agent-protocol` crate that the orchestrator shares. [`http1`] is shared by
-//! the agent's forwarder and the CI payload server.
+//! the agent's forwarder and the CI payload server. [`models`] stores the tenant's own
+//! models on its disk.
 
 pub mod agent;
 pub mod config;
@@ -14,5 +15,6 @@ pub mod http1;
 pub mod init;
 pub mod kmod;
 pub mod logbuf;
+pub mod models;
 pub mod reaper;
 pub mod server;

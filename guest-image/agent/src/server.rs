@@ -19,13 +19,16 @@ use thiserror::Error;
 
 use tenantvm_agent_protocol::{
     decode_body, encode_frame, read_frame, resync, salvage_id, skip_body, AgentFailure, ErrorCode,
-    FrameError, Outcome, RequestFrame, ResponseFrame, AGENT_VSOCK_PORT, VIRTIO_SERIAL_PORT_NAME,
+    FrameError, Outcome, Request, RequestFrame, ResponseFrame, AGENT_VSOCK_PORT,
+    VIRTIO_SERIAL_PORT_NAME,
 };
 
 use crate::agent::{After, Agent};
 
-/// Most connections served at once on a socket channel.
-pub const MAX_CONNECTIONS: usize = 4;
+/// Most connections served at once on a socket channel: each streamed inference request
+/// has one of its own (the host's per-tenant `max_concurrency` is the real limit; this
+/// one only bounds the agent's threads).
+pub const MAX_CONNECTIONS: usize = 256;
 /// Most garbage bytes skipped while looking for the next frame.
 const MAX_RESYNC: usize = 1 << 20;
 /// The virtio device id of vsock.
@@ -63,7 +66,9 @@ fn error_frame(id: u64, code: ErrorCode, message: String) -> ResponseFrame {
     }
 }
 
-fn send(w: &mut impl Write, resp: &ResponseFrame) -> bool {
+/// Writes one answer frame (an unencodable one becomes a `too-large` error); false when
+/// the host is gone.
+pub(crate) fn send(w: &mut (impl Write + ?Sized), resp: &ResponseFrame) -> bool {
     let frame = match encode_frame(resp) {
         Ok(f) => f,
         Err(e) => match encode_frame(&error_frame(resp.id, ErrorCode::TooLarge, e.to_string())) {
@@ -114,6 +119,22 @@ pub fn serve_stream(agent: &Agent, mut r: impl Read, mut writer: impl Write) -> 
             }
         };
         let resp = match decode_body::<RequestFrame>(&body) {
+            Ok(RequestFrame {
+                id,
+                request: Request::InferStream(http),
+            }) => {
+                // The connection is the stream's: it ends with the answer.
+                agent.infer_stream(id, &http, &mut writer);
+                return StreamEnd::Closed;
+            }
+            Ok(RequestFrame {
+                id,
+                request: Request::ModelPush { name, size, sha256 },
+            }) => {
+                // The connection carries the model's data frames, then ends.
+                agent.model_push(id, (&name, size, &sha256), &mut r, &mut writer);
+                return StreamEnd::Closed;
+            }
             Ok(frame) => {
                 let (outcome, after) = agent.handle(frame.request);
                 let resp = ResponseFrame {
@@ -178,7 +199,7 @@ pub fn serve_vsock(agent: &Agent) -> Result<(), ChannelError> {
         &VsockAddr::new(libc::VMADDR_CID_ANY, AGENT_VSOCK_PORT),
     )
     .map_err(|e| setup(e.into()))?;
-    listen(&fd, Backlog::new(4).map_err(|e| setup(e.into()))?).map_err(|e| setup(e.into()))?;
+    listen(&fd, Backlog::new(64).map_err(|e| setup(e.into()))?).map_err(|e| setup(e.into()))?;
     agent.set_channel("vsock");
     agent.log(&format!("serving vsock port {AGENT_VSOCK_PORT}"));
     serve_connections(agent, &fd);
@@ -501,6 +522,29 @@ mod tests {
                 payload: tenantvm_agent_protocol::PayloadState::NotStarted
             })
         ));
+    }
+
+    #[test]
+    fn a_stream_request_without_a_payload_is_an_error_and_ends_the_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut host, h) = serve_pair(agent(dir.path()));
+        let resp = ask(
+            &mut host,
+            9,
+            Request::InferStream(tenantvm_agent_protocol::HttpRequest {
+                method: "POST".into(),
+                path: "/v1/completions".into(),
+                headers: vec![],
+                body: "{}".into(),
+            }),
+        );
+        assert_eq!(
+            (resp.id, error_code(&resp)),
+            (9, ErrorCode::PayloadUnavailable)
+        );
+        assert_eq!(h.join().unwrap(), StreamEnd::Closed);
+        let mut buf = [0u8; 1];
+        assert_eq!(host.read(&mut buf).unwrap(), 0);
     }
 
     #[test]

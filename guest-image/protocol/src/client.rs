@@ -21,10 +21,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use thiserror::Error;
 
 use crate::channel::{self, ChannelError};
-use crate::frame::{decode_body, encode_frame, FrameDecoder, FrameError};
+use crate::frame::{decode_body, encode_frame, FrameDecoder, FrameError, MAX_DATA_LEN};
 use crate::message::{
-    AgentFailure, DiskKey, DiskState, HttpRequest, HttpResponse, LogLine, Outcome, PayloadState,
-    Reply, Request, RequestFrame, ResponseFrame, ShutdownReport, StatusReply, AGENT_VSOCK_PORT,
+    AgentFailure, DiskKey, DiskState, HttpHead, HttpRequest, HttpResponse, LogLine, ModelEntry,
+    Outcome, PayloadState, Reply, Request, RequestFrame, ResponseFrame, ShutdownReport,
+    StatusReply, AGENT_VSOCK_PORT,
 };
 
 /// Most unrelated responses skipped while waiting for one id.
@@ -198,6 +199,10 @@ fn what(req: &Request) -> &'static str {
         Request::Health => "health",
         Request::Logs { .. } => "logs",
         Request::Infer(_) => "infer",
+        Request::InferStream(_) => "infer-stream",
+        Request::ModelPush { .. } => "model-push",
+        Request::ModelList => "model-list",
+        Request::ModelRemove { .. } => "model-remove",
         Request::Shutdown => "shutdown",
     }
 }
@@ -622,12 +627,230 @@ impl AgentClient {
         }
     }
 
+    /// Forwards an HTTP request to the payload and streams its answer: returns the head
+    /// (by `deadline`: a payload answering without streaming sends its head only with the
+    /// whole answer), and the body as a reader that yields each data frame as the agent
+    /// sends it. Every read of the body waits at most `idle` for the guest and none goes
+    /// past `deadline`; a data frame over [`MAX_DATA_LEN`] bytes is refused before it is
+    /// buffered. Consumes the connection (one request per connection).
+    pub fn infer_stream(
+        mut self,
+        req: HttpRequest,
+        idle: Duration,
+        deadline: Instant,
+    ) -> Result<(HttpHead, InferBody), AgentClientError> {
+        let whole = deadline.saturating_duration_since(Instant::now());
+        let id = self.send(
+            &Request::InferStream(req),
+            deadline.min(Instant::now() + idle),
+            idle,
+        )?;
+        let resp = self.receive_any(&[id], deadline, whole)?;
+        match resp.outcome {
+            Outcome::Ok(Reply::InferHead(head)) => Ok((
+                head,
+                InferBody {
+                    client: self,
+                    frame: Vec::new(),
+                    pos: 0,
+                    idle,
+                    deadline,
+                    ended: false,
+                },
+            )),
+            Outcome::Ok(_) => Err(AgentClientError::UnexpectedReply {
+                what: "infer-stream",
+            }),
+            Outcome::Err(failure) => Err(AgentClientError::Agent {
+                what: "infer-stream",
+                failure,
+            }),
+        }
+    }
+
+    /// Stores a model on the tenant's disk ([`Request::ModelPush`]): `size` bytes read from
+    /// `data`, which must hash to `sha256`. Each agent answer is awaited at most
+    /// `timeout`, each data frame's write too. Consumes the connection. Returns the bytes
+    /// stored and their hash as the agent checked them.
+    pub fn model_push(
+        mut self,
+        name: &str,
+        size: u64,
+        sha256: &str,
+        data: &mut dyn io::Read,
+        timeout: Duration,
+    ) -> Result<(u64, String), AgentClientError> {
+        let what = "model-push";
+        let by = || Instant::now() + timeout;
+        let id = self.send(
+            &Request::ModelPush {
+                name: name.to_string(),
+                size,
+                sha256: sha256.to_string(),
+            },
+            by(),
+            timeout,
+        )?;
+        match self.receive_any(&[id], by(), timeout)?.outcome {
+            Outcome::Ok(Reply::ModelReady) => {}
+            Outcome::Ok(_) => return Err(AgentClientError::UnexpectedReply { what }),
+            Outcome::Err(failure) => return Err(AgentClientError::Agent { what, failure }),
+        }
+        let mut buf = vec![0u8; MAX_DATA_LEN as usize];
+        loop {
+            let n = match data.read(&mut buf) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // Closing without the end frame: the agent drops the partial file.
+                    self.broken = true;
+                    return Err(AgentClientError::Io(e));
+                }
+            };
+            let frame = crate::frame::encode_data(&buf[..n]).map_err(AgentClientError::Encode)?;
+            if let Err(e) = channel::write_all_by(&mut self.stream, &frame, by()) {
+                self.broken = true;
+                return Err(match e {
+                    ChannelError::TimedOut => AgentClientError::Timeout {
+                        what: "model data",
+                        timeout,
+                    },
+                    ChannelError::Io(e) => e.into(),
+                });
+            }
+            if n == 0 {
+                break;
+            }
+        }
+        match self.receive_any(&[id], by(), timeout)?.outcome {
+            Outcome::Ok(Reply::ModelStored { bytes, sha256, .. }) => Ok((bytes, sha256)),
+            Outcome::Ok(_) => Err(AgentClientError::UnexpectedReply { what }),
+            Outcome::Err(failure) => Err(AgentClientError::Agent { what, failure }),
+        }
+    }
+
+    /// The stored models.
+    pub fn model_list(&mut self, timeout: Duration) -> Result<Vec<ModelEntry>, AgentClientError> {
+        match self.call(&Request::ModelList, timeout)? {
+            Reply::Models { models } => Ok(models),
+            _ => Err(AgentClientError::UnexpectedReply { what: "model-list" }),
+        }
+    }
+
+    /// Removes a stored model.
+    pub fn model_remove(&mut self, name: &str, timeout: Duration) -> Result<(), AgentClientError> {
+        match self.call(
+            &Request::ModelRemove {
+                name: name.to_string(),
+            },
+            timeout,
+        )? {
+            Reply::ModelRemoved => Ok(()),
+            _ => Err(AgentClientError::UnexpectedReply {
+                what: "model-remove",
+            }),
+        }
+    }
+
     /// Asks for a clean shutdown; the guest powers off after answering.
     pub fn shutdown(&mut self, timeout: Duration) -> Result<ShutdownReport, AgentClientError> {
         match self.call(&Request::Shutdown, timeout)? {
             Reply::ShuttingDown(report) => Ok(report),
             _ => Err(AgentClientError::UnexpectedReply { what: "shutdown" }),
         }
+    }
+}
+
+/// The body of a streamed answer ([`AgentClient::infer_stream`]): reads return the bytes
+/// of the agent's data frames as they arrive. Ends (reads 0) at the agent's empty frame;
+/// a connection that closes before it is an `UnexpectedEof` error, a guest silent for
+/// longer than the idle time or past the deadline a `TimedOut` one, an oversized or
+/// malformed frame an `InvalidData` one. Holds at most one data frame.
+pub struct InferBody {
+    client: AgentClient,
+    frame: Vec<u8>,
+    pos: usize,
+    idle: Duration,
+    deadline: Instant,
+    ended: bool,
+}
+
+impl std::fmt::Debug for InferBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InferBody")
+            .field("ended", &self.ended)
+            .finish_non_exhaustive()
+    }
+}
+
+impl InferBody {
+    /// The next data frame's bytes (empty at the end of the stream).
+    fn next_frame(&mut self) -> io::Result<Vec<u8>> {
+        let invalid = |e: FrameError| io::Error::new(io::ErrorKind::InvalidData, e.to_string());
+        let mut buf = [0u8; 16 * 1024];
+        loop {
+            if let Some(header) = self.client.decoder.peek_header().map_err(invalid)? {
+                if header.len > MAX_DATA_LEN {
+                    return Err(invalid(FrameError::TooLarge {
+                        len: u64::from(header.len),
+                        max: MAX_DATA_LEN,
+                    }));
+                }
+                if let Some(body) = self.client.decoder.next_frame().map_err(invalid)? {
+                    return Ok(body.to_vec());
+                }
+            } else {
+                // Rejects a wrong magic as soon as it shows.
+                self.client.decoder.next_frame().map_err(invalid)?;
+            }
+            let now = Instant::now();
+            if now >= self.deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the guest's answer ran past the request's deadline",
+                ));
+            }
+            let by = self.deadline.min(now + self.idle);
+            match channel::read_by(&mut self.client.stream, &mut buf, by) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the guest closed the stream before its end",
+                    ))
+                }
+                Ok(n) => self.client.decoder.push(&buf[..n]),
+                Err(ChannelError::TimedOut) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("the guest sent nothing for {:?}", self.idle),
+                    ))
+                }
+                Err(ChannelError::Io(e)) => return Err(e),
+            }
+        }
+    }
+}
+
+impl io::Read for InferBody {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        while !self.ended && self.pos >= self.frame.len() {
+            let frame = match self.next_frame() {
+                Ok(f) => f,
+                Err(e) => {
+                    // A failed stream stays failed: nothing after it can be trusted.
+                    self.ended = true;
+                    self.frame.clear();
+                    return Err(e);
+                }
+            };
+            self.ended = frame.is_empty();
+            self.frame = frame;
+            self.pos = 0;
+        }
+        let n = out.len().min(self.frame.len() - self.pos);
+        out[..n].copy_from_slice(&self.frame[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
     }
 }
 
@@ -769,6 +992,205 @@ mod tests {
             c.health(Duration::from_secs(5)),
             Err(AgentClientError::UnexpectedReply { what: "health" })
         ));
+    }
+
+    fn stream_request(s: &mut UnixStream) -> u64 {
+        let req = next_request(s);
+        assert!(matches!(req.request, Request::InferStream(_)), "{req:?}");
+        req.id
+    }
+
+    fn head(s: &mut UnixStream, id: u64) {
+        answer(
+            s,
+            id,
+            Outcome::Ok(Reply::InferHead(HttpHead {
+                status: 200,
+                headers: vec![("Content-Type".into(), "text/event-stream".into())],
+            })),
+        );
+    }
+
+    fn get() -> HttpRequest {
+        HttpRequest {
+            method: "POST".into(),
+            path: "/v1/completions".into(),
+            headers: vec![],
+            body: "{}".into(),
+        }
+    }
+
+    #[test]
+    fn a_streamed_answer_arrives_piece_by_piece_and_ends_at_the_empty_frame() {
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let (_d, ep) = fake_guest(move |mut s| {
+            let id = stream_request(&mut s);
+            head(&mut s, id);
+            s.write_all(&crate::frame::encode_data(b"data: 1\n\n").unwrap())
+                .unwrap();
+            // The second piece only after the client has read the first.
+            go_rx.recv().unwrap();
+            s.write_all(&crate::frame::encode_data(b"data: [DONE]\n\n").unwrap())
+                .unwrap();
+            s.write_all(&crate::frame::encode_data(b"").unwrap())
+                .unwrap();
+            thread::sleep(Duration::from_secs(1));
+        });
+        let c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let (h, mut body) = c
+            .infer_stream(get(), Duration::from_secs(5), deadline)
+            .unwrap();
+        assert_eq!(h.status, 200);
+        let mut buf = [0u8; 64];
+        let n = io::Read::read(&mut body, &mut buf).unwrap();
+        assert_eq!(&buf[..n], b"data: 1\n\n");
+        go_tx.send(()).unwrap();
+        let mut rest = Vec::new();
+        io::Read::read_to_end(&mut body, &mut rest).unwrap();
+        assert_eq!(rest, b"data: [DONE]\n\n");
+        assert_eq!(io::Read::read(&mut body, &mut buf).unwrap(), 0);
+    }
+
+    #[test]
+    fn hostile_streams_are_errors_not_memory_or_waits() {
+        // An oversized data frame is refused from its header alone.
+        let (_d, ep) = fake_guest(|mut s| {
+            let id = stream_request(&mut s);
+            head(&mut s, id);
+            let mut h = MAGIC.to_vec();
+            h.extend_from_slice(&PROTOCOL_VERSION.to_be_bytes());
+            h.extend_from_slice(&0u16.to_be_bytes());
+            h.extend_from_slice(&(MAX_DATA_LEN + 1).to_be_bytes());
+            s.write_all(&h).unwrap();
+            thread::sleep(Duration::from_secs(2));
+        });
+        let c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
+        let (_, mut body) = c
+            .infer_stream(
+                get(),
+                Duration::from_secs(5),
+                Instant::now() + Duration::from_secs(20),
+            )
+            .unwrap();
+        let e = io::Read::read_to_end(&mut body, &mut Vec::new()).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+
+        // A guest that goes silent is cut off after the idle time.
+        let (_d, ep) = fake_guest(|mut s| {
+            let id = stream_request(&mut s);
+            head(&mut s, id);
+            s.write_all(&crate::frame::encode_data(b"x").unwrap())
+                .unwrap();
+            thread::sleep(Duration::from_secs(5));
+        });
+        let c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
+        let (_, mut body) = c
+            .infer_stream(
+                get(),
+                Duration::from_millis(300),
+                Instant::now() + Duration::from_secs(20),
+            )
+            .unwrap();
+        let mut got = Vec::new();
+        let e = io::Read::read_to_end(&mut body, &mut got).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert_eq!(got, b"x");
+
+        // An endless stream ends at the deadline.
+        let (_d, ep) = fake_guest(|mut s| {
+            let id = stream_request(&mut s);
+            head(&mut s, id);
+            let piece = crate::frame::encode_data(&[b'y'; 1024]).unwrap();
+            while s.write_all(&piece).is_ok() {
+                thread::sleep(Duration::from_millis(5));
+            }
+        });
+        let c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
+        let (_, mut body) = c
+            .infer_stream(
+                get(),
+                Duration::from_secs(5),
+                Instant::now() + Duration::from_millis(500),
+            )
+            .unwrap();
+        let e = io::Read::read_to_end(&mut body, &mut Vec::new()).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+
+        // A guest that closes mid-stream is an error, not a short success.
+        let (_d, ep) = fake_guest(|mut s| {
+            let id = stream_request(&mut s);
+            head(&mut s, id);
+            s.write_all(&crate::frame::encode_data(b"half").unwrap())
+                .unwrap();
+        });
+        let c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
+        let (_, mut body) = c
+            .infer_stream(
+                get(),
+                Duration::from_secs(5),
+                Instant::now() + Duration::from_secs(20),
+            )
+            .unwrap();
+        let e = io::Read::read_to_end(&mut body, &mut Vec::new()).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
+    }
+
+    #[test]
+    fn a_model_push_sends_its_bytes_as_data_frames_and_returns_the_agents_check() {
+        let (_d, ep) = fake_guest(|mut s| {
+            let req = next_request(&mut s);
+            let Request::ModelPush { name, size, .. } = req.request else {
+                panic!("{req:?}")
+            };
+            assert_eq!((name.as_str(), size), ("m", 100_000));
+            answer(&mut s, req.id, Outcome::Ok(Reply::ModelReady));
+            let mut got = Vec::new();
+            loop {
+                let data = read_frame(&mut s).unwrap();
+                assert!(data.len() <= MAX_DATA_LEN as usize);
+                if data.is_empty() {
+                    break;
+                }
+                got.extend_from_slice(&data);
+            }
+            assert_eq!(got, vec![9u8; 100_000]);
+            answer(
+                &mut s,
+                req.id,
+                Outcome::Ok(Reply::ModelStored {
+                    name: "m".into(),
+                    bytes: 100_000,
+                    sha256: "ab".into(),
+                }),
+            );
+        });
+        let c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
+        let data = vec![9u8; 100_000];
+        let (bytes, sha) = c
+            .model_push("m", 100_000, "ab", &mut &data[..], Duration::from_secs(10))
+            .unwrap();
+        assert_eq!((bytes, sha.as_str()), (100_000, "ab"));
+
+        // A refusal before the data (a full disk) is the agent's error.
+        let (_d, ep) = fake_guest(|mut s| {
+            let req = next_request(&mut s);
+            answer(
+                &mut s,
+                req.id,
+                Outcome::Err(AgentFailure {
+                    code: ErrorCode::NoSpace,
+                    message: "full".into(),
+                }),
+            );
+        });
+        let c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
+        match c.model_push("m", 1, "ab", &mut &b"x"[..], Duration::from_secs(10)) {
+            Err(AgentClientError::Agent { failure, .. }) => {
+                assert_eq!(failure.code, ErrorCode::NoSpace)
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -117,6 +117,29 @@ pub fn encode_frame<T: Serialize>(msg: &T) -> Result<Zeroizing<Vec<u8>>, FrameEr
     Ok(out)
 }
 
+/// The largest data frame of a streamed answer ([`encode_data`]): a host reading a stream
+/// holds at most one of these at a time, whatever the guest sends.
+pub const MAX_DATA_LEN: u32 = 64 * 1024;
+
+/// One data frame of a streamed answer: the same header, the raw bytes as the body (an
+/// empty one ends the stream). Refuses more than [`MAX_DATA_LEN`] bytes.
+pub fn encode_data(data: &[u8]) -> Result<Vec<u8>, FrameError> {
+    let len = u32::try_from(data.len())
+        .ok()
+        .filter(|l| *l <= MAX_DATA_LEN)
+        .ok_or(FrameError::TooLarge {
+            len: data.len() as u64,
+            max: MAX_DATA_LEN,
+        })?;
+    let mut out = Vec::with_capacity(HEADER_LEN + data.len());
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&PROTOCOL_VERSION.to_be_bytes());
+    out.extend_from_slice(&0u16.to_be_bytes());
+    out.extend_from_slice(&len.to_be_bytes());
+    out.extend_from_slice(data);
+    Ok(out)
+}
+
 /// Decodes a frame body into a message.
 pub fn decode_body<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, FrameError> {
     Ok(serde_json::from_slice(body)?)
@@ -234,6 +257,17 @@ impl FrameDecoder {
         let body = Zeroizing::new(self.buf[HEADER_LEN..total].to_vec());
         self.buf.drain(..total);
         Ok(Some(body))
+    }
+
+    /// The header of the next frame once its 12 bytes are in, checked, before its body
+    /// arrives (a reader can refuse a long frame before buffering it).
+    pub fn peek_header(&self) -> Result<Option<FrameHeader>, FrameError> {
+        if self.buf.len() < HEADER_LEN {
+            return Ok(None);
+        }
+        let mut header = [0u8; HEADER_LEN];
+        header.copy_from_slice(&self.buf[..HEADER_LEN]);
+        parse_header(&header).map(Some)
     }
 
     /// Bytes held that do not yet form a frame.

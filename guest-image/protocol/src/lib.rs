@@ -18,14 +18,16 @@ pub mod frame;
 pub mod image;
 pub mod message;
 
-pub use client::{AgentClient, AgentClientError, AgentEndpoint, BringUp};
+pub use client::{AgentClient, AgentClientError, AgentEndpoint, BringUp, InferBody};
 pub use frame::{
-    decode_body, encode_frame, parse_header, read_frame, resync, skip_body, FrameDecoder,
-    FrameError, FrameHeader, HEADER_LEN, MAGIC, MAX_BODY_LEN, PROTOCOL_VERSION,
+    decode_body, encode_data, encode_frame, parse_header, read_frame, resync, skip_body,
+    FrameDecoder, FrameError, FrameHeader, HEADER_LEN, MAGIC, MAX_BODY_LEN, MAX_DATA_LEN,
+    PROTOCOL_VERSION,
 };
 pub use image::{ImageSet, ImageSetError};
 pub use message::{
-    salvage_id, AgentFailure, DiskKey, DiskState, ErrorCode, HttpRequest, HttpResponse, KeyError,
-    LogLine, Outcome, PayloadState, Reply, Request, RequestFrame, ResponseFrame, ShutdownReport,
-    StatusReply, AGENT_VSOCK_PORT, MAX_KEY_LEN, MIN_KEY_LEN, VIRTIO_SERIAL_PORT_NAME,
+    salvage_id, AgentFailure, DiskKey, DiskState, ErrorCode, HttpHead, HttpRequest, HttpResponse,
+    KeyError, LogLine, ModelEntry, Outcome, PayloadState, Reply, Request, RequestFrame,
+    ResponseFrame, ShutdownReport, StatusReply, AGENT_VSOCK_PORT, MAX_KEY_LEN, MIN_KEY_LEN,
+    VIRTIO_SERIAL_PORT_NAME,
 };

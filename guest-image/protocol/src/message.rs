@@ -126,6 +126,17 @@ pub struct HttpResponse {
     pub body: String,
 }
 
+/// The head of a streamed answer ([`Request::InferStream`]): what the payload sent before
+/// its body. The body follows as data frames ([`crate::frame::encode_data`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpHead {
+    /// Status code.
+    pub status: u16,
+    /// Response headers.
+    pub headers: Vec<(String, String)>,
+}
+
 /// A command from the host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "kebab-case", deny_unknown_fields)]
@@ -160,8 +171,46 @@ pub enum Request {
     },
     /// Forward an HTTP request to the payload.
     Infer(HttpRequest),
+    /// Forward an HTTP request to the payload and stream its answer back: a
+    /// [`Reply::InferHead`] frame, then the body as it arrives in raw data frames of at most
+    /// [`crate::frame::MAX_DATA_LEN`] bytes each, ended by an empty one. The connection
+    /// carries nothing else afterwards (one request per connection; a socket channel only),
+    /// and the agent closes it without the empty frame if the payload's answer breaks off.
+    InferStream(HttpRequest),
+    /// Store a model on the encrypted disk (`<data>/models/NAME`, where the payload serves
+    /// it by name): the agent answers [`Reply::ModelReady`] (or an error: not mounted, a bad
+    /// name, not enough free space), then reads the model as data frames
+    /// ([`crate::frame::encode_data`], an empty one at the end), writes it under a
+    /// temporary name, checks `size` and `sha256`, fsyncs and renames it, and answers
+    /// [`Reply::ModelStored`]. A transfer that breaks off or does not match leaves nothing
+    /// visible. Takes the connection (socket channels only).
+    ModelPush {
+        /// 1-64 characters of `A-Z a-z 0-9 . _ -`, not starting with `.`.
+        name: String,
+        /// Exact size in bytes.
+        size: u64,
+        /// SHA-256 of the bytes, lowercase hex.
+        sha256: String,
+    },
+    /// List the stored models.
+    ModelList,
+    /// Remove a stored model.
+    ModelRemove {
+        /// Its name.
+        name: String,
+    },
     /// Stop the payload, unmount, close the disk, sync and power off.
     Shutdown,
+}
+
+/// A stored model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelEntry {
+    /// Its name.
+    pub name: String,
+    /// Size in bytes (of the model file, or of a directory's files together).
+    pub bytes: u64,
 }
 
 /// A request with its correlation id.
@@ -280,6 +329,26 @@ pub enum Reply {
     },
     /// Answer to [`Request::Infer`].
     Infer(HttpResponse),
+    /// First answer to [`Request::InferStream`]; data frames follow.
+    InferHead(HttpHead),
+    /// First answer to [`Request::ModelPush`]: send the data frames.
+    ModelReady,
+    /// Last answer to [`Request::ModelPush`]: the model is in place.
+    ModelStored {
+        /// Its name.
+        name: String,
+        /// Bytes written.
+        bytes: u64,
+        /// Their SHA-256, as checked.
+        sha256: String,
+    },
+    /// Answer to [`Request::ModelList`].
+    Models {
+        /// The models, by name.
+        models: Vec<ModelEntry>,
+    },
+    /// Answer to [`Request::ModelRemove`].
+    ModelRemoved,
     /// Answer to [`Request::Shutdown`]; the guest powers off after sending it.
     ShuttingDown(ShutdownReport),
 }
@@ -298,6 +367,12 @@ pub enum ErrorCode {
     BadKey,
     /// The payload is not running or did not answer.
     PayloadUnavailable,
+    /// The data disk has no room for it.
+    NoSpace,
+    /// No such model.
+    NotFound,
+    /// The bytes received do not match the announced size or SHA-256.
+    Mismatch,
     /// Anything else inside the guest.
     Internal,
 }

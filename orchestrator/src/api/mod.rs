@@ -7,7 +7,10 @@
 //! request's own under the budget of whoever it waits for (the target tenant's admission
 //! gate for inference, the caller's lane otherwise); the health check does no blocking work.
 
+pub mod keys;
 pub mod lanes;
+mod metrics;
+pub mod models;
 pub mod types;
 
 use std::sync::Arc;
@@ -435,6 +438,22 @@ pub fn router(svc: TenantService) -> Router {
         .route("/v1/tenants/{name}/start", post(start))
         .route("/v1/tenants/{name}/logs", get(logs))
         .route("/v1/tenants/{name}/infer", post(infer))
+        .route(
+            "/v1/tenants/{name}/keys",
+            get(keys::list).post(keys::create),
+        )
+        .route(
+            "/v1/tenants/{name}/keys/{id}",
+            axum::routing::delete(keys::revoke),
+        )
+        .route("/v1/tenants/{name}/models", get(models::list))
+        .route(
+            "/v1/tenants/{name}/models/{model}",
+            axum::routing::put(models::push)
+                .delete(models::remove)
+                .layer(DefaultBodyLimit::disable()),
+        )
+        .route("/v1/metrics", get(metrics::metrics))
         .route("/v1/receipts", get(receipts))
         .route("/v1/gpu/quarantine", get(quarantine))
         .route("/v1/gpu/quarantine/scrub", post(rescrub))
@@ -446,5 +465,7 @@ pub fn router(svc: TenantService) -> Router {
 
 #[cfg(test)]
 mod isolation_tests;
+#[cfg(test)]
+mod model_tests;
 #[cfg(test)]
 mod tests;

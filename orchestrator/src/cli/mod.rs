@@ -1,8 +1,11 @@
 //! The `tenantvm` command line: a thin client of tenantvmd's API (see [`crate::client`]).
 //! The binary only parses arguments and calls [`run`].
 
+mod key;
+mod model;
 mod output;
 mod progress;
+mod top;
 mod verify;
 
 use progress::{logs, op, wait_for};
@@ -47,6 +50,8 @@ pub mod exit {
     pub const HOST_CHECK_FAILED: u8 = 12;
     /// Over the tenant's request rate or concurrency (429): retry later.
     pub const QUOTA: u8 = 13;
+    /// The tenant's disk has no room for it (507, `model push`).
+    pub const NO_SPACE: u8 = 15;
     /// Whoever read the output went away (`tenantvm ... | head`): the command stopped
     /// quietly, with the status of a command killed by SIGPIPE (128 + 13).
     pub const BROKEN_PIPE: u8 = 141;
@@ -75,6 +80,7 @@ const DEFAULT_TOKEN_FILE: &str = "/var/lib/tenantvm/admin.token";
 /// 5 no such tenant, 6 conflict (name taken, busy, wrong state), 7 invalid request,
 /// 8 operation failed, 9 daemon error, 10 forbidden, 11 plan does not fit,
 /// 12 host check failed, 13 over the tenant's request rate or concurrency (retry later),
+/// 14 `verify`: a check failed or was inconclusive, 15 no room on the tenant's disk (`model push`),
 /// 141 the reader of the output went away (`| head`), quietly.
 #[derive(Debug, Parser)]
 #[command(name = "tenantvm", version, verbatim_doc_comment)]
@@ -131,6 +137,14 @@ pub enum Command {
     /// Size tenants' GPU needs and place them on a host (live, simulated or hypothetical).
     /// Runs locally; needs no daemon.
     Plan(tenantvm_gpu::cli::PlanArgs),
+    /// Inference keys for the front door: `key create|list|revoke TENANT`.
+    #[command(subcommand)]
+    Key(key::KeyCommand),
+    /// A tenant's own models on its encrypted disk: `model push|list|rm TENANT`.
+    #[command(subcommand)]
+    Model(model::ModelCommand),
+    /// Per-tenant metrics as a live table (admin: every tenant; a tenant token: its own).
+    Top(top::TopArgs),
     // Its help is VerifyArgs' own (a man page: the checks, probes, report, exit statuses).
     Verify(verify::VerifyArgs),
     /// Inspect this host.
@@ -400,7 +414,8 @@ impl From<ClientError> for CliFailure {
                     404 => exit::NOT_FOUND,
                     409 => exit::CONFLICT,
                     429 => exit::QUOTA,
-                    400 | 413 | 415 | 422 => exit::INVALID,
+                    400 | 411 | 413 | 415 | 422 => exit::INVALID,
+                    507 => exit::NO_SPACE,
                     500..=599 => exit::DAEMON_ERROR,
                     _ => exit::OTHER,
                 }
@@ -590,7 +605,8 @@ async fn run_inner(cli: Cli, out: &mut dyn Write, err: &mut dyn Write) -> Result
         Command::Create(a) => Some(spec_from_args(a)?),
         _ => None,
     };
-    let client = Client::new(cli.socket.clone(), read_token(&cli)?);
+    let token = read_token(&cli)?;
+    let client = Client::new(cli.socket.clone(), token.clone());
     match cli.command {
         Command::Create(a) => {
             let spec = spec.expect("parsed above");
@@ -671,6 +687,9 @@ async fn run_inner(cli: Cli, out: &mut dyn Write, err: &mut dyn Write) -> Result
             }
             Ok(())
         }
+        Command::Key(k) => key::run(&client, k, out, err).await,
+        Command::Top(a) => top::run(&client, a, out).await,
+        Command::Model(m) => model::run(&client, &token, m, out).await,
         Command::Stop(a) => op(&client, a, "stop", out, err).await,
         Command::Start(a) => op(&client, a, "start", out, err).await,
         Command::Destroy(a) => op(&client, a, "destroy", out, err).await,

@@ -156,6 +156,19 @@ pub struct Quotas {
     /// Disk bandwidth in MiB/s.
     #[serde(default = "default_disk_mib_s")]
     pub disk_mib_per_s: u32,
+    /// Largest inference request body the front door accepts, in bytes (larger: 413).
+    #[serde(default = "default_max_request_bytes")]
+    pub max_request_bytes: u32,
+}
+
+/// Default of `quotas.max_request_bytes`: 1 MiB, room for retrieval-augmented prompts.
+pub const DEFAULT_MAX_REQUEST_BYTES: u32 = 1024 * 1024;
+/// Largest `quotas.max_request_bytes` (the agent frame that carries a request is 4 MiB,
+/// and JSON escaping may double a body).
+pub const MAX_REQUEST_BYTES_LIMIT: u32 = 2 * 1024 * 1024 - 64 * 1024;
+
+fn default_max_request_bytes() -> u32 {
+    DEFAULT_MAX_REQUEST_BYTES
 }
 
 fn default_rps() -> u32 {
@@ -178,6 +191,7 @@ impl Default for Quotas {
             max_concurrency: default_concurrency(),
             disk_iops: default_iops(),
             disk_mib_per_s: default_disk_mib_s(),
+            max_request_bytes: default_max_request_bytes(),
         }
     }
 }
@@ -270,6 +284,12 @@ impl TenantSpec {
         range("quotas.max_concurrency", q.max_concurrency, 1, 65_536)?;
         range("quotas.disk_iops", q.disk_iops, 1, 10_000_000)?;
         range("quotas.disk_mib_per_s", q.disk_mib_per_s, 1, 1_000_000)?;
+        range(
+            "quotas.max_request_bytes",
+            q.max_request_bytes,
+            1024,
+            MAX_REQUEST_BYTES_LIMIT,
+        )?;
         Ok(())
     }
 }

@@ -110,4 +110,18 @@ CREATE TABLE gpu_quarantine (
     r#"
 ALTER TABLE tenants ADD COLUMN guest TEXT CHECK (guest IN ('agent', 'plain'));
 "#,
+    // (front door) inference keys: API keys a tenant's clients use at the front door, good
+    // for that tenant's inference only. Only the SHA-256 of a key is kept; `shown` is its
+    // first characters, for `tenantvm key list`.
+    r#"
+CREATE TABLE inference_keys (
+    id          INTEGER PRIMARY KEY,
+    tenant_id   INTEGER NOT NULL REFERENCES tenants(id),
+    sha256      TEXT    NOT NULL UNIQUE,
+    shown       TEXT    NOT NULL,
+    created_ms  INTEGER NOT NULL,
+    revoked_ms  INTEGER
+);
+CREATE INDEX inference_keys_tenant ON inference_keys(tenant_id);
+"#,
 ];

@@ -7,9 +7,11 @@
 //! reservation, state transitions) run in `BEGIN IMMEDIATE` transactions.
 
 mod departures;
+mod inference_keys;
 mod migrations;
 
 pub use departures::QuarantinedSlice;
+pub use inference_keys::InferenceKeyInfo;
 
 use std::path::Path;
 use std::sync::Mutex;

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use tenantvm_agent_protocol::{AgentClientError, HttpRequest};
+use tenantvm_agent_protocol::{AgentClientError, AgentEndpoint, HttpRequest};
 use thiserror::Error;
 
 use crate::domain::lifecycle::LifecycleState;
@@ -204,12 +204,21 @@ impl std::fmt::Debug for PayloadResponse {
     }
 }
 
+/// How long a streamed answer may go without a byte from the guest.
+pub const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a streamed answer may take in all.
+pub const STREAM_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// Forwards an admitted request to the tenant's payload and returns its answer as it
 /// arrives (blocks until the payload's status line, or the deadline).
 ///
-/// Today the agent protocol carries one buffered request and answer per call, so the body
-/// arrives whole; the per-request stream (issue 15) makes it incremental without changing
-/// this signature.
+/// On a socket channel (tenantvm-vmm's hybrid vsock) each request has a connection of its
+/// own ([`AgentClient::infer_stream`](tenantvm_agent_protocol::AgentClient::infer_stream)),
+/// so requests run concurrently up to the tenant's `max_concurrency`, and the body is
+/// yielded as the payload produces it: every read waits at most [`STREAM_IDLE_TIMEOUT`],
+/// none past [`STREAM_TIMEOUT`], and the daemon holds at most one data frame
+/// ([`tenantvm_agent_protocol::MAX_DATA_LEN`]) of it at a time. On QEMU's virtio-serial
+/// port (one channel for everything) the answer comes buffered, whole, in one frame.
 pub fn forward_http(
     ctx: &StepCtx<'_>,
     admitted: AdmittedInfer,
@@ -237,19 +246,30 @@ pub fn forward_http(
             .ok_or_else(|| InferError::NotServing(t.name.to_string()))?;
     let body = String::from_utf8(request.body)
         .map_err(|_| InferError::BadRequest("the request body is not UTF-8".into()))?;
+    let http = HttpRequest {
+        method: request.method,
+        path: request.path,
+        headers: request.headers,
+        body,
+    };
     let unavailable = |e: AgentClientError| InferError::Unavailable(e.to_string());
+    let streams = matches!(
+        guest::agent_endpoint(ctx.backend, vm),
+        AgentEndpoint::HybridVsock { .. }
+    );
     let mut agent = guest::connect(ctx.backend, vm, guest::CONNECT_TIMEOUT).map_err(unavailable)?;
-    let answer = agent
-        .infer(
-            HttpRequest {
-                method: request.method,
-                path: request.path,
-                headers: request.headers,
-                body,
-            },
-            INFER_TIMEOUT,
-        )
-        .map_err(unavailable)?;
+    if streams {
+        let (head, body) = agent
+            .infer_stream(http, STREAM_IDLE_TIMEOUT, Instant::now() + STREAM_TIMEOUT)
+            .map_err(unavailable)?;
+        return Ok(PayloadResponse {
+            status: head.status,
+            headers: head.headers,
+            body: Box::new(body),
+            _permit: Some(permit),
+        });
+    }
+    let answer = agent.infer(http, INFER_TIMEOUT).map_err(unavailable)?;
     Ok(PayloadResponse {
         status: answer.status,
         headers: answer.headers,

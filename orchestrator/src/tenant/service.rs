@@ -167,6 +167,8 @@ pub struct TenantService {
     /// Set from the start of a daemon's recovery pass until it has gone through every tenant.
     recovering: Arc<AtomicBool>,
     workers: Arc<Mutex<Vec<std::thread::JoinHandle<()>>>>,
+    /// Per-tenant metrics (the front door's requests, the VMs' cgroups).
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// What holds a tenant.
@@ -217,7 +219,13 @@ impl TenantService {
             busy: Arc::default(),
             recovering: Arc::default(),
             workers: Arc::default(),
+            metrics: Arc::default(),
         }
+    }
+
+    /// Per-tenant metrics.
+    pub fn metrics(&self) -> &crate::metrics::Metrics {
+        &self.metrics
     }
 
     /// The store.

@@ -31,12 +31,20 @@ pub fn route_off(
     if !refused {
         return Err(StepError::failed("the inference route did not close"));
     }
+    // The front door's inference keys go with the route; checked by reading back.
+    let keys_revoked = ctx.store.revoke_tenant_inference_keys(t.id)?;
+    if ctx.store.live_inference_keys(t.id)? != 0 {
+        return Err(StepError::failed(
+            "an inference key is still live after revocation",
+        ));
+    }
+    let keys = format!("{keys_revoked} inference key(s) revoked, none left live");
     let rec = if t.has_agent() {
         StepRecord::new(
             DepartureStep::GatewayRouteOff,
             &format!(
                 "inference route closed: later requests are refused; {in_flight} \
-                 request(s) were in flight and end with the guest's shutdown"
+                 request(s) were in flight and end with the guest's shutdown; {keys}"
             ),
             StepResult::Ok,
             Assurance::Verified,
@@ -46,7 +54,9 @@ pub fn route_off(
     } else {
         StepRecord::new(
             DepartureStep::GatewayRouteOff,
-            "no inference server: the tenant runs no guest image, so it had no route",
+            &format!(
+                "no inference server: the tenant runs no guest image, so it had no route; {keys}"
+            ),
             StepResult::Skipped,
             Assurance::NotApplicable,
             started,

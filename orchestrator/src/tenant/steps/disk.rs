@@ -122,7 +122,17 @@ pub fn crypto_shred(
     }
     let report = crate::disk::crypto_shred(&kit.keys, &t.name, &image)
         .map_err(|e| StepError::failed(error_chain(&e)))?;
-    Ok(Some(report.step_record(started, now_rfc3339())))
+    let mut record = report.step_record(started, now_rfc3339());
+    if t.has_agent() {
+        // What the shredded disk held, in the receipt's words.
+        record.evidence.insert(
+            "tenant_data".into(),
+            "the disk held the tenant's data, its models pushed with `tenantvm model push` \
+             (fine-tuned weights) included: shredded with it"
+                .into(),
+        );
+    }
+    Ok(Some(record))
 }
 
 /// remove-files: removes the tenant directory (serial, VMM and event logs, sockets, jail

@@ -1,0 +1,340 @@
+//! `tenantvm model push|list|rm` from the CLI through the API to a guest agent's model store:
+//! the CLI and the router run here (the router on a Unix socket, as the daemon serves it);
+//! the tenant's guest is a stand-in serving its hybrid-vsock socket (as the tenant's uid,
+//! which the peer check wants: needs root) with the agent's own model store code over a
+//! temporary directory.
+
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use clap::Parser;
+use tenantvm_agent::models;
+use tenantvm_agent_protocol::{
+    decode_body, encode_frame, read_frame, AgentFailure, Outcome, Reply, Request, RequestFrame,
+    ResponseFrame,
+};
+
+// The same helper the API's isolation tests load (a test-only file shared by path).
+#[allow(clippy::duplicate_mod)]
+#[path = "../../tests/support/peercred.rs"]
+mod peercred;
+
+use crate::auth::Caller;
+use crate::cli::{run_with, Cli};
+use crate::domain::spec::TenantSpec;
+use crate::tenant::fault::FaultHook;
+use crate::tenant::service::{CommandOutcome, TenantCommand};
+use crate::tenant::test_utils::Harness;
+
+/// The stand-in guest's disk: this many bytes free.
+const FREE_BYTES: u64 = 3 << 20;
+
+fn reply(s: &mut UnixStream, id: u64, outcome: Outcome) {
+    let _ = std::io::Write::write_all(s, &encode_frame(&ResponseFrame { id, outcome }).unwrap());
+}
+
+fn failed(e: models::ModelError) -> Outcome {
+    Outcome::Err(AgentFailure {
+        code: e.code(),
+        message: e.to_string(),
+    })
+}
+
+fn serve_one(dir: &Path, mut s: UnixStream) {
+    let mut line = [0u8; 13];
+    std::io::Read::read_exact(&mut s, &mut line).unwrap();
+    std::io::Write::write_all(&mut s, b"OK 1\n").unwrap();
+    let Ok(body) = read_frame(&mut s) else { return };
+    let req: RequestFrame = decode_body(&body).unwrap();
+    let outcome = match req.request {
+        Request::ModelPush { name, size, sha256 } => {
+            if let Err(e) = models::check(dir, &name, size, &sha256, FREE_BYTES) {
+                return reply(&mut s, req.id, failed(e));
+            }
+            reply(&mut s, req.id, Outcome::Ok(Reply::ModelReady));
+            match models::receive(dir, &name, size, &sha256, &mut s) {
+                Ok((bytes, sha256)) => Outcome::Ok(Reply::ModelStored {
+                    name,
+                    bytes,
+                    sha256,
+                }),
+                Err(e) => failed(e),
+            }
+        }
+        Request::ModelList => match models::list(dir) {
+            Ok(models) => Outcome::Ok(Reply::Models { models }),
+            Err(e) => failed(e),
+        },
+        Request::ModelRemove { name } => match models::remove(dir, &name) {
+            Ok(()) => Outcome::Ok(Reply::ModelRemoved),
+            Err(e) => failed(e),
+        },
+        // Stop and destroy ask the guest to shut down: this stand-in just goes away.
+        _ => return,
+    };
+    reply(&mut s, req.id, outcome);
+}
+
+fn serve_guest(dir: PathBuf, listener: UnixListener) {
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(s) = s else { return };
+            let dir = dir.clone();
+            std::thread::spawn(move || serve_one(&dir, s));
+        }
+    });
+}
+
+#[test]
+fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        tenantvm_skip::skip!("needs root to serve agent sockets as tenant uids");
+    }
+    let h = Harness::new(FaultHook::default());
+    h.host.state().agent_vsock = true;
+    let mut tokens = std::collections::HashMap::new();
+    for name in ["alice", "bob"] {
+        let spec = TenantSpec::from_toml(&format!(
+            "name = \"{name}\"\ndisk_gib = {}\n[image]\nname = \"hello\"\n",
+            u32::from(name == "alice")
+        ))
+        .unwrap();
+        match h
+            .svc
+            .execute(&Caller::Admin, TenantCommand::Create(spec))
+            .unwrap()
+        {
+            CommandOutcome::Created(c) => tokens.insert(name, c.token),
+            other => panic!("{other:?}"),
+        };
+    }
+    h.svc.wait_idle();
+    // alice runs an inference guest (bob's is plain: no models).
+    let store_dir = h.dir.path().join("guest-disk/models");
+    let t = h.svc.store().tenant("alice").unwrap().unwrap();
+    h.svc
+        .store()
+        .set_guest(t.id, crate::domain::GuestKind::Agent)
+        .unwrap();
+    let ctx = h.svc.ctx();
+    let vm = crate::tenant::context::Tenant::load(&ctx, &t)
+        .unwrap()
+        .vm
+        .unwrap();
+    let sock = crate::tenant::steps::guest::agent_endpoint(ctx.backend, &vm)
+        .path()
+        .to_path_buf();
+    std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
+    serve_guest(
+        store_dir.clone(),
+        peercred::listen_as(&sock, vm.uid).unwrap(),
+    );
+
+    let rt = Arc::new(crate::daemon::runtime().unwrap());
+    let api_sock = h.dir.path().join("api.sock");
+    let listener = rt
+        .block_on(async { tokio::net::UnixListener::bind(&api_sock) })
+        .unwrap();
+    let app = super::router(h.svc.clone());
+    rt.spawn(async move { axum::serve(listener, app).await });
+    let cli = |token: &str, args: &[&str]| -> (u8, String) {
+        let mut argv = vec![
+            "tenantvm",
+            "--socket",
+            api_sock.to_str().unwrap(),
+            "--token",
+            token,
+        ];
+        argv.extend_from_slice(args);
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = rt.block_on(run_with(
+            Cli::try_parse_from(argv).unwrap(),
+            &mut out,
+            &mut err,
+        ));
+        (
+            code,
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out),
+                String::from_utf8_lossy(&err)
+            ),
+        )
+    };
+    let files = tempfile::tempdir().unwrap();
+    let model: Vec<u8> = (0..700_000u32).map(|i| (i % 251) as u8).collect();
+    let model_path = files.path().join("poet.json");
+    std::fs::write(&model_path, &model).unwrap();
+    let alice = tokens["alice"].clone();
+
+    // Pushed by the tenant's own token: stored whole, under its name, hash checked.
+    let (code, text) = cli(
+        &alice,
+        &["model", "push", "alice", model_path.to_str().unwrap()],
+    );
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("model poet stored (700000 bytes"), "{text}");
+    assert_eq!(std::fs::read(store_dir.join("poet")).unwrap(), model);
+    // A directory's model.json, under another name.
+    let dir_model = files.path().join("bard");
+    std::fs::create_dir_all(&dir_model).unwrap();
+    std::fs::write(dir_model.join("model.json"), b"{\"small\": true}").unwrap();
+    let (code, text) = cli(
+        &alice,
+        &[
+            "model",
+            "push",
+            "alice",
+            dir_model.to_str().unwrap(),
+            "--name",
+            "bard-2",
+        ],
+    );
+    assert_eq!(code, 0, "{text}");
+    let (code, text) = cli(&alice, &["model", "list", "alice", "--json"]);
+    assert_eq!(code, 0, "{text}");
+    let list: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(list["models"][0]["name"], "bard-2");
+    assert_eq!(list["models"][1]["name"], "poet");
+    assert_eq!(list["models"][1]["bytes"], 700_000);
+
+    // Failures, each with its own exit status, nothing half-written left visible.
+    let big = files.path().join("big.json");
+    std::fs::write(&big, vec![b'x'; FREE_BYTES as usize]).unwrap();
+    let (code, text) = cli(&alice, &["model", "push", "alice", big.to_str().unwrap()]);
+    assert_eq!(
+        code,
+        crate::cli::exit::NO_SPACE,
+        "larger than the disk: {text}"
+    );
+    assert!(text.contains("disk_gib"), "{text}");
+    let (code, text) = cli(
+        &alice,
+        &[
+            "model",
+            "push",
+            "alice",
+            model_path.to_str().unwrap(),
+            "--name",
+            ".hidden",
+        ],
+    );
+    assert_eq!(code, crate::cli::exit::INVALID, "bad name: {text}");
+    let (code, text) = cli(
+        &alice,
+        &["model", "push", "alice", "/nonexistent/model.json"],
+    );
+    assert_eq!(code, crate::cli::exit::INVALID, "missing file: {text}");
+    let (code, text) = cli(
+        &tokens["bob"],
+        &["model", "push", "alice", model_path.to_str().unwrap()],
+    );
+    assert_eq!(
+        code,
+        crate::cli::exit::NOT_FOUND,
+        "another tenant's token: {text}"
+    );
+    let (code, text) = cli(
+        &tokens["bob"],
+        &["model", "push", "bob", model_path.to_str().unwrap()],
+    );
+    assert_eq!(
+        code,
+        crate::cli::exit::CONFLICT,
+        "a tenant without an inference guest: {text}"
+    );
+    // A hash that does not match what arrives (sent by hand: the CLI hashes the file).
+    let admin_file = crate::auth::ensure_admin_token(h.svc.store(), h.dir.path())
+        .unwrap()
+        .unwrap();
+    let admin = std::fs::read_to_string(admin_file)
+        .unwrap()
+        .trim()
+        .to_string();
+    let client = crate::client::Client::new(api_sock.clone(), admin.clone());
+    let (status, body) = rt
+        .block_on(async {
+            let stream = tokio::net::UnixStream::connect(&api_sock).await.unwrap();
+            let (mut tx, conn) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                    .await
+                    .unwrap();
+            tokio::spawn(conn);
+            let req = hyper::Request::builder()
+                .method("PUT")
+                .uri("http://localhost/v1/tenants/alice/models/liar")
+                .header("authorization", format!("Bearer {admin}"))
+                .header("content-length", 5)
+                .header("x-model-sha256", "0".repeat(64))
+                .body(http_body_util::Full::new(hyper::body::Bytes::from_static(
+                    b"hello",
+                )))
+                .unwrap();
+            let resp = tx.send_request(req).await.unwrap();
+            let status = resp.status();
+            let body = http_body_util::BodyExt::collect(resp.into_body())
+                .await
+                .unwrap()
+                .to_bytes();
+            Ok::<_, ()>((status, body))
+        })
+        .unwrap();
+    assert_eq!(status.as_u16(), 422, "{}", String::from_utf8_lossy(&body));
+    let mut visible: Vec<_> = std::fs::read_dir(&store_dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    visible.sort();
+    assert_eq!(
+        visible,
+        ["bard-2", "poet"],
+        "a failed push left something behind"
+    );
+    drop(client);
+
+    // Removal, then removing again is "not found".
+    let (code, text) = cli(&alice, &["model", "rm", "alice", "bard-2"]);
+    assert_eq!(code, 0, "{text}");
+    let (code, _) = cli(&alice, &["model", "rm", "alice", "bard-2"]);
+    assert_eq!(code, crate::cli::exit::NOT_FOUND);
+    // A stopped tenant takes no push.
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Stop("alice".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    let (code, text) = cli(
+        &alice,
+        &["model", "push", "alice", model_path.to_str().unwrap()],
+    );
+    assert_eq!(code, crate::cli::exit::CONFLICT, "stopped tenant: {text}");
+
+    // Departure: the receipt says the shredded disk held the tenant's pushed models.
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Destroy("alice".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    let kit = h.svc.departure_kit().unwrap();
+    let receipt = kit
+        .log
+        .entries()
+        .unwrap()
+        .into_iter()
+        .find(|e| e.receipt.tenant == "alice")
+        .unwrap()
+        .receipt;
+    let shred = receipt
+        .steps
+        .iter()
+        .find(|s| s.step == crate::receipt::DepartureStep::CryptoShred)
+        .unwrap();
+    assert!(
+        shred
+            .evidence
+            .get("tenant_data")
+            .is_some_and(|v| v.contains("model push")),
+        "{shred:?}"
+    );
+}

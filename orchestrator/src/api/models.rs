@@ -1,0 +1,337 @@
+//! The tenant's own models, through its guest agent onto its encrypted disk (the admin
+//! token or the tenant's own):
+//!
+//! - `PUT /v1/tenants/{name}/models/{model}` with `Content-Length` and
+//!   `X-Model-Sha256: <hex>`: the body is streamed to the agent as it arrives (never held
+//!   whole), which stores it under a temporary name, checks size and hash, fsyncs and
+//!   renames it (docs/guest-image.md, `model-push`); 201 when stored;
+//! - `GET /v1/tenants/{name}/models`: the stored models;
+//! - `DELETE /v1/tenants/{name}/models/{model}`: removes one.
+//!
+//! Errors: the tenant not running or without an inference guest 409; a push on QEMU's
+//! virtio-serial channel 409 (it needs a connection of its own: tenantvm-vmm's vsock); a
+//! bad name or hash 400; size or hash not matching 422; not enough room on the disk 507;
+//! an unknown model 404; the guest not answering 502.
+
+use std::io::Read;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use http_body_util::BodyExt;
+use hyper::body::Bytes;
+use serde::{Deserialize, Serialize};
+use tenantvm_agent_protocol::{AgentClientError, AgentEndpoint, ErrorCode, ModelEntry};
+
+use super::lanes::{offload, Lane};
+use super::{authorization, ApiError, ApiState};
+use crate::auth::{self, Caller};
+use crate::domain::lifecycle::LifecycleState;
+use crate::domain::TenantName;
+use crate::tenant::context::Tenant;
+use crate::tenant::service::{TenantService, TenantServiceError};
+use crate::tenant::steps::guest;
+
+/// How long each agent answer (and each write of model data) may take.
+const MODEL_CALL_TIMEOUT: Duration = Duration::from_secs(120);
+/// Pieces of a push buffered between the client and the guest.
+const PUSH_PIPE: usize = 4;
+/// Most bytes of a refused push read and dropped before the refusal is sent.
+const DRAIN_LIMIT: u64 = 64 << 20;
+/// Longest a refused push's body is read and dropped.
+const DRAIN_TIME: Duration = Duration::from_secs(10);
+
+/// Answer of a push.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ModelStored {
+    /// The tenant.
+    pub tenant: String,
+    /// The model's name.
+    pub name: String,
+    /// Bytes stored.
+    pub bytes: u64,
+    /// Their SHA-256 as the guest checked it.
+    pub sha256: String,
+}
+
+/// Answer of a list.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ModelList {
+    /// The tenant.
+    pub tenant: String,
+    /// Its models.
+    pub models: Vec<ModelEntry>,
+}
+
+/// Answer of a removal.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ModelRemoved {
+    /// The tenant.
+    pub tenant: String,
+    /// The model removed.
+    pub name: String,
+}
+
+fn err(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+    ApiError::new(status, code, message)
+}
+
+fn agent_error(e: AgentClientError) -> ApiError {
+    let msg = crate::untrusted::one_line(&e.to_string());
+    match &e {
+        AgentClientError::Agent { failure, .. } => match failure.code {
+            ErrorCode::NoSpace => err(StatusCode::INSUFFICIENT_STORAGE, "no_space", msg),
+            ErrorCode::Mismatch => err(StatusCode::UNPROCESSABLE_ENTITY, "mismatch", msg),
+            ErrorCode::NotFound => err(StatusCode::NOT_FOUND, "model_not_found", msg),
+            ErrorCode::BadRequest => err(StatusCode::BAD_REQUEST, "bad_request", msg),
+            ErrorCode::WrongState => err(StatusCode::CONFLICT, "invalid_state", msg),
+            _ => err(StatusCode::BAD_GATEWAY, "guest_unavailable", msg),
+        },
+        _ => err(StatusCode::BAD_GATEWAY, "guest_unavailable", msg),
+    }
+}
+
+/// The running tenant `name` with an agent, if `caller` may see it; and whether its
+/// channel is a socket (a push needs a connection of its own).
+fn serving(svc: &TenantService, caller: &Caller, name: &str) -> Result<(Tenant, bool), ApiError> {
+    let not_found = || ApiError::from(TenantServiceError::NotFound(name.to_string()));
+    if TenantName::check(name).is_err() {
+        return Err(not_found());
+    }
+    let record = match svc.store().tenant(name).map_err(TenantServiceError::from)? {
+        Some(t) if caller.may_see(t.id) => t,
+        _ => return Err(not_found()),
+    };
+    let ctx = svc.ctx();
+    let t = Tenant::load(&ctx, &record)
+        .map_err(|e| err(StatusCode::BAD_GATEWAY, "guest_unavailable", e.to_string()))?;
+    if !t.has_agent() {
+        return Err(err(
+            StatusCode::CONFLICT,
+            "invalid_state",
+            format!(
+                "Tenant {name:?} runs no guest image with an inference server: it has no models"
+            ),
+        ));
+    }
+    if record.state != LifecycleState::Running || t.vm.is_none() {
+        return Err(err(
+            StatusCode::CONFLICT,
+            "invalid_state",
+            format!("Tenant {name:?} is not running; start it (`tenantvm start {name}`) and retry"),
+        ));
+    }
+    let socket = matches!(
+        t.vm.as_ref()
+            .map(|vm| guest::agent_endpoint(ctx.backend, vm)),
+        Some(AgentEndpoint::HybridVsock { .. })
+    );
+    Ok((t, socket))
+}
+
+fn connect(
+    svc: &TenantService,
+    t: &Tenant,
+) -> Result<tenantvm_agent_protocol::AgentClient, ApiError> {
+    let vm =
+        t.vm.as_ref()
+            .ok_or_else(|| err(StatusCode::CONFLICT, "invalid_state", "not running"))?;
+    guest::connect(svc.ctx().backend, vm, guest::CONNECT_TIMEOUT).map_err(agent_error)
+}
+
+/// The body of a push as a blocking reader, fed by the request's task.
+struct PipeReader {
+    rx: tokio::sync::mpsc::Receiver<std::io::Result<Bytes>>,
+    piece: Bytes,
+}
+
+impl Read for PipeReader {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        while self.piece.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(Ok(piece)) => self.piece = piece,
+                Some(Err(e)) => return Err(e),
+                None => return Ok(0),
+            }
+        }
+        let n = out.len().min(self.piece.len());
+        out[..n].copy_from_slice(&self.piece.split_to(n));
+        Ok(n)
+    }
+}
+
+fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+/// `PUT /v1/tenants/{name}/models/{model}`.
+pub(super) async fn push(
+    State(api): State<ApiState>,
+    headers: HeaderMap,
+    path: Result<Path<(String, String)>, PathRejection>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let Ok(Path((name, model))) = path else {
+        return Err(err(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "Give a tenant and a model name",
+        ));
+    };
+    let size: u64 = header(&headers, "content-length")
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| {
+            err(
+                StatusCode::LENGTH_REQUIRED,
+                "length_required",
+                "Send the model with a Content-Length",
+            )
+        })?;
+    let sha256 = header(&headers, "x-model-sha256")
+        .map(str::to_ascii_lowercase)
+        .ok_or_else(|| {
+            err(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                "Send the model's SHA-256 (hex) in X-Model-Sha256",
+            )
+        })?;
+    let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
+    let permit = api.lanes.enter(Lane::of(&caller))?;
+    let svc = api.svc.clone();
+    let (tx, rx) = tokio::sync::mpsc::channel(PUSH_PIPE);
+    let tenant = name.clone();
+    let work = offload(permit, move || -> Result<ModelStored, ApiError> {
+        let (t, socket) = serving(&svc, &caller, &name)?;
+        if !socket {
+            return Err(err(
+                StatusCode::CONFLICT,
+                "invalid_state",
+                "Pushing a model needs a connection of its own to the guest (the tenantvm-vmm backend's vsock); this tenant's QEMU virtio-serial channel has one for everything",
+            ));
+        }
+        let agent = connect(&svc, &t)?;
+        let mut reader = PipeReader {
+            rx,
+            piece: Bytes::new(),
+        };
+        let (bytes, sha256) = agent
+            .model_push(&model, size, &sha256, &mut reader, MODEL_CALL_TIMEOUT)
+            .map_err(agent_error)?;
+        let _ = svc.store().add_event(
+            Some(t.id),
+            "model",
+            &format!("model {model} stored ({bytes} bytes)"),
+        );
+        Ok(ModelStored {
+            tenant: t.name.to_string(),
+            name: model,
+            bytes,
+            sha256,
+        })
+    });
+    // The body goes to the guest as it arrives; more than announced is cut off (the guest
+    // then refuses the push). A push refused before its data (a bad name, no room, a
+    // stopped tenant) has the rest of its body read and dropped, up to a bound, so the
+    // client reads the refusal instead of a broken connection.
+    let pump = async move {
+        let mut body = body;
+        let mut seen = 0u64;
+        let mut draining = false;
+        let started = std::time::Instant::now();
+        while let Some(frame) = body.frame().await {
+            let piece = match frame {
+                Ok(f) => match f.into_data() {
+                    Ok(d) => d,
+                    Err(_) => continue,
+                },
+                Err(e) => {
+                    let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
+                    return;
+                }
+            };
+            seen += piece.len() as u64;
+            if draining {
+                if seen > DRAIN_LIMIT || started.elapsed() > DRAIN_TIME {
+                    return;
+                }
+                continue;
+            }
+            if seen > size {
+                let _ = tx
+                    .send(Err(std::io::Error::other("more bytes than Content-Length")))
+                    .await;
+                draining = true;
+                continue;
+            }
+            if tx.send(Ok(piece)).await.is_err() {
+                draining = true;
+            }
+        }
+    };
+    let (stored, ()) = tokio::join!(work, pump);
+    let stored = stored??;
+    tracing::info!(tenant = %tenant, bytes = stored.bytes, "model stored");
+    Ok((StatusCode::CREATED, Json(stored)).into_response())
+}
+
+/// `GET /v1/tenants/{name}/models`.
+pub(super) async fn list(
+    State(api): State<ApiState>,
+    headers: HeaderMap,
+    name: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let name = super::tenant_name(name)?;
+    let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
+    let permit = api.lanes.enter(Lane::of(&caller))?;
+    let svc = api.svc.clone();
+    let list = offload(permit, move || -> Result<ModelList, ApiError> {
+        let (t, _) = serving(&svc, &caller, &name)?;
+        let models = connect(&svc, &t)?
+            .model_list(MODEL_CALL_TIMEOUT)
+            .map_err(agent_error)?;
+        Ok(ModelList {
+            tenant: t.name.to_string(),
+            models,
+        })
+    })
+    .await??;
+    Ok((StatusCode::OK, Json(list)).into_response())
+}
+
+/// `DELETE /v1/tenants/{name}/models/{model}`.
+pub(super) async fn remove(
+    State(api): State<ApiState>,
+    headers: HeaderMap,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let Ok(Path((name, model))) = path else {
+        return Err(err(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "Give a tenant and a model name",
+        ));
+    };
+    let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
+    let permit = api.lanes.enter(Lane::of(&caller))?;
+    let svc = api.svc.clone();
+    let done = offload(permit, move || -> Result<ModelRemoved, ApiError> {
+        let (t, _) = serving(&svc, &caller, &name)?;
+        connect(&svc, &t)?
+            .model_remove(&model, MODEL_CALL_TIMEOUT)
+            .map_err(agent_error)?;
+        let _ = svc
+            .store()
+            .add_event(Some(t.id), "model", &format!("model {model} removed"));
+        Ok(ModelRemoved {
+            tenant: t.name.to_string(),
+            name: model,
+        })
+    })
+    .await??;
+    Ok((StatusCode::OK, Json(done)).into_response())
+}

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Benchmarks the front door (orchestrator/benches/frontdoor.rs): time to first token and
+# tokens per second of a streamed completion through tenantvmd's TLS front door against
+# the n-gram payload reached directly, and 10 tenants x their concurrency at once (p99 per
+# tenant). Release builds; needs root and /dev/kvm (a real tenantvmd runs the idle guest).
+#
+# usage: scripts/bench-frontdoor.sh
+#   TENANTVM_BENCH_ROUNDS=N    alternating direct/front-door rounds (default 40)
+#   TENANTVM_BENCH_REQUESTS=N  requests per stream in the load part (default 10)
+#   TENANTVM_BENCH_TOKENS=N    max_tokens per completion (default 128)
+#   TENANTVM_BENCH_DEBUG=1     print when each answer's head and first chunk arrived
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+cargo build -q --release -p tenantvm-vmm -p tenantvm --bins -p tenantvm-ngram
+cargo bench -q -p tenantvm --bench frontdoor
