@@ -105,6 +105,8 @@ fn spec(tmp: &tempfile::TempDir, tag: &str, code: &[u8]) -> VmSpec {
     fs::write(&kernel, tiny_elf(code)).unwrap();
     VmSpec {
         tenant_dir: common::tenant_dir(tmp, &tenant),
+        devices: vec![],
+        uuid: None,
         tenant,
         kernel,
         initramfs: None,
@@ -301,6 +303,8 @@ fn adopt_helper_launch_and_exit() {
     fs::create_dir_all(&dir).unwrap();
     let spec = VmSpec {
         tenant_dir: dir,
+        devices: vec![],
+        uuid: None,
         tenant,
         kernel,
         initramfs: None,
@@ -501,7 +505,7 @@ fn vmm_the_config_the_backend_writes_passes_the_vmms_own_check() {
             ops_per_s: 100,
         }),
     });
-    let written = tenantvm::backend::vmm::Vmm::config_file(&spec);
+    let written = tenantvm::backend::vmm::Vmm::config_file(&spec).unwrap();
     let file = tmp.path().join("vm.json");
     fs::write(&file, written.to_json().unwrap()).unwrap();
     let out = std::process::Command::new(vmm_binary())

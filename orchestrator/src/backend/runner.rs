@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tenantvm_agent_protocol::AgentEndpoint;
-use tenantvm_vmm_api::{BlockConfig, RateLimitConfig};
+use tenantvm_vmm_api::{BlockConfig, ExitReport, RateLimitConfig, MAX_PASSTHROUGH_DEVICES};
 
 use super::control::MAX_SOCKET_PATH;
 use super::{
@@ -69,6 +69,10 @@ pub trait VmmDriver: Send + Sync {
     ) -> Result<(), BackendError>;
     /// Where the host reaches the guest agent's channel.
     fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint;
+    /// The VMM's exit report of an ended VM ([`VmBackend::exit_report`]); none by default.
+    fn exit_report(&self, _vm: &RunningVm) -> Result<Option<ExitReport>, BackendError> {
+        Ok(None)
+    }
 }
 
 /// One step of a graceful stop.
@@ -238,6 +242,14 @@ impl<D: VmmDriver> VmBackend for Runner<D> {
     fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint {
         self.driver.agent_endpoint(vm)
     }
+
+    fn exit_report(&self, vm: &RunningVm) -> Result<Option<ExitReport>, BackendError> {
+        // Only an ended VMM's report is its last word.
+        match process_status(vm)? {
+            ProcessStatus::Alive => Ok(None),
+            ProcessStatus::Exited(_) | ProcessStatus::Gone => self.driver.exit_report(vm),
+        }
+    }
 }
 
 /// Settings shared by both backends.
@@ -332,6 +344,7 @@ fn prepare(
     if jail.uid == 0 || jail.gid == 0 {
         return Err(invalid("uid/gid 0: a jailed VMM never runs as root".into()));
     }
+    check_devices(spec)?;
     let mut files = vec![("kernel", &spec.kernel)];
     if let Some(initramfs) = &spec.initramfs {
         files.push(("initramfs", initramfs));
@@ -409,6 +422,27 @@ fn prepare(
         vmm_log,
         cgroup,
     })
+}
+
+/// Checks the passthrough devices: at most [`MAX_PASSTHROUGH_DEVICES`], each well formed,
+/// none twice.
+pub fn check_devices(spec: &VmSpec) -> Result<(), BackendError> {
+    if spec.devices.len() > MAX_PASSTHROUGH_DEVICES {
+        return Err(invalid(format!(
+            "{} passthrough devices: a VM takes at most {MAX_PASSTHROUGH_DEVICES}",
+            spec.devices.len()
+        )));
+    }
+    for (i, device) in spec.devices.iter().enumerate() {
+        device.validate()?;
+        if spec.devices[..i].contains(device) {
+            return Err(invalid(format!(
+                "passthrough device {} is given twice",
+                device.sysfs_path().display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The host path of a socket in `run/`, checked against the sockaddr_un limit.
@@ -641,6 +675,8 @@ mod tests {
             memory_mib: 32,
             disks: vec![],
             tenant_dir: dir.join(tenant),
+            devices: vec![],
+            uuid: None,
         }
     }
 

@@ -70,6 +70,8 @@ pub fn launch(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepR
         memory_mib: t.spec.memory_mib,
         disks: disk::attachments(cfg, &t.spec),
         tenant_dir: dir,
+        devices: Vec::new(),
+        uuid: None,
     };
     let jail = JailConfig {
         uid,
