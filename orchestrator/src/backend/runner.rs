@@ -18,7 +18,9 @@ use super::{
     VmSpec, VmState,
 };
 use crate::jail::process::{self, spawn_launcher, wait_nohang};
-use crate::jail::{reap_exited, CgroupHandle, Cgroups, ExitRecord, JailPlan, JailRlimits, Seal};
+use crate::jail::{
+    reap_exited, CgroupHandle, Cgroups, DeviceAllowance, ExitRecord, JailPlan, JailRlimits, Seal,
+};
 use crate::logs::{LogKind, LogPolicy, TenantLogs};
 
 /// Directory inside the tenant dir (and mounted at /run in the jail) holding the socket.
@@ -34,6 +36,9 @@ pub const JAIL_SERIAL_LOG: &str = "/log/serial.log";
 const EXIT_SETTLE: Duration = Duration::from_secs(5);
 /// Open files a VMM may hold (vCPU fds, eventfds, disks, sockets).
 const VMM_NOFILE: u64 = 4096;
+/// What RLIMIT_MEMLOCK allows beyond guest RAM for a VM with passthrough devices: VFIO pins
+/// all guest RAM for DMA, plus the VMM's own small pinned buffers.
+pub const MEMLOCK_MARGIN_BYTES: u64 = 64 << 20;
 
 /// What one kind of VMM program does differently; [`Runner`] does everything else.
 pub trait VmmDriver: Send + Sync {
@@ -144,6 +149,14 @@ impl<D: VmmDriver> VmBackend for Runner<D> {
             .driver
             .plan(spec, jail, &prepared)
             .and_then(|mut plan| {
+                // Exactly the jail's devices, enforced by the kernel too where the host has
+                // a device controller.
+                match prepared.cgroup.allow_only_devices(&plan.devices)? {
+                    DeviceAllowance::Applied { .. } => {}
+                    DeviceAllowance::NotApplied { reason } => {
+                        tracing::warn!(tenant = %spec.tenant, %reason, "no cgroup device allowance; the jail's device nodes alone limit the VMM");
+                    }
+                }
                 plan.seal = Some(Seal {
                     when_exists: Path::new("/run").join(self.driver.last_socket()),
                     mount: PathBuf::from("/run"),
@@ -490,7 +503,7 @@ pub fn base_plan(
     let rlimits = JailRlimits {
         nofile: VMM_NOFILE,
         nproc: jail.limits.pids_max,
-        memlock_bytes: jail.limits.memory_bytes,
+        memlock_bytes: memlock_bytes(spec, jail),
         core_bytes: 0,
     };
     let mut plan = JailPlan::new(
@@ -515,7 +528,50 @@ pub fn base_plan(
     plan.device(Path::new("/dev/urandom"))?;
     plan.bind(&prepared.run_dir, Path::new("/run"), true)?;
     plan.bind(&prepared.serial_log, Path::new(JAIL_SERIAL_LOG), true)?;
+    for node in vfio_nodes(spec) {
+        plan.device(&node).map_err(|e| {
+            invalid(format!(
+                "{}: {e}; is the device bound to vfio-pci (or its vGPU type set) and the vfio modules loaded? `tenantvm host check` says",
+                node.display()
+            ))
+        })?;
+    }
+    for device in &spec.devices {
+        // The VMM finds the device (its IOMMU group, its vfio-dev) through its sysfs
+        // directory: read-only, at the path the VMM's config names.
+        let path = device.sysfs_path();
+        plan.bind(&path, &path, false)?;
+    }
     Ok(plan)
+}
+
+/// RLIMIT_MEMLOCK of the VMM: with passthrough devices, guest RAM plus
+/// [`MEMLOCK_MARGIN_BYTES`] (VFIO pins all of guest RAM), never below the cgroup memory
+/// limit it had before devices existed; without devices, the cgroup memory limit.
+pub fn memlock_bytes(spec: &VmSpec, jail: &JailConfig) -> u64 {
+    if spec.devices.is_empty() {
+        return jail.limits.memory_bytes;
+    }
+    (u64::from(spec.memory_mib) << 20)
+        .saturating_add(MEMLOCK_MARGIN_BYTES)
+        .max(jail.limits.memory_bytes)
+}
+
+/// The VFIO nodes the VMM of `spec` gets, and no others: each device's IOMMU group node
+/// (`/dev/vfio/<group>`, once per group) and the container node `/dev/vfio/vfio`; none
+/// without devices.
+pub fn vfio_nodes(spec: &VmSpec) -> Vec<PathBuf> {
+    let mut nodes: Vec<PathBuf> = Vec::new();
+    for device in &spec.devices {
+        let node = device.vfio_node();
+        if !nodes.contains(&node) {
+            nodes.push(node);
+        }
+    }
+    if !nodes.is_empty() {
+        nodes.push(PathBuf::from(super::VFIO_CONTAINER));
+    }
+    nodes
 }
 
 /// Whether the launcher still runs, and if not, how it ended.
@@ -755,5 +811,80 @@ mod tests {
     fn missing_binaries_are_named() {
         let err = check_binary("tenantvm-vmm", Path::new("/no/such/tenantvm-vmm")).unwrap_err();
         assert!(err.to_string().contains("/no/such/tenantvm-vmm"), "{err}");
+    }
+
+    fn gpu(address: &str, group: u32) -> crate::backend::PassthroughDevice {
+        crate::backend::PassthroughDevice::Pci {
+            address: address.into(),
+            iommu_group: group,
+        }
+    }
+
+    #[test]
+    fn the_vmm_gets_exactly_its_groups_vfio_nodes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut spec = spec(tmp.path(), "alpha");
+        assert!(vfio_nodes(&spec).is_empty());
+        // A GPU and its audio function share group 17; a second GPU is group 40.
+        spec.devices = vec![
+            gpu("0000:41:00.0", 17),
+            gpu("0000:41:00.1", 17),
+            gpu("0000:c1:00.0", 40),
+        ];
+        assert_eq!(
+            vfio_nodes(&spec),
+            vec![
+                PathBuf::from("/dev/vfio/17"),
+                PathBuf::from("/dev/vfio/40"),
+                PathBuf::from("/dev/vfio/vfio"),
+            ]
+        );
+    }
+
+    #[test]
+    fn memlock_covers_guest_ram_plus_a_margin_when_devices_are_passed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut spec = spec(tmp.path(), "alpha");
+        spec.memory_mib = 16 << 10;
+        let jail = JailConfig {
+            limits: ResourceLimits {
+                memory_bytes: 1 << 30,
+                ..JAIL.limits
+            },
+            ..JAIL
+        };
+        assert_eq!(memlock_bytes(&spec, &jail), 1 << 30);
+        spec.devices = vec![gpu("0000:41:00.0", 17)];
+        assert_eq!(
+            memlock_bytes(&spec, &jail),
+            (16u64 << 30) + MEMLOCK_MARGIN_BYTES
+        );
+    }
+
+    #[test]
+    fn a_device_without_its_vfio_node_is_refused_with_what_to_check() {
+        if std::path::Path::new("/dev/vfio/4095").exists() {
+            tenantvm_skip::skip!("this host has an IOMMU group 4095");
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let mut spec = spec(tmp.path(), "alpha");
+        fs::create_dir(&spec.tenant_dir).unwrap();
+        spec.devices = vec![gpu("0000:41:00.0", 4095)];
+        let prepared = Prepared {
+            run_dir: tmp.path().to_path_buf(),
+            serial_log: spec.kernel.clone(),
+            vmm_log: fs::File::open(&spec.kernel).unwrap(),
+            cgroup: CgroupHandle::V2 {
+                path: tmp.path().join("cg"),
+            },
+        };
+        let err = base_plan(&spec, &JAIL, &prepared, Path::new("/bin/sh"), vec![])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("/dev/vfio/4095") && err.contains("vfio-pci"),
+            "{err}"
+        );
     }
 }
