@@ -71,11 +71,20 @@ pub enum GpuPlanError {
     Plan(String),
 }
 
-/// Turns a GPU request into candidate placements, best first. The store's ledger then
-/// reserves the first free one atomically.
+/// Places a GPU request: the exact planner over the host's current instances, the shares
+/// the ledger holds (reservations and quarantined slices) and the new tenant. The store's
+/// ledger then reserves the placement atomically (a concurrent create that took it first
+/// makes the caller place again).
 pub trait GpuPlanner: Send + Sync {
-    /// Candidate placements for `request` (never called for [`GpuRequest::None`]).
-    fn candidates(&self, request: &GpuRequest) -> Result<Vec<GpuPlacement>, GpuPlanError>;
+    /// The placement for `tenant`'s `request` (never called for a request without a GPU)
+    /// around `held`, the ledger's shares. A refusal says why (full, fragmented, or a GPU
+    /// that cannot be shared) and what to do.
+    fn place(
+        &self,
+        tenant: &str,
+        request: &GpuRequest,
+        held: &[GpuPlacement],
+    ) -> Result<GpuPlacement, GpuPlanError>;
 
     /// Makes a reserved placement real on the GPU (creates its MIG instance). Idempotent.
     /// The default does nothing (whole GPUs and planners without hardware).
@@ -100,7 +109,12 @@ pub trait GpuPlanner: Send + Sync {
 pub struct NoGpus;
 
 impl GpuPlanner for NoGpus {
-    fn candidates(&self, _request: &GpuRequest) -> Result<Vec<GpuPlacement>, GpuPlanError> {
+    fn place(
+        &self,
+        _tenant: &str,
+        _request: &GpuRequest,
+        _held: &[GpuPlacement],
+    ) -> Result<GpuPlacement, GpuPlanError> {
         Err(GpuPlanError::NoGpuBackend)
     }
 

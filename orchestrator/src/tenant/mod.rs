@@ -31,6 +31,8 @@ pub mod view;
 #[cfg(test)]
 mod departure_tests;
 #[cfg(test)]
+mod plan_tests;
+#[cfg(test)]
 pub(crate) mod test_utils;
 #[cfg(test)]
 mod tests;

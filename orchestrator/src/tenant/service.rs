@@ -494,7 +494,11 @@ impl TenantService {
         crate::tenant::image::check_create(&self.config, &spec, guest)
             .map_err(|e| TenantServiceError::Image(e.to_string()))?;
         if spec.gpu.wants_gpu() {
-            self.gpu.candidates(&spec.gpu)?;
+            // A request this host could never meet (an unknown profile or model, a share of
+            // a GPU without a partition, more than any GPU holds) is refused before anything
+            // is recorded. Whether there is room now is reserve-gpu's question, asked under
+            // the ledger.
+            self.gpu.place(spec.name.as_str(), &spec.gpu, &[])?;
         }
         let guard = self.mark_busy(&spec.name)?;
         // Held until the tenant is recorded: two creates never take the same room.

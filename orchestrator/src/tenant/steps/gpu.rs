@@ -19,7 +19,25 @@ fn no_device(step: DepartureStep, started: String) -> StepRecord {
     )
 }
 
-/// reserve-gpu: the first free placement that fits the request, reserved atomically.
+/// What the ledger holds: every tenant's placement and every quarantined slice.
+pub fn held_shares(store: &crate::store::Store) -> Result<Vec<GpuPlacement>, StepError> {
+    let mut held = store.gpu_placements()?;
+    held.extend(store.quarantined()?.into_iter().map(|q| GpuPlacement {
+        gpu: q.gpu,
+        slots: q.slots,
+        label: q.label,
+    }));
+    Ok(held)
+}
+
+/// How often reserve-gpu places again when a concurrent create reserved the same slots
+/// between its placement and its reservation.
+const RESERVE_ATTEMPTS: usize = 8;
+
+/// reserve-gpu: the exact planner places the request around everything the ledger holds
+/// (reservations and quarantined slices) and the host's instances; the placement is then
+/// reserved atomically. A concurrent create that took those slots first makes it place
+/// again.
 pub fn reserve(
     ctx: &StepCtx<'_>,
     t: &mut Tenant,
@@ -28,21 +46,32 @@ pub fn reserve(
     if !t.spec.gpu.wants_gpu() {
         return Ok(None);
     }
-    let candidates = ctx.gpu.candidates(&t.spec.gpu)?;
-    if ctx.store.reserve_gpu(t.id, &candidates)?.is_some() {
+    if ctx.store.gpu_placement(t.id)?.is_some() {
         return Ok(None);
     }
-    let quarantined = ctx.store.quarantined()?;
-    let held_back = candidates.iter().any(|c| {
-        quarantined
-            .iter()
-            .any(|q| q.gpu == c.gpu && q.slots.iter().any(|s| c.slots.contains(s)))
-    });
-    Err(StepError::failed(if held_back {
-        "every GPU placement that fits the request is taken or quarantined (a scrub did not verify: see `tenantvm gpu quarantine`); destroy a tenant, re-scrub with `tenantvm gpu scrub`, or ask for a smaller profile"
-    } else {
-        "every GPU placement that fits the request is taken; destroy a tenant or ask for a smaller profile"
-    }))
+    for _ in 0..RESERVE_ATTEMPTS {
+        let held = held_shares(ctx.store)?;
+        let quarantined = ctx.store.quarantined()?;
+        let placement = ctx
+            .gpu
+            .place(t.name.as_str(), &t.spec.gpu, &held)
+            .map_err(|e| {
+                if quarantined.is_empty() {
+                    StepError::from(e)
+                } else {
+                    StepError::failed(format!(
+                        "{e} ({} slice(s) are quarantined because a scrub did not verify: see `tenantvm gpu quarantine`, re-scrub with `tenantvm gpu scrub`)",
+                        quarantined.len()
+                    ))
+                }
+            })?;
+        if ctx.store.reserve_gpu(t.id, &[placement])?.is_some() {
+            return Ok(None);
+        }
+    }
+    Err(StepError::failed(
+        "the GPU placement was taken by concurrent creates every time; create the tenant again",
+    ))
 }
 
 /// create-gpu-instance: makes the reserved placement real (its MIG instance).
