@@ -110,4 +110,16 @@ CREATE TABLE gpu_quarantine (
     r#"
 ALTER TABLE tenants ADD COLUMN guest TEXT CHECK (guest IN ('agent', 'plain'));
 "#,
+    // 4 (gpuattach; the lead orders migrations at merge): a GPU tenant's device, decided at
+    // create and kept until its placement is released: the VM's UUID, the route's record
+    // (JSON: what the host did to hand the share over, written before the step that acts on
+    // it) and the devices the VM gets (JSON).
+    r#"
+CREATE TABLE gpu_devices (
+    tenant_id   INTEGER PRIMARY KEY REFERENCES tenants(id),
+    vm_uuid     TEXT    NOT NULL,
+    record      TEXT    NOT NULL,
+    devices     TEXT
+);
+"#,
 ];

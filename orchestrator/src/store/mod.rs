@@ -7,9 +7,11 @@
 //! reservation, state transitions) run in `BEGIN IMMEDIATE` transactions.
 
 mod departures;
+mod gpu_devices;
 mod migrations;
 
 pub use departures::QuarantinedSlice;
+pub use gpu_devices::GpuDeviceRow;
 
 use std::path::Path;
 use std::sync::Mutex;

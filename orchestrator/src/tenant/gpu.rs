@@ -12,30 +12,56 @@
 use std::sync::Arc;
 
 use tenantvm_gpu::backend::{self as gpu_backend, BackendSpec, GpuBackend, GpuInfo};
+use tenantvm_gpu::host::Sysfs;
 use tenantvm_gpu::mig::MigProfile;
 use tenantvm_gpu::plan::place::{place_on_host, Held};
 use tenantvm_gpu::plan::search::DEFAULT_NODE_BUDGET;
 
+use crate::backend::PassthroughDevice;
 use crate::domain::spec::GpuRequest;
 use crate::store::GpuPlacement;
+use crate::tenant::gpu_device::DeviceRecord;
 use crate::tenant::host::{GpuPlanError, GpuPlanner};
 
-/// Builds the planner `--gpu-backend` names (`nvml` or `sim:FILE`).
+/// Builds the planner `--gpu-backend` names (`nvml` or `sim:FILE`). With NVML the devices
+/// are handed over through the host's sysfs (`/`); a simulated host hands over none.
 pub fn planner_from_arg(arg: &str) -> anyhow::Result<Arc<dyn GpuPlanner>> {
     let spec: BackendSpec = arg.parse()?;
     let backend = gpu_backend::open(&spec)?;
-    Ok(Arc::new(BackendPlanner { backend }))
+    let planner = BackendPlanner::new(backend);
+    Ok(Arc::new(match spec {
+        BackendSpec::Sim(_) => planner,
+        _ => planner.with_sysfs(Sysfs::new("/")),
+    }))
 }
 
 /// A planner over a tenantvm-gpu backend.
 pub struct BackendPlanner {
     backend: Box<dyn GpuBackend>,
+    sysfs: Option<Sysfs>,
 }
 
 impl BackendPlanner {
-    /// A planner over `backend`.
+    /// A planner over `backend` that hands no device to a VM.
     pub fn new(backend: Box<dyn GpuBackend>) -> BackendPlanner {
-        BackendPlanner { backend }
+        BackendPlanner {
+            backend,
+            sysfs: None,
+        }
+    }
+
+    /// The same planner, handing devices over through `sysfs` (`/` on a real host, a FAKE
+    /// tree in tests).
+    pub fn with_sysfs(self, sysfs: Sysfs) -> BackendPlanner {
+        BackendPlanner {
+            sysfs: Some(sysfs),
+            ..self
+        }
+    }
+
+    /// The sysfs devices are handed over through, if any.
+    pub fn sysfs(&self) -> Option<&Sysfs> {
+        self.sysfs.as_ref()
     }
 
     /// The backend.
@@ -101,6 +127,49 @@ impl GpuPlanner for BackendPlanner {
         placement: &GpuPlacement,
     ) -> Result<crate::tenant::host::DeviceResetOutcome, GpuPlanError> {
         crate::tenant::gpu_scrub::reset(self.backend.as_ref(), placement)
+    }
+
+    fn plan_device(&self, placement: &GpuPlacement) -> Result<DeviceRecord, GpuPlanError> {
+        self.plan_device_route(placement)
+    }
+
+    fn prepare_device(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
+        self.prepare_device_host(record)
+    }
+
+    fn bind_device(
+        &self,
+        placement: &GpuPlacement,
+        record: &DeviceRecord,
+    ) -> Result<DeviceRecord, GpuPlanError> {
+        self.bind_device_route(placement, record)
+    }
+
+    fn devices(&self, record: &DeviceRecord) -> Result<Vec<PassthroughDevice>, GpuPlanError> {
+        self.device_list(record)
+    }
+
+    fn reset_device(
+        &self,
+        record: &DeviceRecord,
+    ) -> Result<Option<crate::tenant::host::DeviceResetOutcome>, GpuPlanError> {
+        self.reset_device_route(record)
+    }
+
+    fn rebind_device(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
+        self.rebind_device_route(record)
+    }
+
+    fn detach_device(
+        &self,
+        placement: &GpuPlacement,
+        record: &DeviceRecord,
+    ) -> Result<(), GpuPlanError> {
+        self.detach_device_route(placement, record)
+    }
+
+    fn leave_device_mode(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
+        BackendPlanner::leave_device_mode(self, record)
     }
 
     fn scrub(&self, placement: &GpuPlacement) -> Result<crate::scrub::ScrubOutcome, GpuPlanError> {

@@ -43,6 +43,12 @@ pub struct FakeHostState {
     /// Name the agent's channel as tenantvm-vmm does (a hybrid vsock socket) instead of a
     /// serial one.
     pub agent_vsock: bool,
+    /// The passthrough devices and VM UUID each launch was given: (tenant, devices, uuid).
+    pub launched_devices: Vec<(
+        String,
+        Vec<crate::backend::PassthroughDevice>,
+        Option<tenantvm_vmm_api::VmUuid>,
+    )>,
     /// Block I/O limits the launches asked the jail for: (tenant, disks, limit).
     pub block_io: Vec<(String, Vec<std::path::PathBuf>, crate::jail::BlockIoLimit)>,
 }
@@ -79,6 +85,8 @@ impl VmBackend for FakeBackend {
         }
         h.cgroups.insert(spec.tenant.clone());
         h.launched_with.push(jail.clone());
+        h.launched_devices
+            .push((spec.tenant.clone(), spec.devices.clone(), spec.uuid));
         Ok(RunningVm {
             backend: BackendKind::TenantvmVmm,
             tenant: spec.tenant.clone(),

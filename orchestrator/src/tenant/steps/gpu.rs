@@ -96,7 +96,60 @@ pub fn device_reset(
     let Some(p) = ctx.store.gpu_placement(t.id)? else {
         return Ok(Some(no_device(DepartureStep::DeviceReset, started)));
     };
-    let out = ctx.gpu.reset(&p)?;
+    let record = crate::tenant::steps::device::stored(ctx, t)?.map(|(_, r)| r);
+    // What the VMM said about its devices' resets as it ended (tenantvm-vmm's exit report;
+    // a compromised VMM wrote it, so it is evidence, never the only check).
+    let mut vmm_evidence = std::collections::BTreeMap::new();
+    let mut vmm_failed = Vec::new();
+    match crate::backend::vmm::Vmm::read_exit_report(&ctx.config.tenant_dir(&t.name)) {
+        Ok(Some(report)) => {
+            for d in &report.devices {
+                let path = crate::logs::sanitize(&d.path.display().to_string());
+                let outcome = crate::logs::sanitize(&format!("{:?}", d.reset_at_detach));
+                if matches!(
+                    d.reset_at_detach,
+                    tenantvm_vmm_api::ResetOutcome::Failed { .. }
+                ) {
+                    vmm_failed.push(format!("{path}: {outcome}"));
+                }
+                vmm_evidence.insert(format!("vmm reset at detach {path}"), outcome);
+            }
+        }
+        Ok(None) => {}
+        Err(e) => {
+            vmm_evidence.insert(
+                "vmm exit report".into(),
+                crate::logs::sanitize(&e.to_string()),
+            );
+        }
+    }
+    let routed = match &record {
+        Some(r) => match ctx.gpu.reset_device(r) {
+            Ok(out) => out,
+            Err(e) => {
+                let why = format!("device-reset: {e}");
+                ctx.store.quarantine_gpu(&p, &why)?;
+                let mut rec = StepRecord::new(
+                    DepartureStep::DeviceReset,
+                    "PCI function reset through sysfs",
+                    StepResult::Failed,
+                    Assurance::Unverified,
+                    started,
+                    now_rfc3339(),
+                )
+                .with_evidence("quarantined", true)
+                .with_evidence("slice", slice_id(&p))
+                .failed(why);
+                rec.evidence.extend(vmm_evidence);
+                return Ok(Some(rec));
+            }
+        },
+        None => None,
+    };
+    let out = match routed {
+        Some(out) => out,
+        None => ctx.gpu.reset(&p)?,
+    };
     let mut rec = StepRecord::new(
         DepartureStep::DeviceReset,
         &out.method,
@@ -106,6 +159,18 @@ pub fn device_reset(
         now_rfc3339(),
     );
     rec.evidence = out.evidence;
+    if let Some(r) = &record {
+        rec.evidence.insert("route".into(), r.route().into());
+    }
+    rec.evidence.extend(vmm_evidence);
+    if !vmm_failed.is_empty() {
+        let why = format!(
+            "device-reset: the VMM's reset failed: {}",
+            vmm_failed.join("; ")
+        );
+        ctx.store.quarantine_gpu(&p, &why)?;
+        rec = rec.with_evidence("quarantined", true).failed(why);
+    }
     Ok(Some(rec))
 }
 
@@ -170,21 +235,29 @@ pub fn destroy_instance(
         return Ok(Some(no_device(DepartureStep::GpuRelease, started)));
     };
     ctx.gpu.release(&p)?;
-    Ok(Some(
-        StepRecord::new(
-            DepartureStep::GpuRelease,
-            if p.label.contains('@') {
-                "MIG compute and GPU instance destroyed, found again by GPU, profile and start"
-            } else {
-                "whole GPU released (no MIG instance)"
-            },
-            StepResult::Ok,
-            Assurance::Verified,
-            started,
-            now_rfc3339(),
-        )
-        .with_evidence("slice", slice_id(&p)),
-    ))
+    // A reset or rebind that failed quarantined the slice: the receipt names that step.
+    let quarantined = ctx
+        .store
+        .quarantined()?
+        .into_iter()
+        .find(|q| q.gpu == p.gpu && q.label == p.label);
+    let rec = StepRecord::new(
+        DepartureStep::GpuRelease,
+        if p.label.contains('@') {
+            "MIG compute and GPU instance destroyed, found again by GPU, profile and start"
+        } else {
+            "whole GPU released (no MIG instance)"
+        },
+        StepResult::Ok,
+        Assurance::Verified,
+        started,
+        now_rfc3339(),
+    )
+    .with_evidence("slice", slice_id(&p));
+    Ok(Some(match quarantined {
+        Some(q) => rec.with_evidence("quarantined", crate::logs::sanitize(&q.reason)),
+        None => rec,
+    }))
 }
 
 /// release-gpu: returns the placement's slots to the ledger.
@@ -194,5 +267,6 @@ pub fn release(
     _op: Op,
 ) -> Result<Option<StepRecord>, StepError> {
     ctx.store.release_gpu(t.id)?;
+    crate::tenant::steps::device::release(ctx, t)?;
     Ok(None)
 }

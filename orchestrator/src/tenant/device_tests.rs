@@ -1,0 +1,251 @@
+//! The GPU share reaches the VM and comes back, through the daemon's steps, on a FAKE sysfs
+//! tree (the HGX H100 fixture and its fake kernel) linked to a SIMULATED GPU host whose
+//! driver enforces the vGPU ordering rules. Both routes, an uninterrupted run, and a crash
+//! (the in-process fault hook) at every step boundary of create and of destroy, after which
+//! a restarted service resumes: it must converge to the uninterrupted run's host state, with
+//! nothing left bound to the wrong driver, no VF left typed, no instance leaked.
+
+use std::sync::Arc;
+
+use tenantvm_gpu::backend::sim::{SimHost, SimVgpu};
+use tenantvm_gpu::host::fake::FakeHost;
+use tenantvm_gpu::host::{sriov, PciAddress};
+use tenantvm_gpu::route::vgpu::vgpu_state;
+
+use crate::auth::Caller;
+use crate::backend::PassthroughDevice;
+use crate::domain::lifecycle::LifecycleState;
+use crate::domain::spec::TenantSpec;
+use crate::reconcile::{reconcile, ReconcileOptions};
+use crate::tenant::fault::{Boundary, FaultHook};
+use crate::tenant::gpu::BackendPlanner;
+use crate::tenant::service::TenantCommand;
+use crate::tenant::steps::Op;
+use crate::tenant::test_utils::Harness;
+
+/// A FAKE HGX H100 tree with its SIMULATED GPUs, every one with SR-IOV vGPU.
+struct GpuHost {
+    fake: FakeHost,
+    planner: Arc<BackendPlanner>,
+}
+
+fn gpu_host() -> GpuHost {
+    let fake = FakeHost::build(&FakeHost::h100x8_spec()).unwrap();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/hosts/sim-h100x8.json");
+    let mut host: SimHost = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    for g in &mut host.gpus {
+        g.vgpu = SimVgpu::Sriov;
+    }
+    let sim = fake.attach_sim(&host).unwrap();
+    let planner = Arc::new(BackendPlanner::new(Box::new(sim)).with_sysfs(fake.sysfs()));
+    GpuHost { fake, planner }
+}
+
+/// Everything the routes change, per GPU: MIG mode, instances, enabled VFs, typed VFs
+/// (with their instance), and the drivers of the GPU's functions.
+type Snapshot = Vec<(
+    String,
+    bool,
+    Vec<(u32, u32)>,
+    u32,
+    Vec<(String, Option<u32>)>,
+    Option<String>,
+)>;
+
+fn snapshot(h: &GpuHost) -> Snapshot {
+    let sysfs = h.fake.sysfs();
+    let mut out = Vec::new();
+    for g in h.planner.backend().gpus().unwrap() {
+        let pf = PciAddress::parse(&g.pci_address).unwrap();
+        let mut instances: Vec<(u32, u32)> = g
+            .instances
+            .iter()
+            .map(|i| (i.profile_id, i.start))
+            .collect();
+        instances.sort_unstable();
+        let typed: Vec<(String, Option<u32>)> = vgpu_state(&sysfs, &pf)
+            .unwrap()
+            .into_iter()
+            .filter(|v| v.vgpu_type.is_some())
+            .map(|v| (v.vf, v.gpu_instance_id))
+            .collect();
+        out.push((
+            g.pci_address.clone(),
+            g.mig_enabled,
+            instances,
+            sriov::enabled_vfs(&sysfs, &pf).unwrap_or(0),
+            typed,
+            sysfs.device(&pf).unwrap().driver,
+        ));
+    }
+    out
+}
+
+fn spec(gpu: &str) -> TenantSpec {
+    TenantSpec::from_toml(&format!(
+        "name = \"g\"\ngpu = {gpu}\n[image]\nname = \"hello\"\n"
+    ))
+    .unwrap()
+}
+
+const VGPU: &str = "{ profile = \"3g.40gb\" }";
+const WHOLE: &str = "{ whole_gpu = true }";
+
+fn state(h: &Harness) -> Option<LifecycleState> {
+    h.svc.store().tenant("g").unwrap().map(|t| t.state)
+}
+
+fn create(h: &Harness, gpu: &str) {
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Create(spec(gpu)))
+        .unwrap();
+    h.svc.wait_idle();
+}
+
+fn destroy(h: &Harness) {
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Destroy("g".into()))
+        .unwrap();
+    h.svc.wait_idle();
+}
+
+fn harness(host: &GpuHost) -> Harness {
+    Harness::new(FaultHook::default()).with_planner(host.planner.clone())
+}
+
+/// The last launch's devices and UUID.
+fn launched(h: &Harness) -> (Vec<PassthroughDevice>, Option<tenantvm_vmm_api::VmUuid>) {
+    let s = h.host.state();
+    let (_, devices, uuid) = s.launched_devices.last().cloned().unwrap();
+    (devices, uuid)
+}
+
+#[test]
+fn a_vgpu_reaches_the_vm_on_its_planned_instance_and_everything_comes_back() {
+    let host = gpu_host();
+    let before = snapshot(&host);
+    let h = harness(&host);
+    create(&h, VGPU);
+    assert_eq!(
+        state(&h),
+        Some(LifecycleState::Running),
+        "{:?}",
+        h.svc.store().tenant("g").unwrap().unwrap().error
+    );
+    let (devices, uuid) = launched(&h);
+    assert!(
+        uuid.is_some(),
+        "a vGPU VM needs its UUID on the VMM's command line"
+    );
+    let [PassthroughDevice::Pci { address, .. }] = &devices[..] else {
+        panic!("one VF expected: {devices:?}")
+    };
+    // The VF the VM got is typed and serves an instance of the tenant's card.
+    let during = snapshot(&host);
+    let card = during
+        .iter()
+        .find(|g| g.4.iter().any(|(vf, _)| vf == address))
+        .unwrap_or_else(|| panic!("VF {address} is not typed: {during:?}"));
+    assert_eq!(card.4.len(), 1);
+    assert!(card.3 > 0 && card.1, "VFs and MIG on: {card:?}");
+    destroy(&h);
+    assert_eq!(state(&h), None);
+    assert_eq!(snapshot(&host), before, "the card left vGPU mode as it was");
+    assert!(h.svc.store().gpu_devices().unwrap().is_empty());
+    assert!(h.svc.store().gpu_reservations().unwrap().is_empty());
+}
+
+#[test]
+fn a_whole_gpu_is_bound_to_vfio_handed_over_and_given_back_to_its_driver() {
+    let host = gpu_host();
+    let before = snapshot(&host);
+    let h = harness(&host);
+    create(&h, WHOLE);
+    assert_eq!(
+        state(&h),
+        Some(LifecycleState::Running),
+        "{:?}",
+        h.svc.store().tenant("g").unwrap().unwrap().error
+    );
+    let (devices, _) = launched(&h);
+    let Some(PassthroughDevice::Pci {
+        address,
+        iommu_group,
+    }) = devices.first()
+    else {
+        panic!("no device: {devices:?}")
+    };
+    let sysfs = host.fake.sysfs();
+    let dev = sysfs.device(&PciAddress::parse(address).unwrap()).unwrap();
+    assert_eq!(dev.driver.as_deref(), Some("vfio-pci"));
+    assert_eq!(dev.iommu_group, Some(*iommu_group));
+    destroy(&h);
+    assert_eq!(state(&h), None);
+    assert_eq!(snapshot(&host), before);
+    assert!(
+        host.fake.resets(address) >= 1,
+        "the departure reset the GPU"
+    );
+}
+
+/// Create with a crash at `step`/`boundary`, restart, reconcile: it must end running with
+/// the host as an uninterrupted create leaves it; then destroy with a crash at every
+/// boundary too, converging to the host as it was.
+fn converges(gpu: &str) {
+    let reference = {
+        let host = gpu_host();
+        let h = harness(&host);
+        create(&h, gpu);
+        assert_eq!(state(&h), Some(LifecycleState::Running));
+        let created = snapshot(&host);
+        destroy(&h);
+        (created, snapshot(&host))
+    };
+    for step in Op::Create.steps() {
+        for boundary in [Boundary::Before, Boundary::After] {
+            let host = gpu_host();
+            let mut h = harness(&host);
+            h.restart(FaultHook::fail_at("create", step.name(), boundary));
+            create(&h, gpu);
+            h.restart(FaultHook::default());
+            reconcile(&h.svc, &ReconcileOptions::default()).unwrap();
+            assert_eq!(
+                state(&h),
+                Some(LifecycleState::Running),
+                "create {step:?} {boundary:?}: {:?}",
+                h.svc.store().tenant("g").unwrap().unwrap().error
+            );
+            assert_eq!(snapshot(&host), reference.0, "create {step:?} {boundary:?}");
+        }
+    }
+    for step in Op::Destroy.steps() {
+        for boundary in [Boundary::Before, Boundary::After] {
+            let host = gpu_host();
+            let mut h = harness(&host);
+            create(&h, gpu);
+            h.restart(FaultHook::fail_at("destroy", step.name(), boundary));
+            destroy(&h);
+            h.restart(FaultHook::default());
+            reconcile(&h.svc, &ReconcileOptions::default()).unwrap();
+            assert_eq!(state(&h), None, "destroy {step:?} {boundary:?}");
+            assert_eq!(
+                snapshot(&host),
+                reference.1,
+                "destroy {step:?} {boundary:?}"
+            );
+            assert!(h.svc.store().gpu_devices().unwrap().is_empty());
+            assert!(h.svc.store().gpu_reservations().unwrap().is_empty());
+        }
+    }
+}
+
+#[test]
+fn a_vgpu_tenant_converges_after_a_crash_at_every_step_boundary() {
+    converges(VGPU);
+}
+
+#[test]
+fn a_whole_gpu_tenant_converges_after_a_crash_at_every_step_boundary() {
+    converges(WHOLE);
+}
