@@ -30,7 +30,13 @@ struct GpuHost {
 }
 
 fn gpu_host() -> GpuHost {
-    let fake = FakeHost::build(&FakeHost::h100x8_spec()).unwrap();
+    gpu_host_with(|_| {})
+}
+
+fn gpu_host_with(change: impl FnOnce(&mut tenantvm_gpu::host::fake::FakeHostSpec)) -> GpuHost {
+    let mut spec = FakeHost::h100x8_spec();
+    change(&mut spec);
+    let fake = FakeHost::build(&spec).unwrap();
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/fixtures/hosts/sim-h100x8.json");
     let mut host: SimHost = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
@@ -186,6 +192,66 @@ fn a_whole_gpu_is_bound_to_vfio_handed_over_and_given_back_to_its_driver() {
     assert!(
         host.fake.resets(address) >= 1,
         "the departure reset the GPU"
+    );
+}
+
+#[test]
+fn a_failed_reset_quarantines_the_card_and_the_receipt_names_the_step() {
+    // Every GPU's function reset fails (the fake kernel answers the write with an error).
+    let host = gpu_host_with(|spec| {
+        for d in &mut spec.devices {
+            if d.vendor == "0x10de" && d.class.starts_with("0x0302") {
+                d.reset_fails = true;
+            }
+        }
+    });
+    let h = harness(&host);
+    create(&h, WHOLE);
+    assert_eq!(state(&h), Some(LifecycleState::Running));
+    let (devices, _) = launched(&h);
+    let Some(PassthroughDevice::Pci { address, .. }) = devices.first().cloned() else {
+        panic!("no device")
+    };
+    destroy(&h);
+    // The departure finished; the card is quarantined with the failed step as the reason.
+    assert_eq!(state(&h), None);
+    let q = h.svc.store().quarantined().unwrap();
+    assert_eq!(q.len(), 1, "{q:?}");
+    assert!(q[0].reason.starts_with("device-reset: "), "{}", q[0].reason);
+    assert_eq!(q[0].gpu, address);
+    let kit = h.svc.departure_kit().unwrap();
+    let entry = kit
+        .log
+        .entries()
+        .unwrap()
+        .into_iter()
+        .find(|e| e.receipt.tenant == "g")
+        .unwrap();
+    let line = |step| {
+        entry
+            .receipt
+            .steps
+            .iter()
+            .find(|s| s.step == step)
+            .cloned()
+            .unwrap()
+    };
+    let reset = line(crate::receipt::DepartureStep::DeviceReset);
+    assert_eq!(reset.result, crate::receipt::StepResult::Failed);
+    assert!(reset.error.unwrap().contains("device-reset"));
+    let release = line(crate::receipt::DepartureStep::GpuRelease);
+    assert!(release.evidence["quarantined"].starts_with("device-reset"));
+    // The driver came back all the same, and the next whole GPU is another card.
+    let sysfs = host.fake.sysfs();
+    let dev = sysfs.device(&PciAddress::parse(&address).unwrap()).unwrap();
+    assert_eq!(dev.driver.as_deref(), Some("nvidia"));
+    create(&h, WHOLE);
+    let (devices, _) = launched(&h);
+    assert!(
+        !devices
+            .iter()
+            .any(|d| matches!(d, PassthroughDevice::Pci { address: a, .. } if *a == address)),
+        "{devices:?}"
     );
 }
 

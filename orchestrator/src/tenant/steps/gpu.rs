@@ -19,6 +19,10 @@ fn no_device(step: DepartureStep, started: String) -> StepRecord {
     )
 }
 
+/// The steps whose failure quarantines a slice until an operator's re-scrub (the reason
+/// starts with the step's name).
+const DEVICE_STEPS: [&str; 2] = ["device-reset:", "rebind-gpu:"];
+
 /// What the ledger holds: every tenant's placement and every quarantined slice.
 pub fn held_shares(store: &crate::store::Store) -> Result<Vec<GpuPlacement>, StepError> {
     let mut held = store.gpu_placements()?;
@@ -194,8 +198,16 @@ fn scrub_or_quarantine(
             let mut rec = outcome.step_record(started, now_rfc3339());
             if outcome.passed {
                 // A re-run after a crash may pass where the first run did not: a scrub that
-                // verifies is what lifts a quarantine.
-                ctx.store.lift_quarantine(p)?;
+                // verifies is what lifts a quarantine, but not one a failed reset or rebind
+                // of this departure set (the device was not given back clean).
+                let held_by_device_step = ctx.store.quarantined()?.iter().any(|q| {
+                    q.gpu == p.gpu
+                        && q.label == p.label
+                        && DEVICE_STEPS.iter().any(|s| q.reason.starts_with(s))
+                });
+                if !held_by_device_step {
+                    ctx.store.lift_quarantine(p)?;
+                }
             } else {
                 ctx.store
                     .quarantine_gpu(p, rec.error.as_deref().unwrap_or("scrub did not pass"))?;
