@@ -1,7 +1,8 @@
 //! The GPU share reaches the VM and comes back, through the daemon's steps, on a FAKE sysfs
 //! tree (the HGX H100 fixture and its fake kernel) linked to a SIMULATED GPU host whose
 //! driver enforces the vGPU ordering rules. Both routes, an uninterrupted run, and a crash
-//! (the in-process fault hook) at every step boundary of create and of destroy, after which
+//! (the in-process fault hook) at every boundary of the steps from reserve-gpu to launch-vm
+//! and from stop-vm to release-gpu (the GPU's own and those around them), after which
 //! a restarted service resumes: it must converge to the uninterrupted run's host state, with
 //! nothing left bound to the wrong driver, no VF left typed, no instance leaked.
 
@@ -20,7 +21,7 @@ use crate::reconcile::{reconcile, ReconcileOptions};
 use crate::tenant::fault::{Boundary, FaultHook};
 use crate::tenant::gpu::BackendPlanner;
 use crate::tenant::service::TenantCommand;
-use crate::tenant::steps::Op;
+use crate::tenant::steps::{Op, Step};
 use crate::tenant::test_utils::Harness;
 
 /// A FAKE HGX H100 tree with its SIMULATED GPUs, every one with SR-IOV vGPU.
@@ -255,6 +256,17 @@ fn a_failed_reset_quarantines_the_card_and_the_receipt_names_the_step() {
     );
 }
 
+/// The steps of `op` from `first` to `last`: those around the GPU's. (The crash tests of
+/// `tenant::tests` cover every boundary of every step with the fake planner; each run here
+/// costs a FAKE tree and a SIMULATED host file, so only the boundaries where the device is
+/// in flight are repeated with the real routes.)
+fn window(op: Op, first: Step, last: Step) -> Vec<Step> {
+    let steps = op.steps();
+    let a = steps.iter().position(|s| *s == first).unwrap();
+    let b = steps.iter().position(|s| *s == last).unwrap();
+    steps[a..=b].to_vec()
+}
+
 /// Create with a crash at `step`/`boundary`, restart, reconcile: it must end running with
 /// the host as an uninterrupted create leaves it; then destroy with a crash at every
 /// boundary too, converging to the host as it was.
@@ -268,7 +280,7 @@ fn converges(gpu: &str) {
         destroy(&h);
         (created, snapshot(&host))
     };
-    for step in Op::Create.steps() {
+    for step in window(Op::Create, Step::ReserveGpu, Step::LaunchVm) {
         for boundary in [Boundary::Before, Boundary::After] {
             let host = gpu_host();
             let mut h = harness(&host);
@@ -285,7 +297,7 @@ fn converges(gpu: &str) {
             assert_eq!(snapshot(&host), reference.0, "create {step:?} {boundary:?}");
         }
     }
-    for step in Op::Destroy.steps() {
+    for step in window(Op::Destroy, Step::StopVm, Step::ReleaseGpu) {
         for boundary in [Boundary::Before, Boundary::After] {
             let host = gpu_host();
             let mut h = harness(&host);
