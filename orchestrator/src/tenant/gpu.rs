@@ -114,6 +114,12 @@ impl GpuPlanner for BackendPlanner {
                     .iter()
                     .any(|i| i.profile_id == profile.id && i.start == start)
         });
+        // The planner may choose a GPU whose MIG mode is off (prepare-gpu-host turns it on
+        // for a vGPU card; on the other routes it is turned on here).
+        let mig_off = gpus.iter().any(|g| g.index == gpu && !g.mig_enabled);
+        if !exists && mig_off {
+            self.backend.set_mig_mode(gpu, true).map_err(plan_err)?;
+        }
         if !exists {
             self.backend
                 .create_instance(gpu, profile.id, start)
@@ -351,6 +357,20 @@ mod tests {
         p.release(&cand).unwrap();
         p.release(&cand).unwrap();
         assert_eq!(count(&p), before);
+    }
+
+    #[test]
+    fn a_placement_on_a_gpu_with_mig_off_turns_mig_on_to_make_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = sim_file(
+            &dir,
+            &ONE_H100.replace("\"mig_enabled\": true", "\"mig_enabled\": false"),
+        );
+        assert!(!p.backend.gpus().unwrap()[0].mig_enabled);
+        let got = p.place("t", &profile("1g.10gb"), &[]).unwrap();
+        p.materialize(&got).unwrap();
+        let g = &p.backend.gpus().unwrap()[0];
+        assert!(g.mig_enabled && g.instances.len() == 1, "{g:?}");
     }
 
     #[test]
