@@ -51,14 +51,18 @@ fn gpu_host_with(change: impl FnOnce(&mut tenantvm_gpu::host::fake::FakeHostSpec
 
 /// Everything the routes change, per GPU: MIG mode, instances, enabled VFs, typed VFs
 /// (with their instance), and the drivers of the GPU's functions.
-type Snapshot = Vec<(
+/// Per GPU: address, MIG mode, instances (profile, start), enabled VFs, typed VFs (with
+/// their instance), the PF's driver.
+type GpuState = (
     String,
     bool,
     Vec<(u32, u32)>,
     u32,
     Vec<(String, Option<u32>)>,
     Option<String>,
-)>;
+);
+/// Every GPU's state, and how many mdevs exist (their UUIDs are random).
+type Snapshot = (Vec<GpuState>, usize);
 
 fn snapshot(h: &GpuHost) -> Snapshot {
     let sysfs = h.fake.sysfs();
@@ -86,8 +90,32 @@ fn snapshot(h: &GpuHost) -> Snapshot {
             sysfs.device(&pf).unwrap().driver,
         ));
     }
-    out
+    (out, sysfs.list(&sysfs.path("sys/bus/mdev/devices")).len())
 }
+
+/// The workstation tree (gpu-audio.sysfs.json) with its A100 as a SIMULATED GPU whose vGPU
+/// is an mdev (vGPU 16 and older).
+fn mdev_host() -> GpuHost {
+    let fake = FakeHost::build(&FakeHost::audio_host_spec()).unwrap();
+    let host: SimHost = serde_json::from_str(
+        r#"{"gpus": [{"index": 0, "model": "a100-40gb", "pci_address": "0000:05:00.0",
+            "mig_enabled": true, "vgpu": "mdev", "iommu_group": 14}]}"#,
+    )
+    .unwrap();
+    let sim = fake.attach_sim(&host).unwrap();
+    let planner = Arc::new(BackendPlanner::new(Box::new(sim)).with_sysfs(fake.sysfs()));
+    GpuHost { fake, planner }
+}
+
+fn sysfs_has_mdev(host: &GpuHost, uuid: &str) -> bool {
+    let sysfs = host.fake.sysfs();
+    sysfs
+        .list(&sysfs.path("sys/bus/mdev/devices"))
+        .iter()
+        .any(|u| u == uuid)
+}
+
+const MDEV: &str = "{ profile = \"1g.5gb\" }";
 
 fn spec(gpu: &str) -> TenantSpec {
     TenantSpec::from_toml(&format!(
@@ -151,6 +179,7 @@ fn a_vgpu_reaches_the_vm_on_its_planned_instance_and_everything_comes_back() {
     // The VF the VM got is typed and serves an instance of the tenant's card.
     let during = snapshot(&host);
     let card = during
+        .0
         .iter()
         .find(|g| g.4.iter().any(|(vf, _)| vf == address))
         .unwrap_or_else(|| panic!("VF {address} is not typed: {during:?}"));
@@ -270,7 +299,7 @@ fn window(op: Op, first: Step, last: Step) -> Vec<Step> {
 /// Create with a crash at `step`/`boundary`, restart, reconcile: it must end running with
 /// the host as an uninterrupted create leaves it; then destroy with a crash at every
 /// boundary too, converging to the host as it was.
-fn converges(gpu: &str) {
+fn converges(gpu: &str, gpu_host: fn() -> GpuHost) {
     let reference = {
         let host = gpu_host();
         let h = harness(&host);
@@ -320,10 +349,49 @@ fn converges(gpu: &str) {
 
 #[test]
 fn a_vgpu_tenant_converges_after_a_crash_at_every_step_boundary() {
-    converges(VGPU);
+    converges(VGPU, gpu_host);
 }
 
 #[test]
 fn a_whole_gpu_tenant_converges_after_a_crash_at_every_step_boundary() {
-    converges(WHOLE);
+    converges(WHOLE, gpu_host);
+}
+
+#[test]
+fn an_mdev_tenant_converges_after_a_crash_at_every_step_boundary() {
+    converges(MDEV, mdev_host);
+}
+
+#[test]
+fn an_mdev_vgpu_is_created_handed_over_by_its_sysfs_path_and_removed() {
+    let host = mdev_host();
+    let before = snapshot(&host);
+    let h = harness(&host);
+    create(&h, MDEV);
+    assert_eq!(state(&h), Some(LifecycleState::Running));
+    let (devices, uuid) = launched(&h);
+    let [PassthroughDevice::Mdev {
+        uuid: mdev,
+        iommu_group,
+    }] = &devices[..]
+    else {
+        panic!("one mdev expected: {devices:?}")
+    };
+    assert!(uuid.is_some());
+    let during = snapshot(&host);
+    assert_eq!(during.1, 1);
+    assert!(sysfs_has_mdev(&host, mdev));
+    assert!(
+        !before.0[0].2.contains(&during.0[0].2[0]),
+        "an instance was made"
+    );
+    // Its own IOMMU group, which the jail will give the VMM as /dev/vfio/<group>.
+    let sysfs = host.fake.sysfs();
+    assert!(sysfs
+        .path(&format!(
+            "sys/kernel/iommu_groups/{iommu_group}/devices/{mdev}"
+        ))
+        .exists());
+    destroy(&h);
+    assert_eq!(snapshot(&host), before);
 }

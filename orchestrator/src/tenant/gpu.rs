@@ -143,6 +143,14 @@ impl GpuPlanner for BackendPlanner {
         self.prepare_device_host(record)
     }
 
+    fn plan_bind(
+        &self,
+        placement: &GpuPlacement,
+        record: &DeviceRecord,
+    ) -> Result<DeviceRecord, GpuPlanError> {
+        self.plan_bind_route(placement, record)
+    }
+
     fn bind_device(
         &self,
         placement: &GpuPlacement,

@@ -8,11 +8,14 @@
 //!   GPU instance), then the instance, then the vGPU type on a free VF, whose
 //!   `gpu_instance_id` must be the planned instance; departure: type 0, scrub, instance
 //!   destroyed, and when the card's last vGPU tenant leaves: VFs off, MIG off last;
-//! - a simulated host, or a route the daemon does not drive (mdev vGPU): nothing is handed
-//!   to the VM and the record says why.
+//! - a MIG instance as an mdev vGPU (vGPU 16 and older): the instance, then an mdev of the
+//!   profile's type (chosen and recorded, then created); the VM gets it by its sysfs path
+//!   (QEMU only); departure removes it before the scrub;
+//! - a simulated host: nothing is handed to the VM and the record says why.
 
 use serde::{Deserialize, Serialize};
 use tenantvm_gpu::backend::GpuInfo;
+use tenantvm_gpu::host::mdev::{self, MdevAssignment};
 use tenantvm_gpu::host::{PciAddress, Sysfs};
 use tenantvm_gpu::mig::{MigProfile, VgpuSupport};
 use tenantvm_gpu::route::vgpu::{self, VgpuAttachment, VgpuHost};
@@ -39,6 +42,15 @@ pub enum DeviceRecord {
         /// The binding (drivers and overrides before it), to give the group back.
         binding: VfioBinding,
     },
+    /// A MIG instance as an mdev vGPU (vGPU 16 and older); QEMU passes it (`sysfsdev=`).
+    MdevVgpu {
+        /// The parent device (the GPU).
+        parent: String,
+        /// The mdev (type and UUID), chosen by bind-gpu once the instance exists and
+        /// recorded before it is created.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        assignment: Option<MdevAssignment>,
+    },
     /// A MIG instance as the vGPU of an SR-IOV VF.
     SriovVgpu {
         /// The card's preparation (whether this tenant turned MIG and VFs on).
@@ -61,6 +73,7 @@ impl DeviceRecord {
             DeviceRecord::NotAttached { .. } => "not-attached",
             DeviceRecord::Whole { .. } => "whole-gpu",
             DeviceRecord::SriovVgpu { .. } => "sriov-vgpu",
+            DeviceRecord::MdevVgpu { .. } => "mdev-vgpu",
         }
     }
 }
@@ -125,14 +138,13 @@ impl BackendPlanner {
                 host: vgpu::plan_host(sysfs, &info).map_err(plan_err)?,
                 attachment: None,
             }),
-            VgpuSupport::Mdev => Ok(DeviceRecord::NotAttached {
-                reason: "mdev vGPU (vGPU 16 and older): the daemon creates the MIG instance but does not yet hand an mdev to the VM".into(),
+            VgpuSupport::Mdev => Ok(DeviceRecord::MdevVgpu {
+                parent: info.pci_address.clone(),
+                assignment: None,
             }),
-            VgpuSupport::Simulated | VgpuSupport::Missing { .. } => {
-                Ok(DeviceRecord::NotAttached {
-                    reason: "SIMULATED vGPU: no device is handed to the VM".into(),
-                })
-            }
+            VgpuSupport::Simulated | VgpuSupport::Missing { .. } => Ok(DeviceRecord::NotAttached {
+                reason: "SIMULATED vGPU: no device is handed to the VM".into(),
+            }),
         }
     }
 
@@ -142,6 +154,32 @@ impl BackendPlanner {
             vgpu::prepare_host(self.sysfs_or()?, self.backend(), host).map_err(plan_err)?;
         }
         Ok(())
+    }
+
+    /// mdev: chooses the type (with room, now that the instance exists) and the mdev's
+    /// UUID; touches nothing (bind-gpu records it before creating the mdev). The other
+    /// routes have nothing to choose.
+    pub(crate) fn plan_bind_route(
+        &self,
+        placement: &GpuPlacement,
+        record: &DeviceRecord,
+    ) -> Result<DeviceRecord, GpuPlanError> {
+        match record {
+            DeviceRecord::MdevVgpu {
+                parent,
+                assignment: None,
+            } => {
+                let info = self.gpu_info(&placement.gpu)?;
+                let (profile, _) = mig_label(&info, placement)?;
+                let assignment =
+                    mdev::plan_mdev(self.sysfs_or()?, &pci(parent)?, profile).map_err(plan_err)?;
+                Ok(DeviceRecord::MdevVgpu {
+                    parent: parent.clone(),
+                    assignment: Some(assignment),
+                })
+            }
+            _ => Ok(record.clone()),
+        }
     }
 
     /// Whole: the group onto vfio-pci. vGPU: the instance's compute instance, then the
@@ -155,6 +193,13 @@ impl BackendPlanner {
             DeviceRecord::NotAttached { .. } => Ok(record.clone()),
             DeviceRecord::Whole { binding } => {
                 whole::apply_bind(self.sysfs_or()?, binding).map_err(plan_err)?;
+                Ok(record.clone())
+            }
+            DeviceRecord::MdevVgpu { assignment, .. } => {
+                let a = assignment
+                    .as_ref()
+                    .ok_or_else(|| plan_err("no mdev is chosen yet (bind-gpu plans it first)"))?;
+                mdev::create_mdev(self.sysfs_or()?, a).map_err(plan_err)?;
                 Ok(record.clone())
             }
             DeviceRecord::SriovVgpu { host, .. } => {
@@ -189,6 +234,27 @@ impl BackendPlanner {
                         iommu_group: binding.group,
                     })
                     .collect())
+            }
+            DeviceRecord::MdevVgpu { assignment, .. } => {
+                let a = assignment
+                    .as_ref()
+                    .ok_or_else(|| plan_err("no mdev is created yet (bind-gpu)"))?;
+                let sysfs = self.sysfs_or()?;
+                let link = a.sysfs_path(sysfs).join("iommu_group");
+                let group = std::fs::read_link(&link)
+                    .ok()
+                    .and_then(|t| t.file_name()?.to_str()?.parse().ok())
+                    .ok_or_else(|| {
+                        plan_err(format!(
+                            "mdev {} has no IOMMU group ({} unreadable): is vfio-mdev loaded?",
+                            a.uuid,
+                            link.display()
+                        ))
+                    })?;
+                Ok(vec![PassthroughDevice::Mdev {
+                    uuid: a.uuid.to_string(),
+                    iommu_group: group,
+                }])
             }
             DeviceRecord::SriovVgpu { attachment, .. } => {
                 let a = attachment
@@ -238,12 +304,19 @@ impl BackendPlanner {
         Ok(())
     }
 
-    /// vGPU: type 0 on every VF serving the tenant's instance.
+    /// vGPU: type 0 on every VF serving the tenant's instance; mdev: the mdev removed.
     pub(crate) fn detach_device_route(
         &self,
         placement: &GpuPlacement,
         record: &DeviceRecord,
     ) -> Result<(), GpuPlanError> {
+        if let DeviceRecord::MdevVgpu {
+            assignment: Some(a),
+            ..
+        } = record
+        {
+            mdev::remove_mdev(self.sysfs_or()?, a).map_err(plan_err)?;
+        }
         if let DeviceRecord::SriovVgpu { host, .. } = record {
             let info = self.gpu_info(&placement.gpu)?;
             let (profile, start) = mig_label(&info, placement)?;

@@ -119,6 +119,16 @@ pub trait GpuPlanner: Send + Sync {
         Ok(())
     }
 
+    /// What binding will do, chosen now that the instance exists (mdev: the type and UUID);
+    /// touches nothing, so bind-gpu records it first. The default changes nothing.
+    fn plan_bind(
+        &self,
+        _placement: &GpuPlacement,
+        record: &DeviceRecord,
+    ) -> Result<DeviceRecord, GpuPlanError> {
+        Ok(record.clone())
+    }
+
     /// Binds the share for the VM (whole: vfio-pci; vGPU: the type on a VF, checked against
     /// the planned instance); returns the record to store. Idempotent.
     fn bind_device(

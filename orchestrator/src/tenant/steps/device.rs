@@ -107,13 +107,19 @@ pub fn prepare_host(
 }
 
 /// bind-gpu: whole: the GPU's IOMMU group onto vfio-pci; vGPU: the vGPU type on a free VF,
-/// whose instance must be the planned one. The record (with the typed VF) is stored.
+/// whose instance must be the planned one; mdev: the mdev of the profile's type, chosen and
+/// recorded first, then created. The record (with the typed VF) is stored.
 pub fn bind(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepRecord>, StepError> {
     let (Some(p), Some((row, record))) = (placement(ctx, t)?, stored(ctx, t)?) else {
         return Ok(None);
     };
-    let bound = ctx.gpu.bind_device(&p, &record)?;
-    if bound != record {
+    // What binding will do is recorded before it is done (mdev: its type and UUID).
+    let planned = ctx.gpu.plan_bind(&p, &record)?;
+    if planned != record {
+        save(ctx, t, &row, &planned)?;
+    }
+    let bound = ctx.gpu.bind_device(&p, &planned)?;
+    if bound != planned {
         save(ctx, t, &row, &bound)?;
     }
     Ok(None)
@@ -146,8 +152,8 @@ pub fn rebind(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepR
     Ok(None)
 }
 
-/// detach-gpu: vGPU: type 0 on every VF serving the tenant's instance (before the scrub and
-/// the instance's destruction).
+/// detach-gpu: vGPU: type 0 on every VF serving the tenant's instance; mdev: the mdev
+/// removed (before the scrub and the instance's destruction).
 pub fn detach(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepRecord>, StepError> {
     let (Some(p), Some((_, record))) = (placement(ctx, t)?, stored(ctx, t)?) else {
         return Ok(None);
