@@ -145,8 +145,11 @@ fn destroy(h: &Harness) {
     h.svc.wait_idle();
 }
 
+/// A service over `host`; its fake VM backend says it is QEMU (the backend an mdev needs).
 fn harness(host: &GpuHost) -> Harness {
-    Harness::new(FaultHook::default()).with_planner(host.planner.clone())
+    let h = Harness::new(FaultHook::default()).with_planner(host.planner.clone());
+    h.host.state().qemu = true;
+    h
 }
 
 /// The last launch's devices and UUID.
@@ -360,6 +363,25 @@ fn a_whole_gpu_tenant_converges_after_a_crash_at_every_step_boundary() {
 #[test]
 fn an_mdev_tenant_converges_after_a_crash_at_every_step_boundary() {
     converges(MDEV, mdev_host);
+}
+
+#[test]
+fn an_mdev_share_is_refused_at_create_on_tenantvm_vmm_with_what_to_do() {
+    let host = mdev_host();
+    let before = snapshot(&host);
+    let h = harness(&host);
+    h.host.state().qemu = false;
+    let err = h
+        .svc
+        .execute(&Caller::Admin, TenantCommand::Create(spec(MDEV)))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("mdev") && err.contains("--backend qemu-kvm"),
+        "{err}"
+    );
+    assert_eq!(state(&h), None);
+    assert_eq!(snapshot(&host), before, "nothing touched");
 }
 
 #[test]

@@ -43,6 +43,8 @@ pub struct FakeHostState {
     /// Name the agent's channel as tenantvm-vmm does (a hybrid vsock socket) instead of a
     /// serial one.
     pub agent_vsock: bool,
+    /// Report the QEMU backend (KVM) as this backend's kind instead of tenantvm-vmm.
+    pub qemu: bool,
     /// The passthrough devices and VM UUID each launch was given: (tenant, devices, uuid).
     pub launched_devices: Vec<(
         String,
@@ -69,7 +71,13 @@ pub struct FakeBackend(pub FakeHost);
 
 impl VmBackend for FakeBackend {
     fn kind(&self) -> BackendKind {
-        BackendKind::TenantvmVmm
+        if self.0.state().qemu {
+            BackendKind::Qemu {
+                accel: crate::backend::QemuAccel::Kvm,
+            }
+        } else {
+            BackendKind::TenantvmVmm
+        }
     }
 
     fn launch(&self, spec: &VmSpec, jail: &JailConfig) -> Result<RunningVm, BackendError> {
