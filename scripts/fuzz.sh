@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds (default) or briefly runs the cargo-fuzz targets of tenantvm-devices
-# (vmm/devices/fuzz: block request parsing, vsock packet parsing).
+# (vmm/devices/fuzz: block request parsing, vsock packet parsing, what a VFIO device reports).
 #
 # usage: scripts/fuzz.sh [build | run SECONDS]
 # Needs a nightly toolchain and cargo-fuzz; without them it says so and exits 0.
@@ -19,7 +19,7 @@ case "${1:-build}" in
         ;;
     run)
         secs="${2:-60}"
-        for target in block_request vsock_packet; do
+        for target in block_request vsock_packet vfio_device; do
             cargo +nightly fuzz run "$target" -- -max_total_time="$secs"
         done
         ;;

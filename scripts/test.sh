@@ -39,15 +39,16 @@ fi
 
 # Build the binaries the integration tests launch and the nested host's inputs (release-less:
 # the debug profile the tests already build), then run everything. The test-hooks feature
-# gives tenantvmd the crash hook the crash-safety tests use (never in a release build).
-cargo build --workspace --bins --features tenantvm/test-hooks
+# gives tenantvmd the crash hook the crash-safety tests use, test-model-gpu gives tenantvm-vmm
+# `--device model-gpu` (the model GPU fake); neither is ever in a release build.
+cargo build --workspace --bins --features tenantvm/test-hooks,tenantvm-vmm/test-model-gpu
 if [ "${TENANTVM_NESTED:-1}" != 0 ]; then
     tests/nested-host/prepare.sh --profile debug
     # The guest image it built serves the agent's image tests too.
     TENANTVM_GUEST_IMAGE="${TENANTVM_GUEST_IMAGE:-$(sed -n 's/^NH_GUEST_IMAGE=//p' target/nested-host/debug/inputs)}"
     export TENANTVM_GUEST_IMAGE
 fi
-run_tests cargo test --workspace --no-fail-fast --features tenantvm/test-hooks "$@"
+run_tests cargo test --workspace --no-fail-fast --features tenantvm/test-hooks,tenantvm-vmm/test-model-gpu "$@"
 
 # The summary: libtest counts a skipped test as passed; the skip log says which ones were.
 read -r passed failed < <(awk '/^test result:/ {

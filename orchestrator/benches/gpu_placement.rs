@@ -50,6 +50,9 @@ impl VmBackend for NoVms {
     fn state(&self, _vm: &RunningVm) -> Result<VmState, BackendError> {
         Ok(VmState::Running)
     }
+    fn ended(&self, _vm: &RunningVm) -> Result<Option<VmState>, BackendError> {
+        Ok(None)
+    }
     fn stop(&self, _vm: &RunningVm, _grace: Duration) -> Result<ExitReason, BackendError> {
         Ok(ExitReason::Stopped)
     }

@@ -21,3 +21,4 @@ pub mod scrub;
 pub mod store;
 pub mod tenant;
 pub mod untrusted;
+pub mod verify;

@@ -176,6 +176,29 @@ fn vmm_guest_launches_reports_state_and_stops_through_the_socket() {
     cleanup(&spec);
 }
 
+#[test]
+fn vmm_exit_report_is_written_in_the_jail_and_read_back_after_the_stop() {
+    require!();
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = spec(&tmp, "vreport", HELLO_SPIN);
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let backend = backend();
+    let vm = backend.launch(&spec, &jail(12)).unwrap();
+    // Only an ended VMM's report counts.
+    assert_eq!(backend.exit_report(&vm).unwrap(), None);
+    assert_eq!(
+        backend.stop(&vm, Duration::from_secs(10)).unwrap(),
+        ExitReason::Stopped
+    );
+    let report = backend
+        .exit_report(&vm)
+        .unwrap()
+        .expect("the VMM wrote its exit report to /report in its jail");
+    assert_eq!(report.status, 6, "stopped on request");
+    assert!(report.devices.is_empty(), "{report:?}");
+    cleanup(&spec);
+}
+
 /// `nr_throttled` from the cgroup's cpu.stat (v1 cpu hierarchy or v2 directory).
 fn nr_throttled(cgroup: &tenantvm::jail::CgroupHandle) -> u64 {
     let dir = match cgroup {

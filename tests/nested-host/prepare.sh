@@ -36,8 +36,8 @@ case "$profile" in
     debug)
         # The same features as scripts/test.sh, so the test binaries listed here are the
         # ones its `cargo test` runs (and nothing is built twice).
-        cargo build --quiet --workspace --bins --features tenantvm/test-hooks
-        tests_json="$(cargo test --quiet --workspace --no-run --features tenantvm/test-hooks --message-format=json 2>/dev/null)" ||
+        cargo build --quiet --workspace --bins --features tenantvm/test-hooks,tenantvm-vmm/test-model-gpu
+        tests_json="$(cargo test --quiet --workspace --no-run --features tenantvm/test-hooks,tenantvm-vmm/test-model-gpu --message-format=json 2>/dev/null)" ||
             die "building the workspace's tests failed: run cargo test --workspace --no-run to see why"
         ;;
     release)

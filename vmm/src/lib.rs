@@ -11,6 +11,7 @@ pub mod device_manager;
 pub mod exit;
 pub mod lifecycle;
 pub mod pci;
+pub mod report;
 pub mod seccomp;
 pub mod terminal;
 pub mod vstate;

@@ -3,8 +3,8 @@
 
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use tenantvm_devices::legacy::{spawn_input_thread, SerialOutput};
@@ -13,7 +13,7 @@ use tenantvm_devices::virtio::block::{Block, BlockError};
 use tenantvm_devices::virtio::rng::Rng;
 use tenantvm_devices::virtio::vsock::{Vsock, VsockError};
 use tenantvm_devices::virtio::ThreadInit;
-use tenantvm_vmm_api::ExitStatus;
+use tenantvm_vmm_api::{DeviceReport, ExitStatus};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::api::server::ConnectionState;
@@ -21,8 +21,11 @@ use crate::api::{ApiError, ApiServer, SerialConfig, VmCommand, VmConfig, VmRespo
 use crate::boot::{self, BootConfig, BootError};
 use crate::device_manager::{attach_legacy_devices, DeviceManagerError};
 use crate::exit::{ExitReason, ExitState};
-use crate::pci::{host_bridge, host_phys_bits, DeviceCounters, PciPlatform, PciSetupError};
-use crate::seccomp::{install_sigsys_handler, Filters, SeccompError, ThreadKind};
+use crate::pci::vfio::{
+    guest_phys_bits, set_cpuid_phys_bits, DeviceSource, Passthrough, PassthroughError,
+};
+use crate::pci::{host_bridge, DeviceCounters, PciPlatform, PciSetupError};
+use crate::seccomp::{install_sigsys_handler, FilterExtras, Filters, SeccompError, ThreadKind};
 use crate::terminal::RawTerminal;
 use crate::vstate::vcpu::{self, Buses, VcpuSet};
 use crate::vstate::vm::{create_guest_memory, Vm};
@@ -73,6 +76,9 @@ pub enum StartError {
     /// The seccomp filters could not be built or installed.
     #[error(transparent)]
     Seccomp(#[from] SeccompError),
+    /// A passed-through device could not be attached.
+    #[error(transparent)]
+    Passthrough(#[from] PassthroughError),
 }
 
 impl StartError {
@@ -100,6 +106,7 @@ impl StartError {
             StartError::Pci(PciSetupError::Windows(_)) => ExitStatus::ConfigError,
             StartError::Disk { .. } => ExitStatus::DiskImage,
             StartError::Vsock(_) => ExitStatus::VsockSocket,
+            StartError::Passthrough(e) => e.exit_status(),
             StartError::Devices(_)
             | StartError::Host(_)
             | StartError::Pci(_)
@@ -113,9 +120,41 @@ const LISTENER_TOKEN: u64 = u64::MAX - 1;
 
 /// Builds the VM described by `config`, runs it until it ends, and returns why it ended.
 pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
+    run_reporting(config, Arc::default(), false)
+}
+
+/// Where kernel VFIO's device files are.
+const VFIO_DEV_DIR: &str = "/dev/vfio";
+
+/// The passed-through devices of `config`, in slot order.
+fn device_sources(config: &VmConfig) -> Vec<DeviceSource> {
+    let mut sources: Vec<DeviceSource> = config
+        .devices
+        .iter()
+        .map(|d| DeviceSource::Kernel(d.path.clone()))
+        .collect();
+    sources.extend(std::iter::repeat_n(
+        DeviceSource::Model,
+        config.test_model_gpus,
+    ));
+    sources
+}
+
+/// [`run`], recording each passed-through device's resets in `reports` as they happen
+/// (the exit report); `exit_report` says the main thread renames the report at the end.
+pub fn run_reporting(
+    config: &VmConfig,
+    reports: Arc<Mutex<Vec<DeviceReport>>>,
+    exit_report: bool,
+) -> Result<ExitReason, StartError> {
+    let sources = device_sources(config);
+    let extras = FilterExtras {
+        vfio: !sources.is_empty(),
+        exit_report,
+    };
     // Compiled before anything else, so that a filter that cannot be built stops the VMM
     // before it opens a single guest file.
-    let filters = Filters::build(config.seccomp)?.map(Arc::new);
+    let filters = Filters::build_for(config.seccomp, extras)?.map(Arc::new);
     if filters.is_some() {
         install_sigsys_handler()?;
     }
@@ -143,8 +182,14 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
     let ram_end = boot::layout::ram_ranges(mem_size)
         .last()
         .map_or(0, |(start, len)| start + len);
-    let windows = PciWindows::new(ram_end, host_phys_bits(), MMIO64_DEFAULT_SIZE)
-        .map_err(PciSetupError::from)?;
+    // Devices first: they are reset and probed, and their BARs size the 64-bit window.
+    let mut passthrough = Passthrough::open(&sources, Path::new(VFIO_DEV_DIR), reports)?;
+    let phys_bits = guest_phys_bits();
+    let windows = if passthrough.is_empty() {
+        PciWindows::new(ram_end, phys_bits, MMIO64_DEFAULT_SIZE).map_err(PciSetupError::from)?
+    } else {
+        passthrough.windows(ram_end, phys_bits)?
+    };
     let mem = create_guest_memory(mem_size)?;
     let entry = boot::load(
         &mem,
@@ -189,11 +234,15 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
         thread_init(&filters, ThreadKind::Device),
     )?;
     attach_virtio_devices(&mut pci, config)?;
+    pci.add_passthrough(&mut passthrough)?;
     let counters = pci.take_counters();
+    // The guest sees the physical address width the PCI windows were planned for.
+    let mut cpuid = vm.supported_cpuid().clone();
+    set_cpuid_phys_bits(&mut cpuid, phys_bits);
     let mut fds = Vec::with_capacity(config.vcpus as usize);
     for id in 0..config.vcpus {
         let fd = vm.create_vcpu(id)?;
-        vcpu::configure(&fd, id, config.vcpus, vm.supported_cpuid(), &mem, entry)?;
+        vcpu::configure(&fd, id, config.vcpus, &cpuid, &mem, entry)?;
         fds.push(fd);
     }
     // Restored when `run` returns, on every path out of the running VM.
@@ -250,6 +299,8 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
     if let Some(flush) = &serial_flush {
         flush.flush_now();
     }
+    // Devices are reset once no vCPU can touch them, before their mappings go.
+    passthrough.detach();
     // The device thread stops after the vCPUs, so no notification is left unserved.
     drop(pci);
     drop(api);

@@ -8,8 +8,12 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{CommandFactory, FromArgMatches, Parser};
 use tenantvm_vmm::api::config::load;
 use tenantvm_vmm::api::{parse_disk, parse_vsock, VmConfig, VmConfigFile};
+use tenantvm_vmm::report::ExitReporter;
 use tenantvm_vmm_api::exit::help_table;
-use tenantvm_vmm_api::{BootProtocol, ExitStatus, SeccompMode, SerialConfig};
+use tenantvm_vmm_api::{
+    BootProtocol, ExitStatus, PassthroughConfig, SeccompMode, SerialConfig, VmUuid,
+    MAX_PASSTHROUGH_DEVICES,
+};
 
 /// Runs one tenant's virtual machine on KVM, one VM per process.
 ///
@@ -76,9 +80,25 @@ struct Cli {
         value_parser = PossibleValuesParser::new(SeccompMode::NAMES).try_map(|s| s.parse::<SeccompMode>())
     )]
     seccomp: Option<SeccompMode>,
+    /// A PCI device passed through over VFIO (repeatable, at most 8; PCI slot order after
+    /// the virtio devices): a whole device or an SR-IOV virtual function bound to a VFIO
+    /// driver, given by its sysfs directory.
+    #[arg(
+        long = "device",
+        value_name = "vfio,path=/sys/bus/pci/devices/DDDD:BB:DD.F"
+    )]
+    devices: Vec<String>,
+    /// The VM's UUID; `-uuid UUID` (QEMU's spelling, which NVIDIA's vGPU manager looks for
+    /// on the VMM's command line) is accepted too.
+    #[arg(long, value_name = "UUID")]
+    uuid: Option<VmUuid>,
+    /// Write the exit report (exit status, each device's resets at attach and detach) to
+    /// FILE as the VMM ends, atomically.
+    #[arg(long, value_name = "FILE")]
+    exit_report: Option<PathBuf>,
     /// JSON file with the same fields (kernel, initramfs, cmdline, memory_mib, vcpus,
-    /// serial, api_sock, boot, disks, vsock, rng, seccomp); unknown fields are refused;
-    /// flags override it.
+    /// serial, api_sock, boot, disks, vsock, rng, seccomp, devices, uuid, exit_report);
+    /// unknown fields are refused; flags override it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Check the configuration (file and flags) without starting the VM or opening any of
@@ -96,6 +116,24 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
     }
 }
 
+/// The `--device` values: passed-through devices, and (test builds only) the model GPU.
+fn parse_devices(values: &[String]) -> Result<(Vec<PassthroughConfig>, usize), String> {
+    let is_model = |v: &str| cfg!(feature = "test-model-gpu") && v == "model-gpu";
+    let models = values.iter().filter(|v| is_model(v)).count();
+    let devices = values
+        .iter()
+        .filter(|v| !is_model(v))
+        .map(|v| v.parse::<PassthroughConfig>().map_err(|e| e.to_string()))
+        .collect::<Result<Vec<_>, _>>()?;
+    if devices.len() + models > MAX_PASSTHROUGH_DEVICES {
+        return Err(format!(
+            "{} --device flags; a VM takes at most {MAX_PASSTHROUGH_DEVICES}",
+            devices.len() + models
+        ));
+    }
+    Ok((devices, models))
+}
+
 fn fail(status: ExitStatus, message: impl std::fmt::Display) -> ExitCode {
     eprintln!("tenantvm-vmm: {message}");
     ExitCode::from(status.code())
@@ -103,7 +141,10 @@ fn fail(status: ExitStatus, message: impl std::fmt::Display) -> ExitCode {
 
 fn parse_cli() -> Result<Cli, clap::Error> {
     let command = Cli::command().after_help(format!("Exit statuses:\n{}", help_table()));
-    Cli::from_arg_matches(&command.try_get_matches()?)
+    // QEMU's spelling `-uuid` is accepted too: NVIDIA's vGPU manager looks for it on the
+    // VMM's command line.
+    let args = std::env::args_os().map(|a| if a == "-uuid" { "--uuid".into() } else { a });
+    Cli::from_arg_matches(&command.try_get_matches_from(args)?)
 }
 
 fn main() -> ExitCode {
@@ -140,6 +181,10 @@ fn main() -> ExitCode {
         Ok(vsock) => vsock,
         Err(e) => return fail(ExitStatus::ConfigError, e),
     };
+    let (devices, test_model_gpus) = match parse_devices(&cli.devices) {
+        Ok(parsed) => parsed,
+        Err(e) => return fail(ExitStatus::ConfigError, e),
+    };
     let flags = VmConfigFile {
         kernel: cli.kernel,
         initramfs: cli.initramfs,
@@ -153,14 +198,21 @@ fn main() -> ExitCode {
         vsock,
         rng: cli.rng,
         seccomp: cli.seccomp,
-        devices: None,
-        uuid: None,
-        exit_report: None,
+        devices: (!devices.is_empty()).then_some(devices),
+        uuid: cli.uuid,
+        exit_report: cli.exit_report,
     };
-    let config = match VmConfig::resolve(file.overridden_by(flags)) {
+    let mut config = match VmConfig::resolve(file.overridden_by(flags)) {
         Ok(config) => config,
         Err(e) => return fail(e.exit_status(), e),
     };
+    config.test_model_gpus = test_model_gpus;
+    if config.devices.len() + test_model_gpus > MAX_PASSTHROUGH_DEVICES {
+        return fail(
+            ExitStatus::ConfigError,
+            format!("More than {MAX_PASSTHROUGH_DEVICES} passed-through devices"),
+        );
+    }
     if cli.check {
         return match serde_json::to_string_pretty(&config) {
             Ok(json) => {
@@ -170,14 +222,30 @@ fn main() -> ExitCode {
             Err(e) => fail(ExitStatus::ConfigError, e),
         };
     }
-    match tenantvm_vmm::run(&config) {
-        Ok(reason) => {
-            let status = reason.exit_status();
-            if status != ExitStatus::PowerOff {
-                eprintln!("tenantvm-vmm: {reason} (exit status {})", status.code());
+    let reporter = match config.exit_report.as_deref().map(ExitReporter::create) {
+        Some(Ok(r)) => Some(r),
+        Some(Err(e)) => return fail(ExitStatus::ConfigError, e),
+        None => None,
+    };
+    let reports = reporter
+        .as_ref()
+        .map(ExitReporter::devices)
+        .unwrap_or_default();
+    let (code, status) =
+        match tenantvm_vmm::lifecycle::run_reporting(&config, reports, reporter.is_some()) {
+            Ok(reason) => {
+                let status = reason.exit_status();
+                if status != ExitStatus::PowerOff {
+                    eprintln!("tenantvm-vmm: {reason} (exit status {})", status.code());
+                }
+                (ExitCode::from(status.code()), status)
             }
-            ExitCode::from(status.code())
+            Err(e) => (fail(e.exit_status(), &e), e.exit_status()),
+        };
+    if let Some(reporter) = reporter {
+        if let Err(e) = reporter.finish(status.code()) {
+            eprintln!("tenantvm-vmm: {e}");
         }
-        Err(e) => fail(e.exit_status(), e),
     }
+    code
 }

@@ -14,10 +14,16 @@
 
 use std::collections::BTreeMap;
 
-use kvm_bindings::{kvm_ioeventfd, kvm_irq_routing, kvm_irqfd, kvm_msi};
+use kvm_bindings::{
+    kvm_ioeventfd, kvm_irq_routing, kvm_irqfd, kvm_msi, kvm_userspace_memory_region,
+};
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
     SeccompRule, TargetArch,
+};
+use tenantvm_devices::pci::vfio::{
+    VFIO_DEVICE_GET_PCI_HOT_RESET_INFO, VFIO_DEVICE_PCI_HOT_RESET, VFIO_DEVICE_RESET,
+    VFIO_DEVICE_SET_IRQS,
 };
 
 /// Process exit status after a system call outside a thread's filter (docs/vmm.md).
@@ -75,16 +81,37 @@ pub struct Filters {
     serial_output: BpfProgram,
 }
 
+/// What a VM's configuration adds to the base filters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FilterExtras {
+    /// Passed-through devices: vCPUs read and write device regions (pread64/pwrite64),
+    /// set their interrupts (VFIO_DEVICE_SET_IRQS) and move BAR memory slots
+    /// (KVM_SET_USER_MEMORY_REGION); the main thread turns interrupts off and resets the
+    /// devices at detach (VFIO_DEVICE_SET_IRQS, VFIO_DEVICE_RESET and the hot reset pair).
+    pub vfio: bool,
+    /// An exit report: the main thread renames it into place as the VMM ends.
+    pub exit_report: bool,
+}
+
 impl Filters {
     /// Compiles the filters for `mode`; `None` when it is [`SeccompMode::Off`].
     pub fn build(mode: SeccompMode) -> Result<Option<Self>, SeccompError> {
+        Self::build_for(mode, FilterExtras::default())
+    }
+
+    /// Compiles the filters for `mode` with the calls `extras` need.
+    pub fn build_for(
+        mode: SeccompMode,
+        extras: FilterExtras,
+    ) -> Result<Option<Self>, SeccompError> {
         let mismatch = match mode {
             SeccompMode::Off => return Ok(None),
             SeccompMode::On => SeccompAction::Trap,
             SeccompMode::Log => SeccompAction::Log,
         };
         let compile = |kind: ThreadKind| -> Result<BpfProgram, SeccompError> {
-            let rules = rules_for(kind).map_err(|source| SeccompError::Build { kind, source })?;
+            let rules =
+                rules_for(kind, extras).map_err(|source| SeccompError::Build { kind, source })?;
             SeccompFilter::new(rules, mismatch.clone(), SeccompAction::Allow, target_arch())
                 .and_then(BpfProgram::try_from)
                 .map_err(|source| SeccompError::Build { kind, source })
@@ -133,6 +160,9 @@ const KVM_IOEVENTFD: u64 = kvm_iow(0x79, std::mem::size_of::<kvm_ioeventfd>());
 const KVM_SET_GSI_ROUTING: u64 = kvm_iow(0x6a, std::mem::size_of::<kvm_irq_routing>());
 /// KVM_SIGNAL_MSI.
 const KVM_SIGNAL_MSI: u64 = kvm_iow(0xa5, std::mem::size_of::<kvm_msi>());
+/// KVM_SET_USER_MEMORY_REGION.
+const KVM_SET_USER_MEMORY_REGION: u64 =
+    kvm_iow(0x46, std::mem::size_of::<kvm_userspace_memory_region>());
 
 type Rules = BTreeMap<i64, Vec<SeccompRule>>;
 
@@ -228,38 +258,49 @@ const STREAM_SERVER: &[i64] = &[
 ];
 
 /// The allowlist of one thread kind.
-fn rules_for(kind: ThreadKind) -> Result<Rules, seccompiler::BackendError> {
+fn rules_for(kind: ThreadKind, extras: FilterExtras) -> Result<Rules, seccompiler::BackendError> {
     let mut rules = common()?;
     match kind {
         ThreadKind::Main => {
             allow(&mut rules, EPOLL_LOOP);
             allow(&mut rules, STREAM_SERVER);
             allow(&mut rules, &[libc::SYS_unlink, libc::SYS_tgkill]);
-            allow_ioctls(
-                &mut rules,
-                &[
-                    libc::FIONBIO,
-                    libc::TCGETS,
-                    libc::TCSETS,
-                    libc::TCSETSW,
-                    libc::TCSETSF,
-                ],
-            )?;
+            if extras.exit_report {
+                allow(&mut rules, &[libc::SYS_rename]);
+            }
+            let mut ioctls = vec![
+                libc::FIONBIO,
+                libc::TCGETS,
+                libc::TCSETS,
+                libc::TCSETSW,
+                libc::TCSETSF,
+            ];
+            if extras.vfio {
+                ioctls.extend([
+                    VFIO_DEVICE_SET_IRQS,
+                    VFIO_DEVICE_RESET,
+                    VFIO_DEVICE_GET_PCI_HOT_RESET_INFO,
+                    VFIO_DEVICE_PCI_HOT_RESET,
+                ]);
+            }
+            allow_ioctls(&mut rules, &ioctls)?;
         }
         ThreadKind::Vcpu => {
             // Virtio activation and MSI-X programming run here, on the guest's MMIO
             // writes: eventfds, timerfds and dups for the device handlers.
             allow(&mut rules, &[libc::SYS_eventfd2, libc::SYS_timerfd_create]);
-            allow_ioctls(
-                &mut rules,
-                &[
-                    KVM_RUN,
-                    KVM_IRQFD,
-                    KVM_IOEVENTFD,
-                    KVM_SET_GSI_ROUTING,
-                    KVM_SIGNAL_MSI,
-                ],
-            )?;
+            let mut ioctls = vec![
+                KVM_RUN,
+                KVM_IRQFD,
+                KVM_IOEVENTFD,
+                KVM_SET_GSI_ROUTING,
+                KVM_SIGNAL_MSI,
+            ];
+            if extras.vfio {
+                allow(&mut rules, &[libc::SYS_pread64, libc::SYS_pwrite64]);
+                ioctls.extend([VFIO_DEVICE_SET_IRQS, KVM_SET_USER_MEMORY_REGION]);
+            }
+            allow_ioctls(&mut rules, &ioctls)?;
         }
         ThreadKind::Device => {
             allow(&mut rules, EPOLL_LOOP);

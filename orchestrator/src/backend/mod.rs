@@ -387,6 +387,11 @@ pub trait VmBackend: Send + Sync {
     fn launch(&self, spec: &VmSpec, jail: &JailConfig) -> Result<RunningVm, BackendError>;
     /// Asks the VMM (control socket / QMP) after checking the process is still the one launched.
     fn state(&self, vm: &RunningVm) -> Result<VmState, BackendError>;
+    /// Whether the VM's process has ended, from the process table and the jail's exit
+    /// record only: no socket I/O, so it returns at once whatever the VMM does. `None`
+    /// while the process (the one launched) lives; otherwise how it ended
+    /// ([`VmState::Exited`] or [`VmState::Gone`]).
+    fn ended(&self, vm: &RunningVm) -> Result<Option<VmState>, BackendError>;
     /// Stops the VM gracefully (control socket `shutdown` / QMP `system_powerdown` then
     /// `quit`), waiting up to `grace`, then kills it. A VMM that does not answer within
     /// the control timeout is killed at once. Returns how it ended.

@@ -210,6 +210,14 @@ impl<D: VmmDriver> VmBackend for Runner<D> {
         }
     }
 
+    fn ended(&self, vm: &RunningVm) -> Result<Option<VmState>, BackendError> {
+        Ok(match process_status(vm)? {
+            ProcessStatus::Exited(record) => Some(self.exited(record)),
+            ProcessStatus::Gone => Some(VmState::Gone),
+            ProcessStatus::Alive => None,
+        })
+    }
+
     fn stop(&self, vm: &RunningVm, grace: Duration) -> Result<ExitReason, BackendError> {
         if let ProcessStatus::Exited(record) = process_status(vm)? {
             return Ok(self.driver.decode_exit(record));

@@ -3,6 +3,7 @@
 
 mod output;
 mod progress;
+mod verify;
 
 use progress::{logs, op, wait_for};
 
@@ -130,6 +131,8 @@ pub enum Command {
     /// Size tenants' GPU needs and place them on a host (live, simulated or hypothetical).
     /// Runs locally; needs no daemon.
     Plan(tenantvm_gpu::cli::PlanArgs),
+    // Its help is VerifyArgs' own (a man page: the checks, probes, report, exit statuses).
+    Verify(verify::VerifyArgs),
     /// Inspect this host.
     Host {
         /// What to do.
@@ -582,6 +585,9 @@ async fn run_inner(cli: Cli, out: &mut dyn Write, err: &mut dyn Write) -> Result
         Command::Host {
             command: HostCommand::Check(args),
         } => return host_check(args, out),
+        Command::Verify(a) => {
+            return verify::run(a, cli.socket.clone(), read_token(&cli)?, out, err).await
+        }
         _ => {}
     }
     // Validate local input before looking for a token, so a bad spec says so first.
@@ -721,7 +727,7 @@ async fn run_inner(cli: Cli, out: &mut dyn Write, err: &mut dyn Write) -> Result
         Command::Receipt(ReceiptCommand::Verify(_)) | Command::Gpu(GpuCommand::ScrubDevice(_)) => {
             Err(fail(exit::OTHER, "local command reached the client"))
         }
-        Command::Plan(_) | Command::Host { .. } => Ok(()), // returned above
+        Command::Plan(_) | Command::Host { .. } | Command::Verify(_) => Ok(()), // returned above
     }
 }
 

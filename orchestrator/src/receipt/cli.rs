@@ -78,6 +78,26 @@ pub fn run_show(args: &ReceiptShowArgs, out: &mut dyn Write) -> Result<usize, Re
 pub fn write_entries(entries: &[LogEntry], out: &mut dyn Write) -> Result<(), ReceiptError> {
     for entry in entries {
         let r = &entry.receipt;
+        if let Some(v) = &r.verification {
+            let verdicts: Vec<String> = v
+                .checks
+                .iter()
+                .map(|(k, c)| format!("{}={}", one_line(k), one_line(c)))
+                .collect();
+            writeln!(
+                out,
+                "#{seq} verification {id}: {outcome} (appended {a})\n  {verdicts}\n  report {p} sha256 {h}",
+                seq = entry.seq,
+                id = one_line(&v.run_id),
+                outcome = if v.passed { "passed" } else { "NOT passed" },
+                a = one_line(&entry.appended_at),
+                verdicts = verdicts.join(" "),
+                p = one_line(&v.report_path),
+                h = one_line(&v.report_sha256),
+            )
+            .map_err(write_err)?;
+            continue;
+        }
         let outcome = match (r.succeeded(), r.simulated()) {
             (false, _) => "FAILED",
             (true, true) => "completed (some steps simulated)",

@@ -166,6 +166,27 @@ pub struct Receipt {
     pub finished_at: String,
     /// The steps in the order they ran.
     pub steps: Vec<StepRecord>,
+    /// Set when this entry records an isolation verification run (`tenantvm verify`)
+    /// instead of a departure: then `steps` is empty and `tenant` names the run's probes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verification: Option<VerificationSummary>,
+}
+
+/// What the audit log keeps of a `tenantvm verify` run: the verdicts, and the SHA-256 of
+/// the full JSON report (kept next to the log), so the signature covers the report too.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VerificationSummary {
+    /// The run's id.
+    pub run_id: String,
+    /// Whether every selected check passed.
+    pub passed: bool,
+    /// Each selected check's verdict, by its name.
+    pub checks: BTreeMap<String, String>,
+    /// SHA-256 (hex) of the full JSON report.
+    pub report_sha256: String,
+    /// Where the full report was written.
+    pub report_path: String,
 }
 
 impl StepRecord {
@@ -226,6 +247,7 @@ impl Receipt {
             started_at: now.clone(),
             finished_at: now,
             steps: Vec::new(),
+            verification: None,
         }
     }
 
@@ -292,6 +314,18 @@ impl Receipt {
                     }
                 })
                 .collect(),
+            verification: self.verification.as_ref().map(|v| VerificationSummary {
+                run_id: line(&v.run_id, 64),
+                passed: v.passed,
+                checks: v
+                    .checks
+                    .iter()
+                    .take(max_evidence)
+                    .map(|(k, c)| (line(k, 64), line(c, 64)))
+                    .collect(),
+                report_sha256: line(&v.report_sha256, 64),
+                report_path: line(&v.report_path, field_bytes),
+            }),
         }
     }
 }
@@ -385,6 +419,7 @@ pub(crate) mod test_util {
                     error: None,
                 },
             ],
+            verification: None,
         }
     }
 }

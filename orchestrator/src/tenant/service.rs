@@ -695,8 +695,8 @@ impl TenantService {
             }
             let ctx = self.ctx();
             let mut tenant = Tenant::load(&ctx, &t)?;
-            let why = match tenant.vm.as_ref().map(|vm| self.backend.state(vm)) {
-                Some(Ok(crate::backend::VmState::Exited { status })) => {
+            let why = match tenant.vm.as_ref().map(|vm| self.backend.ended(vm)) {
+                Some(Ok(Some(crate::backend::VmState::Exited { status }))) => {
                     format!("the VM exited on its own ({status:?})")
                 }
                 _ => "the VM process is gone".to_string(),
@@ -709,16 +709,15 @@ impl TenantService {
         Ok(marked)
     }
 
-    /// Whether the tenant's recorded VM runs; a VM that does not answer its control socket
-    /// counts as up (not answering is no proof of death; the next check looks again).
+    /// Whether the tenant's recorded VM process runs. Only the process table is read, never
+    /// the VMM's socket: a wedged VMM counts as up (not answering is no proof of death), and
+    /// checking it costs no more than checking a healthy one, so one wedged tenant cannot
+    /// delay the checks and log caps of every other.
     fn vm_is_up(&self, t: &TenantRecord) -> Result<bool, TenantServiceError> {
         let Some(vm) = Tenant::load(&self.ctx(), t)?.vm else {
             return Ok(false);
         };
-        Ok(!matches!(
-            self.backend.state(&vm),
-            Ok(crate::backend::VmState::Exited { .. } | crate::backend::VmState::Gone)
-        ))
+        Ok(matches!(self.backend.ended(&vm), Ok(None) | Err(_)))
     }
 
     /// The API view of a tenant.

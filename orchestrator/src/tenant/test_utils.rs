@@ -51,6 +51,10 @@ pub struct FakeHostState {
         Vec<crate::backend::PassthroughDevice>,
         Option<tenantvm_vmm_api::VmUuid>,
     )>,
+    /// How often `state` (which asks the VMM) was called.
+    pub state_calls: usize,
+    /// How often `ended` (the process table only) was called.
+    pub ended_calls: usize,
     /// Block I/O limits the launches asked the jail for: (tenant, disks, limit).
     pub block_io: Vec<(String, Vec<std::path::PathBuf>, crate::jail::BlockIoLimit)>,
 }
@@ -110,6 +114,7 @@ impl VmBackend for FakeBackend {
     }
 
     fn state(&self, vm: &RunningVm) -> Result<VmState, BackendError> {
+        self.0.state().state_calls += 1;
         let until = std::time::Instant::now() + Duration::from_secs(30);
         while self.0.state().stalled.contains(&vm.pid) && std::time::Instant::now() < until {
             std::thread::sleep(Duration::from_millis(10));
@@ -126,6 +131,13 @@ impl VmBackend for FakeBackend {
         } else {
             VmState::Gone
         })
+    }
+
+    /// Never waits, stalled or not: a process-table lookup.
+    fn ended(&self, vm: &RunningVm) -> Result<Option<VmState>, BackendError> {
+        let mut h = self.0.state();
+        h.ended_calls += 1;
+        Ok((!h.processes.contains_key(&vm.pid)).then_some(VmState::Gone))
     }
 
     fn stop(&self, vm: &RunningVm, _grace: Duration) -> Result<ExitReason, BackendError> {

@@ -616,3 +616,39 @@ fn a_stop_request_ends_an_operation_waiting_on_a_silent_vm_as_a_crash_would() {
     let step = steps.iter().find(|s| s.step == "await-running").unwrap();
     assert_eq!(step.status, "started");
 }
+
+#[test]
+fn checking_vms_reads_the_process_table_only_so_a_wedged_vmm_delays_no_one() {
+    let h = Harness::new(FaultHook::default());
+    create(&h, "wedged");
+    create(&h, "crashed");
+    h.svc.wait_idle();
+    let pid_of = |name: &str| {
+        h.host
+            .state()
+            .processes
+            .iter()
+            .find(|(_, t)| *t == name)
+            .map(|(p, _)| *p)
+            .unwrap()
+    };
+    let (wedged, crashed) = (pid_of("wedged"), pid_of("crashed"));
+    {
+        let mut host = h.host.state();
+        // Asking this VMM anything blocks (for 30 s in the fake); its process lives.
+        host.stalled.insert(wedged);
+        host.unresponsive.insert(wedged);
+        // The other tenant's VMM died on its own.
+        host.processes.remove(&crashed);
+        host.state_calls = 0;
+    }
+    let marked = h.svc.check_vms().unwrap();
+    assert_eq!(marked, vec!["crashed".to_string()]);
+    assert_eq!(state(&h, "crashed"), Some(LifecycleState::Failed));
+    assert_eq!(state(&h, "wedged"), Some(LifecycleState::Running));
+    let host = h.host.state();
+    assert_eq!(host.state_calls, 0, "the check asked a VMM over its socket");
+    assert!(host.ended_calls >= 2, "{}", host.ended_calls);
+    drop(host);
+    h.host.state().stalled.clear();
+}

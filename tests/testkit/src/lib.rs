@@ -10,11 +10,13 @@ mod api;
 mod guests;
 mod report;
 mod run;
+mod socket;
 
 pub use api::{api_request, ApiError};
 pub use guests::{guest, guests_dir, kvm_unavailable, GuestError, GuestImage};
 pub use report::{parse_report, Report, ReportError, Verdict};
 pub use run::{RunError, RunOutcome, RunningVm, VmRun};
+pub use socket::stale_unix_socket;
 
 /// Exit statuses of tenantvm-vmm (docs/vmm.md).
 pub mod exit {

@@ -46,11 +46,25 @@ pub enum ExitStatus {
     VsockSocket,
     /// 20: a VMM thread made a system call outside its seccomp filter.
     SeccompViolation,
+    /// 21: a passed-through device path is not a PCI device.
+    VfioDevicePath,
+    /// 22: a passed-through device is not bound to a VFIO driver.
+    VfioNotBound,
+    /// 23: a passed-through device has no IOMMU group, or its group is not viable (another
+    /// member is bound to a host driver).
+    VfioGroup,
+    /// 24: no VFIO on the host (`/dev/vfio/vfio` missing or unusable), or the device could
+    /// not be opened through it.
+    VfioUnavailable,
+    /// 25: guest RAM could not be mapped for device DMA (RLIMIT_MEMLOCK too low).
+    VfioDmaMap,
+    /// 26: the devices' BARs do not fit the guest's physical address space.
+    BarPlacement,
 }
 
 impl ExitStatus {
     /// Every status, in code order.
-    pub const ALL: [ExitStatus; 19] = [
+    pub const ALL: [ExitStatus; 25] = [
         ExitStatus::PowerOff,
         ExitStatus::VmmError,
         ExitStatus::ConfigError,
@@ -70,6 +84,12 @@ impl ExitStatus {
         ExitStatus::DiskImage,
         ExitStatus::VsockSocket,
         ExitStatus::SeccompViolation,
+        ExitStatus::VfioDevicePath,
+        ExitStatus::VfioNotBound,
+        ExitStatus::VfioGroup,
+        ExitStatus::VfioUnavailable,
+        ExitStatus::VfioDmaMap,
+        ExitStatus::BarPlacement,
     ];
 
     /// The process exit status.
@@ -94,6 +114,12 @@ impl ExitStatus {
             ExitStatus::DiskImage => 18,
             ExitStatus::VsockSocket => 19,
             ExitStatus::SeccompViolation => 20,
+            ExitStatus::VfioDevicePath => 21,
+            ExitStatus::VfioNotBound => 22,
+            ExitStatus::VfioGroup => 23,
+            ExitStatus::VfioUnavailable => 24,
+            ExitStatus::VfioDmaMap => 25,
+            ExitStatus::BarPlacement => 26,
         }
     }
 
@@ -103,9 +129,9 @@ impl ExitStatus {
     }
 
     /// Whether the VM never ran: the VMM refused its configuration or the host (statuses
-    /// 10 to 19).
+    /// 10 to 19, and the passthrough statuses 21 to 26).
     pub const fn is_start_failure(self) -> bool {
-        matches!(self.code(), 10..=19)
+        matches!(self.code(), 10..=19 | 21..=26)
     }
 
     /// What the status means, for people (the line of the `--help` table and
@@ -137,6 +163,14 @@ impl ExitStatus {
             ExitStatus::SeccompViolation => {
                 "a VMM thread made a system call its seccomp filter does not allow"
             }
+            ExitStatus::VfioDevicePath => "a passed-through device path is not a PCI device",
+            ExitStatus::VfioNotBound => "a passed-through device is not bound to a VFIO driver",
+            ExitStatus::VfioGroup => {
+                "a passed-through device's IOMMU group is missing or not viable"
+            }
+            ExitStatus::VfioUnavailable => "/dev/vfio missing, or the device cannot be opened",
+            ExitStatus::VfioDmaMap => "guest RAM cannot be mapped for DMA (RLIMIT_MEMLOCK)",
+            ExitStatus::BarPlacement => "device BARs do not fit the guest physical address space",
         }
     }
 }
@@ -161,19 +195,19 @@ mod tests {
             assert!(seen.insert(status.code()), "{status:?} repeats a code");
             assert_eq!(ExitStatus::from_code(status.code().into()), Some(status));
         }
-        for unused in [-1, 8, 9, 21, 120, 255] {
+        for unused in [-1, 8, 9, 27, 120, 255] {
             assert_eq!(ExitStatus::from_code(unused), None, "{unused}");
         }
     }
 
     #[test]
-    fn start_failures_are_exactly_10_to_19() {
+    fn start_failures_are_exactly_10_to_19_and_21_to_26() {
         let starts: Vec<u8> = ExitStatus::ALL
             .into_iter()
             .filter(|s| s.is_start_failure())
             .map(ExitStatus::code)
             .collect();
-        assert_eq!(starts, (10..=19).collect::<Vec<u8>>());
+        assert_eq!(starts, (10..=19).chain(21..=26).collect::<Vec<u8>>());
     }
 
     #[test]

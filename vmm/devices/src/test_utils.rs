@@ -41,6 +41,14 @@ impl FakeMsiSink {
             .flatten()
     }
 
+    /// Clones of the per-vector EventFds (what a VMM would hand a VFIO device as irqfds).
+    pub fn clone_eventfds(&self) -> Vec<EventFd> {
+        self.eventfds
+            .iter()
+            .map(|e| e.try_clone().expect("clone eventfd"))
+            .collect()
+    }
+
     /// Reads (and resets) the EventFd counter of `vector`; 0 when nothing fired.
     pub fn eventfd_count(&self, vector: u16) -> u64 {
         self.eventfds

@@ -87,12 +87,31 @@ fn pci_host_bridge(pci: &PciHostBridge) -> RawAml {
     let name_uid = Name::new(Path::new("_UID"), &0u8);
     let name_bbn = Name::new(Path::new("_BBN"), &0u8);
     let name_crs = Name::new(Path::new("_CRS"), &crs);
+    let prt = interrupt_routing();
+    let name_prt = Name::new(Path::new("_PRT"), &prt);
     to_raw(&Device::new(
         Path::new("PCI0"),
         vec![
-            &name_hid, &name_cid, &name_adr, &name_seg, &name_uid, &name_bbn, &name_crs,
+            &name_hid, &name_cid, &name_adr, &name_seg, &name_uid, &name_bbn, &name_crs, &name_prt,
         ],
     ))
+}
+
+/// `_PRT`: INTA-INTD of every slot of bus 0 to I/O APIC pins 16-23 (`pci::intx_gsi`), for
+/// passed-through devices without MSI. Entries: { address (slot << 16 | 0xffff), pin,
+/// source 0 (a GSI, not a link device), GSI }.
+fn interrupt_routing() -> RawAml {
+    let entries: Vec<RawAml> = (1..tenantvm_devices::pci::PCI_SLOTS)
+        .flat_map(|slot| {
+            (0..4u8).map(move |pin| {
+                let address = (u32::from(slot) << 16) | 0xffff;
+                let gsi = tenantvm_devices::pci::intx_gsi(slot, pin);
+                to_raw(&Package::new(vec![&address, &pin, &0u8, &gsi]))
+            })
+        })
+        .collect();
+    let refs: Vec<&dyn Aml> = entries.iter().map(|e| e as &dyn Aml).collect();
+    to_raw(&Package::new(refs))
 }
 
 fn ecam_reservation(pci: &PciHostBridge) -> RawAml {

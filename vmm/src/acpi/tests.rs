@@ -227,6 +227,11 @@ fn dsdt_disassembles_with_iasl() {
     ] {
         assert!(dsl.contains(needle), "DSDT lacks {needle}:\n{dsl}");
     }
+    // _PRT: slot 1 INTA -> GSI 17, slot 31 INTD -> GSI 18 (16 + (slot + pin) % 8).
+    assert!(dsl.contains("_PRT"), "{dsl}");
+    let compact: String = dsl.split_whitespace().collect();
+    assert!(compact.contains("0x0001FFFF,Zero,Zero,0x11"), "{dsl}");
+    assert!(compact.contains("0x001FFFFF,0x03,Zero,0x12"), "{dsl}");
     // The 64-bit window is decoded as a QWord range the size of two 128 GiB GPU BARs.
     assert!(dsl.contains("QWordMemory"), "{dsl}");
     assert!(dsl.contains("0x0000010000000000"), "{dsl}");

@@ -9,7 +9,8 @@ use tenantvm_vmm_api::config::{
     DEFAULT_CMDLINE, DEFAULT_MEMORY_MIB, MAX_MEMORY_MIB, MAX_PCI_DEVICES,
 };
 use tenantvm_vmm_api::{
-    BlockConfig, BootProtocol, ExitStatus, SeccompMode, SerialConfig, VmConfigFile, VsockConfig,
+    BlockConfig, BootProtocol, ExitStatus, PassthroughConfig, SeccompMode, SerialConfig,
+    VmConfigFile, VmUuid, VsockConfig, MAX_PASSTHROUGH_DEVICES,
 };
 
 use super::devices::DeviceFlagError;
@@ -53,6 +54,20 @@ pub struct VmConfig {
     pub rng: bool,
     /// Seccomp filters on the VMM's threads.
     pub seccomp: SeccompMode,
+    /// PCI devices passed through over VFIO, in PCI slot order after the virtio devices.
+    pub devices: Vec<PassthroughConfig>,
+    /// Model GPUs to attach (a test fake: only builds with the `test-model-gpu` feature
+    /// accept `--device model-gpu`; never in the config file).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub test_model_gpus: usize,
+    /// The VM's UUID.
+    pub uuid: Option<VmUuid>,
+    /// Where the exit report goes.
+    pub exit_report: Option<PathBuf>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl VmConfig {
@@ -74,6 +89,13 @@ impl VmConfig {
         if devices > MAX_PCI_DEVICES {
             return Err(ConfigError::TooManyDevices(devices));
         }
+        let passthrough = file.devices.unwrap_or_default();
+        if passthrough.len() > MAX_PASSTHROUGH_DEVICES {
+            return Err(ConfigError::TooManyPassthrough(passthrough.len()));
+        }
+        if devices + passthrough.len() > MAX_PCI_DEVICES {
+            return Err(ConfigError::TooManyDevices(devices + passthrough.len()));
+        }
         if let Some(disk) = disks.iter().find(|d| d.path.as_os_str().is_empty()) {
             return Err(ConfigError::DiskPath(disk.id.clone().unwrap_or_default()));
         }
@@ -90,6 +112,10 @@ impl VmConfig {
             vsock: file.vsock,
             rng,
             seccomp: file.seccomp.unwrap_or_default(),
+            devices: passthrough,
+            test_model_gpus: 0,
+            uuid: file.uuid,
+            exit_report: file.exit_report,
         })
     }
 }
@@ -128,6 +154,9 @@ pub enum ConfigError {
     /// More devices than PCI slots.
     #[error("{0} virtio devices requested, but PCI bus 0 holds at most {MAX_PCI_DEVICES}; remove some disks")]
     TooManyDevices(usize),
+    /// More passed-through devices than allowed.
+    #[error("{0} passed-through devices requested; a VM takes at most {MAX_PASSTHROUGH_DEVICES}")]
+    TooManyPassthrough(usize),
     /// A disk without a path.
     #[error("Disk {0:?} has an empty path; give path=FILE")]
     DiskPath(String),

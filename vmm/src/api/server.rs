@@ -336,12 +336,12 @@ mod tests {
         let path = dir.path().join("api.sock");
         let live = ApiServer::bind(&path).unwrap();
         assert!(matches!(ApiServer::bind(&path), Err(ApiError::Busy { .. })));
-        // A socket file nobody listens on any more.
-        std::mem::forget(live.listener.try_clone().unwrap());
+        drop(live);
         let stale_path = dir.path().join("stale.sock");
-        drop(UnixListener::bind(&stale_path).unwrap());
+        tenantvm_testkit::stale_unix_socket(&stale_path);
         assert!(stale_path.exists());
-        assert!(ApiServer::bind(&stale_path).is_ok());
+        let replaced = ApiServer::bind(&stale_path);
+        assert!(replaced.is_ok(), "{:?}", replaced.err());
     }
 
     #[test]

@@ -112,6 +112,11 @@ impl GsiRouting {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// The VM the routes belong to.
+    pub fn vm(&self) -> &Arc<Vm> {
+        &self.vm
+    }
+
     /// Reserves a GSI for an MSI vector (no route until [`GsiRouting::set_msi`]).
     pub fn allocate(&self) -> Result<u32, MsiRoutingError> {
         let mut state = self.lock();

@@ -4,6 +4,7 @@
 //! ioeventfds, and the device event-loop thread where every virtio device runs.
 
 pub mod interrupts;
+pub mod vfio;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
@@ -130,6 +131,8 @@ struct VmmBarRelocation {
     mmio: Arc<RwLock<Bus>>,
     alloc: Mutex<BarAllocator>,
     notify: Mutex<HashMap<u8, NotifyFds>>,
+    /// KVM memory slots of passed-through BARs, moved with them.
+    bar_slots: vfio::BarSlots,
 }
 
 impl VmmBarRelocation {
@@ -163,6 +166,14 @@ impl BarRelocation for VmmBarRelocation {
             .unwrap_or_else(PoisonError::into_inner)
             .relocate(mv.kind, mv.old, mv.new, mv.size)
             .map_err(|_| refused)?;
+        if let Err(e) = self.bar_slots.move_bar(&self.vm, slot, mv) {
+            let _ = self
+                .alloc
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .relocate(mv.kind, mv.new, mv.old, mv.size);
+            return Err(BarRelocationError::Remap(e));
+        }
         {
             let mut bus = self.mmio.write().unwrap_or_else(PoisonError::into_inner);
             let device = bus
@@ -215,6 +226,7 @@ impl PciPlatform {
             mmio: mmio.clone(),
             alloc: Mutex::new(BarAllocator::new(windows)?),
             notify: Mutex::default(),
+            bar_slots: vfio::BarSlots::default(),
         });
         let root = Arc::new(Mutex::new(PciRoot::new(Some(relocation.clone()))));
         mmio.write()

@@ -164,3 +164,65 @@ fn decimal_formats_without_allocating() {
     assert_eq!(decimal(59, &mut buf), b"59");
     assert_eq!(decimal(u64::MAX, &mut buf), b"18446744073709551615");
 }
+
+#[test]
+fn vfio_and_exit_report_extras_open_exactly_their_calls() {
+    let base = filters();
+    let extra = Filters::build_for(
+        SeccompMode::On,
+        FilterExtras {
+            vfio: true,
+            exit_report: true,
+        },
+    )
+    .unwrap()
+    .unwrap();
+    let pread = || {
+        let mut b = [0u8; 1];
+        // SAFETY: pread64 on stdin into a local buffer; errors are fine.
+        unsafe { libc::syscall(libc::SYS_pread64, 0, b.as_mut_ptr(), 1usize, 0i64) };
+    };
+    let rename = || {
+        // SAFETY: rename of two paths that do not exist; ENOENT is fine.
+        unsafe {
+            libc::syscall(
+                libc::SYS_rename,
+                c"/nonexistent/a".as_ptr(),
+                c"/nonexistent/b".as_ptr(),
+            )
+        };
+    };
+    // Without passthrough no thread but the device thread preads, and nobody resets.
+    assert_eq!(in_child(&base, ThreadKind::Vcpu, pread), EXIT_SECCOMP);
+    assert_eq!(in_child(&extra, ThreadKind::Vcpu, pread), 0);
+    assert_eq!(
+        in_child(&base, ThreadKind::Main, || ioctl(VFIO_DEVICE_RESET)),
+        EXIT_SECCOMP
+    );
+    assert_eq!(
+        in_child(&extra, ThreadKind::Main, || ioctl(VFIO_DEVICE_RESET)),
+        0
+    );
+    assert_eq!(
+        in_child(&extra, ThreadKind::Vcpu, || ioctl(VFIO_DEVICE_SET_IRQS)),
+        0
+    );
+    assert_eq!(
+        in_child(&extra, ThreadKind::Vcpu, || ioctl(
+            KVM_SET_USER_MEMORY_REGION
+        )),
+        0
+    );
+    // A vCPU never resets a device; the device thread gets nothing VFIO at all.
+    assert_eq!(
+        in_child(&extra, ThreadKind::Vcpu, || ioctl(VFIO_DEVICE_RESET)),
+        EXIT_SECCOMP
+    );
+    assert_eq!(
+        in_child(&extra, ThreadKind::Device, || ioctl(VFIO_DEVICE_SET_IRQS)),
+        EXIT_SECCOMP
+    );
+    assert_eq!(in_child(&base, ThreadKind::Main, rename), EXIT_SECCOMP);
+    assert_eq!(in_child(&extra, ThreadKind::Main, rename), 0);
+    assert_eq!(KVM_SET_USER_MEMORY_REGION, 0x4020_ae46);
+}

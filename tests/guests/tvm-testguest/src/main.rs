@@ -14,12 +14,15 @@ extern crate std;
 
 mod boot;
 mod bootinfo;
+mod edu;
+mod gpu;
 mod hostile;
 mod idt;
 #[macro_use]
 mod io;
 mod memtest;
 mod mptable;
+mod nvme;
 mod paging;
 mod pci;
 mod phys;
@@ -77,6 +80,13 @@ const TESTS: &[&str] = &[
     "hostile-blk",
     "hostile-config",
     "vsock-bench",
+    "vfio-model",
+    "vfio-irq-bench",
+    "vfio-edu",
+    "pci-list",
+    "vfio-edu-bench",
+    "vfio-nvme",
+    "vfio-edu-intx",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -132,6 +142,12 @@ const TIMED_TESTS: &[&str] = &[
     "hostile-blk",
     "hostile-config",
     "vsock-bench",
+    "vfio-model",
+    "vfio-irq-bench",
+    "vfio-edu",
+    "vfio-edu-bench",
+    "vfio-nvme",
+    "vfio-edu-intx",
 ];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
@@ -203,12 +219,18 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "msix" => vtests::msix(bi),
         "blk-bench" => vtests::bench(bi),
         "virtio-vsock" => vsock::run(bi),
+        "vfio-irq-bench" => gpu::irq_bench(bi),
+        "vfio-edu" => edu::run(bi),
+        "pci-list" => gpu::list(bi),
+        "vfio-edu-bench" => edu::bench(bi),
+        "vfio-nvme" => nvme::run(bi),
+        "vfio-edu-intx" => edu::intx(bi),
         "vsock-bench" => vsock::bench(bi),
-        "hostile-blk" | "hostile-config" => {
-            let result = if name == "hostile-blk" {
-                hostile::block(bi)
-            } else {
-                hostile::config(bi)
+        "hostile-blk" | "hostile-config" | "vfio-model" => {
+            let result = match name {
+                "hostile-blk" => hostile::block(bi),
+                "hostile-config" => hostile::config(bi),
+                _ => gpu::run(bi),
             };
             match result {
                 Ok(detail) => report::pass(name, &detail),

@@ -53,3 +53,33 @@ pub fn map_up_to(top: u64) -> Option<u64> {
 pub fn map_up_to(top: u64) -> Option<u64> {
     (top <= MAP_LIMIT).then_some(top)
 }
+
+/// Identity-maps the 1 GiB around `addr` (below 512 GiB: the first PML4 entry) with 2 MiB
+/// pages, using spare page directory `spare` (0-2, taken from the top of those
+/// [`map_up_to`] uses, so RAM mapped up to 61 GiB is unaffected). For BARs above RAM.
+#[cfg(target_os = "none")]
+pub fn map_window(addr: u64, spare: usize) -> Option<u64> {
+    let g = (addr / GIB) as usize;
+    if !(64..512).contains(&g) || spare > 2 {
+        return None;
+    }
+    let pd = EXTRA_PDS - 1 - spare;
+    // SAFETY: single-threaded (no AP runs in the tests that call this); the spare page
+    // directory and pdpt are the guest's own page-table pages, written through raw pointers.
+    unsafe {
+        let table = core::ptr::addr_of_mut!(EXTRA.0[pd]);
+        for (i, e) in (*table).iter_mut().enumerate() {
+            *e = ((g as u64) * GIB + (i as u64) * (2 << 20)) | 0x83;
+        }
+        let entries = core::ptr::addr_of_mut!(pdpt);
+        (*entries)[g] = (table as u64) | 3;
+        core::arch::asm!("mov {t}, cr3", "mov cr3, {t}", t = out(reg) _, options(nostack));
+    }
+    Some(addr)
+}
+
+/// Host builds (unit tests) have no page tables.
+#[cfg(not(target_os = "none"))]
+pub fn map_window(addr: u64, _spare: usize) -> Option<u64> {
+    Some(addr)
+}

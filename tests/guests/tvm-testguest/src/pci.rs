@@ -35,40 +35,48 @@ pub fn find_rsdp() -> Option<u64> {
         .find(|&a| (0..8).all(|i| phys_u8(a + i) == b"RSD PTR "[i as usize]) && checksum_ok(a, 20))
 }
 
-/// The ECAM base of segment 0, bus 0 from the MCFG, found through the RSDP's XSDT.
+/// The ECAM base of segment 0, bus 0 from the MCFG, found through the RSDP's XSDT (or its
+/// RSDT when the RSDP is revision 0, as SeaBIOS makes it).
 pub fn find_ecam() -> Result<u64, Detail> {
     let rsdp =
         find_rsdp().ok_or_else(|| Detail::fmt(format_args!("No RSDP in 0xe0000-0xfffff")))?;
-    if phys_u8(rsdp + 15) < 2 {
-        return Err(Detail::fmt(format_args!("RSDP revision < 2: no XSDT")));
-    }
-    let xsdt = phys_u64(rsdp + 24);
-    if xsdt >= 1 << 32 || phys_u32(xsdt) != u32::from_le_bytes(*b"XSDT") {
+    let (table, sig, entry) = if phys_u8(rsdp + 15) >= 2 {
+        (phys_u64(rsdp + 24), b"XSDT", 8)
+    } else {
+        (u64::from(phys_u32(rsdp + 16)), b"RSDT", 4)
+    };
+    let name = core::str::from_utf8(sig).unwrap_or("?");
+    if table >= 1 << 32 || phys_u32(table) != u32::from_le_bytes(*sig) {
         return Err(Detail::fmt(format_args!(
-            "XSDT at {xsdt:#x} is not an XSDT"
+            "{name} at {table:#x} is not an {name}"
         )));
     }
-    let len = u64::from(phys_u32(xsdt + 4));
-    if !(36..=4096).contains(&len) || !checksum_ok(xsdt, len) {
+    let len = u64::from(phys_u32(table + 4));
+    if !(36..=4096).contains(&len) || !checksum_ok(table, len) {
         return Err(Detail::fmt(format_args!(
-            "XSDT length {len} or checksum bad"
+            "{name} length {len} or checksum bad"
         )));
     }
-    for i in 0..(len - 36) / 8 {
-        let table = phys_u64(xsdt + 36 + 8 * i);
-        if table >= 1 << 32 || phys_u32(table) != u32::from_le_bytes(*b"MCFG") {
+    for i in 0..(len - 36) / entry {
+        let at = table + 36 + entry * i;
+        let t = if entry == 8 {
+            phys_u64(at)
+        } else {
+            u64::from(phys_u32(at))
+        };
+        if t >= 1 << 32 || phys_u32(t) != u32::from_le_bytes(*b"MCFG") {
             continue;
         }
-        let tlen = u64::from(phys_u32(table + 4));
-        if tlen < 44 + 16 || !checksum_ok(table, tlen) {
+        let tlen = u64::from(phys_u32(t + 4));
+        if tlen < 44 + 16 || !checksum_ok(t, tlen) {
             return Err(Detail::fmt(format_args!(
                 "MCFG length {tlen} or checksum bad"
             )));
         }
         // First allocation: base u64, segment u16, start bus u8, end bus u8.
-        let base = phys_u64(table + 44);
-        let segment = phys_u32(table + 52) & 0xffff;
-        let start_bus = phys_u8(table + 54);
+        let base = phys_u64(t + 44);
+        let segment = phys_u32(t + 52) & 0xffff;
+        let start_bus = phys_u8(t + 54);
         if segment != 0 || start_bus != 0 {
             return Err(Detail::fmt(format_args!(
                 "MCFG allocation is segment {segment} bus {start_bus}, not 0/0"
@@ -76,7 +84,7 @@ pub fn find_ecam() -> Result<u64, Detail> {
         }
         return Ok(base);
     }
-    Err(Detail::fmt(format_args!("No MCFG in the XSDT")))
+    Err(Detail::fmt(format_args!("No MCFG in the {name}")))
 }
 
 /// Configuration space access for bus 0.

@@ -8,6 +8,7 @@ mod allocator;
 mod config;
 mod msix;
 mod root;
+pub mod vfio;
 
 pub use allocator::{
     BarAllocator, BarAllocatorError, PciWindows, ECAM_BASE, ECAM_SIZE, MMIO32_BASE, MMIO32_SIZE,
@@ -38,6 +39,17 @@ pub const COMMAND_MEMORY: u16 = 1 << 1;
 pub const COMMAND_BUS_MASTER: u16 = 1 << 2;
 /// Command register: legacy INTx disabled.
 pub const COMMAND_INTX_DISABLE: u16 = 1 << 10;
+
+/// First I/O APIC pin (GSI) for PCI INTx; pins 16-23 are free of ISA interrupts.
+pub const INTX_GSI_BASE: u32 = 16;
+/// I/O APIC pins shared by PCI INTx.
+pub const INTX_GSIS: u32 = 8;
+
+/// The GSI that INTx pin `pin` (0 = INTA .. 3 = INTD) of the function in `slot` raises:
+/// the usual slot swizzle over pins 16-23. The DSDT's `_PRT` says the same to the guest.
+pub const fn intx_gsi(slot: u8, pin: u8) -> u32 {
+    INTX_GSI_BASE + (slot as u32 + pin as u32) % INTX_GSIS
+}
 
 /// Number of device slots on bus 0.
 pub const PCI_SLOTS: u8 = 32;

@@ -171,7 +171,7 @@ mod tests {
         // Leave a stale socket file behind: a listener that is gone.
         std::mem::forget(first);
         let stale = dir.path().join("stale.sock");
-        drop(UnixListener::bind(&stale).unwrap());
+        tenantvm_testkit::stale_unix_socket(&stale);
         let config = VsockConfig {
             guest_cid: 5,
             uds_path: stale,

@@ -1,0 +1,459 @@
+//! `tenantvm verify`: the isolation checklist against the live host (docs/verify.md).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+
+use super::{exit, fail, CliFailure};
+use crate::verify::live::{LiveHost, LivePaths};
+use crate::verify::probe::{new_run_id, Probes};
+use crate::verify::report::REPORT_VERSION;
+use crate::verify::{self, CheckId, HostError, Report, VerifyConfig};
+
+/// Exit status of `verify` when a selected check failed or was inconclusive.
+pub const NOT_PASSED: u8 = 14;
+/// Exit status of `verify` interrupted by Ctrl-C (its probes destroyed, nothing recorded).
+pub const INTERRUPTED: u8 = 130;
+
+/// Run the pre-deployment isolation checklist against this host and its daemon.
+///
+/// Needs the admin token, and must run on the daemon's host as root: besides the API it
+/// reads the tenants' cgroups, disk headers, wrapped keys, the state directory and /proc.
+/// It creates short-lived probe tenants named tvm-verify-<run id>-<role> from
+/// --probe-image (a named image whose payload is the n-gram server), destroys them
+/// whatever happens (and sweeps those a killed run left, as recorded in --ledger), and
+/// never touches other tenants' data (it reads their cgroup limits, GPU slices and serving
+/// configuration only).
+///
+/// The checks (numbers or names for --checks; all by default):
+///    1 threat-model          the operator's threat model (--threat-model) is written down
+///    2 mig-sku               every GPU tenants share is a MIG-capable SKU (--gpu-backend)
+///    3 partition-arithmetic  every sized need fits its slice; the host holds them all
+///    4 memory-partition      probe cgroups have a memory limit near their guest memory,
+///                            a process overrunning one is killed, the other still serves
+///    5 prefix-cache          timing test (one-sided KS, randomised interleaving) across
+///                            two probes, after a positive control within one probe whose
+///                            payload has its prefix cache on (--control-image)
+///    6 batching              each tenant's own server instance and batch scope, read
+///                            through its agent
+///    7 visibility            probe tokens refused on each other's logs and receipts; a
+///                            marker prompt in no host file
+///    8 noisy-neighbour       CPU quotas present and binding; victim p50/p99 idle vs.
+///                            neighbour loaded
+///    9 weights-at-rest       LUKS2 disks, per-tenant sealed keys, no plaintext marker
+///   10 departure             nothing of a destroyed probe remains; its receipt verifies
+///
+/// Each check ends pass, fail or inconclusive, with its evidence as numbers. An
+/// inconclusive check (the host could not be asked, a control did not detect) is never a
+/// pass. The report is printed as a table (--json: as JSON), written to --report, kept
+/// beside the audit log and appended to it as a signed entry (`tenantvm receipt verify`
+/// checks it with the departure receipts).
+///
+/// Examples:
+///   tenantvm verify --threat-model threat.md --probe-image ngram --control-image ngram-cache
+///   tenantvm verify --checks 1,2,3 --gpu-backend nvml --threat-model threat.md
+///   tenantvm verify --checks prefix-cache --samples 50 --probe-image ngram --report out.json
+///
+/// Ctrl-C stops the run and destroys its probe tenants before exiting (130); a run killed
+/// outright leaves them to the next run's sweep.
+///
+/// Exit statuses: 0 every selected check passed; 14 a check failed or was inconclusive;
+/// 2 usage; 3 daemon unreachable; 7 invalid flags; 1 the report could not be recorded;
+/// 130 interrupted.
+#[derive(Debug, Clone, Args)]
+#[command(verbatim_doc_comment)]
+pub struct VerifyArgs {
+    /// Checks to run: numbers or names, comma-separated (default: all ten).
+    #[arg(long, value_name = "LIST")]
+    pub checks: Option<String>,
+    /// The threat model: who the tenants are and what they must not learn about each other.
+    #[arg(long, value_name = "FILE")]
+    pub threat_model: Option<PathBuf>,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the JSON report to this file.
+    #[arg(long, value_name = "FILE")]
+    pub report: Option<PathBuf>,
+    /// Named image (the daemon's --image-dir) the probe tenants run.
+    #[arg(long, value_name = "NAME")]
+    pub probe_image: Option<String>,
+    /// Named image for the prefix-cache positive control (payload with --prefix-cache on);
+    /// default: --probe-image.
+    #[arg(long, value_name = "NAME")]
+    pub control_image: Option<String>,
+    /// Guest memory of each probe tenant, MiB.
+    #[arg(long, default_value_t = 128)]
+    pub probe_memory_mib: u32,
+    /// How long a probe may take to start or to go, seconds.
+    #[arg(long, default_value_t = 180)]
+    pub probe_timeout_s: u64,
+    /// Timing samples per arm for the prefix-cache test (the published audit uses 250).
+    #[arg(long, default_value_t = 250)]
+    pub samples: usize,
+    /// Words in each prefix-cache probe prompt.
+    #[arg(long, default_value_t = 3000)]
+    pub prefix_words: usize,
+    /// Significance level of the prefix-cache test.
+    #[arg(long, default_value_t = 1e-3)]
+    pub alpha: f64,
+    /// Latency samples per phase for the noisy-neighbour check.
+    #[arg(long, default_value_t = 40)]
+    pub latency_samples: usize,
+    /// Largest p99 latency ratio (neighbour loaded / idle) the noisy-neighbour check accepts.
+    #[arg(long, default_value_t = 3.0)]
+    pub max_latency_ratio: f64,
+    /// Most memory a tenant's cgroup may allow above its guest memory, MiB.
+    #[arg(long, default_value_t = 512)]
+    pub max_overhead_mib: u64,
+    /// Seed of the randomised interleaving (recorded in the report; fresh when absent).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// The daemon's state directory.
+    #[arg(long, env = "TENANTVMD_STATE_DIR", default_value = "/var/lib/tenantvm")]
+    pub state_dir: PathBuf,
+    /// The cgroup filesystem root.
+    #[arg(long, default_value = crate::jail::cgroup::DEFAULT_CGROUP_ROOT)]
+    pub cgroup_root: PathBuf,
+    /// Where the host's GPUs come from: `nvml` or `sim:FILE` (checks 2 and 3; without it
+    /// they are inconclusive when tenants hold GPU shares).
+    #[arg(long)]
+    pub gpu_backend: Option<String>,
+    /// More files or directories the plaintext marker scan reads (the daemon's log file).
+    #[arg(long, value_name = "PATH")]
+    pub scan: Vec<PathBuf>,
+    /// Ledger of probe tenants created (default: <state-dir>/verify/probes).
+    #[arg(long, value_name = "FILE")]
+    pub ledger: Option<PathBuf>,
+    /// The audit log the signed entry is appended to.
+    #[arg(long, env = "TENANTVM_AUDIT_LOG", default_value = crate::receipt::DEFAULT_LOG)]
+    pub audit_log: PathBuf,
+    /// The host's receipt signing key.
+    #[arg(long, default_value = crate::receipt::DEFAULT_SIGNING_KEY)]
+    pub signing_key: PathBuf,
+}
+
+impl VerifyArgs {
+    fn config(&self) -> Result<VerifyConfig, CliFailure> {
+        if !(self.alpha > 0.0 && self.alpha < 1.0) {
+            return Err(fail(
+                exit::INVALID,
+                "--alpha must be between 0 and 1 (e.g. 0.001)",
+            ));
+        }
+        if self.samples < 5 || self.samples > 100_000 {
+            return Err(fail(
+                exit::INVALID,
+                "--samples must be between 5 and 100000",
+            ));
+        }
+        let max_words = crate::verify::prefix::MAX_PREFIX_WORDS;
+        if self.prefix_words < 20 || self.prefix_words > max_words {
+            return Err(fail(
+                exit::INVALID,
+                format!("--prefix-words must be between 20 and {max_words} (the gateway forwards at most 16 KiB of prompt)"),
+            ));
+        }
+        if self.latency_samples < 2
+            || self.max_latency_ratio.is_nan()
+            || self.max_latency_ratio < 1.0
+        {
+            return Err(fail(
+                exit::INVALID,
+                "--latency-samples must be at least 2 and --max-latency-ratio at least 1",
+            ));
+        }
+        Ok(VerifyConfig {
+            threat_model: self.threat_model.clone(),
+            probe_image: self.probe_image.clone(),
+            control_image: self.control_image.clone(),
+            probe_memory_mib: self.probe_memory_mib,
+            max_overhead_mib: self.max_overhead_mib,
+            samples_per_arm: self.samples,
+            prefix_words: self.prefix_words,
+            alpha: self.alpha,
+            latency_samples: self.latency_samples,
+            max_latency_ratio: self.max_latency_ratio,
+            seed: self.seed,
+            probe_timeout: Duration::from_secs(self.probe_timeout_s),
+        })
+    }
+}
+
+/// How the async side follows and stops the run: progress lines out, a cancel flag in.
+struct RunControl {
+    progress: tokio::sync::mpsc::UnboundedSender<String>,
+    cancel: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+fn run_blocking(
+    args: VerifyArgs,
+    config: VerifyConfig,
+    selection: Vec<CheckId>,
+    socket: PathBuf,
+    token: String,
+    rt: tokio::runtime::Handle,
+    control: RunControl,
+) -> Result<Report, HostError> {
+    let RunControl { progress, cancel } = control;
+    let host = LiveHost::new(
+        &token,
+        rt,
+        LivePaths {
+            socket,
+            state_dir: args.state_dir.clone(),
+            cgroup_root: args.cgroup_root.clone(),
+            gpu_backend: args.gpu_backend.clone(),
+            scan_extra: args.scan.clone(),
+        },
+    );
+    let daemon = host.daemon()?;
+    let started_at = crate::receipt::now_rfc3339();
+    let run_id = new_run_id();
+    let seed = config.seed.unwrap_or_else(rand::random);
+    let ledger = args
+        .ledger
+        .clone()
+        .unwrap_or_else(|| args.state_dir.join("verify").join("probes"));
+    let probes = Probes::new(
+        &host,
+        &run_id,
+        config.probe_image.clone(),
+        config.probe_memory_mib,
+        Some(ledger),
+        config.probe_timeout,
+    )
+    .with_cancel(cancel);
+    let mut sweep = probes
+        .sweep()
+        .unwrap_or_else(|e| vec![format!("the sweep of earlier probes failed: {e}")]);
+    let mut checks = Vec::new();
+    for id in &selection {
+        if probes.cancelled() {
+            break;
+        }
+        let _ = progress.send(format!("[{}] {} ...", id.number(), id.key()));
+        let mut r = verify::run_checks(&host, &probes, &config, seed, &[*id]);
+        if let Some(done) = r.first() {
+            let _ = progress.send(format!(
+                "[{}] {}: {} ({:.1} s)",
+                id.number(),
+                id.key(),
+                done.outcome.verdict.as_str(),
+                done.elapsed_ms as f64 / 1e3
+            ));
+        }
+        checks.append(&mut r);
+    }
+    sweep.extend(
+        probes
+            .release_all()
+            .into_iter()
+            .map(|p| format!("cleanup: {p}")),
+    );
+    Ok(Report {
+        version: REPORT_VERSION,
+        run_id,
+        started_at,
+        finished_at: crate::receipt::now_rfc3339(),
+        daemon,
+        seed,
+        threat_model: verify::threat::load(config.threat_model.as_deref()).ok(),
+        selected: selection,
+        passed: Report::all_passed(&checks),
+        checks,
+        sweep,
+    })
+}
+
+/// After Ctrl-C: destroys the probes the ledger names (the running checks' among them) on a
+/// blocking thread of its own, within the probe timeout; returns what it did.
+async fn interrupted_cleanup(args: &VerifyArgs, socket: PathBuf, token: String) -> Vec<String> {
+    let rt = tokio::runtime::Handle::current();
+    let args = args.clone();
+    let job = tokio::task::spawn_blocking(move || {
+        let host = LiveHost::new(
+            &token,
+            rt,
+            LivePaths {
+                socket,
+                state_dir: args.state_dir.clone(),
+                cgroup_root: args.cgroup_root.clone(),
+                gpu_backend: None,
+                scan_extra: Vec::new(),
+            },
+        );
+        let ledger = args
+            .ledger
+            .clone()
+            .unwrap_or_else(|| args.state_dir.join("verify").join("probes"));
+        Probes::new(
+            &host,
+            "interrupt",
+            None,
+            0,
+            Some(ledger),
+            Duration::from_secs(args.probe_timeout_s),
+        )
+        .sweep_interrupted()
+        .unwrap_or_else(|e| {
+            vec![format!(
+                "the cleanup failed: {e}; the next run sweeps the ledger"
+            )]
+        })
+    });
+    job.await.unwrap_or_else(|e| {
+        vec![format!(
+            "the cleanup stopped: {e}; the next run sweeps the ledger"
+        )]
+    })
+}
+
+/// Runs `tenantvm verify`.
+pub(super) async fn run(
+    args: &VerifyArgs,
+    socket: PathBuf,
+    token: String,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<(), CliFailure> {
+    let config = args.config()?;
+    let selection = match &args.checks {
+        Some(list) => {
+            verify::parse_selection(list).map_err(|e| fail(exit::INVALID, e.to_string()))?
+        }
+        None => CheckId::ALL.to_vec(),
+    };
+    let (socket_for_cleanup, token_for_cleanup) = (socket.clone(), token.clone());
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let rt = tokio::runtime::Handle::current();
+    let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let job = {
+        let args = args.clone();
+        let cancel = cancel.clone();
+        tokio::task::spawn_blocking(move || {
+            let control = RunControl {
+                progress: tx,
+                cancel,
+            };
+            run_blocking(args, config, selection, socket, token, rt, control)
+        })
+    };
+    loop {
+        tokio::select! {
+            line = rx.recv() => match line {
+                Some(line) => writeln!(err, "verify: {line}")?,
+                None => break,
+            },
+            _ = tokio::signal::ctrl_c() => {
+                // No new probe from here on; then the ledger's are destroyed.
+                cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                writeln!(err, "verify: interrupted; destroying this run's probe tenants")?;
+                let lines = interrupted_cleanup(args, socket_for_cleanup.clone(), token_for_cleanup.clone()).await;
+                for l in lines {
+                    writeln!(err, "verify: {}", crate::untrusted::one_line(&l))?;
+                }
+                return Err(fail(INTERRUPTED, "interrupted: no report was recorded"));
+            }
+        }
+    }
+    let report = job
+        .await
+        .map_err(|e| fail(exit::OTHER, format!("the verification run stopped: {e}")))?
+        .map_err(|e| match e {
+            HostError::Unreachable(m) => fail(exit::UNREACHABLE, m),
+            HostError::Api {
+                status: 401,
+                message,
+            } => fail(exit::UNAUTHORIZED, message),
+            other => fail(exit::OTHER, other.to_string()),
+        })?;
+    let json = serde_json::to_string_pretty(&report)
+        .map_err(|e| fail(exit::OTHER, format!("cannot encode the report: {e}")))?;
+    if args.json {
+        writeln!(out, "{json}")?;
+    } else {
+        write!(out, "{}", report.to_table())?;
+    }
+    if let Some(path) = &args.report {
+        std::fs::write(path, format!("{json}\n")).map_err(|e| {
+            fail(
+                exit::OTHER,
+                format!("Cannot write the report to {}: {e}", path.display()),
+            )
+        })?;
+    }
+    let entry =
+        verify::audit::record(&report, &args.audit_log, &args.signing_key).map_err(|e| {
+            fail(
+                exit::OTHER,
+                format!("the report was not recorded in the audit log: {e}"),
+            )
+        })?;
+    writeln!(
+        err,
+        "verify: report appended to {} as entry #{} (signed, key {})",
+        args.audit_log.display(),
+        entry.seq,
+        entry.key_id
+    )?;
+    if report.passed {
+        Ok(())
+    } else {
+        Err(fail(
+            NOT_PASSED,
+            "not every selected check passed (see the report above)",
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Cli, Command};
+    use clap::Parser;
+
+    #[test]
+    fn flags_parse_and_bad_values_are_refused_locally() {
+        let cli = Cli::try_parse_from([
+            "tenantvm",
+            "verify",
+            "--checks",
+            "1,5",
+            "--samples",
+            "50",
+            "--probe-image",
+            "ngram",
+        ])
+        .unwrap();
+        let Command::Verify(a) = cli.command else {
+            panic!()
+        };
+        let cfg = a.config().unwrap();
+        assert_eq!(cfg.samples_per_arm, 50);
+        assert_eq!(cfg.probe_image.as_deref(), Some("ngram"));
+        for bad in [
+            vec!["--alpha", "2"],
+            vec!["--samples", "1"],
+            vec!["--prefix-words", "3"],
+            vec!["--prefix-words", "9000"],
+            vec!["--max-latency-ratio", "0.5"],
+        ] {
+            let cli = Cli::try_parse_from(
+                ["tenantvm", "verify"]
+                    .into_iter()
+                    .chain(bad.iter().copied()),
+            )
+            .unwrap();
+            let Command::Verify(a) = cli.command else {
+                panic!()
+            };
+            assert_eq!(
+                a.config().unwrap_err().code,
+                super::exit::INVALID,
+                "{bad:?}"
+            );
+        }
+    }
+}

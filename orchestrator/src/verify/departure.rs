@@ -1,0 +1,131 @@
+//! Check 10: a departure leaves nothing behind. A probe tenant with a disk (and a request
+//! through its payload, so it has logs and disk contents) is destroyed; afterwards no file,
+//! key, log, cgroup or process of its uid may remain, and its receipt must be in the audit
+//! log with every step ended `ok` or `skipped` and every effect `verified`, honestly
+//! `simulated`, or not applicable (a step that failed, or a host-side step that ran
+//! `unverified`, fails the check). The route-off and agent-shutdown steps may be
+//! `unverified`: they rest on what the guest reports, and the host-side steps after them
+//! (reset, scrub, release, crypto-shred, log removal) are what must be verified; they are
+//! counted as guest-reported.
+//!
+//! Not yet done: VF vGPU types and MIG instances of a GPU slice (the probe has no GPU until
+//! GPU attach lands; the receipt's GPU steps are judged as they are recorded).
+
+use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
+use crate::receipt::{Assurance, DepartureStep, LogEntry, StepResult};
+
+/// Check 10.
+pub struct DepartureCheck;
+
+/// Judges what is left of a departed tenant and its receipts.
+pub fn judge_departure(
+    name: &str,
+    still_listed: bool,
+    leftovers: &[String],
+    receipts: &[LogEntry],
+) -> Outcome {
+    let mut out = Outcome::new(Verdict::Pass);
+    if still_listed {
+        out.verdict = Verdict::Fail;
+        out.findings
+            .push(format!("{name}: still listed by the daemon after destroy"));
+    }
+    out.add("leftovers", leftovers.len() as f64, "count");
+    for l in leftovers {
+        out.verdict = Verdict::Fail;
+        out.findings.push(format!("{name}: left behind: {l}"));
+    }
+    let Some(entry) = receipts.last() else {
+        out.verdict = Verdict::Fail;
+        out.findings
+            .push(format!("{name}: no departure receipt in the audit log"));
+        return out;
+    };
+    let r = &entry.receipt;
+    let mut simulated = 0;
+    let mut unverified_courtesy = 0;
+    for s in &r.steps {
+        let step = format!("{:?}", s.step);
+        match (s.result, s.assurance) {
+            (StepResult::Failed, _) => {
+                out.verdict = Verdict::Fail;
+                out.findings.push(format!(
+                    "{name}: receipt step {step} failed: {}",
+                    crate::untrusted::one_line(s.error.as_deref().unwrap_or(""))
+                ));
+            }
+            // The courtesy steps (the route off, the guest's own shutdown) rest on what a
+            // guest reports; the host-side steps after them destroy what matters.
+            (_, Assurance::Unverified)
+                if matches!(
+                    s.step,
+                    DepartureStep::GatewayRouteOff | DepartureStep::AgentShutdown
+                ) =>
+            {
+                unverified_courtesy += 1;
+            }
+            (_, Assurance::Unverified) => {
+                out.verdict = Verdict::Fail;
+                out.findings.push(format!(
+                    "{name}: receipt step {step} ran ({}) but its effect was not verified",
+                    crate::untrusted::one_line(&s.method)
+                ));
+            }
+            (_, Assurance::Simulated) => simulated += 1,
+            _ => {}
+        }
+    }
+    for needed in [DepartureStep::CryptoShred, DepartureStep::LogsRemoved] {
+        if !r.steps.iter().any(|s| s.step == needed) {
+            out.verdict = Verdict::Fail;
+            out.findings.push(format!(
+                "{name}: the receipt has no {needed:?} step: it was not done"
+            ));
+        }
+    }
+    out.add("receipt_steps", r.steps.len() as f64, "count");
+    out.add("receipt_steps_simulated", f64::from(simulated), "count");
+    out.add(
+        "receipt_guest_reported_steps",
+        f64::from(unverified_courtesy),
+        "count",
+    );
+    if simulated > 0 {
+        out.findings.push(format!(
+            "{name}: {simulated} receipt step(s) honestly marked simulated (no real hardware behind them)"
+        ));
+    }
+    out
+}
+
+impl Check for DepartureCheck {
+    fn id(&self) -> CheckId {
+        CheckId::Departure
+    }
+
+    fn run(&self, ctx: &Ctx<'_>) -> Result<Outcome, HostError> {
+        let p = ctx.probes.create("depart", |s| s.disk_gib = 1)?;
+        let name = p.name.clone();
+        // Give it logs and disk contents to leave behind.
+        let _ = ctx
+            .host
+            .complete(&p.name, &p.token, "a departing tenant", 4);
+        let uid = ctx.host.tenant(&name)?.and_then(|t| t.uid);
+        // A departure that does not complete is a failed departure: judge what it left.
+        let destroyed = p.destroy_now();
+        let still = ctx.host.tenant(&name)?.is_some();
+        let leftovers = ctx.host.leftovers(&name, uid)?;
+        let receipts = ctx.host.receipts(&name)?;
+        let mut out = judge_departure(&name, still, &leftovers, &receipts);
+        if let Err(e) = destroyed {
+            out.verdict = Verdict::Fail;
+            out.findings
+                .insert(0, format!("{name}: the departure did not complete: {e}"));
+        }
+        out.findings.push(
+            "no GPU slice: VF types and MIG instances are judged only as the receipt records them"
+                .into(),
+        );
+        Ok(out)
+    }
+}

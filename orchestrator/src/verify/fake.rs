@@ -1,0 +1,430 @@
+//! A fake host for the checks' tests, named as such: tenants, files, receipts and timings
+//! held in memory, healthy by default, with [`Broken`] switches that give each check the
+//! deliberately broken host it must fail on (issue 16's list).
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::host::{CpuOverrun, GpuView, HostError, Overrun, VerifyHost};
+use crate::api::types::{GpuSlice, LogStream, TenantView};
+use crate::backend::ResourceLimits;
+use crate::domain::lifecycle::LifecycleState;
+use crate::domain::spec::TenantSpec;
+use crate::receipt::{
+    Assurance, DepartureStep, LogEntry, Receipt, StepRecord, StepResult, RECEIPT_VERSION,
+};
+
+/// What is broken on the fake host.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Broken {
+    /// Tenants run without a memory limit in their cgroup.
+    pub no_memory_limit: bool,
+    /// The memory limit is written but not enforced (the controller is not really there).
+    pub memory_not_enforced: bool,
+    /// The CPU quota is written but not enforced.
+    pub cpu_not_enforced: bool,
+    /// Tenants run without a CPU quota, and a busy neighbour slows the others down.
+    pub no_cpu_quota: bool,
+    /// Disks are plaintext: what a payload writes is readable on the host.
+    pub plaintext_disk: bool,
+    /// The crypto-shred step of departures is disabled (the test-only hook).
+    pub shred_disabled: bool,
+    /// All tenants are routed to one payload with one shared prefix cache.
+    pub shared_payload: bool,
+    /// A debug mode logs every prompt to the daemon's log.
+    pub logs_prompts: bool,
+    /// A tenant's token reads every tenant's logs and receipts.
+    pub cross_reads: bool,
+}
+
+#[derive(Debug)]
+struct FakeTenant {
+    view: TenantView,
+    token: String,
+    disk: Option<Vec<u8>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    tenants: BTreeMap<String, FakeTenant>,
+    /// Host files: path -> contents.
+    files: BTreeMap<String, Vec<u8>>,
+    keys: BTreeMap<String, Vec<u8>>,
+    leftovers: BTreeMap<String, Vec<String>>,
+    receipts: Vec<LogEntry>,
+    next_uid: u32,
+    /// Prefix caches: per server instance, the prompts' first 90 % seen.
+    caches: BTreeMap<String, HashSet<String>>,
+    last_noisy: Option<Instant>,
+    tick: u64,
+}
+
+/// The fake host.
+#[derive(Debug, Default)]
+pub struct FakeVerifyHost {
+    /// What is broken.
+    pub broken: Broken,
+    /// Its GPUs.
+    pub gpus: Vec<GpuView>,
+    state: Mutex<State>,
+    /// Every tenant name ever created (to show the probes were cleaned up).
+    pub created: Mutex<BTreeSet<String>>,
+}
+
+const LUKS2: &[u8] = b"LUKS\xba\xbe\x00\x02";
+
+impl FakeVerifyHost {
+    /// A healthy host, or one broken as `broken` says.
+    pub fn new(broken: Broken) -> FakeVerifyHost {
+        FakeVerifyHost {
+            broken,
+            ..FakeVerifyHost::default()
+        }
+    }
+
+    /// A healthy host with these GPUs.
+    pub fn with_gpus(gpus: Vec<GpuView>) -> FakeVerifyHost {
+        FakeVerifyHost {
+            gpus,
+            ..FakeVerifyHost::default()
+        }
+    }
+
+    fn st(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap()
+    }
+
+    /// Names of the tenants that exist now.
+    pub fn names(&self) -> Vec<String> {
+        self.st().tenants.keys().cloned().collect()
+    }
+
+    /// Adds a tenant as if an operator had created it, with a GPU slice.
+    pub fn add_tenant(&self, spec: TenantSpec, gpu: Option<GpuSlice>) {
+        let name = spec.name.to_string();
+        let mut view = view_of(&spec, 0);
+        view.gpu = gpu;
+        self.st().tenants.insert(
+            name,
+            FakeTenant {
+                view,
+                token: "real".into(),
+                disk: None,
+            },
+        );
+    }
+
+    fn instance(&self, name: &str) -> String {
+        if self.broken.shared_payload {
+            "shared-instance".into()
+        } else {
+            format!("instance-{name}")
+        }
+    }
+}
+
+/// A view of `spec` as a running tenant with `uid`.
+pub fn view_of(spec: &TenantSpec, uid: u32) -> TenantView {
+    TenantView {
+        name: spec.name.to_string(),
+        state: LifecycleState::Running,
+        op: Some("create".into()),
+        error: None,
+        steps: Vec::new(),
+        spec: spec.clone(),
+        uid: Some(uid),
+        pid: Some(1000 + uid as i32),
+        gpu: None,
+        created_ms: 0,
+        updated_ms: 0,
+        recovering: false,
+    }
+}
+
+fn step(step: DepartureStep, assurance: Assurance) -> StepRecord {
+    StepRecord::new(
+        step,
+        "fake",
+        StepResult::Ok,
+        assurance,
+        "2026-01-01T00:00:00Z".into(),
+        "2026-01-01T00:00:01Z".into(),
+    )
+}
+
+fn refused() -> HostError {
+    HostError::Api {
+        status: 404,
+        message: "No such tenant".into(),
+    }
+}
+
+impl VerifyHost for FakeVerifyHost {
+    fn tenants(&self) -> Result<Vec<TenantView>, HostError> {
+        Ok(self.st().tenants.values().map(|t| t.view.clone()).collect())
+    }
+
+    fn tenant(&self, name: &str) -> Result<Option<TenantView>, HostError> {
+        Ok(self.st().tenants.get(name).map(|t| t.view.clone()))
+    }
+
+    fn create(&self, spec: &TenantSpec, _timeout: Duration) -> Result<String, HostError> {
+        let name = spec.name.to_string();
+        let mut st = self.st();
+        if st.tenants.contains_key(&name) {
+            return Err(HostError::Api {
+                status: 409,
+                message: "name taken".into(),
+            });
+        }
+        st.next_uid += 1;
+        let uid = 50_000 + st.next_uid;
+        let token = format!("token-{name}");
+        let disk = (spec.disk_gib > 0).then(|| {
+            if self.broken.plaintext_disk {
+                b"\x53\xef plaintext ext4".to_vec()
+            } else {
+                let mut d = LUKS2.to_vec();
+                d.extend_from_slice(&[0xa5; 64]);
+                d
+            }
+        });
+        if disk.is_some() {
+            let mut key = b"TVMWK1\0\0".to_vec();
+            key.extend((0..crate::keys::WRAPPED_BYTES - 8).map(|i| (i as u8) ^ (uid as u8)));
+            st.keys.insert(name.clone(), key);
+        }
+        st.tenants.insert(
+            name.clone(),
+            FakeTenant {
+                view: view_of(spec, uid),
+                token: token.clone(),
+                disk,
+            },
+        );
+        self.created.lock().unwrap().insert(name);
+        Ok(token)
+    }
+
+    fn destroy(&self, name: &str, _timeout: Duration) -> Result<(), HostError> {
+        let mut st = self.st();
+        let Some(t) = st.tenants.remove(name) else {
+            return Ok(());
+        };
+        let mut steps = vec![
+            // As the daemon records it: the guest's own report.
+            step(DepartureStep::AgentShutdown, Assurance::Unverified),
+            step(DepartureStep::LogsRemoved, Assurance::Verified),
+        ];
+        if self.broken.shred_disabled {
+            if t.disk.is_some() {
+                st.leftovers.insert(
+                    name.to_string(),
+                    vec![
+                        format!("its disk image {name}/disk.img"),
+                        "its wrapped disk key".into(),
+                    ],
+                );
+            }
+        } else {
+            st.keys.remove(name);
+            st.files.retain(|p, _| !p.starts_with(&format!("{name}/")));
+            steps.push(step(DepartureStep::CryptoShred, Assurance::Verified));
+        }
+        steps.push(step(DepartureStep::GpuScrub, Assurance::Simulated));
+        let seq = st.receipts.len() as u64;
+        st.receipts.push(LogEntry {
+            seq,
+            prev_hash: String::new(),
+            appended_at: String::new(),
+            key_id: String::new(),
+            receipt: Receipt {
+                version: RECEIPT_VERSION,
+                departure_id: format!("{name}-1"),
+                tenant: name.to_string(),
+                started_at: String::new(),
+                finished_at: String::new(),
+                steps,
+                verification: None,
+            },
+            signature: String::new(),
+        });
+        Ok(())
+    }
+
+    fn cgroup_limits(&self, name: &str) -> Result<Option<ResourceLimits>, HostError> {
+        let st = self.st();
+        let Some(t) = st.tenants.get(name) else {
+            return Ok(None);
+        };
+        let spec = &t.view.spec;
+        Ok(Some(ResourceLimits {
+            memory_bytes: if self.broken.no_memory_limit {
+                u64::MAX
+            } else {
+                (u64::from(spec.memory_mib) + 64) << 20
+            },
+            cpu_quota_us: if self.broken.no_cpu_quota {
+                u64::MAX
+            } else {
+                u64::from(spec.vcpus) * 100_000
+            },
+            cpu_period_us: 100_000,
+            pids_max: 256,
+        }))
+    }
+
+    fn overrun_memory(
+        &self,
+        name: &str,
+        _bytes: u64,
+        _timeout: Duration,
+    ) -> Result<Overrun, HostError> {
+        if !self.st().tenants.contains_key(name) {
+            return Err(refused());
+        }
+        Ok(
+            if self.broken.no_memory_limit || self.broken.memory_not_enforced {
+                Overrun::Completed
+            } else {
+                Overrun::Killed
+            },
+        )
+    }
+
+    fn overrun_cpu(
+        &self,
+        name: &str,
+        workers: u32,
+        _wall: Duration,
+    ) -> Result<CpuOverrun, HostError> {
+        let st = self.st();
+        let t = st.tenants.get(name).ok_or_else(refused)?;
+        let quota = f64::from(t.view.spec.vcpus);
+        Ok(CpuOverrun {
+            workers,
+            outside_cpus: f64::from(workers),
+            inside_cpus: if self.broken.no_cpu_quota || self.broken.cpu_not_enforced {
+                f64::from(workers)
+            } else {
+                quota.min(f64::from(workers))
+            },
+        })
+    }
+
+    fn serving(&self, name: &str) -> Result<serde_json::Value, HostError> {
+        if !self.st().tenants.contains_key(name) {
+            return Err(refused());
+        }
+        Ok(serde_json::json!({
+            "server": "tenantvm-ngram (fake)",
+            "instance_id": self.instance(name),
+            "prefix_cache": {"enabled": true, "scope": "this server only (one server per VM)"},
+            "batching": {"max_concurrency": 4, "scope": "one server per VM: requests of this VM only"},
+        }))
+    }
+
+    fn complete(
+        &self,
+        name: &str,
+        token: &str,
+        prompt: &str,
+        _max_tokens: u32,
+    ) -> Result<Duration, HostError> {
+        let instance = self.instance(name);
+        let mut st = self.st();
+        match st.tenants.get(name) {
+            Some(t) if t.token == token => {}
+            _ => return Err(refused()),
+        }
+        st.tick += 1;
+        let jitter = (st.tick * 7919 % 13) as f64 * 0.1;
+        if self.broken.logs_prompts {
+            st.files
+                .entry("daemon.log".into())
+                .or_default()
+                .extend_from_slice(prompt.as_bytes());
+        }
+        if self.broken.plaintext_disk {
+            st.files
+                .entry(format!("{name}/disk.img"))
+                .or_default()
+                .extend_from_slice(prompt.as_bytes());
+        }
+        if name.contains("-noisy") {
+            st.last_noisy = Some(Instant::now());
+            drop(st);
+            std::thread::sleep(Duration::from_millis(1));
+            return Ok(Duration::from_millis(2));
+        }
+        let words: Vec<&str> = prompt.split(' ').collect();
+        let key = words[..words.len() * 9 / 10].join(" ");
+        let hit = !st.caches.entry(instance).or_default().insert(key);
+        let mut ms = if hit { 5.0 } else { 50.0 } + jitter;
+        let busy = st
+            .last_noisy
+            .is_some_and(|t| t.elapsed() < Duration::from_millis(100));
+        if self.broken.no_cpu_quota && busy {
+            ms *= 10.0;
+        }
+        Ok(Duration::from_secs_f64(ms / 1e3))
+    }
+
+    fn gpus(&self) -> Result<Vec<GpuView>, HostError> {
+        Ok(self.gpus.clone())
+    }
+
+    fn disk_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+        Ok(self.st().tenants.get(name).and_then(|t| t.disk.clone()))
+    }
+
+    fn wrapped_key(&self, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+        Ok(self.st().keys.get(name).cloned())
+    }
+
+    fn files_holding(&self, marker: &[u8]) -> Result<Vec<String>, HostError> {
+        Ok(self
+            .st()
+            .files
+            .iter()
+            .filter(|(_, c)| c.windows(marker.len()).any(|w| w == marker))
+            .map(|(p, _)| p.clone())
+            .collect())
+    }
+
+    fn leftovers(&self, name: &str, _uid: Option<u32>) -> Result<Vec<String>, HostError> {
+        Ok(self.st().leftovers.get(name).cloned().unwrap_or_default())
+    }
+
+    fn receipts(&self, tenant: &str) -> Result<Vec<LogEntry>, HostError> {
+        Ok(self
+            .st()
+            .receipts
+            .iter()
+            .filter(|e| e.receipt.tenant == tenant)
+            .cloned()
+            .collect())
+    }
+
+    fn logs_with(&self, name: &str, token: &str, stream: LogStream) -> Result<String, HostError> {
+        let st = self.st();
+        match st.tenants.get(name) {
+            Some(t) if t.token == token || self.broken.cross_reads => {
+                Ok(format!("{stream:?} log of {name}\n"))
+            }
+            _ => Err(refused()),
+        }
+    }
+
+    fn receipts_with(&self, tenant: &str, token: &str) -> Result<usize, HostError> {
+        let st = self.st();
+        let own = st.tenants.get(tenant).is_some_and(|t| t.token == token);
+        if own || self.broken.cross_reads {
+            // The fake's probes have no receipts while alive; a leaky host shows one.
+            Ok(usize::from(self.broken.cross_reads))
+        } else {
+            Ok(0)
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! What the checks may ask of the host: [`VerifyHost`]. The live implementation is
+//! [`super::live::LiveHost`] (the daemon's API as admin, plus read-only looks at the
+//! host's cgroups and files); tests use a fake host described in memory.
+
+use std::time::Duration;
+
+use crate::api::types::{LogStream, TenantView};
+use crate::backend::ResourceLimits;
+use crate::domain::spec::TenantSpec;
+use crate::receipt::LogEntry;
+
+/// Why the host could not answer.
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    /// The daemon refused or failed a request.
+    #[error("the daemon answered {status}: {message}")]
+    Api {
+        /// HTTP status.
+        status: u16,
+        /// Its message.
+        message: String,
+    },
+    /// The daemon cannot be reached.
+    #[error("the daemon cannot be reached: {0}")]
+    Unreachable(String),
+    /// An operation did not finish in time.
+    #[error("{what} did not finish within {seconds} s")]
+    Timeout {
+        /// What was waited for.
+        what: String,
+        /// The deadline.
+        seconds: u64,
+    },
+    /// A tenant operation ended failed.
+    #[error("{0}")]
+    Failed(String),
+    /// A host file could not be read.
+    #[error("cannot read {path}: {message}")]
+    Io {
+        /// The file.
+        path: String,
+        /// Why.
+        message: String,
+    },
+    /// This host cannot answer that at all (no GPU backend given, no agent reachable, ...).
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+impl HostError {
+    /// The HTTP status, for API refusals.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            HostError::Api { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// A GPU as the checks see it: its index, its database model and whether the SKU has MIG.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuView {
+    /// Index on the host (what a tenant's `gpu.gpu` names in ledger rows written before
+    /// placements named GPUs by PCI address).
+    pub index: String,
+    /// PCI address (what a tenant's `gpu.gpu` names).
+    pub pci_address: String,
+    /// Product name.
+    pub name: String,
+    /// Database model key (`h100-80gb`, `l40s`, `10de-xxxx` for an unknown SKU).
+    pub model: &'static tenantvm_gpu::mig::GpuModel,
+}
+
+impl GpuView {
+    /// Whether a tenant's slice GPU id (a PCI address, or an index in older rows) is this GPU.
+    pub fn is(&self, id: &str) -> bool {
+        self.pci_address.eq_ignore_ascii_case(id) || self.index == id
+    }
+}
+
+/// What became of a process that allocated past a tenant's memory limit inside its cgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Overrun {
+    /// The kernel killed it (the limit is enforced).
+    Killed,
+    /// It finished: the memory was there to take (the limit is not enforced).
+    Completed,
+    /// It neither finished nor died in time (swapping?); it was killed.
+    TimedOut,
+}
+
+/// CPU taken by busy processes, in CPUs (CPU seconds per second of wall time): the same
+/// number of them outside any tenant cgroup (the control: what the host would give) and
+/// inside a tenant's CPU cgroup.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CpuOverrun {
+    /// Busy processes run in each phase.
+    pub workers: u32,
+    /// CPUs they took outside (the control).
+    pub outside_cpus: f64,
+    /// CPUs they took inside the tenant's cgroup.
+    pub inside_cpus: f64,
+}
+
+/// What the checks ask of the host. Every wait has a deadline inside the implementation.
+pub trait VerifyHost: Sync {
+    /// Every tenant (admin view).
+    fn tenants(&self) -> Result<Vec<TenantView>, HostError>;
+    /// One tenant, `None` when it does not exist.
+    fn tenant(&self, name: &str) -> Result<Option<TenantView>, HostError>;
+    /// Creates a tenant and waits until it runs; returns its token.
+    fn create(&self, spec: &TenantSpec, timeout: Duration) -> Result<String, HostError>;
+    /// Destroys a tenant and waits until it is gone (a tenant already gone is fine).
+    fn destroy(&self, name: &str, timeout: Duration) -> Result<(), HostError>;
+    /// The limits in the tenant's cgroup as the kernel holds them (`u64::MAX`: no limit),
+    /// `None` when it has no cgroup.
+    fn cgroup_limits(&self, name: &str) -> Result<Option<ResourceLimits>, HostError>;
+    /// Runs a process inside the tenant's memory cgroup that touches `bytes` of memory, and
+    /// says what became of it within `timeout`.
+    fn overrun_memory(
+        &self,
+        name: &str,
+        bytes: u64,
+        timeout: Duration,
+    ) -> Result<Overrun, HostError>;
+    /// Runs `workers` busy processes for `wall`, first outside any tenant cgroup, then in
+    /// the tenant's CPU cgroup, and measures the CPU they took in each.
+    fn overrun_cpu(
+        &self,
+        name: &str,
+        workers: u32,
+        wall: Duration,
+    ) -> Result<CpuOverrun, HostError>;
+    /// The serving configuration its payload reports through its agent
+    /// (`GET /v1/tenantvm/serving`).
+    fn serving(&self, name: &str) -> Result<serde_json::Value, HostError>;
+    /// Sends a completion with the tenant's own token; returns the time to the answer.
+    fn complete(
+        &self,
+        name: &str,
+        token: &str,
+        prompt: &str,
+        max_tokens: u32,
+    ) -> Result<Duration, HostError>;
+    /// [`VerifyHost::complete`], retrying (up to `within`) while the tenant's request rate
+    /// refuses it (429): a timing sample is the answered attempt, never a refusal.
+    fn complete_paced(
+        &self,
+        name: &str,
+        token: &str,
+        prompt: &str,
+        max_tokens: u32,
+        within: Duration,
+    ) -> Result<Duration, HostError> {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            match self.complete(name, token, prompt, max_tokens) {
+                Err(e) if e.status() == Some(429) && std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                other => return other,
+            }
+        }
+    }
+    /// The GPUs of the host (from the GPU backend the operator named); empty when the host
+    /// has none or none was named.
+    fn gpus(&self) -> Result<Vec<GpuView>, HostError>;
+    /// The first bytes (up to 4 KiB) of the tenant's disk image, `None` when it has none.
+    fn disk_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError>;
+    /// The tenant's wrapped disk key file, `None` when it has none.
+    fn wrapped_key(&self, name: &str) -> Result<Option<Vec<u8>>, HostError>;
+    /// Host files (the daemon's state directory, its store, logs and tenant disks) that hold
+    /// `marker` in plaintext.
+    fn files_holding(&self, marker: &[u8]) -> Result<Vec<String>, HostError>;
+    /// What of a tenant is still on the host: files, key, cgroup, processes of its uid,
+    /// each in words (empty: nothing).
+    fn leftovers(&self, name: &str, uid: Option<u32>) -> Result<Vec<String>, HostError>;
+    /// The audit log entries of a tenant.
+    fn receipts(&self, tenant: &str) -> Result<Vec<LogEntry>, HostError>;
+    /// Reads a tenant's log with `token` (a probe's own token, or another probe's): the text,
+    /// or the refusal as an error with its status.
+    fn logs_with(&self, name: &str, token: &str, stream: LogStream) -> Result<String, HostError>;
+    /// Reads a tenant's receipts with `token`: the count, or the refusal.
+    fn receipts_with(&self, tenant: &str, token: &str) -> Result<usize, HostError>;
+}

@@ -1,0 +1,676 @@
+//! The live host: the daemon's API (admin token, and each probe's own token for the reads a
+//! tenant makes), plus read-only looks at what the daemon keeps on the host: cgroup limits
+//! (through [`crate::jail::Cgroups`], the same paths the jail writes), the state directory
+//! (disk images, wrapped keys, logs, the store), `/proc`, and the GPU backend the operator
+//! names. It must run on the daemon's host, as root, to see those.
+//!
+//! The checks are synchronous; the API client is async. [`LiveHost`] runs on a blocking
+//! thread and drives each API call on the runtime through its handle.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use tenantvm_agent_protocol::{AgentClient, AgentEndpoint, HttpRequest};
+
+use super::host::{CpuOverrun, GpuView, HostError, Overrun, VerifyHost};
+use crate::api::types::{LogQuery, LogStream, TenantView};
+use crate::backend::ResourceLimits;
+use crate::client::{Client, ClientError};
+use crate::domain::lifecycle::LifecycleState;
+use crate::domain::spec::TenantSpec;
+use crate::jail::Cgroups;
+use crate::receipt::LogEntry;
+
+/// How often a wait polls the daemon.
+const POLL: Duration = Duration::from_millis(250);
+/// Deadline of one agent exchange.
+const AGENT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest file the plaintext scan reads (sparse disk images of probes are far smaller).
+const SCAN_MAX_FILE: u64 = 8 << 30;
+
+/// Where the live host's parts are.
+#[derive(Debug, Clone)]
+pub struct LivePaths {
+    /// The daemon's socket.
+    pub socket: PathBuf,
+    /// The daemon's state directory.
+    pub state_dir: PathBuf,
+    /// The cgroup filesystem root.
+    pub cgroup_root: PathBuf,
+    /// `nvml` or `sim:FILE`; none: the host's GPUs are not looked at.
+    pub gpu_backend: Option<String>,
+    /// More files or directories the plaintext scan reads (the daemon's log file).
+    pub scan_extra: Vec<PathBuf>,
+}
+
+/// The live host.
+pub struct LiveHost {
+    admin: Client,
+    rt: tokio::runtime::Handle,
+    paths: LivePaths,
+}
+
+fn from_client(e: ClientError) -> HostError {
+    match e {
+        ClientError::Api {
+            status, message, ..
+        } => HostError::Api {
+            status: status.as_u16(),
+            message: crate::untrusted::one_line(&message),
+        },
+        ClientError::Connect { .. } => HostError::Unreachable(e.to_string()),
+        other => HostError::Failed(crate::untrusted::one_line(&other.to_string())),
+    }
+}
+
+fn io_err(path: &Path) -> impl Fn(std::io::Error) -> HostError + '_ {
+    move |e| HostError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    }
+}
+
+impl LiveHost {
+    /// A live host reached with the admin `token`; `rt` is the runtime the API calls run on
+    /// (call the host's methods from a blocking thread of it, never from async code).
+    pub fn new(token: &str, rt: tokio::runtime::Handle, paths: LivePaths) -> LiveHost {
+        LiveHost {
+            admin: Client::new(paths.socket.clone(), token),
+            rt,
+            paths,
+        }
+    }
+
+    fn as_tenant(&self, token: &str) -> Client {
+        Client::new(self.paths.socket.clone(), token)
+    }
+
+    /// The daemon's version and backend.
+    pub fn daemon(&self) -> Result<String, HostError> {
+        let h = self.rt.block_on(self.admin.health()).map_err(from_client)?;
+        Ok(format!("{} ({})", h.version, h.backend))
+    }
+
+    fn tenant_dir(&self, name: &str) -> PathBuf {
+        self.paths.state_dir.join("tenants").join(name)
+    }
+
+    fn cgroups(&self) -> Result<Cgroups, HostError> {
+        Cgroups::detect_at(&self.paths.cgroup_root)
+            .and_then(|c| c.for_state_dir(&self.paths.state_dir))
+            .map_err(|e| HostError::Unsupported(format!("cgroups: {e}")))
+    }
+
+    fn wait(
+        &self,
+        name: &str,
+        what: &str,
+        timeout: Duration,
+        mut done: impl FnMut(Option<&TenantView>) -> Result<bool, HostError>,
+    ) -> Result<(), HostError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let t = self.tenant(name)?;
+            if done(t.as_ref())? {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(HostError::Timeout {
+                    what: format!("{what} of {name}"),
+                    seconds: timeout.as_secs(),
+                });
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+}
+
+fn failed_op(t: &TenantView) -> bool {
+    t.error.is_some() && t.steps.last().is_some_and(|s| s.status == "failed")
+}
+
+impl VerifyHost for LiveHost {
+    fn tenants(&self) -> Result<Vec<TenantView>, HostError> {
+        Ok(self
+            .rt
+            .block_on(self.admin.list())
+            .map_err(from_client)?
+            .tenants)
+    }
+
+    fn tenant(&self, name: &str) -> Result<Option<TenantView>, HostError> {
+        match self.rt.block_on(self.admin.status(name)) {
+            Ok(t) => Ok(Some(t)),
+            Err(ClientError::Api { status, .. }) if status.as_u16() == 404 => Ok(None),
+            Err(e) => Err(from_client(e)),
+        }
+    }
+
+    fn create(&self, spec: &TenantSpec, timeout: Duration) -> Result<String, HostError> {
+        let created = self
+            .rt
+            .block_on(self.admin.create(spec))
+            .map_err(from_client)?;
+        let name = spec.name.as_str();
+        self.wait(name, "create", timeout, |t| match t {
+            Some(t) if t.state == LifecycleState::Running => Ok(true),
+            Some(t) if t.state == LifecycleState::Failed || failed_op(t) => {
+                Err(HostError::Failed(format!(
+                    "probe {name} did not start: {}",
+                    crate::untrusted::one_line(t.error.as_deref().unwrap_or("failed"))
+                )))
+            }
+            Some(_) => Ok(false),
+            None => Err(HostError::Failed(format!(
+                "probe {name} vanished while starting"
+            ))),
+        })?;
+        Ok(created.token)
+    }
+
+    fn destroy(&self, name: &str, timeout: Duration) -> Result<(), HostError> {
+        // A tenant still busy (being created) is waited for, then destroyed.
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.rt.block_on(self.admin.destroy(name)) {
+                Ok(_) => break,
+                Err(ClientError::Api { status, .. }) if status.as_u16() == 404 => return Ok(()),
+                Err(ClientError::Api { status, .. })
+                    if status.as_u16() == 409 && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(POLL);
+                }
+                Err(e) => return Err(from_client(e)),
+            }
+        }
+        self.wait(name, "destroy", timeout, |t| match t {
+            None => Ok(true),
+            Some(t) if t.state == LifecycleState::Destroying && failed_op(t) => {
+                Err(HostError::Failed(format!(
+                    "destroy of {name} stopped: {}",
+                    crate::untrusted::one_line(t.error.as_deref().unwrap_or("failed"))
+                )))
+            }
+            Some(_) => Ok(false),
+        })
+    }
+
+    fn cgroup_limits(&self, name: &str) -> Result<Option<ResourceLimits>, HostError> {
+        let handle = self
+            .cgroups()?
+            .handle(name)
+            .map_err(|e| HostError::Failed(e.to_string()))?;
+        if handle.dirs().iter().all(|d| !d.exists()) {
+            return Ok(None);
+        }
+        handle
+            .read_limits()
+            .map(Some)
+            .map_err(|e| HostError::Failed(format!("cgroup of {name}: {e}")))
+    }
+
+    fn overrun_memory(
+        &self,
+        name: &str,
+        bytes: u64,
+        timeout: Duration,
+    ) -> Result<Overrun, HostError> {
+        let handle = self
+            .cgroups()?
+            .handle(name)
+            .map_err(|e| HostError::Failed(e.to_string()))?;
+        let memory = match &handle {
+            crate::jail::CgroupHandle::V1 { memory, .. } => memory.clone(),
+            crate::jail::CgroupHandle::V2 { path } => path.clone(),
+        };
+        if !memory.exists() {
+            return Err(HostError::Failed(format!("{name} has no memory cgroup")));
+        }
+        // The shell joins the cgroup itself, then becomes dd, whose one block of `bytes` is
+        // allocated and written (zeroes read into it) inside the cgroup. No code runs between
+        // fork and exec here; the path is an argument, never shell text.
+        let mut child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(r#"echo $$ > "$1/cgroup.procs" || exit 97; exec dd if=/dev/zero of=/dev/null bs="$2" count=1 status=none"#)
+            .arg("tenantvm-verify-overrun")
+            .arg(&memory)
+            .arg(bytes.to_string())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| HostError::Failed(format!("cannot run sh and dd: {e}")))?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    use std::os::unix::process::ExitStatusExt;
+                    return match (status.signal(), status.code()) {
+                        (Some(libc::SIGKILL), _) => Ok(Overrun::Killed),
+                        (_, Some(0)) => Ok(Overrun::Completed),
+                        (_, Some(97)) => Err(HostError::Failed(format!(
+                            "cannot join the memory cgroup {}",
+                            memory.display()
+                        ))),
+                        _ => Err(HostError::Failed(format!(
+                            "the overrun process ended with {status}"
+                        ))),
+                    };
+                }
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(POLL / 5),
+                Ok(None) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Ok(Overrun::TimedOut);
+                }
+                Err(e) => return Err(HostError::Failed(format!("waiting for dd: {e}"))),
+            }
+        }
+    }
+
+    fn overrun_cpu(
+        &self,
+        name: &str,
+        workers: u32,
+        wall: Duration,
+    ) -> Result<CpuOverrun, HostError> {
+        let handle = self
+            .cgroups()?
+            .handle(name)
+            .map_err(|e| HostError::Failed(e.to_string()))?;
+        let cpu = match &handle {
+            crate::jail::CgroupHandle::V1 { cpu, .. } => cpu.clone(),
+            crate::jail::CgroupHandle::V2 { path } => path.clone(),
+        };
+        if !cpu.exists() {
+            return Err(HostError::Failed(format!("{name} has no CPU cgroup")));
+        }
+        let outside_cpus = busy_cpus(None, workers, wall)?;
+        let inside_cpus = busy_cpus(Some(&cpu), workers, wall)?;
+        Ok(CpuOverrun {
+            workers,
+            outside_cpus,
+            inside_cpus,
+        })
+    }
+
+    fn serving(&self, name: &str) -> Result<serde_json::Value, HostError> {
+        let run = self.tenant_dir(name).join(crate::backend::runner::RUN_DIR);
+        let endpoint = [
+            AgentEndpoint::vsock(run.join(crate::backend::vmm::VSOCK_SOCK)),
+            AgentEndpoint::Serial(run.join(crate::backend::qemu::AGENT_SOCK)),
+        ]
+        .into_iter()
+        .find(|e| e.path().exists())
+        .ok_or_else(|| {
+            HostError::Unsupported(format!("{name}: no agent socket under {}", run.display()))
+        })?;
+        let uid = self.tenant(name)?.and_then(|t| t.uid);
+        let agent_err = |e: tenantvm_agent_protocol::AgentClientError| {
+            HostError::Failed(format!(
+                "{name}: agent: {}",
+                crate::untrusted::one_line(&e.to_string())
+            ))
+        };
+        let mut agent = match uid {
+            Some(uid) => AgentClient::connect_checked(&endpoint, uid, AGENT_TIMEOUT),
+            None => AgentClient::connect(&endpoint, AGENT_TIMEOUT),
+        }
+        .map_err(agent_err)?;
+        let answer = agent
+            .infer(
+                HttpRequest {
+                    method: "GET".into(),
+                    path: "/v1/tenantvm/serving".into(),
+                    headers: Vec::new(),
+                    body: String::new(),
+                },
+                AGENT_TIMEOUT,
+            )
+            .map_err(agent_err)?;
+        if answer.status != 200 {
+            return Err(HostError::Failed(format!(
+                "{name}: its payload answered {} to GET /v1/tenantvm/serving",
+                answer.status
+            )));
+        }
+        serde_json::from_str(&answer.body)
+            .map_err(|e| HostError::Failed(format!("{name}: serving configuration: {e}")))
+    }
+
+    fn complete(
+        &self,
+        name: &str,
+        token: &str,
+        prompt: &str,
+        max_tokens: u32,
+    ) -> Result<Duration, HostError> {
+        let client = self.as_tenant(token);
+        let body = serde_json::json!({
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        });
+        let started = Instant::now();
+        self.rt
+            .block_on(client.infer(name, &body))
+            .map_err(from_client)?;
+        Ok(started.elapsed())
+    }
+
+    fn gpus(&self) -> Result<Vec<GpuView>, HostError> {
+        let Some(arg) = &self.paths.gpu_backend else {
+            return Ok(Vec::new());
+        };
+        let unsupported =
+            |e: &dyn std::fmt::Display| HostError::Unsupported(format!("GPU backend {arg}: {e}"));
+        let spec: tenantvm_gpu::backend::BackendSpec = arg.parse().map_err(|e| unsupported(&e))?;
+        let backend = tenantvm_gpu::backend::open(&spec).map_err(|e| unsupported(&e))?;
+        let gpus = backend.gpus().map_err(|e| unsupported(&e))?;
+        Ok(gpus
+            .into_iter()
+            .map(|g| GpuView {
+                index: g.index.to_string(),
+                pci_address: g.pci_address.clone(),
+                // The same rule the planner and `host check` use to name the model.
+                model: tenantvm_gpu::mig::decide(&g.facts()).model,
+                name: g.name,
+            })
+            .collect())
+    }
+
+    fn disk_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+        let path = self
+            .tenant_dir(name)
+            .join(crate::tenant::steps::disk::IMAGE_FILE);
+        let mut f = match std::fs::File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_err(&path)(e)),
+        };
+        let mut buf = Vec::with_capacity(4096);
+        f.by_ref()
+            .take(4096)
+            .read_to_end(&mut buf)
+            .map_err(io_err(&path))?;
+        Ok(Some(buf))
+    }
+
+    fn wrapped_key(&self, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+        let path = self
+            .paths
+            .state_dir
+            .join("keys")
+            .join(format!("{name}.wrapped"));
+        match std::fs::read(&path) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(io_err(&path)(e)),
+        }
+    }
+
+    fn files_holding(&self, marker: &[u8]) -> Result<Vec<String>, HostError> {
+        let mut roots = vec![self.paths.state_dir.clone()];
+        roots.extend(self.paths.scan_extra.iter().cloned());
+        let mut found = Vec::new();
+        for root in roots {
+            scan(&root, marker, &mut found, &skip_real_disks)?;
+        }
+        Ok(found)
+    }
+
+    fn leftovers(&self, name: &str, uid: Option<u32>) -> Result<Vec<String>, HostError> {
+        let mut out = Vec::new();
+        let dir = self.tenant_dir(name);
+        if dir.exists() {
+            out.push(format!("its directory {}", dir.display()));
+        }
+        if let Some(key) = self.wrapped_key(name)? {
+            out.push(format!("its wrapped disk key ({} bytes)", key.len()));
+        }
+        if let Ok(cg) = self.cgroups() {
+            if let Ok(handle) = cg.handle(name) {
+                for d in handle.dirs() {
+                    if d.exists() {
+                        out.push(format!("its cgroup {}", d.display()));
+                    }
+                }
+            }
+        }
+        if let Some(uid) = uid {
+            for pid in processes_of(uid) {
+                out.push(format!("process {pid} still runs as its uid {uid}"));
+            }
+        }
+        Ok(out)
+    }
+
+    fn receipts(&self, tenant: &str) -> Result<Vec<LogEntry>, HostError> {
+        Ok(self
+            .rt
+            .block_on(self.admin.receipts(Some(tenant)))
+            .map_err(from_client)?
+            .receipts
+            .into_iter()
+            .filter(|e| e.receipt.tenant == tenant)
+            .collect())
+    }
+
+    fn logs_with(&self, name: &str, token: &str, stream: LogStream) -> Result<String, HostError> {
+        let q = LogQuery {
+            stream,
+            tail: Some(100),
+            ..LogQuery::default()
+        };
+        let chunk = self
+            .rt
+            .block_on(self.as_tenant(token).logs(name, &q))
+            .map_err(from_client)?;
+        let mut text = chunk.text;
+        for e in chunk.events {
+            text.push_str(&e.message);
+            text.push('\n');
+        }
+        Ok(text)
+    }
+
+    fn receipts_with(&self, tenant: &str, token: &str) -> Result<usize, HostError> {
+        Ok(self
+            .rt
+            .block_on(self.as_tenant(token).receipts(Some(tenant)))
+            .map_err(from_client)?
+            .receipts
+            .iter()
+            .filter(|e| e.receipt.tenant == tenant)
+            .count())
+    }
+}
+
+/// Real tenants' disk images are not read by the marker scan: the marker goes to probes
+/// only, a real disk can be hundreds of GiB, and what is on it is that tenant's (encrypted)
+/// data, which the verifier does not touch.
+fn skip_real_disks(path: &Path) -> bool {
+    path.file_name()
+        .is_some_and(|n| n == crate::tenant::steps::disk::IMAGE_FILE)
+        && path
+            .parent()
+            .and_then(Path::file_name)
+            .and_then(|n| n.to_str())
+            .is_some_and(|t| !super::probe::looks_like_probe(t))
+}
+
+/// Appends to `found` every regular file under `path` (not following symbolic links, and
+/// leaving out those `skip` names) that holds `marker`.
+pub fn scan(
+    path: &Path,
+    marker: &[u8],
+    found: &mut Vec<String>,
+    skip: &dyn Fn(&Path) -> bool,
+) -> Result<(), HostError> {
+    if skip(path) {
+        return Ok(());
+    }
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io_err(path)(e)),
+    };
+    if meta.is_dir() {
+        let entries = std::fs::read_dir(path).map_err(io_err(path))?;
+        for entry in entries {
+            let entry = entry.map_err(io_err(path))?;
+            scan(&entry.path(), marker, found, skip)?;
+        }
+    } else if meta.is_file() && meta.len() <= SCAN_MAX_FILE && file_holds(path, marker)? {
+        found.push(path.display().to_string());
+    }
+    Ok(())
+}
+
+/// Whether the file holds `marker`, read in chunks that overlap by the marker's length.
+fn file_holds(path: &Path, marker: &[u8]) -> Result<bool, HostError> {
+    if marker.is_empty() {
+        return Ok(false);
+    }
+    let mut f = match std::fs::File::open(path) {
+        Ok(f) => f,
+        // Sockets, files removed meanwhile.
+        Err(_) => return Ok(false),
+    };
+    let mut buf = vec![0u8; 1 << 20];
+    let mut carry: Vec<u8> = Vec::new();
+    loop {
+        let n = f.read(&mut buf).map_err(io_err(path))?;
+        if n == 0 {
+            return Ok(false);
+        }
+        carry.extend_from_slice(&buf[..n]);
+        if carry.windows(marker.len()).any(|w| w == marker) {
+            return Ok(true);
+        }
+        let keep = marker.len().saturating_sub(1).min(carry.len());
+        carry.drain(..carry.len() - keep);
+    }
+}
+
+/// Runs `workers` busy shells (in the cgroup `dir` when given) for `wall`; returns the CPU
+/// seconds they took per second. Each shell joins the cgroup itself before it spins.
+fn busy_cpus(dir: Option<&Path>, workers: u32, wall: Duration) -> Result<f64, HostError> {
+    let script =
+        r#"if [ -n "$1" ]; then echo $$ > "$1/cgroup.procs" || exit 97; fi; while :; do :; done"#;
+    let mut children = Vec::new();
+    for _ in 0..workers {
+        let child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .arg("tenantvm-verify-busy")
+            .arg(dir.map(|d| d.as_os_str().to_owned()).unwrap_or_default())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| HostError::Failed(format!("cannot run sh: {e}")));
+        match child {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                for mut c in children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(e);
+            }
+        }
+    }
+    std::thread::sleep(wall);
+    // SAFETY: sysconf only reads a configuration value.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let mut seconds = 0.0;
+    let mut failed = None;
+    for c in &mut children {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", c.id())).unwrap_or_default();
+        // Fields after the command name (which is in parentheses): state is the first;
+        // utime and stime are the 12th and 13th.
+        let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+        let f: Vec<&str> = after.split_whitespace().collect();
+        let used = f
+            .get(11)
+            .zip(f.get(12))
+            .and_then(|(u, s)| Some(u.parse::<f64>().ok()? + s.parse::<f64>().ok()?));
+        match used {
+            Some(t) => seconds += t / ticks,
+            None => failed = Some(c.id()),
+        }
+    }
+    for mut c in children {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    if let Some(pid) = failed {
+        return Err(HostError::Failed(format!(
+            "busy process {pid} ended early (could it join the cgroup?)"
+        )));
+    }
+    Ok(seconds / wall.as_secs_f64())
+}
+
+/// Pids whose real uid is `uid`.
+fn processes_of(uid: u32) -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .ok()
+                .and_then(|s| {
+                    s.lines()
+                        .find(|l| l.starts_with("Uid:"))
+                        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u32>().ok())
+                })
+                == Some(uid)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scan_finds_a_marker_across_chunk_edges_and_skips_links() {
+        let dir = tempfile::tempdir().unwrap();
+        let marker = b"tvm-verify-test-marker-0123";
+        let mut big = vec![b'x'; (1 << 20) - 10];
+        big.extend_from_slice(marker);
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        std::fs::write(dir.path().join("sub/big.log"), &big).unwrap();
+        std::fs::write(dir.path().join("clean"), b"nothing here").unwrap();
+        std::os::unix::fs::symlink(dir.path().join("sub/big.log"), dir.path().join("link"))
+            .unwrap();
+        let mut found = Vec::new();
+        scan(dir.path(), marker, &mut found, &skip_real_disks).unwrap();
+        assert_eq!(
+            found,
+            vec![dir.path().join("sub/big.log").display().to_string()]
+        );
+        let mut none = Vec::new();
+        scan(dir.path(), b"absent-marker", &mut none, &skip_real_disks).unwrap();
+        assert!(none.is_empty());
+        // A probe's disk is read; a real tenant's is not.
+        for t in ["alice", "tvm-verify-0badc0de-rest0"] {
+            std::fs::create_dir(dir.path().join(t)).unwrap();
+            std::fs::write(dir.path().join(t).join("disk.img"), marker).unwrap();
+        }
+        let mut disks = Vec::new();
+        scan(dir.path(), marker, &mut disks, &skip_real_disks).unwrap();
+        assert!(
+            disks
+                .iter()
+                .any(|p| p.ends_with("tvm-verify-0badc0de-rest0/disk.img")),
+            "{disks:?}"
+        );
+        assert!(!disks.iter().any(|p| p.contains("alice")), "{disks:?}");
+    }
+}

@@ -1,0 +1,241 @@
+//! [`LiveHost`] against a daemon: the real API router served on a Unix socket over the
+//! service's fake host (tenant/test_utils.rs), a real state directory with LUKS2 disks,
+//! wrapped keys and the signed audit log, and a fake cgroup v2 tree. What is live here is
+//! the verifier's whole path: API calls and waits, tenant-token reads, probe ledger and
+//! sweep, cgroup and file reads, the departure check end to end.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::live::{LiveHost, LivePaths};
+use super::probe::Probes;
+use super::*;
+use crate::api::types::LogStream;
+use crate::tenant::fault::FaultHook;
+use crate::tenant::test_utils::Harness;
+
+struct Daemon {
+    h: Harness,
+    rt: tokio::runtime::Runtime,
+    admin: String,
+    socket: PathBuf,
+    cgroups: tempfile::TempDir,
+}
+
+impl Daemon {
+    fn start(fault: FaultHook) -> Daemon {
+        let h = Harness::new(fault);
+        let path = crate::auth::ensure_admin_token(h.svc.store(), h.dir.path())
+            .unwrap()
+            .unwrap();
+        let admin = std::fs::read_to_string(path).unwrap().trim().to_string();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let socket = h.dir.path().join("api.sock");
+        let app = crate::api::router(h.svc.clone());
+        let listener = rt.block_on(async { tokio::net::UnixListener::bind(&socket).unwrap() });
+        rt.spawn(async move { axum::serve(listener, app).await });
+        let cgroups = tempfile::tempdir().unwrap();
+        std::fs::write(
+            cgroups.path().join("cgroup.controllers"),
+            "cpu memory pids\n",
+        )
+        .unwrap();
+        Daemon {
+            h,
+            rt,
+            admin,
+            socket,
+            cgroups,
+        }
+    }
+
+    fn state_dir(&self) -> PathBuf {
+        self.h.dir.path().join("state")
+    }
+
+    fn host(&self) -> LiveHost {
+        LiveHost::new(
+            &self.admin,
+            self.rt.handle().clone(),
+            LivePaths {
+                socket: self.socket.clone(),
+                state_dir: self.state_dir(),
+                cgroup_root: self.cgroups.path().to_path_buf(),
+                gpu_backend: None,
+                scan_extra: Vec::new(),
+            },
+        )
+    }
+
+    /// Writes a v2 cgroup for `tenant` in the daemon's subtree, as the jail would.
+    fn write_cgroup(&self, tenant: &str, memory_max: &str, cpu_max: &str) {
+        let sub = crate::jail::cgroup::daemon_subtree(&self.state_dir()).unwrap();
+        let dir = self.cgroups.path().join(sub).join(tenant);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("memory.max"), memory_max).unwrap();
+        std::fs::write(dir.join("cpu.max"), cpu_max).unwrap();
+        std::fs::write(dir.join("pids.max"), "256").unwrap();
+    }
+}
+
+fn probes<'h>(host: &'h LiveHost, run: &str, ledger: Option<&Path>) -> Probes<'h> {
+    probes_waiting(host, run, ledger, Duration::from_secs(20))
+}
+
+fn probes_waiting<'h>(
+    host: &'h LiveHost,
+    run: &str,
+    ledger: Option<&Path>,
+    wait: Duration,
+) -> Probes<'h> {
+    Probes::new(
+        host,
+        run,
+        Some("hello".into()),
+        64,
+        ledger.map(Path::to_path_buf),
+        wait,
+    )
+}
+
+#[test]
+fn probes_are_created_through_the_api_and_tenant_tokens_are_held_apart() {
+    let d = Daemon::start(FaultHook::default());
+    let host = d.host();
+    assert!(!host.daemon().unwrap().is_empty());
+    let p = probes(&host, "aaaa0001", None);
+    let a = p.create("a", |_| {}).unwrap();
+    let b = p.create("b", |_| {}).unwrap();
+    assert_eq!(
+        host.tenant(&a.name).unwrap().unwrap().state,
+        crate::domain::lifecycle::LifecycleState::Running
+    );
+    for stream in [LogStream::Serial, LogStream::Vmm, LogStream::Events] {
+        host.logs_with(&a.name, &a.token, stream).unwrap();
+        let refused = host.logs_with(&a.name, &b.token, stream).unwrap_err();
+        assert!(matches!(refused.status(), Some(403 | 404)), "{refused}");
+    }
+    let refused = host.receipts_with(&a.name, &b.token).unwrap_err();
+    assert!(matches!(refused.status(), Some(403 | 404)), "{refused}");
+    assert_eq!(host.receipts_with(&a.name, &a.token).unwrap(), 0);
+    // cgroup limits are read from the kernel's files: none yet, then a v2 cgroup without a
+    // memory limit, which check 4 fails.
+    assert!(host.cgroup_limits(&a.name).unwrap().is_none());
+    d.write_cgroup(&a.name, "max", "max 100000");
+    let l = host.cgroup_limits(&a.name).unwrap().unwrap();
+    assert_eq!((l.memory_bytes, l.cpu_quota_us), (u64::MAX, u64::MAX));
+    let mut o = Outcome::new(Verdict::Pass);
+    memory::judge_memory_limit(&mut o, &a.name, 64, Some(l.memory_bytes), 512);
+    assert_eq!(o.verdict, Verdict::Fail);
+    d.write_cgroup(&b.name, &((128u64 << 20).to_string()), "100000 100000");
+    let l = host.cgroup_limits(&b.name).unwrap().unwrap();
+    assert_eq!((l.memory_bytes, l.cpu_quota_us), (128 << 20, 100_000));
+    drop(a);
+    drop(b);
+    assert!(p.release_all().is_empty());
+    assert!(host.tenants().unwrap().is_empty());
+}
+
+#[test]
+fn the_sweep_destroys_a_killed_runs_probes_through_the_api() {
+    let d = Daemon::start(FaultHook::default());
+    let host = d.host();
+    let ledger = d.h.dir.path().join("verify/probes");
+    {
+        let p = probes(&host, "aaaa0002", Some(&ledger));
+        std::mem::forget(p.create("a", |_| {}).unwrap());
+    }
+    assert_eq!(host.tenants().unwrap().len(), 1);
+    let lines = probes(&host, "aaaa0003", Some(&ledger)).sweep().unwrap();
+    assert!(lines[0].contains("destroyed"), "{lines:?}");
+    assert!(host.tenants().unwrap().is_empty());
+}
+
+#[test]
+fn the_departure_check_passes_on_a_daemon_that_shreds_and_fails_when_shred_never_runs() {
+    let d = Daemon::start(FaultHook::default());
+    let host = d.host();
+    let p = probes(&host, "aaaa0004", None);
+    let cfg = VerifyConfig {
+        probe_image: Some("hello".into()),
+        ..VerifyConfig::default()
+    };
+    let r = run_checks(&host, &p, &cfg, 1, &[CheckId::Departure]).remove(0);
+    assert_eq!(r.outcome.verdict, Verdict::Pass, "{r:#?}");
+    assert!(r.outcome.value("receipt_steps").unwrap() >= 2.0);
+
+    // The test-only hook stops every departure before its crypto-shred step.
+    let d = Daemon::start(FaultHook::fail_at(
+        "destroy",
+        "crypto-shred",
+        crate::tenant::fault::Boundary::Before,
+    ));
+    let host = d.host();
+    // A destroy stopped by the hook is seen as a destroy that does not finish in time.
+    let p = probes_waiting(&host, "aaaa0005", None, Duration::from_secs(2));
+    let r = run_checks(&host, &p, &cfg, 1, &[CheckId::Departure]).remove(0);
+    assert_eq!(r.outcome.verdict, Verdict::Fail, "{r:#?}");
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("left behind: its wrapped disk key")),
+        "{r:#?}"
+    );
+}
+
+#[test]
+fn the_gpus_come_from_the_named_backend_with_the_planners_models() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hosts");
+    let host = |backend: Option<String>| {
+        LiveHost::new(
+            "unused",
+            rt.handle().clone(),
+            LivePaths {
+                socket: PathBuf::from("/nonexistent.sock"),
+                state_dir: PathBuf::from("/nonexistent"),
+                cgroup_root: PathBuf::from("/nonexistent"),
+                gpu_backend: backend,
+                scan_extra: Vec::new(),
+            },
+        )
+    };
+    assert!(host(None).gpus().unwrap().is_empty());
+    let mixed = host(Some(format!(
+        "sim:{}",
+        fixtures.join("sim-mixed.json").display()
+    )))
+    .gpus()
+    .unwrap();
+    let keys: Vec<(&str, &str, bool)> = mixed
+        .iter()
+        .map(|g| (g.index.as_str(), g.model.key, g.model.has_mig()))
+        .collect();
+    assert_eq!(
+        keys,
+        vec![
+            ("0", "a100-40gb", true),
+            ("1", "h200", true),
+            ("2", "rtx-pro-6000", true)
+        ]
+    );
+    let whole = host(Some(format!(
+        "sim:{}",
+        fixtures.join("sim-whole-only.json").display()
+    )))
+    .gpus()
+    .unwrap();
+    assert!(whole.iter().any(|g| !g.model.has_mig()), "{whole:?}");
+    let err = host(Some("sim:/nonexistent.json".into()))
+        .gpus()
+        .unwrap_err();
+    assert!(err.to_string().contains("GPU backend"), "{err}");
+}

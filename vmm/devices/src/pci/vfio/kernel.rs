@@ -1,0 +1,718 @@
+//! The kernel backend: a device bound to a VFIO driver, through the legacy VFIO
+//! container/group interface (`/dev/vfio/vfio`, `/dev/vfio/<group>`).
+//!
+//! The ioctls are issued here rather than through vfio-ioctls' `VfioContainer` and
+//! `VfioDevice`, for three things those do not give: the group file descriptors (a hot
+//! reset, VFIO_DEVICE_PCI_HOT_RESET, must present the fd of every affected group), checked
+//! return codes (vfio-ioctls ignores VFIO_DEVICE_RESET's, and its region read/write only
+//! logs failures), and the raw region-info capability chain, which goes through this
+//! crate's own bounded parser (`region_caps`). Struct layouts follow `<linux/vfio.h>`.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tenantvm_vmm_api::ResetOutcome;
+use vmm_sys_util::eventfd::EventFd;
+
+use super::backend::{
+    IrqIndex, IrqInfo, MmapSource, RegionInfo, VfioBackend, VfioBackendError, REGION_FLAG_READ,
+    REGION_FLAG_WRITE,
+};
+use super::region_caps::{parse_region_caps, RegionCapError, REGION_INFO_SIZE};
+use super::sysfs::{inspect, SysfsDevice, SysfsError};
+
+/// `_IO(VFIO_TYPE, VFIO_BASE + nr)`: VFIO's ioctls carry no size in their number.
+const fn vfio_io(nr: u32) -> libc::c_ulong {
+    ((b';' as u32) << 8 | (100 + nr)) as libc::c_ulong
+}
+const VFIO_GET_API_VERSION: libc::c_ulong = vfio_io(0);
+const VFIO_CHECK_EXTENSION: libc::c_ulong = vfio_io(1);
+const VFIO_SET_IOMMU: libc::c_ulong = vfio_io(2);
+const VFIO_GROUP_GET_STATUS: libc::c_ulong = vfio_io(3);
+const VFIO_GROUP_SET_CONTAINER: libc::c_ulong = vfio_io(4);
+const VFIO_GROUP_GET_DEVICE_FD: libc::c_ulong = vfio_io(6);
+const VFIO_DEVICE_GET_INFO: libc::c_ulong = vfio_io(7);
+const VFIO_DEVICE_GET_REGION_INFO: libc::c_ulong = vfio_io(8);
+const VFIO_DEVICE_GET_IRQ_INFO: libc::c_ulong = vfio_io(9);
+/// `VFIO_DEVICE_SET_IRQS` (the VMM's seccomp filters name it).
+pub const VFIO_DEVICE_SET_IRQS: libc::c_ulong = vfio_io(10);
+/// `VFIO_DEVICE_RESET` (the VMM's seccomp filters name it).
+pub const VFIO_DEVICE_RESET: libc::c_ulong = vfio_io(11);
+/// `VFIO_DEVICE_GET_PCI_HOT_RESET_INFO` (the VMM's seccomp filters name it).
+pub const VFIO_DEVICE_GET_PCI_HOT_RESET_INFO: libc::c_ulong = vfio_io(12);
+/// `VFIO_DEVICE_PCI_HOT_RESET` (the VMM's seccomp filters name it).
+pub const VFIO_DEVICE_PCI_HOT_RESET: libc::c_ulong = vfio_io(13);
+const VFIO_IOMMU_MAP_DMA: libc::c_ulong = vfio_io(13);
+const VFIO_IOMMU_UNMAP_DMA: libc::c_ulong = vfio_io(14);
+
+/// Every VFIO ioctl request number this backend issues (the VMM's seccomp filter allows
+/// exactly these on the device thread and vCPU threads). VFIO_IOMMU_MAP_DMA shares its
+/// number with VFIO_DEVICE_PCI_HOT_RESET (they go to different files).
+pub const VFIO_IOCTLS: [libc::c_ulong; 14] = [
+    VFIO_GET_API_VERSION,
+    VFIO_CHECK_EXTENSION,
+    VFIO_SET_IOMMU,
+    VFIO_GROUP_GET_STATUS,
+    VFIO_GROUP_SET_CONTAINER,
+    VFIO_GROUP_GET_DEVICE_FD,
+    VFIO_DEVICE_GET_INFO,
+    VFIO_DEVICE_GET_REGION_INFO,
+    VFIO_DEVICE_GET_IRQ_INFO,
+    VFIO_DEVICE_SET_IRQS,
+    VFIO_DEVICE_RESET,
+    VFIO_DEVICE_GET_PCI_HOT_RESET_INFO,
+    VFIO_DEVICE_PCI_HOT_RESET,
+    VFIO_IOMMU_UNMAP_DMA,
+];
+
+const VFIO_API_VERSION: i32 = 0;
+const VFIO_TYPE1V2_IOMMU: libc::c_ulong = 3;
+const VFIO_GROUP_FLAGS_VIABLE: u32 = 1;
+const VFIO_DEVICE_FLAGS_RESET: u32 = 1;
+const VFIO_DEVICE_FLAGS_PCI: u32 = 2;
+const VFIO_REGION_INFO_FLAG_CAPS: u32 = 1 << 3;
+const VFIO_IRQ_SET_DATA_NONE: u32 = 1 << 0;
+const VFIO_IRQ_SET_DATA_EVENTFD: u32 = 1 << 2;
+const VFIO_IRQ_SET_ACTION_UNMASK: u32 = 1 << 4;
+const VFIO_IRQ_SET_ACTION_TRIGGER: u32 = 1 << 5;
+const VFIO_DMA_MAP_FLAG_READ_WRITE: u32 = 0b11;
+/// Largest region info (with capabilities) accepted from the kernel.
+const MAX_REGION_INFO: u32 = 64 * 1024;
+/// Most devices a hot reset may report as affected.
+const MAX_HOT_RESET_DEVICES: u32 = 256;
+/// Regions a PCI device has (BARs 0-5, ROM, config, VGA).
+const PCI_REGIONS: u32 = 9;
+
+/// Why the kernel backend could not open or drive a device.
+#[derive(Debug, thiserror::Error)]
+pub enum VfioKernelError {
+    /// No VFIO container device.
+    #[error("{0} is missing: load vfio-pci (modprobe vfio-pci) and give the VMM /dev/vfio")]
+    NoVfio(PathBuf),
+    /// sysfs refuses the device.
+    #[error(transparent)]
+    Sysfs(#[from] SysfsError),
+    /// A device file could not be opened.
+    #[error("Cannot open {path}: {source}")]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The kernel speaks another VFIO API version.
+    #[error("The kernel's VFIO API version is {0}, this VMM speaks 0")]
+    ApiVersion(i32),
+    /// The kernel's VFIO offers no type1v2 IOMMU.
+    #[error("The kernel's VFIO has no type1v2 IOMMU (is the IOMMU on?)")]
+    NoType1,
+    /// The kernel says the group is not viable.
+    #[error(
+        "VFIO group {0} is not viable: every device in it must be bound to vfio-pci or unbound"
+    )]
+    GroupNotViable(u32),
+    /// The device is not a PCI device.
+    #[error("{0} is not a VFIO PCI device")]
+    NotPci(PathBuf),
+    /// A region's capability chain is malformed.
+    #[error("Region {index} of the device: {source}")]
+    RegionCaps {
+        /// Region index.
+        index: u32,
+        /// What is wrong.
+        #[source]
+        source: RegionCapError,
+    },
+    /// Mapping guest memory for DMA failed for lack of lockable memory.
+    #[error("Mapping {size:#x} bytes of guest RAM at {iova:#x} for DMA failed: out of locked memory; the VMM needs RLIMIT_MEMLOCK of at least the guest RAM size (ulimit -l, or the jail's memlock limit)")]
+    DmaMemlock {
+        /// IOVA (= guest physical address).
+        iova: u64,
+        /// Bytes.
+        size: u64,
+    },
+    /// Another ioctl failed.
+    #[error("{op} failed: {source}")]
+    Ioctl {
+        /// The ioctl.
+        op: &'static str,
+        /// What the kernel answered.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn ioctl_err(op: &'static str) -> VfioKernelError {
+    VfioKernelError::Ioctl {
+        op,
+        source: std::io::Error::last_os_error(),
+    }
+}
+
+/// A VFIO group file, kept open while a device of it is in use.
+#[derive(Debug)]
+pub struct VfioGroup {
+    id: u32,
+    file: File,
+}
+
+impl VfioGroup {
+    /// The group number.
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+    /// The group file (for the KVM VFIO pseudo-device).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+}
+
+/// A VFIO container: one IOMMU address space shared by every device of the VM, into which
+/// all guest RAM is mapped (IOVA = guest physical address).
+#[derive(Debug)]
+pub struct VfioContainer {
+    file: File,
+    dev_dir: PathBuf,
+    groups: Mutex<HashMap<u32, Arc<VfioGroup>>>,
+}
+
+fn open_rw(path: &Path) -> Result<File, VfioKernelError> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|source| VfioKernelError::Open {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+impl VfioContainer {
+    /// Opens `<dev_dir>/vfio` (normally `/dev/vfio/vfio`) and checks the API.
+    pub fn open(dev_dir: &Path) -> Result<Arc<Self>, VfioKernelError> {
+        let path = dev_dir.join("vfio");
+        if !path.exists() {
+            return Err(VfioKernelError::NoVfio(path));
+        }
+        let file = open_rw(&path)?;
+        // SAFETY: VFIO_GET_API_VERSION takes no argument and touches no memory.
+        let version = unsafe { libc::ioctl(file.as_raw_fd(), VFIO_GET_API_VERSION) };
+        if version != VFIO_API_VERSION {
+            return Err(VfioKernelError::ApiVersion(version));
+        }
+        // SAFETY: VFIO_CHECK_EXTENSION takes an integer argument and touches no memory.
+        let type1 =
+            unsafe { libc::ioctl(file.as_raw_fd(), VFIO_CHECK_EXTENSION, VFIO_TYPE1V2_IOMMU) };
+        if type1 != 1 {
+            return Err(VfioKernelError::NoType1);
+        }
+        Ok(Arc::new(Self {
+            file,
+            dev_dir: dev_dir.to_path_buf(),
+            groups: Mutex::default(),
+        }))
+    }
+
+    /// The groups attached so far.
+    pub fn groups(&self) -> Vec<Arc<VfioGroup>> {
+        self.groups
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    fn group(&self, id: u32) -> Result<Arc<VfioGroup>, VfioKernelError> {
+        let mut groups = self.groups.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(g) = groups.get(&id) {
+            return Ok(g.clone());
+        }
+        let file = open_rw(&self.dev_dir.join(id.to_string()))?;
+        let mut status = [8u32, 0];
+        // SAFETY: `status` is a `struct vfio_group_status` (argsz, flags) the kernel fills.
+        if unsafe { libc::ioctl(file.as_raw_fd(), VFIO_GROUP_GET_STATUS, status.as_mut_ptr()) } < 0
+        {
+            return Err(ioctl_err("VFIO_GROUP_GET_STATUS"));
+        }
+        if status[1] & VFIO_GROUP_FLAGS_VIABLE == 0 {
+            return Err(VfioKernelError::GroupNotViable(id));
+        }
+        let container = self.file.as_raw_fd();
+        // SAFETY: the argument points at a live int holding the container fd.
+        if unsafe { libc::ioctl(file.as_raw_fd(), VFIO_GROUP_SET_CONTAINER, &container) } < 0 {
+            return Err(ioctl_err("VFIO_GROUP_SET_CONTAINER"));
+        }
+        if groups.is_empty() {
+            // SAFETY: VFIO_SET_IOMMU takes an integer argument and touches no memory.
+            if unsafe { libc::ioctl(container, VFIO_SET_IOMMU, VFIO_TYPE1V2_IOMMU) } < 0 {
+                return Err(ioctl_err("VFIO_SET_IOMMU"));
+            }
+        }
+        let group = Arc::new(VfioGroup { id, file });
+        groups.insert(id, group.clone());
+        Ok(group)
+    }
+
+    /// Maps `size` bytes at host address `host_addr` for device DMA at `iova`.
+    ///
+    /// # Safety
+    ///
+    /// `[host_addr, host_addr + size)` must stay mapped until [`Self::unmap_dma`] (or the
+    /// container closes), and while it is mapped no Rust reference to that memory may
+    /// exist: devices read and write it at any time. Guest memory accessed only through
+    /// vm-memory's volatile accessors satisfies this.
+    pub unsafe fn map_dma(
+        &self,
+        iova: u64,
+        size: u64,
+        host_addr: u64,
+    ) -> Result<(), VfioKernelError> {
+        // struct vfio_iommu_type1_dma_map: argsz, flags, vaddr, iova, size.
+        let mut map = [0u64; 4];
+        map[0] = u64::from(32u32) | (u64::from(VFIO_DMA_MAP_FLAG_READ_WRITE) << 32);
+        map[1] = host_addr;
+        map[2] = iova;
+        map[3] = size;
+        // SAFETY: `map` is a valid vfio_iommu_type1_dma_map the kernel only reads; the
+        // caller guarantees the mapped range's lifetime and aliasing rules.
+        if unsafe { libc::ioctl(self.file.as_raw_fd(), VFIO_IOMMU_MAP_DMA, map.as_ptr()) } < 0 {
+            let source = std::io::Error::last_os_error();
+            if source.raw_os_error() == Some(libc::ENOMEM) {
+                return Err(VfioKernelError::DmaMemlock { iova, size });
+            }
+            return Err(VfioKernelError::Ioctl {
+                op: "VFIO_IOMMU_MAP_DMA",
+                source,
+            });
+        }
+        Ok(())
+    }
+
+    /// Removes the DMA mapping at `iova`.
+    pub fn unmap_dma(&self, iova: u64, size: u64) -> Result<(), VfioKernelError> {
+        // struct vfio_iommu_type1_dma_unmap: argsz, flags, iova, size.
+        let unmap = [u64::from(24u32), iova, size];
+        // SAFETY: `unmap` is a valid vfio_iommu_type1_dma_unmap (the kernel may write
+        // `size` back, within the buffer).
+        if unsafe { libc::ioctl(self.file.as_raw_fd(), VFIO_IOMMU_UNMAP_DMA, unmap.as_ptr()) } < 0 {
+            return Err(ioctl_err("VFIO_IOMMU_UNMAP_DMA"));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct Region {
+    info: RegionInfo,
+    offset: u64,
+}
+
+/// A device bound to a VFIO driver, opened through its group.
+#[derive(Debug)]
+pub struct KernelVfioDevice {
+    file: File,
+    group: Arc<VfioGroup>,
+    _container: Arc<VfioContainer>,
+    flags: u32,
+    regions: Vec<Option<Region>>,
+    irqs: [Option<IrqInfo>; 3],
+    sysfs: SysfsDevice,
+}
+
+fn region_info(file: &File, index: u32) -> Result<Option<Region>, VfioKernelError> {
+    let mut buf = vec![0u8; REGION_INFO_SIZE];
+    let mut argsz = REGION_INFO_SIZE as u32;
+    for _ in 0..2 {
+        buf.resize(argsz as usize, 0);
+        buf[0..4].copy_from_slice(&argsz.to_le_bytes());
+        buf[8..12].copy_from_slice(&index.to_le_bytes());
+        // SAFETY: `buf` is at least `argsz` bytes, a vfio_region_info followed by room
+        // for its capabilities; the kernel writes at most `argsz` bytes.
+        if unsafe {
+            libc::ioctl(
+                file.as_raw_fd(),
+                VFIO_DEVICE_GET_REGION_INFO,
+                buf.as_mut_ptr(),
+            )
+        } < 0
+        {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINVAL) {
+                return Ok(None);
+            }
+            return Err(VfioKernelError::Ioctl {
+                op: "VFIO_DEVICE_GET_REGION_INFO",
+                source: e,
+            });
+        }
+        let needed = u32::from_le_bytes(buf[0..4].try_into().unwrap_or_default());
+        if needed <= argsz || needed > MAX_REGION_INFO {
+            break;
+        }
+        argsz = needed;
+    }
+    let u32_at = |at: usize| u32::from_le_bytes(buf[at..at + 4].try_into().unwrap_or_default());
+    let u64_at = |at: usize| u64::from_le_bytes(buf[at..at + 8].try_into().unwrap_or_default());
+    let flags = u32_at(4);
+    let caps = if flags & VFIO_REGION_INFO_FLAG_CAPS != 0 {
+        parse_region_caps(&buf, u32_at(12))
+            .map_err(|source| VfioKernelError::RegionCaps { index, source })?
+    } else {
+        Vec::new()
+    };
+    Ok(Some(Region {
+        info: RegionInfo {
+            size: u64_at(16),
+            flags,
+            caps,
+        },
+        offset: u64_at(24),
+    }))
+}
+
+fn irq_info(file: &File, index: IrqIndex) -> Result<Option<IrqInfo>, VfioKernelError> {
+    let mut info = [16u32, 0, index.vfio_index(), 0];
+    // SAFETY: `info` is a struct vfio_irq_info (argsz, flags, index, count) the kernel fills.
+    if unsafe {
+        libc::ioctl(
+            file.as_raw_fd(),
+            VFIO_DEVICE_GET_IRQ_INFO,
+            info.as_mut_ptr(),
+        )
+    } < 0
+    {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EINVAL) {
+            return Ok(None);
+        }
+        return Err(VfioKernelError::Ioctl {
+            op: "VFIO_DEVICE_GET_IRQ_INFO",
+            source: e,
+        });
+    }
+    Ok((info[3] > 0).then_some(IrqInfo {
+        count: info[3],
+        flags: info[1],
+    }))
+}
+
+impl KernelVfioDevice {
+    /// Opens the device at sysfs `path` (checked with [`inspect`]) through its group in
+    /// `container`, and reads its regions and interrupts.
+    pub fn open(container: Arc<VfioContainer>, path: &Path) -> Result<Self, VfioKernelError> {
+        let sysfs = inspect(path)?;
+        let group = container.group(sysfs.group)?;
+        let name = CString::new(sysfs.name.as_bytes())
+            .map_err(|_| VfioKernelError::NotPci(path.to_path_buf()))?;
+        // SAFETY: `name` is a valid C string the kernel only reads.
+        let fd = unsafe {
+            libc::ioctl(
+                group.file.as_raw_fd(),
+                VFIO_GROUP_GET_DEVICE_FD,
+                name.as_ptr(),
+            )
+        };
+        if fd < 0 {
+            return Err(ioctl_err("VFIO_GROUP_GET_DEVICE_FD"));
+        }
+        // SAFETY: the kernel returned a new descriptor that nothing else owns.
+        let file = unsafe { File::from_raw_fd(fd) };
+        let mut info = [24u32, 0, 0, 0, 0, 0];
+        // SAFETY: `info` is a struct vfio_device_info the kernel fills.
+        if unsafe { libc::ioctl(fd, VFIO_DEVICE_GET_INFO, info.as_mut_ptr()) } < 0 {
+            return Err(ioctl_err("VFIO_DEVICE_GET_INFO"));
+        }
+        let flags = info[1];
+        if flags & VFIO_DEVICE_FLAGS_PCI == 0 {
+            return Err(VfioKernelError::NotPci(path.to_path_buf()));
+        }
+        let regions = (0..info[2].min(PCI_REGIONS))
+            .map(|i| region_info(&file, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let irqs = [
+            irq_info(&file, IrqIndex::Intx)?,
+            irq_info(&file, IrqIndex::Msi)?,
+            irq_info(&file, IrqIndex::Msix)?,
+        ];
+        Ok(Self {
+            file,
+            group,
+            _container: container,
+            flags,
+            regions,
+            irqs,
+            sysfs,
+        })
+    }
+
+    /// The device's group.
+    pub fn group(&self) -> &Arc<VfioGroup> {
+        &self.group
+    }
+
+    /// What sysfs said about the device.
+    pub fn sysfs(&self) -> &SysfsDevice {
+        &self.sysfs
+    }
+
+    fn region(&self, index: u32) -> Result<&Region, VfioBackendError> {
+        self.regions
+            .get(index as usize)
+            .and_then(Option::as_ref)
+            .ok_or(VfioBackendError::NoRegion(index))
+    }
+
+    fn checked(
+        &self,
+        index: u32,
+        offset: u64,
+        len: usize,
+        flag: u32,
+    ) -> Result<u64, VfioBackendError> {
+        let region = self.region(index)?;
+        let end = offset.checked_add(len as u64);
+        if region.info.flags & flag == 0 || end.is_none_or(|e| e > region.info.size) {
+            return Err(VfioBackendError::Access { index, offset, len });
+        }
+        Ok(region.offset + offset)
+    }
+
+    fn set_irqs(
+        &self,
+        index: IrqIndex,
+        flags: u32,
+        fds: &[i32],
+        count: u32,
+    ) -> std::io::Result<()> {
+        // struct vfio_irq_set: argsz, flags, index, start, count, then the data.
+        let mut buf = Vec::with_capacity(20 + fds.len() * 4);
+        let argsz = (20 + fds.len() * 4) as u32;
+        for v in [argsz, flags, index.vfio_index(), 0, count] {
+            buf.extend_from_slice(&v.to_le_bytes());
+        }
+        for fd in fds {
+            buf.extend_from_slice(&fd.to_le_bytes());
+        }
+        // SAFETY: `buf` is a complete vfio_irq_set of `argsz` bytes the kernel only reads.
+        if unsafe { libc::ioctl(self.file.as_raw_fd(), VFIO_DEVICE_SET_IRQS, buf.as_ptr()) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// A secondary bus reset of the device's slot or bus: allowed only when every device
+    /// it affects is in this device's group (the only group fd the VMM can present).
+    fn hot_reset(&self) -> Result<(), String> {
+        let fd = self.file.as_raw_fd();
+        // struct vfio_pci_hot_reset_info: argsz, flags, count, then 8-byte entries.
+        let mut head = [12u32, 0, 0];
+        // SAFETY: `head` is a vfio_pci_hot_reset_info with no room for entries; the kernel
+        // writes `count` and fails with ENOSPC.
+        let ret = unsafe { libc::ioctl(fd, VFIO_DEVICE_GET_PCI_HOT_RESET_INFO, head.as_mut_ptr()) };
+        let e = std::io::Error::last_os_error();
+        if ret < 0 && e.raw_os_error() != Some(libc::ENOSPC) {
+            return Err(format!("no bus reset possible: {e}"));
+        }
+        let count = head[2].min(MAX_HOT_RESET_DEVICES);
+        let mut info = vec![0u32; 3 + 2 * count as usize];
+        info[0] = 12 + 8 * count;
+        // SAFETY: `info` holds the header and `count` entries, `argsz` bytes in all.
+        if unsafe { libc::ioctl(fd, VFIO_DEVICE_GET_PCI_HOT_RESET_INFO, info.as_mut_ptr()) } < 0 {
+            return Err(format!(
+                "VFIO_DEVICE_GET_PCI_HOT_RESET_INFO: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        let affected = info[2].min(count) as usize;
+        if let Some(other) = (0..affected)
+            .map(|i| info[3 + 2 * i])
+            .find(|&g| g != self.group.id)
+        {
+            return Err(format!(
+                "a bus reset would also reset IOMMU group {other}, which this VM does not own"
+            ));
+        }
+        let group_fd = self.group.file.as_raw_fd();
+        // struct vfio_pci_hot_reset: argsz, flags, count, then the group fds.
+        let reset = [16u32, 0, 1, group_fd as u32];
+        // SAFETY: `reset` is a complete vfio_pci_hot_reset with one group fd.
+        if unsafe { libc::ioctl(fd, VFIO_DEVICE_PCI_HOT_RESET, reset.as_ptr()) } < 0 {
+            return Err(format!(
+                "VFIO_DEVICE_PCI_HOT_RESET: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl VfioBackend for KernelVfioDevice {
+    fn region_info(&self, index: u32) -> Option<RegionInfo> {
+        self.region(index).ok().map(|r| r.info.clone())
+    }
+
+    fn region_read(
+        &self,
+        index: u32,
+        offset: u64,
+        data: &mut [u8],
+    ) -> Result<(), VfioBackendError> {
+        let at = self.checked(index, offset, data.len(), REGION_FLAG_READ)?;
+        self.file
+            .read_exact_at(data, at)
+            .map_err(|source| VfioBackendError::Os {
+                op: "VFIO region read",
+                source,
+            })
+    }
+
+    fn region_write(&self, index: u32, offset: u64, data: &[u8]) -> Result<(), VfioBackendError> {
+        let at = self.checked(index, offset, data.len(), REGION_FLAG_WRITE)?;
+        self.file
+            .write_all_at(data, at)
+            .map_err(|source| VfioBackendError::Os {
+                op: "VFIO region write",
+                source,
+            })
+    }
+
+    fn region_mmap(&self, index: u32) -> Option<MmapSource<'_>> {
+        let region = self.region(index).ok()?;
+        region.info.mmappable().then(|| MmapSource {
+            fd: self.file.as_fd(),
+            offset: region.offset,
+        })
+    }
+
+    fn irq_info(&self, index: IrqIndex) -> Option<IrqInfo> {
+        self.irqs[index.vfio_index() as usize]
+    }
+
+    fn irq_enable(&self, index: IrqIndex, fds: &[&EventFd]) -> Result<(), VfioBackendError> {
+        let offered = self.irq_info(index).map_or(0, |i| i.count);
+        if fds.is_empty() || fds.len() > offered as usize {
+            return Err(VfioBackendError::Irq {
+                index,
+                asked: fds.len(),
+                offered,
+            });
+        }
+        let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
+        self.set_irqs(
+            index,
+            VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
+            &raw,
+            raw.len() as u32,
+        )
+        .map_err(|source| VfioBackendError::Os {
+            op: "VFIO_DEVICE_SET_IRQS (enable)",
+            source,
+        })
+    }
+
+    fn irq_disable(&self, index: IrqIndex) -> Result<(), VfioBackendError> {
+        self.set_irqs(
+            index,
+            VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
+            &[],
+            0,
+        )
+        .map_err(|source| VfioBackendError::Os {
+            op: "VFIO_DEVICE_SET_IRQS (disable)",
+            source,
+        })
+    }
+
+    fn irq_unmask(&self, index: IrqIndex) -> Result<(), VfioBackendError> {
+        self.set_irqs(
+            index,
+            VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_UNMASK,
+            &[],
+            1,
+        )
+        .map_err(|source| VfioBackendError::Os {
+            op: "VFIO_DEVICE_SET_IRQS (unmask)",
+            source,
+        })
+    }
+
+    fn irq_unmask_on(&self, index: IrqIndex, fd: &EventFd) -> Result<(), VfioBackendError> {
+        self.set_irqs(
+            index,
+            VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_UNMASK,
+            &[fd.as_raw_fd()],
+            1,
+        )
+        .map_err(|source| VfioBackendError::Os {
+            op: "VFIO_DEVICE_SET_IRQS (unmask eventfd)",
+            source,
+        })
+    }
+
+    fn reset(&self) -> ResetOutcome {
+        let mut errors = Vec::new();
+        if self.flags & VFIO_DEVICE_FLAGS_RESET != 0 {
+            // SAFETY: VFIO_DEVICE_RESET takes no argument.
+            if unsafe { libc::ioctl(self.file.as_raw_fd(), VFIO_DEVICE_RESET) } == 0 {
+                return ResetOutcome::Reset {
+                    method: self.sysfs.reset_methods.first().cloned(),
+                };
+            }
+            errors.push(format!(
+                "VFIO_DEVICE_RESET: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        match self.hot_reset() {
+            Ok(()) => ResetOutcome::HotReset,
+            Err(e) if errors.is_empty() && e.starts_with("no bus reset possible") => {
+                ResetOutcome::Unsupported
+            }
+            Err(e) => {
+                errors.push(e);
+                ResetOutcome::Failed {
+                    error: errors.join("; "),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ioctl_numbers_match_linux_vfio_h() {
+        // _IO(';', 100) .. from <linux/vfio.h>
+        assert_eq!(VFIO_GET_API_VERSION, 0x3b64);
+        assert_eq!(VFIO_DEVICE_SET_IRQS, 0x3b6e);
+        assert_eq!(VFIO_DEVICE_RESET, 0x3b6f);
+        assert_eq!(VFIO_DEVICE_PCI_HOT_RESET, 0x3b71);
+        assert_eq!(VFIO_IOMMU_MAP_DMA, 0x3b71);
+    }
+
+    #[test]
+    fn missing_dev_vfio_names_the_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = VfioContainer::open(dir.path()).unwrap_err();
+        assert!(matches!(err, VfioKernelError::NoVfio(_)));
+        assert!(err.to_string().contains("modprobe vfio-pci"), "{err}");
+    }
+
+    #[test]
+    fn dma_memlock_error_names_rlimit_memlock() {
+        let err = VfioKernelError::DmaMemlock {
+            iova: 0,
+            size: 1 << 30,
+        };
+        assert!(err.to_string().contains("RLIMIT_MEMLOCK"));
+    }
+}

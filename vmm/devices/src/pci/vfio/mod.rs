@@ -1,0 +1,50 @@
+//! VFIO passthrough of a PCI function (a whole GPU, an SR-IOV virtual function, any PCI
+//! device bound to a VFIO driver).
+//!
+//! One concern per file:
+//! - `backend`: the [`VfioBackend`] trait between this logic and a device;
+//! - `model`: a software model GPU behind that trait, for tests (a fake, named so);
+//! - `capability`: walking a device's PCI capability lists (loop-guarded);
+//! - `region_caps`: parsing VFIO region capability chains (sparse mmap areas);
+//! - `areas`: which parts of a BAR are mmapped and which stay trapped;
+//! - `mapping`: one aligned mmap of a BAR area;
+//! - `shadow`: the configuration space the guest sees;
+//! - `device`: the [`VfioPciDevice`] on the PCI root;
+//! - `sysfs`: what sysfs says (driver, IOMMU group, group viability);
+//! - `kernel`: the kernel backend (VFIO container/group ioctls).
+//!
+//! The device is hostile input too: everything read from it (capability chains, region
+//! capabilities, sparse areas, BAR sizes) is checked before use.
+
+mod areas;
+mod backend;
+mod capability;
+mod device;
+mod kernel;
+mod mapping;
+pub mod model;
+mod region_caps;
+mod shadow;
+mod sysfs;
+
+pub use areas::{mmap_areas, AreaError, PAGE_SIZE};
+pub use backend::{
+    region_index, IrqIndex, IrqInfo, MmapSource, RegionInfo, VfioBackend, VfioBackendError,
+    REGION_FLAG_MMAP, REGION_FLAG_READ, REGION_FLAG_WRITE,
+};
+pub use capability::{ext_id, walk_caps, walk_ext_caps, ExtCap, PciCap, EXT_CAP_START};
+pub use device::{irq_vectors, PlannedArea, VfioDeviceError, VfioMetrics, VfioPciDevice};
+pub use kernel::{
+    KernelVfioDevice, VfioContainer, VfioGroup, VfioKernelError,
+    VFIO_DEVICE_GET_PCI_HOT_RESET_INFO, VFIO_DEVICE_PCI_HOT_RESET, VFIO_DEVICE_RESET,
+    VFIO_DEVICE_SET_IRQS, VFIO_IOCTLS,
+};
+pub use mapping::{MappedArea, MappingError};
+pub use region_caps::{
+    encode_region_caps, parse_region_caps, RegionCap, RegionCapError, SparseArea, REGION_INFO_SIZE,
+};
+pub use shadow::{
+    probe, ConfigShadow, DeviceProbe, HiddenCap, IrqChange, MsixLayout, ProbedBar, ShadowError,
+    ShadowWrite,
+};
+pub use sysfs::{inspect, is_vfio_driver, SysfsDevice, SysfsError};
