@@ -183,7 +183,7 @@ fn vmm_exit_report_is_written_in_the_jail_and_read_back_after_the_stop() {
     let spec = spec(&tmp, "vreport", HELLO_SPIN);
     let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let backend = backend();
-    let vm = backend.launch(&spec, &jail(12)).unwrap();
+    let vm = backend.launch(&spec, &jail(16)).unwrap();
     // Only an ended VMM's report counts.
     assert_eq!(backend.exit_report(&vm).unwrap(), None);
     assert_eq!(
