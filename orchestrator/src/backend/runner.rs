@@ -546,11 +546,44 @@ pub fn base_plan(
     }
     for device in &spec.devices {
         // The VMM finds the device (its IOMMU group, its vfio-dev) through its sysfs
-        // directory: read-only, at the path the VMM's config names.
+        // directory: read-only, at the path the VMM's config names; and its IOMMU group's
+        // directory where the device's relative `iommu_group` link leads from there (the VMM
+        // lists the group's members).
         let path = device.sysfs_path();
         plan.bind(&path, &path, false)?;
+        if let Some((group, target)) = group_mount(&path, &path) {
+            plan.bind(&group, &target, false)?;
+        }
     }
     Ok(plan)
+}
+
+/// Where the `iommu_group` link of the device directory `host_dir` leads when that
+/// directory is mounted at `jail_dir`: (the group's host directory, its path in the jail).
+/// sysfs links are relative and a device's canonical directory sits deeper or shallower
+/// than `/sys/bus/pci/devices/<address>`, so the group is mounted where the link resolves
+/// from the jail path. None when the link is missing or leads nowhere usable.
+pub fn group_mount(host_dir: &Path, jail_dir: &Path) -> Option<(PathBuf, PathBuf)> {
+    let link = host_dir.join("iommu_group");
+    let rel = fs::read_link(&link).ok()?;
+    let host_group = link.canonicalize().ok()?;
+    let mut target = jail_dir.to_path_buf();
+    for part in rel.components() {
+        match part {
+            std::path::Component::ParentDir => {
+                if !target.pop() {
+                    return None;
+                }
+            }
+            std::path::Component::Normal(name) => target.push(name),
+            std::path::Component::CurDir => {}
+            // An absolute link: the group is mounted at that path.
+            std::path::Component::RootDir | std::path::Component::Prefix(_) => {
+                target = PathBuf::from("/");
+            }
+        }
+    }
+    (target != Path::new("/")).then_some((host_group, target))
 }
 
 /// RLIMIT_MEMLOCK of the VMM: with passthrough devices, guest RAM plus
@@ -894,5 +927,41 @@ mod tests {
             err.contains("/dev/vfio/4095") && err.contains("vfio-pci"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn the_group_is_mounted_where_the_devices_relative_link_leads_in_the_jail() {
+        // A sysfs-like tree: the device three levels below /sys/devices (behind a bridge),
+        // its group under /sys/kernel/iommu_groups, linked relatively as the kernel does.
+        let tmp = tempfile::tempdir().unwrap();
+        let sys = tmp.path().join("sys");
+        let dev = sys.join("devices/pci0000:00/0000:00:01.0/0000:01:00.0");
+        let group = sys.join("kernel/iommu_groups/17");
+        fs::create_dir_all(&dev).unwrap();
+        fs::create_dir_all(group.join("devices")).unwrap();
+        std::os::unix::fs::symlink(
+            "../../../../kernel/iommu_groups/17",
+            dev.join("iommu_group"),
+        )
+        .unwrap();
+        let jail = Path::new("/sys/bus/pci/devices/0000:01:00.0");
+        let (host, target) = group_mount(&dev, jail).unwrap();
+        assert_eq!(host, group.canonicalize().unwrap());
+        // From /sys/bus/pci/devices/0000:01:00.0, four levels up is /sys.
+        assert_eq!(target, Path::new("/sys/kernel/iommu_groups/17"));
+        // A device on the root bus links one level less far: it resolves elsewhere in the
+        // jail, and that is where its group goes.
+        let shallow = sys.join("devices/pci0000:00/0000:00:04.0");
+        fs::create_dir_all(&shallow).unwrap();
+        std::os::unix::fs::symlink(
+            "../../../kernel/iommu_groups/17",
+            shallow.join("iommu_group"),
+        )
+        .unwrap();
+        let (_, target) =
+            group_mount(&shallow, Path::new("/sys/bus/pci/devices/0000:00:04.0")).unwrap();
+        assert_eq!(target, Path::new("/sys/bus/kernel/iommu_groups/17"));
+        // No link: nothing to mount.
+        assert!(group_mount(&group, jail).is_none());
     }
 }
