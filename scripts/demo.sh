@@ -4,7 +4,9 @@
 # shows list, status and logs, destroys one, shows what is left, then runs a Linux guest
 # tenant (guest image, encrypted disk, inference) under QEMU software emulation through
 # create, infer, a second request refused by its rate quota, destroy and its receipt, then
-# stops the daemons and removes everything.
+# stops the daemons and removes everything. In between, a GPU tenant on a SIMULATED GPU host
+# (8 H100s described in a file; no GPU is touched and the output and receipt say so): the
+# planner places it, the daemon records the route, and its departure is receipted.
 #
 # usage: scripts/demo.sh          (as root, on a host with /dev/kvm; run scripts/setup.sh first)
 set -euo pipefail
@@ -63,8 +65,12 @@ bold "Starting tenantvmd (state in $state)"
 # its own subtree (tenantvm/<hash of its state dir>/), so they never touch each other's.
 # --kek-file/--keyslot-cost: a throwaway host KEK and the cheap test keyslot cost (demo only).
 # --vcpu-overcommit: the demo's two 1-vCPU tenants must fit on a one-CPU machine too.
+# --gpu-backend sim:FILE: a SIMULATED GPU host (8 H100s described in a file), for the GPU
+# tenant below; nothing real is touched.
+cp tests/fixtures/hosts/sim-h100x8.json "$work/sim-gpus.json"
 "$bin/tenantvmd" --state-dir "$state" --socket "$sock" --image-dir "$work/images" \
     --kek-file "$work/host-kek" --keyslot-cost test --vcpu-overcommit 4 \
+    --gpu-backend "sim:$work/sim-gpus.json" \
     >"$work/tenantvmd.log" 2>&1 &
 daemon_pid=$!
 for _ in $(seq 1 200); do [ -S "$sock" ] && break; sleep 0.05; done
@@ -114,6 +120,28 @@ tvm destroy bob
 bold "Bob's departure receipt, and the signed audit log's chain"
 tvm receipt show bob
 tvm receipt verify --log "$state/audit/receipts.jsonl" --public-key "$state/audit/receipt-signing.key.pub"
+
+bold "A GPU tenant on the SIMULATED GPU host (no GPU is touched; the receipt says simulated)"
+cat >"$work/dave.toml" <<'TOML'
+name = "dave"
+memory_mib = 32
+# The same fields as a `tenantvm plan` tenants file: sized by the planner.
+gpu = { model = "llama-3-8b", context = 8192, concurrency = 4 }
+[image]
+name = "hello"
+TOML
+cat "$work/dave.toml"
+run "$bin/tenantvm" plan --tenants <(printf '[[tenants]]\nname = "dave"\nmodel = "llama-3-8b"\ncontext = 8192\nconcurrency = 4\n') \
+    --gpu-backend "sim:$work/sim-gpus.json" || true
+tvm create "$work/dave.toml" --token-out "$work/dave.token"
+tvm status dave
+bold "A share of a GPU that cannot be shared is refused, with the reason"
+cp tests/fixtures/hosts/sim-whole-only.json "$work/sim-whole-only.json"
+run "$bin/tenantvm" plan --tenants <(printf '[[tenants]]\nname = "x"\nprofile = "1g.10gb"\n') \
+    --gpu-backend "sim:$work/sim-whole-only.json" || echo "(refused: exit $?)"
+bold "Dave departs: device reset and scrub (simulated), instance destroyed, placement released"
+tvm destroy dave
+tvm receipt show dave
 
 bold "What is left"
 tvm list

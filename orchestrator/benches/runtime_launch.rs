@@ -100,6 +100,8 @@ fn main() {
                 memory_mib: 32,
                 disks: vec![],
                 tenant_dir: dir.clone(),
+                devices: vec![],
+                uuid: None,
             };
             let uid = 300_000 + u32::try_from(i).unwrap();
             let jail = JailConfig {

@@ -76,6 +76,8 @@ fn spec(tmp: &tempfile::TempDir, tag: &str, test: &str, vcpus: u32) -> VmSpec {
     let tenant = common::tenant(tag);
     VmSpec {
         tenant_dir: common::tenant_dir(tmp, &tenant),
+        devices: vec![],
+        uuid: None,
         tenant,
         kernel: guest(),
         initramfs: None,

@@ -49,6 +49,8 @@ fn spec(tmp: &tempfile::TempDir, tag: &str) -> VmSpec {
     let tenant = common::tenant(tag);
     VmSpec {
         tenant_dir: common::tenant_dir(tmp, &tenant),
+        devices: vec![],
+        uuid: None,
         tenant,
         kernel: kernel(),
         initramfs: None,

@@ -105,6 +105,8 @@ fn spec(tmp: &tempfile::TempDir, tag: &str, code: &[u8]) -> VmSpec {
     fs::write(&kernel, tiny_elf(code)).unwrap();
     VmSpec {
         tenant_dir: common::tenant_dir(tmp, &tenant),
+        devices: vec![],
+        uuid: None,
         tenant,
         kernel,
         initramfs: None,
@@ -171,6 +173,29 @@ fn vmm_guest_launches_reports_state_and_stops_through_the_socket() {
             status: ExitReason::Stopped
         }
     );
+    cleanup(&spec);
+}
+
+#[test]
+fn vmm_exit_report_is_written_in_the_jail_and_read_back_after_the_stop() {
+    require!();
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = spec(&tmp, "vreport", HELLO_SPIN);
+    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let backend = backend();
+    let vm = backend.launch(&spec, &jail(16)).unwrap();
+    // Only an ended VMM's report counts.
+    assert_eq!(backend.exit_report(&vm).unwrap(), None);
+    assert_eq!(
+        backend.stop(&vm, Duration::from_secs(10)).unwrap(),
+        ExitReason::Stopped
+    );
+    let report = backend
+        .exit_report(&vm)
+        .unwrap()
+        .expect("the VMM wrote its exit report to /report in its jail");
+    assert_eq!(report.status, 6, "stopped on request");
+    assert!(report.devices.is_empty(), "{report:?}");
     cleanup(&spec);
 }
 
@@ -301,6 +326,8 @@ fn adopt_helper_launch_and_exit() {
     fs::create_dir_all(&dir).unwrap();
     let spec = VmSpec {
         tenant_dir: dir,
+        devices: vec![],
+        uuid: None,
         tenant,
         kernel,
         initramfs: None,
@@ -501,7 +528,7 @@ fn vmm_the_config_the_backend_writes_passes_the_vmms_own_check() {
             ops_per_s: 100,
         }),
     });
-    let written = tenantvm::backend::vmm::Vmm::config_file(&spec);
+    let written = tenantvm::backend::vmm::Vmm::config_file(&spec).unwrap();
     let file = tmp.path().join("vm.json");
     fs::write(&file, written.to_json().unwrap()).unwrap();
     let out = std::process::Command::new(vmm_binary())

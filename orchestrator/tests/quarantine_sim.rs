@@ -59,7 +59,8 @@ fn a_failed_scrub_keeps_the_slice_out_until_a_scrub_passes() {
         slices[0]["gpu"].as_str().unwrap(),
         slices[0]["label"].as_str().unwrap()
     );
-    assert_eq!(slice, "1/7g.141gb@0");
+    // The GPU is named by its PCI address (NVML indexes shift as GPUs go to vfio-pci).
+    assert_eq!(slice, "0000:0f:00.0/7g.141gb@0");
 
     // The only placement of the profile is quarantined: create fails at reserve-gpu.
     let b = daemon::unique("qb");

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tenantvm_agent_protocol::AgentEndpoint;
-use tenantvm_vmm_api::ExitStatus;
+use tenantvm_vmm_api::{ExitReport, ExitStatus, VmUuid};
 
 use crate::jail::{CgroupHandle, ExitRecord, JailError};
 
@@ -70,6 +70,85 @@ pub struct DiskRateLimit {
     pub ops_per_s: u64,
 }
 
+/// A device passed through to the VM over VFIO. The control plane binds it (or types the
+/// vGPU virtual function, or creates the mdev) before the launch; the backend hands it to
+/// the VMM and gives the jail exactly its IOMMU group's `/dev/vfio` node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", deny_unknown_fields)]
+pub enum PassthroughDevice {
+    /// A PCI function: a whole GPU (or a companion function of its group) bound to
+    /// `vfio-pci`, or a MIG-backed vGPU's SR-IOV virtual function (which stays bound to
+    /// NVIDIA's vendor VFIO driver).
+    Pci {
+        /// Its PCI address, `DDDD:BB:DD.F`.
+        address: String,
+        /// Its IOMMU group (`/dev/vfio/<group>`).
+        iommu_group: u32,
+    },
+    /// A mediated device (vGPU 16 and older): `/sys/bus/mdev/devices/<uuid>`. Only the QEMU
+    /// backend passes one (`sysfsdev=`).
+    Mdev {
+        /// The mdev's UUID.
+        uuid: String,
+        /// Its IOMMU group (`/dev/vfio/<group>`).
+        iommu_group: u32,
+    },
+}
+
+impl PassthroughDevice {
+    /// The device's IOMMU group.
+    pub fn iommu_group(&self) -> u32 {
+        match self {
+            PassthroughDevice::Pci { iommu_group, .. }
+            | PassthroughDevice::Mdev { iommu_group, .. } => *iommu_group,
+        }
+    }
+
+    /// The device's sysfs directory on the host (`/sys/bus/pci/devices/<address>` or
+    /// `/sys/bus/mdev/devices/<uuid>`).
+    pub fn sysfs_path(&self) -> PathBuf {
+        match self {
+            PassthroughDevice::Pci { address, .. } => {
+                PathBuf::from(tenantvm_vmm_api::devices::PCI_DEVICES_DIR).join(address)
+            }
+            PassthroughDevice::Mdev { uuid, .. } => PathBuf::from(MDEV_DEVICES_DIR).join(uuid),
+        }
+    }
+
+    /// The group's VFIO node, `/dev/vfio/<group>`.
+    pub fn vfio_node(&self) -> PathBuf {
+        PathBuf::from(VFIO_DEV_DIR).join(self.iommu_group().to_string())
+    }
+
+    /// Checks the address or UUID, so nothing malformed reaches a path or a command line.
+    pub fn validate(&self) -> Result<(), BackendError> {
+        match self {
+            PassthroughDevice::Pci { address, .. } => {
+                if !tenantvm_vmm_api::devices::is_pci_address(address) {
+                    return Err(BackendError::InvalidSpec(format!(
+                        "passthrough device address {address:?} is not a PCI address; give DDDD:BB:DD.F"
+                    )));
+                }
+            }
+            PassthroughDevice::Mdev { uuid, .. } => {
+                if uuid.parse::<VmUuid>().is_err() || uuid.to_lowercase() != *uuid {
+                    return Err(BackendError::InvalidSpec(format!(
+                        "mdev {uuid:?} is not a lower-case hyphenated UUID"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where the kernel lists mediated devices.
+pub const MDEV_DEVICES_DIR: &str = "/sys/bus/mdev/devices";
+/// Where the VFIO group nodes live.
+pub const VFIO_DEV_DIR: &str = "/dev/vfio";
+/// The VFIO container node every legacy VFIO user opens.
+pub const VFIO_CONTAINER: &str = "/dev/vfio/vfio";
+
 /// What to run: the guest and its size. All paths are host paths; the backend bind-mounts
 /// them read-only (disks read-write unless `read_only`) into the tenant's jail.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -93,6 +172,14 @@ pub struct VmSpec {
     /// The tenant's directory (mode 0700, created by the control plane): serial.log,
     /// vmm.log, events.log, the control socket and the jail root live under it.
     pub tenant_dir: PathBuf,
+    /// Devices passed through over VFIO, at most
+    /// [`tenantvm_vmm_api::devices::MAX_PASSTHROUGH_DEVICES`]; the GPU first.
+    #[serde(default)]
+    pub devices: Vec<PassthroughDevice>,
+    /// The VM's UUID (QEMU `-uuid`, tenantvm-vmm `--uuid`): NVIDIA's vGPU manager ties a
+    /// vGPU to its VM by it. Stored with the tenant, the same at every start.
+    #[serde(default)]
+    pub uuid: Option<VmUuid>,
 }
 
 /// Identity and limits of the jail a VM runs in.
@@ -311,6 +398,13 @@ pub trait VmBackend: Send + Sync {
     fn stop(&self, vm: &RunningVm, grace: Duration) -> Result<ExitReason, BackendError>;
     /// Kills every process of the VM (SIGKILL to the whole cgroup). Idempotent.
     fn kill(&self, vm: &RunningVm) -> Result<(), BackendError>;
+    /// What the VMM reported about its passed-through devices as it ended (their resets),
+    /// once it has ended; `None` when the backend's VMM writes no such report (QEMU) or
+    /// wrote none (killed by SIGKILL). The report comes from a process the tenant may
+    /// control: it is size-capped and parsed strictly.
+    fn exit_report(&self, _vm: &RunningVm) -> Result<Option<ExitReport>, BackendError> {
+        Ok(None)
+    }
     /// Where the host reaches the guest agent's channel of `vm` (every VM gets one; a
     /// guest without the agent leaves it unanswered). Connect with
     /// [`AgentClient::connect_checked`](tenantvm_agent_protocol::AgentClient::connect_checked), which checks that the tenant's uid serves it.

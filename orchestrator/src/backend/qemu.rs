@@ -16,7 +16,10 @@ use super::runner::{
     self, Prepared, Runner, RuntimeConfig, StopRequest, VmmDriver, JAIL_SERIAL_LOG, JAIL_VM_DIR,
     RUN_DIR,
 };
-use super::{BackendError, BackendKind, ExitReason, JailConfig, RunningVm, VmSpec, VmState};
+use super::{
+    BackendError, BackendKind, ExitReason, JailConfig, PassthroughDevice, RunningVm, VmSpec,
+    VmState,
+};
 use crate::jail::{ExitRecord, JailPlan};
 
 /// Name of the QMP socket in the tenant's `run/` directory.
@@ -76,6 +79,39 @@ impl Qemu {
             qmp_socket: Some(run.join(QMP_SOCK)),
             disks: runner::jail_disks(spec),
         }
+    }
+
+    /// QEMU's arguments for `spec`: [`Qemu::command`]'s, then each passthrough device
+    /// (`-device vfio-pci,host=DDDD:BB:DD.F`, or `sysfsdev=/sys/bus/mdev/devices/UUID` for
+    /// an mdev) and the VM's `-uuid` (which NVIDIA's vGPU manager reads from the command
+    /// line).
+    pub fn args(spec: &VmSpec, accel: QemuAccel) -> Result<Vec<String>, BackendError> {
+        runner::check_devices(spec)?;
+        let mut args = Self::command(spec, accel)
+            .args()
+            .into_iter()
+            .map(|a| {
+                a.into_string().map_err(|a| {
+                    BackendError::InvalidSpec(format!("QEMU argument {a:?} is not UTF-8"))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        for (i, device) in spec.devices.iter().enumerate() {
+            // Addresses and UUIDs are checked: neither can hold a comma.
+            let source = match device {
+                PassthroughDevice::Pci { address, .. } => format!("host={address}"),
+                PassthroughDevice::Mdev { .. } => {
+                    format!("sysfsdev={}", device.sysfs_path().display())
+                }
+            };
+            args.push("-device".into());
+            args.push(format!("vfio-pci,{source},id=hostdev{i}"));
+        }
+        if let Some(uuid) = spec.uuid {
+            args.push("-uuid".into());
+            args.push(uuid.to_string());
+        }
+        Ok(args)
     }
 
     /// Opens a QMP session (served by `uid`; greeting read, capabilities negotiated), all
@@ -156,15 +192,7 @@ impl VmmDriver for Qemu {
         jail: &JailConfig,
         prepared: &Prepared,
     ) -> Result<JailPlan, BackendError> {
-        let args = Self::command(spec, self.accel)
-            .args()
-            .into_iter()
-            .map(|a| {
-                a.into_string().map_err(|a| {
-                    BackendError::InvalidSpec(format!("QEMU argument {a:?} is not UTF-8"))
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let args = Self::args(spec, self.accel)?;
         let mut plan = runner::base_plan(spec, jail, prepared, &self.binary, args)?;
         if self.accel == QemuAccel::Kvm {
             plan.device(Path::new("/dev/kvm"))?;
@@ -251,6 +279,8 @@ mod tests {
                 }),
             }],
             tenant_dir: "/var/lib/tenantvm/tenants/t".into(),
+            devices: vec![],
+            uuid: None,
         };
         let command = Qemu::command(&spec, QemuAccel::Tcg);
         assert_eq!(command.kernel, PathBuf::from("/vm/kernel"));
@@ -276,5 +306,56 @@ mod tests {
         );
         assert!(!args.contains("/host/"), "{args}");
         assert!(!args.contains("/var/lib"), "{args}");
+    }
+
+    #[test]
+    fn passthrough_devices_and_the_uuid_reach_the_command_line() {
+        let spec = VmSpec {
+            tenant: "t".into(),
+            kernel: "/host/k".into(),
+            initramfs: None,
+            cmdline: "console=ttyS0".into(),
+            vcpus: 1,
+            memory_mib: 256,
+            disks: vec![],
+            tenant_dir: "/var/lib/tenantvm/tenants/t".into(),
+            devices: vec![
+                PassthroughDevice::Pci {
+                    address: "0000:41:00.0".into(),
+                    iommu_group: 17,
+                },
+                PassthroughDevice::Mdev {
+                    uuid: "aa2b8a1e-0d3f-4c6a-9b7e-2f1a0c9d8e7b".into(),
+                    iommu_group: 40,
+                },
+            ],
+            uuid: Some("5c2b8a1e-0d3f-4c6a-9b7e-2f1a0c9d8e7b".parse().unwrap()),
+        };
+        let args = Qemu::args(&spec, QemuAccel::Kvm).unwrap().join(" ");
+        for part in [
+            "-device vfio-pci,host=0000:41:00.0,id=hostdev0",
+            "-device vfio-pci,sysfsdev=/sys/bus/mdev/devices/aa2b8a1e-0d3f-4c6a-9b7e-2f1a0c9d8e7b,id=hostdev1",
+            "-uuid 5c2b8a1e-0d3f-4c6a-9b7e-2f1a0c9d8e7b",
+        ] {
+            assert!(args.contains(part), "{part:?} missing from {args}");
+        }
+        let plain = VmSpec {
+            devices: vec![],
+            uuid: None,
+            ..spec.clone()
+        };
+        let args = Qemu::args(&plain, QemuAccel::Kvm).unwrap().join(" ");
+        assert!(!args.contains("vfio") && !args.contains("-uuid"), "{args}");
+        let bad = VmSpec {
+            devices: vec![PassthroughDevice::Mdev {
+                uuid: "x,sysfsdev=/etc".into(),
+                iommu_group: 1,
+            }],
+            ..spec
+        };
+        assert!(matches!(
+            Qemu::args(&bad, QemuAccel::Kvm),
+            Err(BackendError::InvalidSpec(_))
+        ));
     }
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tenantvm_agent_protocol::AgentEndpoint;
-use tenantvm_vmm_api::{BlockConfig, RateLimitConfig};
+use tenantvm_vmm_api::{BlockConfig, ExitReport, RateLimitConfig, MAX_PASSTHROUGH_DEVICES};
 
 use super::control::MAX_SOCKET_PATH;
 use super::{
@@ -18,7 +18,9 @@ use super::{
     VmSpec, VmState,
 };
 use crate::jail::process::{self, spawn_launcher, wait_nohang};
-use crate::jail::{reap_exited, CgroupHandle, Cgroups, ExitRecord, JailPlan, JailRlimits, Seal};
+use crate::jail::{
+    reap_exited, CgroupHandle, Cgroups, DeviceAllowance, ExitRecord, JailPlan, JailRlimits, Seal,
+};
 use crate::logs::{LogKind, LogPolicy, TenantLogs};
 
 /// Directory inside the tenant dir (and mounted at /run in the jail) holding the socket.
@@ -34,6 +36,9 @@ pub const JAIL_SERIAL_LOG: &str = "/log/serial.log";
 const EXIT_SETTLE: Duration = Duration::from_secs(5);
 /// Open files a VMM may hold (vCPU fds, eventfds, disks, sockets).
 const VMM_NOFILE: u64 = 4096;
+/// What RLIMIT_MEMLOCK allows beyond guest RAM for a VM with passthrough devices: VFIO pins
+/// all guest RAM for DMA, plus the VMM's own small pinned buffers.
+pub const MEMLOCK_MARGIN_BYTES: u64 = 64 << 20;
 
 /// What one kind of VMM program does differently; [`Runner`] does everything else.
 pub trait VmmDriver: Send + Sync {
@@ -69,6 +74,10 @@ pub trait VmmDriver: Send + Sync {
     ) -> Result<(), BackendError>;
     /// Where the host reaches the guest agent's channel.
     fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint;
+    /// The VMM's exit report of an ended VM ([`VmBackend::exit_report`]); none by default.
+    fn exit_report(&self, _vm: &RunningVm) -> Result<Option<ExitReport>, BackendError> {
+        Ok(None)
+    }
 }
 
 /// One step of a graceful stop.
@@ -140,6 +149,14 @@ impl<D: VmmDriver> VmBackend for Runner<D> {
             .driver
             .plan(spec, jail, &prepared)
             .and_then(|mut plan| {
+                // Exactly the jail's devices, enforced by the kernel too where the host has
+                // a device controller.
+                match prepared.cgroup.allow_only_devices(&plan.devices)? {
+                    DeviceAllowance::Applied { .. } => {}
+                    DeviceAllowance::NotApplied { reason } => {
+                        tracing::warn!(tenant = %spec.tenant, %reason, "no cgroup device allowance; the jail's device nodes alone limit the VMM");
+                    }
+                }
                 plan.seal = Some(Seal {
                     when_exists: Path::new("/run").join(self.driver.last_socket()),
                     mount: PathBuf::from("/run"),
@@ -246,6 +263,14 @@ impl<D: VmmDriver> VmBackend for Runner<D> {
     fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint {
         self.driver.agent_endpoint(vm)
     }
+
+    fn exit_report(&self, vm: &RunningVm) -> Result<Option<ExitReport>, BackendError> {
+        // Only an ended VMM's report is its last word.
+        match process_status(vm)? {
+            ProcessStatus::Alive => Ok(None),
+            ProcessStatus::Exited(_) | ProcessStatus::Gone => self.driver.exit_report(vm),
+        }
+    }
 }
 
 /// Settings shared by both backends.
@@ -340,6 +365,7 @@ fn prepare(
     if jail.uid == 0 || jail.gid == 0 {
         return Err(invalid("uid/gid 0: a jailed VMM never runs as root".into()));
     }
+    check_devices(spec)?;
     let mut files = vec![("kernel", &spec.kernel)];
     if let Some(initramfs) = &spec.initramfs {
         files.push(("initramfs", initramfs));
@@ -419,6 +445,27 @@ fn prepare(
     })
 }
 
+/// Checks the passthrough devices: at most [`MAX_PASSTHROUGH_DEVICES`], each well formed,
+/// none twice.
+pub fn check_devices(spec: &VmSpec) -> Result<(), BackendError> {
+    if spec.devices.len() > MAX_PASSTHROUGH_DEVICES {
+        return Err(invalid(format!(
+            "{} passthrough devices: a VM takes at most {MAX_PASSTHROUGH_DEVICES}",
+            spec.devices.len()
+        )));
+    }
+    for (i, device) in spec.devices.iter().enumerate() {
+        device.validate()?;
+        if spec.devices[..i].contains(device) {
+            return Err(invalid(format!(
+                "passthrough device {} is given twice",
+                device.sysfs_path().display()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The host path of a socket in `run/`, checked against the sockaddr_un limit.
 fn socket_path(spec: &VmSpec, name: &str) -> Result<PathBuf, BackendError> {
     let path = spec.tenant_dir.join(RUN_DIR).join(name);
@@ -464,7 +511,7 @@ pub fn base_plan(
     let rlimits = JailRlimits {
         nofile: VMM_NOFILE,
         nproc: jail.limits.pids_max,
-        memlock_bytes: jail.limits.memory_bytes,
+        memlock_bytes: memlock_bytes(spec, jail),
         core_bytes: 0,
     };
     let mut plan = JailPlan::new(
@@ -489,7 +536,83 @@ pub fn base_plan(
     plan.device(Path::new("/dev/urandom"))?;
     plan.bind(&prepared.run_dir, Path::new("/run"), true)?;
     plan.bind(&prepared.serial_log, Path::new(JAIL_SERIAL_LOG), true)?;
+    for node in vfio_nodes(spec) {
+        plan.device(&node).map_err(|e| {
+            invalid(format!(
+                "{}: {e}; is the device bound to vfio-pci (or its vGPU type set) and the vfio modules loaded? `tenantvm host check` says",
+                node.display()
+            ))
+        })?;
+    }
+    for device in &spec.devices {
+        // The VMM finds the device (its IOMMU group, its vfio-dev) through its sysfs
+        // directory: read-only, at the path the VMM's config names; and its IOMMU group's
+        // directory where the device's relative `iommu_group` link leads from there (the VMM
+        // lists the group's members).
+        let path = device.sysfs_path();
+        plan.bind(&path, &path, false)?;
+        if let Some((group, target)) = group_mount(&path, &path) {
+            plan.bind(&group, &target, false)?;
+        }
+    }
     Ok(plan)
+}
+
+/// Where the `iommu_group` link of the device directory `host_dir` leads when that
+/// directory is mounted at `jail_dir`: (the group's host directory, its path in the jail).
+/// sysfs links are relative and a device's canonical directory sits deeper or shallower
+/// than `/sys/bus/pci/devices/<address>`, so the group is mounted where the link resolves
+/// from the jail path. None when the link is missing or leads nowhere usable.
+pub fn group_mount(host_dir: &Path, jail_dir: &Path) -> Option<(PathBuf, PathBuf)> {
+    let link = host_dir.join("iommu_group");
+    let rel = fs::read_link(&link).ok()?;
+    let host_group = link.canonicalize().ok()?;
+    let mut target = jail_dir.to_path_buf();
+    for part in rel.components() {
+        match part {
+            std::path::Component::ParentDir => {
+                if !target.pop() {
+                    return None;
+                }
+            }
+            std::path::Component::Normal(name) => target.push(name),
+            std::path::Component::CurDir => {}
+            // An absolute link: the group is mounted at that path.
+            std::path::Component::RootDir | std::path::Component::Prefix(_) => {
+                target = PathBuf::from("/");
+            }
+        }
+    }
+    (target != Path::new("/")).then_some((host_group, target))
+}
+
+/// RLIMIT_MEMLOCK of the VMM: with passthrough devices, guest RAM plus
+/// [`MEMLOCK_MARGIN_BYTES`] (VFIO pins all of guest RAM), never below the cgroup memory
+/// limit it had before devices existed; without devices, the cgroup memory limit.
+pub fn memlock_bytes(spec: &VmSpec, jail: &JailConfig) -> u64 {
+    if spec.devices.is_empty() {
+        return jail.limits.memory_bytes;
+    }
+    (u64::from(spec.memory_mib) << 20)
+        .saturating_add(MEMLOCK_MARGIN_BYTES)
+        .max(jail.limits.memory_bytes)
+}
+
+/// The VFIO nodes the VMM of `spec` gets, and no others: each device's IOMMU group node
+/// (`/dev/vfio/<group>`, once per group) and the container node `/dev/vfio/vfio`; none
+/// without devices.
+pub fn vfio_nodes(spec: &VmSpec) -> Vec<PathBuf> {
+    let mut nodes: Vec<PathBuf> = Vec::new();
+    for device in &spec.devices {
+        let node = device.vfio_node();
+        if !nodes.contains(&node) {
+            nodes.push(node);
+        }
+    }
+    if !nodes.is_empty() {
+        nodes.push(PathBuf::from(super::VFIO_CONTAINER));
+    }
+    nodes
 }
 
 /// Whether the launcher still runs, and if not, how it ended.
@@ -649,6 +772,8 @@ mod tests {
             memory_mib: 32,
             disks: vec![],
             tenant_dir: dir.join(tenant),
+            devices: vec![],
+            uuid: None,
         }
     }
 
@@ -727,5 +852,116 @@ mod tests {
     fn missing_binaries_are_named() {
         let err = check_binary("tenantvm-vmm", Path::new("/no/such/tenantvm-vmm")).unwrap_err();
         assert!(err.to_string().contains("/no/such/tenantvm-vmm"), "{err}");
+    }
+
+    fn gpu(address: &str, group: u32) -> crate::backend::PassthroughDevice {
+        crate::backend::PassthroughDevice::Pci {
+            address: address.into(),
+            iommu_group: group,
+        }
+    }
+
+    #[test]
+    fn the_vmm_gets_exactly_its_groups_vfio_nodes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut spec = spec(tmp.path(), "alpha");
+        assert!(vfio_nodes(&spec).is_empty());
+        // A GPU and its audio function share group 17; a second GPU is group 40.
+        spec.devices = vec![
+            gpu("0000:41:00.0", 17),
+            gpu("0000:41:00.1", 17),
+            gpu("0000:c1:00.0", 40),
+        ];
+        assert_eq!(
+            vfio_nodes(&spec),
+            vec![
+                PathBuf::from("/dev/vfio/17"),
+                PathBuf::from("/dev/vfio/40"),
+                PathBuf::from("/dev/vfio/vfio"),
+            ]
+        );
+    }
+
+    #[test]
+    fn memlock_covers_guest_ram_plus_a_margin_when_devices_are_passed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut spec = spec(tmp.path(), "alpha");
+        spec.memory_mib = 16 << 10;
+        let jail = JailConfig {
+            limits: ResourceLimits {
+                memory_bytes: 1 << 30,
+                ..JAIL.limits
+            },
+            ..JAIL
+        };
+        assert_eq!(memlock_bytes(&spec, &jail), 1 << 30);
+        spec.devices = vec![gpu("0000:41:00.0", 17)];
+        assert_eq!(
+            memlock_bytes(&spec, &jail),
+            (16u64 << 30) + MEMLOCK_MARGIN_BYTES
+        );
+    }
+
+    #[test]
+    fn a_device_without_its_vfio_node_is_refused_with_what_to_check() {
+        if std::path::Path::new("/dev/vfio/4095").exists() {
+            tenantvm_skip::skip!("this host has an IOMMU group 4095");
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let mut spec = spec(tmp.path(), "alpha");
+        fs::create_dir(&spec.tenant_dir).unwrap();
+        spec.devices = vec![gpu("0000:41:00.0", 4095)];
+        let prepared = Prepared {
+            run_dir: tmp.path().to_path_buf(),
+            serial_log: spec.kernel.clone(),
+            vmm_log: fs::File::open(&spec.kernel).unwrap(),
+            cgroup: CgroupHandle::V2 {
+                path: tmp.path().join("cg"),
+            },
+        };
+        let err = base_plan(&spec, &JAIL, &prepared, Path::new("/bin/sh"), vec![])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("/dev/vfio/4095") && err.contains("vfio-pci"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_group_is_mounted_where_the_devices_relative_link_leads_in_the_jail() {
+        // A sysfs-like tree: the device three levels below /sys/devices (behind a bridge),
+        // its group under /sys/kernel/iommu_groups, linked relatively as the kernel does.
+        let tmp = tempfile::tempdir().unwrap();
+        let sys = tmp.path().join("sys");
+        let dev = sys.join("devices/pci0000:00/0000:00:01.0/0000:01:00.0");
+        let group = sys.join("kernel/iommu_groups/17");
+        fs::create_dir_all(&dev).unwrap();
+        fs::create_dir_all(group.join("devices")).unwrap();
+        std::os::unix::fs::symlink(
+            "../../../../kernel/iommu_groups/17",
+            dev.join("iommu_group"),
+        )
+        .unwrap();
+        let jail = Path::new("/sys/bus/pci/devices/0000:01:00.0");
+        let (host, target) = group_mount(&dev, jail).unwrap();
+        assert_eq!(host, group.canonicalize().unwrap());
+        // From /sys/bus/pci/devices/0000:01:00.0, four levels up is /sys.
+        assert_eq!(target, Path::new("/sys/kernel/iommu_groups/17"));
+        // A device on the root bus links one level less far: it resolves elsewhere in the
+        // jail, and that is where its group goes.
+        let shallow = sys.join("devices/pci0000:00/0000:00:04.0");
+        fs::create_dir_all(&shallow).unwrap();
+        std::os::unix::fs::symlink(
+            "../../../kernel/iommu_groups/17",
+            shallow.join("iommu_group"),
+        )
+        .unwrap();
+        let (_, target) =
+            group_mount(&shallow, Path::new("/sys/bus/pci/devices/0000:00:04.0")).unwrap();
+        assert_eq!(target, Path::new("/sys/bus/kernel/iommu_groups/17"));
+        // No link: nothing to mount.
+        assert!(group_mount(&group, jail).is_none());
     }
 }

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use tenantvm_agent_protocol::AgentEndpoint;
 use tenantvm_vmm_api::{
-    SeccompMode, SerialConfig, VmCommand, VmConfigFile, VmResponse, VsockConfig,
+    ExitReport, PassthroughConfig, SeccompMode, SerialConfig, VmCommand, VmConfigFile, VmResponse,
+    VsockConfig,
 };
 
 use super::control::JsonLines;
@@ -18,7 +19,10 @@ use super::runner::{
     self, Prepared, Runner, RuntimeConfig, StopRequest, VmmDriver, JAIL_SERIAL_LOG, JAIL_VM_DIR,
     RUN_DIR,
 };
-use super::{BackendError, BackendKind, ExitReason, JailConfig, RunningVm, VmSpec, VmState};
+use super::{
+    BackendError, BackendKind, ExitReason, JailConfig, PassthroughDevice, RunningVm, VmSpec,
+    VmState,
+};
 use crate::jail::{ExitRecord, JailPlan};
 
 /// Name of the control socket in the tenant's `run/` directory.
@@ -34,6 +38,16 @@ pub const GUEST_CID: u64 = 3;
 pub const CONFIG_FILE: &str = "vmm-config.json";
 /// Where the VMM reads its config file inside the jail.
 pub const JAIL_CONFIG: &str = "/vm/config.json";
+/// The directory in the tenant directory (owned by the tenant uid, emptied at each launch)
+/// where the VMM writes its exit report; mounted writable at [`JAIL_REPORT_DIR`].
+pub const REPORT_DIR: &str = "report";
+/// Where the report directory appears inside the jail.
+pub const JAIL_REPORT_DIR: &str = "/report";
+/// The exit report's file name in the report directory.
+pub const EXIT_REPORT: &str = "exit.json";
+/// The largest exit report read back (a report of [`tenantvm_vmm_api::MAX_PASSTHROUGH_DEVICES`]
+/// devices is well under 4 KiB; the file is written by a process the tenant may control).
+pub const MAX_EXIT_REPORT_BYTES: u64 = 64 << 10;
 
 /// Runs VMs with `tenantvm-vmm`.
 pub type VmmBackend = Runner<Vmm>;
@@ -54,12 +68,28 @@ impl Runner<Vmm> {
 
 impl Vmm {
     /// The VMM's config for `spec`, with paths as seen inside the jail: the guest files
-    /// under /vm, serial.log, the control socket and the vsock device in /run.
-    pub fn config_file(spec: &VmSpec) -> VmConfigFile {
+    /// under /vm, serial.log, the control socket and the vsock device in /run, the
+    /// passthrough devices at their sysfs paths (which the jail mounts), the VM's UUID, and
+    /// the exit report in /report. An mdev is refused: tenantvm-vmm passes PCI functions
+    /// only.
+    pub fn config_file(spec: &VmSpec) -> Result<VmConfigFile, BackendError> {
         let vm = Path::new(JAIL_VM_DIR);
         let run = Path::new("/run");
         let disks = runner::jail_disks(spec);
-        VmConfigFile {
+        runner::check_devices(spec)?;
+        let devices = spec
+            .devices
+            .iter()
+            .map(|d| match d {
+                PassthroughDevice::Pci { .. } => Ok(PassthroughConfig {
+                    path: d.sysfs_path(),
+                }),
+                PassthroughDevice::Mdev { uuid, .. } => Err(BackendError::InvalidSpec(format!(
+                    "mdev {uuid}: tenantvm-vmm passes PCI functions only; run a tenant with an mdev vGPU (vGPU 16 and older) on the QEMU backend"
+                ))),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(VmConfigFile {
             kernel: Some(vm.join("kernel")),
             initramfs: spec.initramfs.as_ref().map(|_| vm.join("initramfs")),
             cmdline: Some(spec.cmdline.clone()),
@@ -75,10 +105,81 @@ impl Vmm {
             }),
             rng: Some(true),
             seccomp: Some(SeccompMode::On),
-            devices: None,
-            uuid: None,
-            exit_report: None,
+            devices: (!devices.is_empty()).then_some(devices),
+            uuid: spec.uuid,
+            exit_report: Some(Path::new(JAIL_REPORT_DIR).join(EXIT_REPORT)),
+        })
+    }
+
+    /// Empties (or creates) the report directory, owned by the tenant uid, mode 0700: no
+    /// report of an earlier run is ever read as this one's.
+    fn prepare_report_dir(spec: &VmSpec, jail: &JailConfig) -> Result<PathBuf, BackendError> {
+        use std::os::unix::fs::DirBuilderExt;
+        let dir = spec.tenant_dir.join(REPORT_DIR);
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| BackendError::Io { path, source }
+        };
+        match fs::symlink_metadata(&dir) {
+            Ok(meta) if !meta.is_dir() => fs::remove_file(&dir).map_err(io(&dir))?,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => return Err(io(&dir)(source)),
         }
+        match fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(source) => return Err(io(&dir)(source)),
+        }
+        for entry in fs::read_dir(&dir).map_err(io(&dir))? {
+            let path = entry.map_err(io(&dir))?.path();
+            if path.is_dir() && !path.is_symlink() {
+                fs::remove_dir_all(&path).map_err(io(&path))?;
+            } else {
+                fs::remove_file(&path).map_err(io(&path))?;
+            }
+        }
+        std::os::unix::fs::lchown(&dir, Some(jail.uid), Some(jail.gid)).map_err(io(&dir))?;
+        Ok(dir)
+    }
+
+    /// Reads the exit report the VMM left in the tenant directory: `None` when there is
+    /// none. Refused when it is not a regular file, is larger than
+    /// [`MAX_EXIT_REPORT_BYTES`], or is not an [`ExitReport`].
+    pub fn read_exit_report(tenant_dir: &Path) -> Result<Option<ExitReport>, BackendError> {
+        use std::io::Read;
+        let path = tenant_dir.join(REPORT_DIR).join(EXIT_REPORT);
+        let io = |source| BackendError::Io {
+            path: path.clone(),
+            source,
+        };
+        let file = match fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&path)
+        {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(io(source)),
+        };
+        let meta = file.metadata().map_err(io)?;
+        let bad = |why: String| BackendError::Control {
+            path: path.clone(),
+            message: format!("the VMM's exit report {why}"),
+        };
+        if !meta.is_file() {
+            return Err(bad("is not a regular file".into()));
+        }
+        let mut text = String::new();
+        file.take(MAX_EXIT_REPORT_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(|e| bad(format!("cannot be read as UTF-8 text: {e}")))?;
+        if text.len() as u64 > MAX_EXIT_REPORT_BYTES {
+            return Err(bad(format!("is larger than {MAX_EXIT_REPORT_BYTES} bytes")));
+        }
+        serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| bad(format!("does not parse: {e}")))
     }
 
     /// Writes the config file of `spec` into the tenant directory, readable by the
@@ -90,7 +191,7 @@ impl Vmm {
             path: path.clone(),
             source,
         };
-        let text = Self::config_file(spec).to_json().map_err(|e| {
+        let text = Self::config_file(spec)?.to_json().map_err(|e| {
             BackendError::InvalidSpec(format!("the VM config cannot be written as JSON: {e}"))
         })?;
         let tmp = spec.tenant_dir.join(format!("{CONFIG_FILE}.tmp"));
@@ -166,9 +267,11 @@ impl VmmDriver for Vmm {
         prepared: &Prepared,
     ) -> Result<JailPlan, BackendError> {
         let config = Self::write_config(spec, jail)?;
+        let report = Self::prepare_report_dir(spec, jail)?;
         let args = vec!["--config".to_string(), JAIL_CONFIG.to_string()];
         let mut plan = runner::base_plan(spec, jail, prepared, &self.binary, args)?;
         plan.bind(&config, Path::new(JAIL_CONFIG), false)?;
+        plan.bind(&report, Path::new(JAIL_REPORT_DIR), true)?;
         plan.device(Path::new("/dev/kvm"))?;
         plan.env.push(("RUST_BACKTRACE".into(), "1".into()));
         Ok(plan)
@@ -207,6 +310,10 @@ impl VmmDriver for Vmm {
     fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint {
         AgentEndpoint::vsock(vm.tenant_dir.join(RUN_DIR).join(VSOCK_SOCK))
     }
+
+    fn exit_report(&self, vm: &RunningVm) -> Result<Option<ExitReport>, BackendError> {
+        Self::read_exit_report(&vm.tenant_dir)
+    }
 }
 
 #[cfg(test)]
@@ -239,12 +346,14 @@ mod tests {
                 },
             ],
             tenant_dir: "/var/lib/tenantvm/tenants/t".into(),
+            devices: vec![],
+            uuid: None,
         }
     }
 
     #[test]
     fn the_config_uses_jail_paths_and_gives_the_vm_a_vsock_device() {
-        let config = Vmm::config_file(&spec());
+        let config = Vmm::config_file(&spec()).unwrap();
         assert_eq!(config.kernel, Some("/vm/kernel".into()));
         assert_eq!(config.initramfs, Some("/vm/initramfs".into()));
         assert_eq!(
@@ -289,7 +398,7 @@ mod tests {
 
     #[test]
     fn the_written_config_parses_with_the_vmms_own_types() {
-        let config = Vmm::config_file(&spec());
+        let config = Vmm::config_file(&spec()).unwrap();
         let json = config.to_json().unwrap();
         // The VMM reads the file with the same type, which refuses unknown fields.
         assert_eq!(VmConfigFile::from_json(&json).unwrap(), config);
@@ -298,9 +407,9 @@ mod tests {
             disks: vec![],
             ..spec()
         };
-        let json = Vmm::config_file(&no_initramfs).to_json().unwrap();
+        let json = Vmm::config_file(&no_initramfs).unwrap().to_json().unwrap();
         assert!(
-            !json.contains("initramfs") && !json.contains("disks"),
+            !json.contains("initramfs") && !json.contains("disks") && !json.contains("devices"),
             "{json}"
         );
         assert!(VmConfigFile::from_json(&json).is_ok());
@@ -340,7 +449,130 @@ mod tests {
         let text = fs::read_to_string(&path).unwrap();
         assert_eq!(
             VmConfigFile::from_json(&text).unwrap(),
-            Vmm::config_file(&spec)
+            Vmm::config_file(&spec).unwrap()
         );
+    }
+
+    fn gpu_spec() -> VmSpec {
+        VmSpec {
+            devices: vec![
+                PassthroughDevice::Pci {
+                    address: "0000:41:00.0".into(),
+                    iommu_group: 17,
+                },
+                PassthroughDevice::Pci {
+                    address: "0000:41:00.1".into(),
+                    iommu_group: 17,
+                },
+            ],
+            uuid: Some("5c2b8a1e-0d3f-4c6a-9b7e-2f1a0c9d8e7b".parse().unwrap()),
+            ..spec()
+        }
+    }
+
+    #[test]
+    fn passthrough_devices_the_uuid_and_the_exit_report_reach_the_config() {
+        let config = Vmm::config_file(&gpu_spec()).unwrap();
+        let devices = config.devices.clone().unwrap();
+        assert_eq!(
+            devices,
+            vec![
+                PassthroughConfig {
+                    path: "/sys/bus/pci/devices/0000:41:00.0".into()
+                },
+                PassthroughConfig {
+                    path: "/sys/bus/pci/devices/0000:41:00.1".into()
+                },
+            ]
+        );
+        // Each is what `--device vfio,path=...` would have given the VMM.
+        for d in &devices {
+            let flag = format!("vfio,path={}", d.path.display());
+            assert_eq!(&flag.parse::<PassthroughConfig>().unwrap(), d);
+        }
+        assert_eq!(
+            config.uuid.unwrap().to_string(),
+            "5c2b8a1e-0d3f-4c6a-9b7e-2f1a0c9d8e7b"
+        );
+        assert_eq!(config.exit_report, Some("/report/exit.json".into()));
+        let json = config.to_json().unwrap();
+        assert_eq!(VmConfigFile::from_json(&json).unwrap(), config);
+        // Without devices the VM still gets an exit report, and no devices field.
+        let plain = Vmm::config_file(&spec()).unwrap();
+        assert_eq!((plain.devices, plain.uuid), (None, None));
+    }
+
+    #[test]
+    fn malformed_or_unsupported_devices_are_refused_before_anything_runs() {
+        let mdev = VmSpec {
+            devices: vec![PassthroughDevice::Mdev {
+                uuid: "5c2b8a1e-0d3f-4c6a-9b7e-2f1a0c9d8e7b".into(),
+                iommu_group: 3,
+            }],
+            ..spec()
+        };
+        let err = Vmm::config_file(&mdev).unwrap_err().to_string();
+        assert!(err.contains("QEMU backend"), "{err}");
+        for bad in [
+            vec![PassthroughDevice::Pci {
+                address: "0000:41:00.0,x-foo=1".into(),
+                iommu_group: 1,
+            }],
+            vec![PassthroughDevice::Pci {
+                address: "../../etc".into(),
+                iommu_group: 1,
+            }],
+            vec![
+                PassthroughDevice::Pci {
+                    address: "0000:41:00.0".into(),
+                    iommu_group: 1,
+                };
+                2
+            ],
+            (0..9)
+                .map(|i| PassthroughDevice::Pci {
+                    address: format!("0000:4{i}:00.0"),
+                    iommu_group: i,
+                })
+                .collect(),
+        ] {
+            let spec = VmSpec {
+                devices: bad.clone(),
+                ..spec()
+            };
+            assert!(
+                matches!(Vmm::config_file(&spec), Err(BackendError::InvalidSpec(_))),
+                "{bad:?} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn the_exit_report_is_read_back_strictly() {
+        let tmp = tempfile::tempdir().unwrap();
+        assert!(Vmm::read_exit_report(tmp.path()).unwrap().is_none());
+        let dir = tmp.path().join(REPORT_DIR);
+        fs::create_dir(&dir).unwrap();
+        let file = dir.join(EXIT_REPORT);
+        let report = ExitReport {
+            status: 6,
+            devices: vec![tenantvm_vmm_api::DeviceReport {
+                path: "/sys/bus/pci/devices/0000:41:00.0".into(),
+                reset_at_attach: tenantvm_vmm_api::ResetOutcome::Reset {
+                    method: Some("flr".into()),
+                },
+                reset_at_detach: tenantvm_vmm_api::ResetOutcome::HotReset,
+            }],
+        };
+        fs::write(&file, serde_json::to_string(&report).unwrap()).unwrap();
+        assert_eq!(Vmm::read_exit_report(tmp.path()).unwrap(), Some(report));
+        fs::write(&file, r#"{"status":0,"devices":[],"forged":true}"#).unwrap();
+        assert!(Vmm::read_exit_report(tmp.path()).is_err());
+        fs::write(&file, " ".repeat(MAX_EXIT_REPORT_BYTES as usize + 1)).unwrap();
+        let err = Vmm::read_exit_report(tmp.path()).unwrap_err().to_string();
+        assert!(err.contains("larger"), "{err}");
+        fs::remove_file(&file).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", &file).unwrap();
+        assert!(Vmm::read_exit_report(tmp.path()).is_err());
     }
 }

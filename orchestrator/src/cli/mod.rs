@@ -456,20 +456,25 @@ pub fn spec_from_args(a: &CreateArgs) -> Result<TenantSpec, CliFailure> {
         )
     })?;
     let gpu = match a.gpu {
-        GpuKind::None => GpuRequest::None,
-        GpuKind::Whole => GpuRequest::Whole,
-        GpuKind::Mig => GpuRequest::Mig {
-            profile: a.mig_profile.clone().ok_or_else(|| {
+        GpuKind::None => GpuRequest::default(),
+        GpuKind::Whole => GpuRequest {
+            whole_gpu: true,
+            ..Default::default()
+        },
+        GpuKind::Mig => GpuRequest {
+            profile: Some(a.mig_profile.clone().ok_or_else(|| {
                 fail(
                     exit::INVALID,
                     "--gpu mig needs --mig-profile (e.g. 1g.10gb)",
                 )
-            })?,
+            })?),
+            ..Default::default()
         },
-        GpuKind::Model => GpuRequest::Model {
-            preset: a.model.clone().ok_or_else(|| {
+        GpuKind::Model => GpuRequest {
+            model: Some(a.model.clone().ok_or_else(|| {
                 fail(exit::INVALID, "--gpu model needs --model (e.g. llama-3-8b)")
-            })?,
+            })?),
+            ..Default::default()
         },
     };
     let name = TenantName::new(name).map_err(|e| fail(exit::INVALID, e.to_string()))?;
@@ -774,8 +779,9 @@ mod tests {
         assert_eq!(spec.name, "bob");
         assert_eq!(
             spec.gpu,
-            GpuRequest::Mig {
-                profile: "1g.10gb".into()
+            GpuRequest {
+                profile: Some("1g.10gb".into()),
+                ..Default::default()
             }
         );
     }

@@ -6,6 +6,7 @@
 //! the crate but each other, so the store, the API types and the tenant layer can all depend
 //! on them without depending on one another.
 
+pub mod gpu_request;
 pub mod guest;
 pub mod lifecycle;
 pub mod name;

@@ -53,9 +53,9 @@ pub enum TenantSpecError {
     /// The command line is too long or holds control characters.
     #[error("Kernel command line must be at most {MAX_CMDLINE_LEN} printable characters")]
     BadCmdline,
-    /// A GPU request names an empty profile or preset.
-    #[error("GPU request: `{0}` must not be empty (e.g. profile = \"1g.10gb\", preset = \"llama-3-8b\")")]
-    EmptyGpuField(&'static str),
+    /// The GPU request cannot be sized or contradicts itself.
+    #[error("GPU request: {0}")]
+    Gpu(String),
     /// The TOML document did not parse (syntax, types, unknown fields).
     #[error("Tenant spec is not valid TOML for this schema: {0}")]
     Toml(String),
@@ -76,14 +76,24 @@ pub struct TenantSpec {
     /// Size of the tenant's encrypted disk in GiB; 0 means no disk.
     #[serde(default)]
     pub disk_gib: u32,
-    /// The GPU share requested.
-    #[serde(default)]
+    /// The GPU share requested: the planner's request (`model`/`custom` with `dtype`,
+    /// `kv_dtype`, `context`, `concurrency`, `overhead_gib`; or `profile`; or `whole_gpu`),
+    /// the fields of a `tenantvm plan` tenants file. Absent: no GPU.
+    #[serde(
+        default,
+        deserialize_with = "super::gpu_request::deserialize",
+        skip_serializing_if = "is_no_gpu"
+    )]
     pub gpu: GpuRequest,
     /// What the guest boots.
     pub image: GuestImage,
     /// Per-tenant limits enforced by the gateway and the VMM.
     #[serde(default)]
     pub quotas: Quotas,
+}
+
+fn is_no_gpu(gpu: &GpuRequest) -> bool {
+    !gpu.wants_gpu()
 }
 
 fn default_vcpus() -> u32 {
@@ -94,33 +104,7 @@ fn default_memory_mib() -> u32 {
     128
 }
 
-/// The GPU share a tenant asks for.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
-pub enum GpuRequest {
-    /// No GPU.
-    #[default]
-    None,
-    /// One whole GPU, passed through over VFIO.
-    Whole,
-    /// One MIG instance of the named profile (e.g. `1g.10gb`).
-    Mig {
-        /// MIG profile name.
-        profile: String,
-    },
-    /// A slice sized by the planner from a model preset (e.g. `llama-3-8b`).
-    Model {
-        /// Model preset name.
-        preset: String,
-    },
-}
-
-impl GpuRequest {
-    /// Whether any GPU is requested.
-    pub fn wants_gpu(&self) -> bool {
-        !matches!(self, GpuRequest::None)
-    }
-}
+pub use super::gpu_request::GpuRequest;
 
 /// What the guest boots: a named image from the daemon's image directory, or host files.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -256,14 +240,10 @@ impl TenantSpec {
             MAX_MEMORY_MIB,
         )?;
         range("disk_gib", self.disk_gib, 0, MAX_DISK_GIB)?;
-        match &self.gpu {
-            GpuRequest::Mig { profile } if profile.trim().is_empty() => {
-                return Err(TenantSpecError::EmptyGpuField("profile"))
-            }
-            GpuRequest::Model { preset } if preset.trim().is_empty() => {
-                return Err(TenantSpecError::EmptyGpuField("preset"))
-            }
-            _ => {}
+        if self.gpu.wants_gpu() {
+            self.gpu
+                .validate()
+                .map_err(|e| TenantSpecError::Gpu(e.to_string()))?;
         }
         let image = &self.image;
         match (&image.name, &image.kernel) {
@@ -318,8 +298,9 @@ requests_per_s = 5
         assert_eq!(spec.vcpus, 2);
         assert_eq!(
             spec.gpu,
-            GpuRequest::Mig {
-                profile: "1g.10gb".into()
+            GpuRequest {
+                profile: Some("1g.10gb".into()),
+                ..Default::default()
             }
         );
         assert_eq!(spec.quotas.requests_per_s, 5);
@@ -443,7 +424,7 @@ requests_per_s = 5
         let spec = TenantSpec::from_toml("name = \"b\"\n[image]\nname = \"hello\"\n").unwrap();
         assert_eq!(spec.vcpus, 1);
         assert_eq!(spec.memory_mib, 128);
-        assert_eq!(spec.gpu, GpuRequest::None);
+        assert!(!spec.gpu.wants_gpu());
         assert_eq!(spec.quotas, Quotas::default());
     }
 }

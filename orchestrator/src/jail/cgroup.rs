@@ -44,6 +44,10 @@ pub enum CgroupLayout {
         /// [`crate::jail::blkio`]).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         blkio: Option<PathBuf>,
+        /// The devices controller's mount, where there is one (the device allowance,
+        /// [`crate::jail::devices`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        devices: Option<PathBuf>,
     },
     /// cgroup v2: the unified hierarchy.
     V2 {
@@ -67,6 +71,9 @@ pub enum CgroupHandle {
         /// Directory in the blkio hierarchy, where the host mounts one.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         blkio: Option<PathBuf>,
+        /// Directory in the devices hierarchy, where the host mounts one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        devices: Option<PathBuf>,
     },
     /// cgroup v2: one directory.
     V2 {
@@ -144,12 +151,16 @@ impl Cgroups {
         let blkio = root.join("blkio");
         let blkio = (super::blkio::is_blkio_hierarchy(&blkio) || is_cgroup_v1_mount(&blkio))
             .then_some(blkio);
+        let devices = root.join("devices");
+        let devices = (devices.join("devices.allow").exists() || is_cgroup_v1_mount(&devices))
+            .then_some(devices);
         Ok(Self {
             layout: CgroupLayout::V1 {
                 memory,
                 cpu,
                 pids,
                 blkio,
+                devices,
             },
             subtree: PathBuf::from(PARENT),
         })
@@ -194,11 +205,13 @@ impl Cgroups {
                 cpu,
                 pids,
                 blkio,
+                devices,
             } => CgroupHandle::V1 {
                 memory: memory.join(sub).join(tenant),
                 cpu: cpu.join(sub).join(tenant),
                 pids: pids.join(sub).join(tenant),
                 blkio: blkio.as_ref().map(|b| b.join(sub).join(tenant)),
+                devices: devices.as_ref().map(|d| d.join(sub).join(tenant)),
             },
             CgroupLayout::V2 { root } => CgroupHandle::V2 {
                 path: root.join(sub).join(tenant),
@@ -227,10 +240,17 @@ impl Cgroups {
                 cpu,
                 pids,
                 blkio,
+                devices,
             } => {
-                for dir in [Some(memory), Some(cpu), Some(pids), blkio.as_ref()]
-                    .into_iter()
-                    .flatten()
+                for dir in [
+                    Some(memory),
+                    Some(cpu),
+                    Some(pids),
+                    blkio.as_ref(),
+                    devices.as_ref(),
+                ]
+                .into_iter()
+                .flatten()
                 {
                     let mut dir = dir.clone();
                     for part in self.subtree.components() {
@@ -257,11 +277,18 @@ impl Cgroups {
                 cpu,
                 pids,
                 blkio,
-            } => [Some(memory), Some(cpu), Some(pids), blkio.as_ref()]
-                .into_iter()
-                .flatten()
-                .map(|d| d.join(sub))
-                .collect(),
+                devices,
+            } => [
+                Some(memory),
+                Some(cpu),
+                Some(pids),
+                blkio.as_ref(),
+                devices.as_ref(),
+            ]
+            .into_iter()
+            .flatten()
+            .map(|d| d.join(sub))
+            .collect(),
             CgroupLayout::V2 { root } => vec![root.join(sub)],
         };
         let mut names = Vec::new();
@@ -306,10 +333,17 @@ impl CgroupHandle {
                 cpu,
                 pids,
                 blkio,
-            } => [Some(memory), Some(cpu), Some(pids), blkio.as_ref()]
-                .into_iter()
-                .flatten()
-                .collect(),
+                devices,
+            } => [
+                Some(memory),
+                Some(cpu),
+                Some(pids),
+                blkio.as_ref(),
+                devices.as_ref(),
+            ]
+            .into_iter()
+            .flatten()
+            .collect(),
             CgroupHandle::V2 { path } => vec![path],
         }
     }

@@ -4,6 +4,7 @@
 
 pub mod blkio;
 pub mod cgroup;
+pub mod devices;
 pub mod launcher;
 pub mod plan;
 pub mod process;
@@ -14,6 +15,7 @@ use std::path::{Path, PathBuf};
 
 pub use blkio::{BlockIoLimit, BlockIoOutcome};
 pub use cgroup::{CgroupHandle, CgroupLayout, Cgroups};
+pub use devices::DeviceAllowance;
 pub use plan::{BindMount, JailPlan, JailRlimits, Seal};
 pub use process::{ExitRecord, Launched};
 

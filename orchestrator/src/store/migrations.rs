@@ -110,7 +110,7 @@ CREATE TABLE gpu_quarantine (
     r#"
 ALTER TABLE tenants ADD COLUMN guest TEXT CHECK (guest IN ('agent', 'plain'));
 "#,
-    // (front door) inference keys: API keys a tenant's clients use at the front door, good
+    // 4 (front door): inference keys: API keys a tenant's clients use at the front door, good
     // for that tenant's inference only. Only the SHA-256 of a key is kept; `shown` is its
     // first characters, for `tenantvm key list`.
     r#"
@@ -123,5 +123,17 @@ CREATE TABLE inference_keys (
     revoked_ms  INTEGER
 );
 CREATE INDEX inference_keys_tenant ON inference_keys(tenant_id);
+"#,
+    // 5: a GPU tenant's device, decided at
+    // create and kept until its placement is released: the VM's UUID, the route's record
+    // (JSON: what the host did to hand the share over, written before the step that acts on
+    // it) and the devices the VM gets (JSON).
+    r#"
+CREATE TABLE gpu_devices (
+    tenant_id   INTEGER PRIMARY KEY REFERENCES tenants(id),
+    vm_uuid     TEXT    NOT NULL,
+    record      TEXT    NOT NULL,
+    devices     TEXT
+);
 "#,
 ];

@@ -7,10 +7,12 @@
 //! reservation, state transitions) run in `BEGIN IMMEDIATE` transactions.
 
 mod departures;
+mod gpu_devices;
 mod inference_keys;
 mod migrations;
 
 pub use departures::QuarantinedSlice;
+pub use gpu_devices::GpuDeviceRow;
 pub use inference_keys::InferenceKeyInfo;
 
 use std::path::Path;
@@ -582,6 +584,40 @@ impl Store {
             "DELETE FROM gpu_reservations WHERE tenant_id = ?1",
             [tenant_id],
         )?)
+    }
+
+    /// The placements the ledger holds, one per tenant (GPU and label; slots included).
+    pub fn gpu_placements(&self) -> Result<Vec<GpuPlacement>, StoreError> {
+        let conn = self.lock();
+        let mut stmt = conn.prepare(
+            "SELECT gpu, slot, placement, tenant_id FROM gpu_reservations ORDER BY tenant_id, gpu, slot",
+        )?;
+        let rows = stmt.query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, u32>(1)?,
+                r.get::<_, String>(2)?,
+                r.get::<_, i64>(3)?,
+            ))
+        })?;
+        let mut out: Vec<(i64, GpuPlacement)> = Vec::new();
+        for row in rows {
+            let (gpu, slot, label, tenant) = row?;
+            match out.last_mut() {
+                Some((t, p)) if *t == tenant && p.gpu == gpu && p.label == label => {
+                    p.slots.push(slot)
+                }
+                _ => out.push((
+                    tenant,
+                    GpuPlacement {
+                        gpu,
+                        slots: vec![slot],
+                        label,
+                    },
+                )),
+            }
+        }
+        Ok(out.into_iter().map(|(_, p)| p).collect())
     }
 
     /// Every reservation: (gpu, slot, tenant id).

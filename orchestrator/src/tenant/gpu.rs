@@ -1,42 +1,72 @@
-//! The GPU planner over a tenantvm-gpu backend (NVML or a simulated host): turns a tenant's
-//! GPU request into candidate placements for the store's ledger, and creates or destroys the
-//! MIG instance of a reserved placement.
+//! The GPU planner over a tenantvm-gpu backend (NVML or a simulated host): places a tenant's
+//! GPU request with the exact planner (`tenantvm_gpu::plan::place::place_on_host`) over the
+//! host's GPUs and instances, the ledger's reservations and quarantined slices, and the new
+//! request; creates or destroys the MIG instance of a reserved placement.
 //!
-//! A placement's label is `whole` or `<profile>@<start>`; the MIG instance of a placement is
-//! found again from (GPU, profile, start), so creating and destroying it are idempotent
-//! without storing the instance id.
+//! A placement names its GPU by PCI address (NVML's indexes shift when a GPU is bound to
+//! vfio-pci); ledger rows written before name it by index, and both are found again. Its
+//! label is `whole` or `<profile>@<start>`; the MIG instance of a placement is found again
+//! from (GPU, profile, start), so creating and destroying it are idempotent without storing
+//! the instance id.
 
 use std::sync::Arc;
 
 use tenantvm_gpu::backend::{self as gpu_backend, BackendSpec, GpuBackend, GpuInfo};
-use tenantvm_gpu::mig::{GpuModel, MigProfile};
-use tenantvm_gpu::plan::sizing::{self, KvDtype, WeightDtype};
+use tenantvm_gpu::host::Sysfs;
+use tenantvm_gpu::mig::MigProfile;
+use tenantvm_gpu::plan::place::{place_on_host, Held};
+use tenantvm_gpu::plan::search::DEFAULT_NODE_BUDGET;
 
+use crate::backend::PassthroughDevice;
 use crate::domain::spec::GpuRequest;
 use crate::store::GpuPlacement;
+use crate::tenant::gpu_device::DeviceRecord;
 use crate::tenant::host::{GpuPlanError, GpuPlanner};
 
-/// Context length a `model` request is sized for.
-pub const MODEL_CONTEXT: u64 = 8192;
-/// Concurrent sequences a `model` request is sized for.
-pub const MODEL_CONCURRENCY: u64 = 4;
-
-/// Builds the planner `--gpu-backend` names (`nvml` or `sim:FILE`).
+/// Builds the planner `--gpu-backend` names (`nvml` or `sim:FILE`). With NVML the devices
+/// are handed over through the host's sysfs (`/`); a simulated host hands over none.
 pub fn planner_from_arg(arg: &str) -> anyhow::Result<Arc<dyn GpuPlanner>> {
     let spec: BackendSpec = arg.parse()?;
     let backend = gpu_backend::open(&spec)?;
-    Ok(Arc::new(BackendPlanner { backend }))
+    let planner = BackendPlanner::new(backend);
+    Ok(Arc::new(match spec {
+        BackendSpec::Sim(_) => planner,
+        _ => planner.with_sysfs(Sysfs::new("/")),
+    }))
 }
 
 /// A planner over a tenantvm-gpu backend.
 pub struct BackendPlanner {
     backend: Box<dyn GpuBackend>,
+    sysfs: Option<Sysfs>,
 }
 
 impl BackendPlanner {
-    /// A planner over `backend`.
+    /// A planner over `backend` that hands no device to a VM.
     pub fn new(backend: Box<dyn GpuBackend>) -> BackendPlanner {
-        BackendPlanner { backend }
+        BackendPlanner {
+            backend,
+            sysfs: None,
+        }
+    }
+
+    /// The same planner, handing devices over through `sysfs` (`/` on a real host, a FAKE
+    /// tree in tests).
+    pub fn with_sysfs(self, sysfs: Sysfs) -> BackendPlanner {
+        BackendPlanner {
+            sysfs: Some(sysfs),
+            ..self
+        }
+    }
+
+    /// The sysfs devices are handed over through, if any.
+    pub fn sysfs(&self) -> Option<&Sysfs> {
+        self.sysfs.as_ref()
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &dyn GpuBackend {
+        self.backend.as_ref()
     }
 }
 
@@ -44,112 +74,33 @@ fn plan_err(e: impl std::fmt::Display) -> GpuPlanError {
     GpuPlanError::Plan(e.to_string())
 }
 
-fn gpu_id(g: &GpuInfo) -> String {
-    format!("{}", g.index)
-}
-
-fn occupied(g: &GpuInfo) -> u32 {
-    g.instances
-        .iter()
-        .fold(0, |m, i| m | (((1u32 << i.size) - 1) << i.start))
-}
-
-fn mig_candidates(g: &GpuInfo, profile: &MigProfile, out: &mut Vec<GpuPlacement>) {
-    let used = occupied(g);
-    for &start in profile.starts {
-        let mask = profile.mask_at(start);
-        if used & mask != 0 {
-            continue;
-        }
-        out.push(GpuPlacement {
-            gpu: gpu_id(g),
-            slots: (start..start + profile.size).collect(),
-            label: format!("{}@{start}", profile.name),
-        });
-    }
-}
-
-/// The smallest profile of `model` with at least `bytes` of memory.
-fn smallest_fitting(model: &GpuModel, bytes: u64) -> Option<&MigProfile> {
-    model
-        .profiles
-        .iter()
-        .filter(|p| p.memory_bytes() >= bytes)
-        .min_by_key(|p| (p.memory_mib, p.size))
+/// The GPU a ledger id names: its PCI address (any case), or its index as text.
+pub fn find_gpu<'a>(gpus: &'a [GpuInfo], id: &str) -> Option<&'a GpuInfo> {
+    gpus.iter()
+        .find(|g| g.pci_address.eq_ignore_ascii_case(id))
+        .or_else(|| gpus.iter().find(|g| g.index.to_string() == id))
 }
 
 impl GpuPlanner for BackendPlanner {
-    fn candidates(&self, request: &GpuRequest) -> Result<Vec<GpuPlacement>, GpuPlanError> {
+    fn place(
+        &self,
+        tenant: &str,
+        request: &GpuRequest,
+        held: &[GpuPlacement],
+    ) -> Result<GpuPlacement, GpuPlanError> {
         let gpus = self.backend.gpus().map_err(plan_err)?;
-        let need = match request {
-            GpuRequest::Model { preset } => {
-                let shape = sizing::preset(preset).map_err(plan_err)?;
-                let need = sizing::need(
-                    &shape,
-                    WeightDtype::Bf16,
-                    KvDtype::Fp16,
-                    MODEL_CONTEXT,
-                    MODEL_CONCURRENCY,
-                    None,
-                )
-                .map_err(plan_err)?;
-                Some(need.total)
-            }
-            _ => None,
-        };
-        let mut out = Vec::new();
-        let mut known_profile = false;
-        for g in &gpus {
-            let Some(model) = g.gpu_model() else { continue };
-            match request {
-                GpuRequest::None => return Ok(Vec::new()),
-                GpuRequest::Whole => {
-                    if g.instances.is_empty() && !g.assigned_whole {
-                        out.push(GpuPlacement {
-                            gpu: gpu_id(g),
-                            slots: (0..model.placement_units).collect(),
-                            label: "whole".into(),
-                        });
-                    }
-                }
-                GpuRequest::Mig { profile } => {
-                    if let Ok(p) = model.profile(profile) {
-                        known_profile = true;
-                        if g.mig_enabled && !g.assigned_whole {
-                            mig_candidates(g, p, &mut out);
-                        }
-                    }
-                }
-                GpuRequest::Model { .. } => {
-                    let bytes = need.unwrap_or(0);
-                    if let Some(p) = smallest_fitting(model, bytes) {
-                        known_profile = true;
-                        if g.mig_enabled && !g.assigned_whole {
-                            mig_candidates(g, p, &mut out);
-                        }
-                    } else if model.memory_bytes() >= bytes {
-                        known_profile = true;
-                        if g.instances.is_empty() && !g.assigned_whole {
-                            out.push(GpuPlacement {
-                                gpu: gpu_id(g),
-                                slots: (0..model.placement_units).collect(),
-                                label: "whole".into(),
-                            });
-                        }
-                    }
-                }
-            }
-        }
-        match request {
-            GpuRequest::Mig { profile } if !known_profile => Err(GpuPlanError::Plan(format!(
-                "no GPU on this host offers MIG profile {profile:?}; see `tenantvm host check`"
-            ))),
-            GpuRequest::Model { preset } if !known_profile => Err(GpuPlanError::Plan(format!(
-                "no GPU on this host has memory enough for {preset} ({} needed)",
-                sizing::gib(need.unwrap_or(0))
-            ))),
-            _ => Ok(out),
-        }
+        let held = held
+            .iter()
+            .map(|p| Held::from_label(p.gpu.clone(), &p.label))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(plan_err)?;
+        let placement =
+            place_on_host(&gpus, &held, tenant, request, DEFAULT_NODE_BUDGET).map_err(plan_err)?;
+        Ok(GpuPlacement {
+            gpu: placement.held().gpu,
+            slots: placement.slots.clone(),
+            label: placement.label(),
+        })
     }
 
     fn materialize(&self, placement: &GpuPlacement) -> Result<(), GpuPlanError> {
@@ -163,6 +114,12 @@ impl GpuPlanner for BackendPlanner {
                     .iter()
                     .any(|i| i.profile_id == profile.id && i.start == start)
         });
+        // The planner may choose a GPU whose MIG mode is off (prepare-gpu-host turns it on
+        // for a vGPU card; on the other routes it is turned on here).
+        let mig_off = gpus.iter().any(|g| g.index == gpu && !g.mig_enabled);
+        if !exists && mig_off {
+            self.backend.set_mig_mode(gpu, true).map_err(plan_err)?;
+        }
         if !exists {
             self.backend
                 .create_instance(gpu, profile.id, start)
@@ -176,6 +133,57 @@ impl GpuPlanner for BackendPlanner {
         placement: &GpuPlacement,
     ) -> Result<crate::tenant::host::DeviceResetOutcome, GpuPlanError> {
         crate::tenant::gpu_scrub::reset(self.backend.as_ref(), placement)
+    }
+
+    fn plan_device(&self, placement: &GpuPlacement) -> Result<DeviceRecord, GpuPlanError> {
+        self.plan_device_route(placement)
+    }
+
+    fn prepare_device(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
+        self.prepare_device_host(record)
+    }
+
+    fn plan_bind(
+        &self,
+        placement: &GpuPlacement,
+        record: &DeviceRecord,
+    ) -> Result<DeviceRecord, GpuPlanError> {
+        self.plan_bind_route(placement, record)
+    }
+
+    fn bind_device(
+        &self,
+        placement: &GpuPlacement,
+        record: &DeviceRecord,
+    ) -> Result<DeviceRecord, GpuPlanError> {
+        self.bind_device_route(placement, record)
+    }
+
+    fn devices(&self, record: &DeviceRecord) -> Result<Vec<PassthroughDevice>, GpuPlanError> {
+        self.device_list(record)
+    }
+
+    fn reset_device(
+        &self,
+        record: &DeviceRecord,
+    ) -> Result<Option<crate::tenant::host::DeviceResetOutcome>, GpuPlanError> {
+        self.reset_device_route(record)
+    }
+
+    fn rebind_device(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
+        self.rebind_device_route(record)
+    }
+
+    fn detach_device(
+        &self,
+        placement: &GpuPlacement,
+        record: &DeviceRecord,
+    ) -> Result<(), GpuPlanError> {
+        self.detach_device_route(placement, record)
+    }
+
+    fn leave_device_mode(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
+        BackendPlanner::leave_device_mode(self, record)
     }
 
     fn scrub(&self, placement: &GpuPlacement) -> Result<crate::scrub::ScrubOutcome, GpuPlanError> {
@@ -211,16 +219,15 @@ impl BackendPlanner {
             return Ok(None);
         };
         let bad = || plan_err(format!("unreadable placement {:?}", placement.label));
-        let gpu: u32 = placement.gpu.parse().map_err(|_| bad())?;
         let start: u32 = start.parse().map_err(|_| bad())?;
         let gpus = self.backend.gpus().map_err(plan_err)?;
-        let model = gpus
-            .iter()
-            .find(|g| g.index == gpu)
-            .and_then(GpuInfo::gpu_model)
-            .ok_or_else(|| plan_err(format!("GPU {gpu} is gone or unknown")))?;
+        let info = find_gpu(&gpus, &placement.gpu)
+            .ok_or_else(|| plan_err(format!("GPU {} is gone", placement.gpu)))?;
+        let model = info
+            .gpu_model()
+            .ok_or_else(|| plan_err(format!("GPU {} has no known model", placement.gpu)))?;
         let profile = model.profile(name).map_err(plan_err)?;
-        Ok(Some((gpu, profile, start)))
+        Ok(Some((info.index, profile, start)))
     }
 }
 
@@ -228,60 +235,116 @@ impl BackendPlanner {
 mod tests {
     use super::*;
 
-    fn sim(dir: &tempfile::TempDir) -> BackendPlanner {
-        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../tests/fixtures/hosts/sim-mixed.json");
+    fn fixture(name: &str) -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/hosts")
+            .join(name)
+    }
+
+    fn sim_file(dir: &tempfile::TempDir, text: &str) -> BackendPlanner {
         let path = dir.path().join("host.json");
-        std::fs::copy(src, &path).unwrap();
+        std::fs::write(&path, text).unwrap();
         BackendPlanner::new(gpu_backend::open(&BackendSpec::Sim(path)).unwrap())
     }
 
-    #[test]
-    fn mig_candidates_skip_occupied_slots() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = sim(&dir);
-        let c = p
-            .candidates(&GpuRequest::Mig {
-                profile: "1g.5gb".into(),
-            })
-            .unwrap();
-        assert!(!c.is_empty());
-        // GPU 0 (A100-40GB) has a 2g.10gb at start 2: slots 2 and 3 are never offered.
-        for cand in c.iter().filter(|c| c.gpu == "0") {
-            assert!(
-                !cand.slots.contains(&2) && !cand.slots.contains(&3),
-                "{cand:?}"
-            );
+    fn sim(dir: &tempfile::TempDir, name: &str) -> BackendPlanner {
+        sim_file(dir, &std::fs::read_to_string(fixture(name)).unwrap())
+    }
+
+    /// One H100 with MIG on and nothing on it (SIMULATED).
+    const ONE_H100: &str = r#"{"gpus": [{"index": 0, "model": "h100-80gb",
+        "pci_address": "0000:41:00.0", "mig_enabled": true, "instances": [],
+        "iommu_group": 17}]}"#;
+
+    fn profile(p: &str) -> GpuRequest {
+        GpuRequest {
+            profile: Some(p.into()),
+            ..Default::default()
         }
     }
 
+    fn overlaps(a: &GpuPlacement, b: &GpuPlacement) -> bool {
+        a.gpu == b.gpu && a.slots.iter().any(|s| b.slots.contains(s))
+    }
+
     #[test]
-    fn unknown_profiles_and_presets_are_refused_with_a_reason() {
+    fn placements_go_around_instances_and_held_shares_by_pci_address() {
         let dir = tempfile::tempdir().unwrap();
-        let p = sim(&dir);
+        let p = sim(&dir, "sim-mixed.json");
+        let mut held: Vec<GpuPlacement> = Vec::new();
+        for i in 0..12 {
+            let Ok(got) = p.place(&format!("t{i}"), &profile("1g.5gb"), &held) else {
+                break;
+            };
+            // GPU 0 (A100-40GB, 0000:07:00.0) has a 2g.10gb at start 2.
+            assert_eq!(got.gpu, "0000:07:00.0", "{got:?}");
+            assert!(
+                !got.slots.contains(&2) && !got.slots.contains(&3),
+                "{got:?}"
+            );
+            assert!(!held.iter().any(|h| overlaps(h, &got)), "{got:?} {held:?}");
+            held.push(got);
+        }
+        // 1g.5gb fits on the six free slots of the A100 (slot 7 holds no 1g): at most 6.
+        assert!(!held.is_empty() && held.len() <= 6, "{held:?}");
+        let err = p.place("late", &profile("1g.5gb"), &held).unwrap_err();
+        assert!(err.to_string().contains("1g.5gb"), "{err}");
+        // A ledger row of the first format names the GPU by index: still understood.
+        let by_index = GpuPlacement {
+            gpu: "0".into(),
+            ..held[0].clone()
+        };
+        assert!(p.place("again", &profile("1g.5gb"), &held[1..]).is_ok());
+        let mut old = held[1..].to_vec();
+        old.push(by_index);
+        assert!(p.place("again", &profile("1g.5gb"), &old).is_err());
+    }
+
+    #[test]
+    fn a_fragmenting_first_fit_order_is_not_a_refusal() {
+        // First-fit would put two 1g instances at slots 0 and 1 and then refuse the 4g,
+        // whose only start is 0. The planner puts them where the 4g still fits.
+        let dir = tempfile::tempdir().unwrap();
+        let p = sim_file(&dir, ONE_H100);
+        let mut held = Vec::new();
+        for i in 0..2 {
+            let got = p
+                .place(&format!("small{i}"), &profile("1g.10gb"), &held)
+                .unwrap();
+            held.push(got);
+        }
+        let big = p.place("big", &profile("4g.40gb"), &held).unwrap();
+        assert_eq!(
+            (big.label.as_str(), &big.slots[..]),
+            ("4g.40gb@0", &[0, 1, 2, 3][..])
+        );
+        assert!(!held.iter().any(|h| overlaps(h, &big)));
+    }
+
+    #[test]
+    fn gpus_without_a_partition_are_given_whole_and_never_shared() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = sim(&dir, "sim-whole-only.json");
         let err = p
-            .candidates(&GpuRequest::Mig {
-                profile: "9g.900gb".into(),
-            })
-            .unwrap_err();
-        assert!(err.to_string().contains("9g.900gb"), "{err}");
-        assert!(p
-            .candidates(&GpuRequest::Model {
-                preset: "no-such-model".into()
-            })
-            .is_err());
+            .place("a", &profile("1g.10gb"), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("can only be given whole"), "{err}");
+        let whole = GpuRequest {
+            whole_gpu: true,
+            ..Default::default()
+        };
+        let got = p.place("a", &whole, &[]).unwrap();
+        assert_eq!(got.label, "whole");
+        let next = p.place("b", &whole, std::slice::from_ref(&got)).unwrap();
+        assert_ne!(next.gpu, got.gpu);
     }
 
     #[test]
     fn materialize_and_release_are_idempotent() {
         let dir = tempfile::tempdir().unwrap();
-        let p = sim(&dir);
-        let cand = p
-            .candidates(&GpuRequest::Mig {
-                profile: "1g.18gb".into(),
-            })
-            .unwrap()
-            .remove(0);
+        let p = sim(&dir, "sim-mixed.json");
+        let cand = p.place("t", &profile("1g.18gb"), &[]).unwrap();
         let count = |p: &BackendPlanner| -> usize {
             p.backend
                 .gpus()
@@ -294,20 +357,44 @@ mod tests {
         p.materialize(&cand).unwrap();
         p.materialize(&cand).unwrap();
         assert_eq!(count(&p), before + 1);
+        // Once made, the instance and the ledger's row for it count once.
+        let next = p
+            .place("u", &profile("1g.18gb"), std::slice::from_ref(&cand))
+            .unwrap();
+        assert!(!overlaps(&next, &cand));
         p.release(&cand).unwrap();
         p.release(&cand).unwrap();
         assert_eq!(count(&p), before);
     }
 
     #[test]
-    fn model_presets_get_a_fitting_slice() {
+    fn a_placement_on_a_gpu_with_mig_off_turns_mig_on_to_make_it() {
         let dir = tempfile::tempdir().unwrap();
-        let p = sim(&dir);
-        let c = p
-            .candidates(&GpuRequest::Model {
-                preset: "llama-3-8b".into(),
-            })
-            .unwrap();
-        assert!(!c.is_empty());
+        let p = sim_file(
+            &dir,
+            &ONE_H100.replace("\"mig_enabled\": true", "\"mig_enabled\": false"),
+        );
+        assert!(!p.backend.gpus().unwrap()[0].mig_enabled);
+        let got = p.place("t", &profile("1g.10gb"), &[]).unwrap();
+        p.materialize(&got).unwrap();
+        let g = &p.backend.gpus().unwrap()[0];
+        assert!(g.mig_enabled && g.instances.len() == 1, "{g:?}");
+    }
+
+    #[test]
+    fn model_requests_are_sized_like_the_tenants_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = sim(&dir, "sim-mixed.json");
+        let r = GpuRequest {
+            model: Some("llama-3-8b".into()),
+            ..Default::default()
+        };
+        let got = p.place("m", &r, &[]).unwrap();
+        assert!(got.label.contains('@') || got.label == "whole", "{got:?}");
+        let bad = GpuRequest {
+            model: Some("no-such-model".into()),
+            ..Default::default()
+        };
+        assert!(p.place("m", &bad, &[]).is_err());
     }
 }

@@ -32,16 +32,10 @@ pub fn slice_id(p: &GpuPlacement) -> String {
 }
 
 fn gpu_of(backend: &dyn GpuBackend, p: &GpuPlacement) -> Result<GpuInfo, GpuPlanError> {
-    let index: u32 = p
-        .gpu
-        .parse()
-        .map_err(|_| plan_err(format!("unreadable GPU id {:?}", p.gpu)))?;
-    backend
-        .gpus()
-        .map_err(plan_err)?
-        .into_iter()
-        .find(|g| g.index == index)
-        .ok_or_else(|| plan_err(format!("GPU {index} is gone")))
+    let gpus = backend.gpus().map_err(plan_err)?;
+    crate::tenant::gpu::find_gpu(&gpus, &p.gpu)
+        .cloned()
+        .ok_or_else(|| plan_err(format!("GPU {} is gone", p.gpu)))
 }
 
 /// The MIG profile name and GPU-instance id of a MIG placement (None for a whole GPU).

@@ -6,10 +6,12 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
+use crate::backend::PassthroughDevice;
 use crate::domain::spec::GpuRequest;
 use crate::jail::{self, BlockIoLimit, BlockIoOutcome, Cgroups, JailError};
 use crate::receipt::{Assurance, StepResult};
 use crate::store::GpuPlacement;
+use crate::tenant::gpu_device::DeviceRecord;
 
 /// Tears down what the jail left on the host. Implemented for the real [`Cgroups`].
 pub trait JailCleaner: Send + Sync {
@@ -71,11 +73,20 @@ pub enum GpuPlanError {
     Plan(String),
 }
 
-/// Turns a GPU request into candidate placements, best first. The store's ledger then
-/// reserves the first free one atomically.
+/// Places a GPU request: the exact planner over the host's current instances, the shares
+/// the ledger holds (reservations and quarantined slices) and the new tenant. The store's
+/// ledger then reserves the placement atomically (a concurrent create that took it first
+/// makes the caller place again).
 pub trait GpuPlanner: Send + Sync {
-    /// Candidate placements for `request` (never called for [`GpuRequest::None`]).
-    fn candidates(&self, request: &GpuRequest) -> Result<Vec<GpuPlacement>, GpuPlanError>;
+    /// The placement for `tenant`'s `request` (never called for a request without a GPU)
+    /// around `held`, the ledger's shares. A refusal says why (full, fragmented, or a GPU
+    /// that cannot be shared) and what to do.
+    fn place(
+        &self,
+        tenant: &str,
+        request: &GpuRequest,
+        held: &[GpuPlacement],
+    ) -> Result<GpuPlacement, GpuPlanError>;
 
     /// Makes a reserved placement real on the GPU (creates its MIG instance). Idempotent.
     /// The default does nothing (whole GPUs and planners without hardware).
@@ -94,13 +105,84 @@ pub trait GpuPlanner: Send + Sync {
     /// Zeroes and reads back the memory of a released placement whose MIG instance still
     /// exists (departure's gpu-scrub step, and `tenantvm gpu scrub`).
     fn scrub(&self, placement: &GpuPlacement) -> Result<crate::scrub::ScrubOutcome, GpuPlanError>;
+
+    /// Decides how `placement` reaches the VM and reads what that will do; touches nothing
+    /// (prepare-gpu-host records it first). The default hands nothing over.
+    fn plan_device(&self, _placement: &GpuPlacement) -> Result<DeviceRecord, GpuPlanError> {
+        Ok(DeviceRecord::NotAttached {
+            reason: "this planner hands no device to the VM".into(),
+        })
+    }
+
+    /// Prepares the card for the route (vGPU: MIG on, then VFs on). Idempotent.
+    fn prepare_device(&self, _record: &DeviceRecord) -> Result<(), GpuPlanError> {
+        Ok(())
+    }
+
+    /// What binding will do, chosen now that the instance exists (mdev: the type and UUID);
+    /// touches nothing, so bind-gpu records it first. The default changes nothing.
+    fn plan_bind(
+        &self,
+        _placement: &GpuPlacement,
+        record: &DeviceRecord,
+    ) -> Result<DeviceRecord, GpuPlanError> {
+        Ok(record.clone())
+    }
+
+    /// Binds the share for the VM (whole: vfio-pci; vGPU: the type on a VF, checked against
+    /// the planned instance); returns the record to store. Idempotent.
+    fn bind_device(
+        &self,
+        _placement: &GpuPlacement,
+        record: &DeviceRecord,
+    ) -> Result<DeviceRecord, GpuPlanError> {
+        Ok(record.clone())
+    }
+
+    /// The devices the VM gets.
+    fn devices(&self, _record: &DeviceRecord) -> Result<Vec<PassthroughDevice>, GpuPlanError> {
+        Ok(Vec::new())
+    }
+
+    /// The route's own reset at departure (whole: checked PCI reset), or None when the
+    /// route has none and [`GpuPlanner::reset`] applies.
+    fn reset_device(
+        &self,
+        _record: &DeviceRecord,
+    ) -> Result<Option<DeviceResetOutcome>, GpuPlanError> {
+        Ok(None)
+    }
+
+    /// Gives the devices back to their host drivers (whole). Idempotent.
+    fn rebind_device(&self, _record: &DeviceRecord) -> Result<(), GpuPlanError> {
+        Ok(())
+    }
+
+    /// Takes the vGPU off its VF (type 0). Idempotent.
+    fn detach_device(
+        &self,
+        _placement: &GpuPlacement,
+        _record: &DeviceRecord,
+    ) -> Result<(), GpuPlanError> {
+        Ok(())
+    }
+
+    /// The card's last vGPU tenant is gone: VFs off, MIG off last. Idempotent.
+    fn leave_device_mode(&self, _record: &DeviceRecord) -> Result<(), GpuPlanError> {
+        Ok(())
+    }
 }
 
 /// The planner of a daemon started with `--gpu-backend none`: every GPU request is refused.
 pub struct NoGpus;
 
 impl GpuPlanner for NoGpus {
-    fn candidates(&self, _request: &GpuRequest) -> Result<Vec<GpuPlacement>, GpuPlanError> {
+    fn place(
+        &self,
+        _tenant: &str,
+        _request: &GpuRequest,
+        _held: &[GpuPlacement],
+    ) -> Result<GpuPlacement, GpuPlanError> {
         Err(GpuPlanError::NoGpuBackend)
     }
 

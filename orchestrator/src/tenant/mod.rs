@@ -18,6 +18,7 @@ pub mod departure;
 #[cfg(any(test, feature = "test-hooks"))]
 pub mod fault;
 pub mod gpu;
+pub mod gpu_device;
 pub mod gpu_scrub;
 pub mod host;
 pub mod image;
@@ -30,6 +31,10 @@ pub mod view;
 
 #[cfg(test)]
 mod departure_tests;
+#[cfg(test)]
+mod device_tests;
+#[cfg(test)]
+mod plan_tests;
 #[cfg(test)]
 pub(crate) mod test_utils;
 #[cfg(test)]

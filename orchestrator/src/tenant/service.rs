@@ -502,7 +502,21 @@ impl TenantService {
         crate::tenant::image::check_create(&self.config, &spec, guest)
             .map_err(|e| TenantServiceError::Image(e.to_string()))?;
         if spec.gpu.wants_gpu() {
-            self.gpu.candidates(&spec.gpu)?;
+            // A request this host could never meet (an unknown profile or model, a share of
+            // a GPU without a partition, more than any GPU holds) is refused before anything
+            // is recorded. Whether there is room now is reserve-gpu's question, asked under
+            // the ledger.
+            let placement = self.gpu.place(spec.name.as_str(), &spec.gpu, &[])?;
+            // An mdev vGPU reaches a VM only through QEMU: refused now, not at launch.
+            if self.backend.kind() == crate::backend::BackendKind::TenantvmVmm {
+                if let Ok(crate::tenant::gpu_device::DeviceRecord::MdevVgpu { parent, .. }) =
+                    self.gpu.plan_device(&placement)
+                {
+                    return Err(TenantServiceError::Gpu(GpuPlanError::Plan(format!(
+                        "GPU {parent} gives MIG instances to VMs as mdev vGPUs (vGPU 16 and older), which tenantvm-vmm cannot pass through: run tenantvmd with --backend qemu-kvm, or ask for a whole GPU"
+                    ))));
+                }
+            }
         }
         let guard = self.mark_busy(&spec.name)?;
         // Held until the tenant is recorded: two creates never take the same room.

@@ -43,6 +43,14 @@ pub struct FakeHostState {
     /// Name the agent's channel as tenantvm-vmm does (a hybrid vsock socket) instead of a
     /// serial one.
     pub agent_vsock: bool,
+    /// Report the QEMU backend (KVM) as this backend's kind instead of tenantvm-vmm.
+    pub qemu: bool,
+    /// The passthrough devices and VM UUID each launch was given: (tenant, devices, uuid).
+    pub launched_devices: Vec<(
+        String,
+        Vec<crate::backend::PassthroughDevice>,
+        Option<tenantvm_vmm_api::VmUuid>,
+    )>,
     /// How often `state` (which asks the VMM) was called.
     pub state_calls: usize,
     /// How often `ended` (the process table only) was called.
@@ -67,7 +75,13 @@ pub struct FakeBackend(pub FakeHost);
 
 impl VmBackend for FakeBackend {
     fn kind(&self) -> BackendKind {
-        BackendKind::TenantvmVmm
+        if self.0.state().qemu {
+            BackendKind::Qemu {
+                accel: crate::backend::QemuAccel::Kvm,
+            }
+        } else {
+            BackendKind::TenantvmVmm
+        }
     }
 
     fn launch(&self, spec: &VmSpec, jail: &JailConfig) -> Result<RunningVm, BackendError> {
@@ -83,6 +97,8 @@ impl VmBackend for FakeBackend {
         }
         h.cgroups.insert(spec.tenant.clone());
         h.launched_with.push(jail.clone());
+        h.launched_devices
+            .push((spec.tenant.clone(), spec.devices.clone(), spec.uuid));
         Ok(RunningVm {
             backend: BackendKind::TenantvmVmm,
             tenant: spec.tenant.clone(),
@@ -187,8 +203,8 @@ impl JailCleaner for FakeJail {
     }
 }
 
-/// A fake planner: `gpus` GPUs of 8 slots; whole = 8 slots, MIG `Ng.*` = N slots (7g = 8),
-/// model presets = 2 slots.
+/// A fake planner: `gpus` GPUs of 8 slots; whole = 8 slots, profile `Ng.*` = N slots (7g =
+/// 8), model requests = 2 slots; first fit around the held shares.
 pub struct FakeGpus {
     /// GPU count.
     pub gpus: u32,
@@ -197,11 +213,15 @@ pub struct FakeGpus {
 }
 
 impl GpuPlanner for FakeGpus {
-    fn candidates(&self, request: &GpuRequest) -> Result<Vec<GpuPlacement>, GpuPlanError> {
-        let len = match request {
-            GpuRequest::None => return Ok(Vec::new()),
-            GpuRequest::Whole => 8,
-            GpuRequest::Mig { profile } => match profile
+    fn place(
+        &self,
+        _tenant: &str,
+        request: &GpuRequest,
+        held: &[GpuPlacement],
+    ) -> Result<GpuPlacement, GpuPlanError> {
+        let len = match (&request.profile, request.whole_gpu) {
+            (_, true) => 8,
+            (Some(profile), false) => match profile
                 .split('g')
                 .next()
                 .and_then(|n| n.parse::<u32>().ok())
@@ -210,21 +230,29 @@ impl GpuPlanner for FakeGpus {
                 Some(n @ 1..=4) => n,
                 _ => return Err(GpuPlanError::Plan(format!("unknown profile {profile:?}"))),
             },
-            GpuRequest::Model { .. } => 2,
+            (None, false) => 2,
         };
-        let mut out = Vec::new();
         for g in 0..self.gpus {
+            let gpu = format!("fake-gpu-{g}");
             let mut start = 0;
             while start + len <= 8 {
-                out.push(GpuPlacement {
-                    gpu: format!("fake-gpu-{g}"),
-                    slots: (start..start + len).collect(),
-                    label: format!("{len}@{start}"),
-                });
+                let slots: Vec<u32> = (start..start + len).collect();
+                let taken = held
+                    .iter()
+                    .any(|h| h.gpu == gpu && h.slots.iter().any(|s| slots.contains(s)));
+                if !taken {
+                    return Ok(GpuPlacement {
+                        gpu,
+                        slots,
+                        label: format!("{len}@{start}"),
+                    });
+                }
                 start += len;
             }
         }
-        Ok(out)
+        Err(GpuPlanError::Plan(
+            "every GPU placement that fits the request is taken (fake host)".into(),
+        ))
     }
 
     fn reset(
@@ -261,6 +289,8 @@ pub struct Harness {
     pub fail_scrub: Arc<Mutex<BTreeSet<String>>>,
     /// How long await-running waits (2 s unless a test needs a long wait).
     pub boot_timeout: Duration,
+    /// The GPU planner, when not the [`FakeGpus`] one.
+    pub planner: Option<Arc<dyn GpuPlanner>>,
 }
 
 impl Harness {
@@ -273,14 +303,22 @@ impl Harness {
         let host = FakeHost::default();
         let fail_scrub = Arc::default();
         let boot_timeout = Duration::from_secs(2);
-        let svc = Self::service(dir.path(), &host, &fail_scrub, boot_timeout, fault);
+        let svc = Self::service(dir.path(), &host, &fail_scrub, boot_timeout, None, fault);
         Harness {
             dir,
             host,
             svc,
             fail_scrub,
             boot_timeout,
+            planner: None,
         }
+    }
+
+    /// The same harness with another GPU planner (a new service over the same store).
+    pub fn with_planner(mut self, planner: Arc<dyn GpuPlanner>) -> Harness {
+        self.planner = Some(planner);
+        self.restart(FaultHook::default());
+        self
     }
 
     /// A new service over the same store file and host: a daemon restart.
@@ -291,6 +329,7 @@ impl Harness {
             &self.host,
             &self.fail_scrub,
             self.boot_timeout,
+            self.planner.clone(),
             fault,
         );
     }
@@ -307,6 +346,7 @@ impl Harness {
         host: &FakeHost,
         fail_scrub: &Arc<Mutex<BTreeSet<String>>>,
         boot_timeout: Duration,
+        planner: Option<Arc<dyn GpuPlanner>>,
         fault: FaultHook,
     ) -> TenantService {
         let store = Arc::new(Store::open(&root.join("state.db")).unwrap());
@@ -321,9 +361,11 @@ impl Harness {
             store,
             Arc::new(FakeBackend(host.clone())),
             Arc::new(FakeJail(host.clone())),
-            Arc::new(FakeGpus {
-                gpus: 1,
-                fail_scrub: fail_scrub.clone(),
+            planner.unwrap_or_else(|| {
+                Arc::new(FakeGpus {
+                    gpus: 1,
+                    fail_scrub: fail_scrub.clone(),
+                })
             }),
             cfg,
         )

@@ -7,14 +7,13 @@
 
 use std::collections::BTreeMap;
 
-use tenantvm_gpu::plan::sizing::{self, KvDtype, WeightDtype};
+use tenantvm_gpu::plan::sizing;
 use tenantvm_gpu::plan::{self, HostGpu};
 
 use super::host::GpuView;
 use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 use crate::api::types::TenantView;
 use crate::domain::spec::GpuRequest;
-use crate::tenant::gpu::{MODEL_CONCURRENCY, MODEL_CONTEXT};
 
 /// Check 2.
 pub struct MigSkuCheck;
@@ -48,7 +47,7 @@ pub fn judge_mig_sku(tenants: &[TenantView], gpus: &[GpuView]) -> Outcome {
         }
         shared += 1;
         let names: Vec<&str> = holders.iter().map(|t| t.name.as_str()).collect();
-        match gpus.iter().find(|g| g.index == *gpu) {
+        match gpus.iter().find(|g| g.is(gpu)) {
             None => {
                 out.verdict = Verdict::Fail;
                 out.findings.push(format!(
@@ -100,20 +99,10 @@ fn slice_bytes(gpu: &GpuView, label: &str) -> Option<u64> {
     gpu.model.profile(profile).ok().map(|p| p.memory_bytes())
 }
 
-/// The planner's request for a tenant's GPU request (as the daemon sizes it).
+/// The planner's request for a tenant's GPU request: a spec's `gpu` table is the planner's
+/// request (the daemon sizes it the same way).
 fn planner_request(r: &GpuRequest) -> Option<plan::GpuRequest> {
-    let mut q = plan::GpuRequest::default();
-    match r {
-        GpuRequest::None => return None,
-        GpuRequest::Whole => q.whole_gpu = true,
-        GpuRequest::Mig { profile } => q.profile = Some(profile.clone()),
-        GpuRequest::Model { preset } => {
-            q.model = Some(preset.clone());
-            q.context = Some(MODEL_CONTEXT);
-            q.concurrency = Some(MODEL_CONCURRENCY);
-        }
-    }
-    Some(q)
+    r.wants_gpu().then(|| r.clone())
 }
 
 /// Check 3's judgement: each sized need within its slice, no two slices overlapping, and the
@@ -138,7 +127,7 @@ pub fn judge_partitions(tenants: &[TenantView], gpus: &[GpuView]) -> Outcome {
                 .push(format!("{} asks for a GPU but holds none", t.name));
             continue;
         };
-        let Some(gpu) = gpus.iter().find(|g| g.index == slice.gpu) else {
+        let Some(gpu) = gpus.iter().find(|g| g.is(&slice.gpu)) else {
             out.verdict = Verdict::Fail;
             out.findings.push(format!(
                 "{}: its GPU {} is not on this host's GPU list",
@@ -154,19 +143,16 @@ pub fn judge_partitions(tenants: &[TenantView], gpus: &[GpuView]) -> Outcome {
             ));
             continue;
         };
-        if let GpuRequest::Model { preset } = &t.spec.gpu {
-            let need = sizing::preset(preset).and_then(|shape| {
-                sizing::need(
-                    &shape,
-                    WeightDtype::Bf16,
-                    KvDtype::Fp16,
-                    MODEL_CONTEXT,
-                    MODEL_CONCURRENCY,
-                    None,
-                )
-            });
-            match need {
-                Ok(need) => {
+        if t.spec.gpu.model.is_some() || t.spec.gpu.custom.is_some() {
+            let preset = t
+                .spec
+                .gpu
+                .model
+                .clone()
+                .unwrap_or_else(|| "custom model".into());
+            match t.spec.gpu.need() {
+                Ok(None) => {}
+                Ok(Some(need)) => {
                     let headroom = have as f64 - need.total as f64;
                     smallest_headroom = smallest_headroom.min(headroom);
                     if need.total > have {

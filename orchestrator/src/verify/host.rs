@@ -60,12 +60,22 @@ impl HostError {
 /// A GPU as the checks see it: its index, its database model and whether the SKU has MIG.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuView {
-    /// Index on the host (what a tenant's `gpu.gpu` names).
+    /// Index on the host (what a tenant's `gpu.gpu` names in ledger rows written before
+    /// placements named GPUs by PCI address).
     pub index: String,
+    /// PCI address (what a tenant's `gpu.gpu` names).
+    pub pci_address: String,
     /// Product name.
     pub name: String,
     /// Database model key (`h100-80gb`, `l40s`, `10de-xxxx` for an unknown SKU).
     pub model: &'static tenantvm_gpu::mig::GpuModel,
+}
+
+impl GpuView {
+    /// Whether a tenant's slice GPU id (a PCI address, or an index in older rows) is this GPU.
+    pub fn is(&self, id: &str) -> bool {
+        self.pci_address.eq_ignore_ascii_case(id) || self.index == id
+    }
 }
 
 /// What became of a process that allocated past a tenant's memory limit inside its cgroup.

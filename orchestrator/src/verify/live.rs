@@ -372,6 +372,7 @@ impl VerifyHost for LiveHost {
             .into_iter()
             .map(|g| GpuView {
                 index: g.index.to_string(),
+                pci_address: g.pci_address.clone(),
                 // The same rule the planner and `host check` use to name the model.
                 model: tenantvm_gpu::mig::decide(&g.facts()).model,
                 name: g.name,

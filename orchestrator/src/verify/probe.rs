@@ -159,7 +159,7 @@ impl<'h> Probes<'h> {
             memory_mib: self.memory_mib,
             // A guest image's agent opens its encrypted disk before it starts the payload.
             disk_gib: 1,
-            gpu: GpuRequest::None,
+            gpu: GpuRequest::default(),
             image: GuestImage {
                 name: Some(image),
                 kernel: None,

@@ -115,6 +115,7 @@ fn tenant_on(
 fn gpu(index: &str, key: &str) -> GpuView {
     GpuView {
         index: index.into(),
+        pci_address: format!("0000:{:0>2}:00.0", index),
         name: key.into(),
         model: tenantvm_gpu::mig::model_by_key(key).unwrap(),
     }
@@ -122,7 +123,10 @@ fn gpu(index: &str, key: &str) -> GpuView {
 
 #[test]
 fn check_2_a_non_mig_sku_shared_by_two_tenants_fails() {
-    let mig = |p: &str| GpuRequest::Mig { profile: p.into() };
+    let mig = |p: &str| GpuRequest {
+        profile: Some(p.into()),
+        ..Default::default()
+    };
     let tenants = vec![
         tenant_on("a", mig("1g.10gb"), ("0", vec![0], "1g.10gb@0")),
         tenant_on("b", mig("1g.10gb"), ("0", vec![1], "1g.10gb@1")),
@@ -131,8 +135,22 @@ fn check_2_a_non_mig_sku_shared_by_two_tenants_fails() {
     assert_eq!(ok.verdict, Verdict::Pass, "{ok:#?}");
     assert_eq!(ok.value("gpus_shared"), Some(1.0));
     let l40s = vec![
-        tenant_on("a", GpuRequest::Whole, ("0", vec![0], "whole")),
-        tenant_on("b", GpuRequest::Whole, ("0", vec![0], "whole")),
+        tenant_on(
+            "a",
+            GpuRequest {
+                whole_gpu: true,
+                ..Default::default()
+            },
+            ("0", vec![0], "whole"),
+        ),
+        tenant_on(
+            "b",
+            GpuRequest {
+                whole_gpu: true,
+                ..Default::default()
+            },
+            ("0", vec![0], "whole"),
+        ),
     ];
     let bad = gpu::judge_mig_sku(&l40s, &[gpu("0", "l40s")]);
     assert_eq!(bad.verdict, Verdict::Fail, "{bad:#?}");
@@ -155,7 +173,12 @@ fn check_2_a_non_mig_sku_shared_by_two_tenants_fails() {
 
 #[test]
 fn check_3_a_model_that_does_not_fit_its_slice_fails() {
-    let model = |p: &str| GpuRequest::Model { preset: p.into() };
+    let model = |p: &str| GpuRequest {
+        model: Some(p.into()),
+        context: Some(crate::domain::gpu_request::LEGACY_MODEL_CONTEXT),
+        concurrency: Some(crate::domain::gpu_request::LEGACY_MODEL_CONCURRENCY),
+        ..Default::default()
+    };
     let h100 = [gpu("0", "h100-80gb")];
     // llama-3-8b at 8k context x 4 sequences needs ~21 GiB: a 3g.40gb slice holds it.
     let fits = vec![tenant_on(
@@ -410,8 +433,8 @@ fn probes_are_destroyed_even_when_a_check_panics_and_the_ledger_sweeps_leftovers
         std::mem::forget(probes);
     }
     // A real tenant that merely looks like a probe, and one that does not.
-    host.add_tenant(spec("tvm-verify-22222222-a0", GpuRequest::None), None);
-    host.add_tenant(spec("alice", GpuRequest::None), None);
+    host.add_tenant(spec("tvm-verify-22222222-a0", GpuRequest::default()), None);
+    host.add_tenant(spec("alice", GpuRequest::default()), None);
     assert_eq!(host.names().len(), 3);
     let probes = Probes::new(
         &host,
@@ -447,7 +470,7 @@ fn probes_are_destroyed_even_when_a_check_panics_and_the_ledger_sweeps_leftovers
 #[test]
 fn a_probe_name_already_taken_is_refused_and_the_real_tenant_kept() {
     let host = FakeVerifyHost::new(Broken::default());
-    host.add_tenant(spec("tvm-verify-44444444-a0", GpuRequest::None), None);
+    host.add_tenant(spec("tvm-verify-44444444-a0", GpuRequest::default()), None);
     let probes = Probes::new(
         &host,
         "44444444",

@@ -19,7 +19,29 @@ fn no_device(step: DepartureStep, started: String) -> StepRecord {
     )
 }
 
-/// reserve-gpu: the first free placement that fits the request, reserved atomically.
+/// The steps whose failure quarantines a slice until an operator's re-scrub (the reason
+/// starts with the step's name).
+const DEVICE_STEPS: [&str; 2] = ["device-reset:", "rebind-gpu:"];
+
+/// What the ledger holds: every tenant's placement and every quarantined slice.
+pub fn held_shares(store: &crate::store::Store) -> Result<Vec<GpuPlacement>, StepError> {
+    let mut held = store.gpu_placements()?;
+    held.extend(store.quarantined()?.into_iter().map(|q| GpuPlacement {
+        gpu: q.gpu,
+        slots: q.slots,
+        label: q.label,
+    }));
+    Ok(held)
+}
+
+/// How often reserve-gpu places again when a concurrent create reserved the same slots
+/// between its placement and its reservation.
+const RESERVE_ATTEMPTS: usize = 8;
+
+/// reserve-gpu: the exact planner places the request around everything the ledger holds
+/// (reservations and quarantined slices) and the host's instances; the placement is then
+/// reserved atomically. A concurrent create that took those slots first makes it place
+/// again.
 pub fn reserve(
     ctx: &StepCtx<'_>,
     t: &mut Tenant,
@@ -28,21 +50,32 @@ pub fn reserve(
     if !t.spec.gpu.wants_gpu() {
         return Ok(None);
     }
-    let candidates = ctx.gpu.candidates(&t.spec.gpu)?;
-    if ctx.store.reserve_gpu(t.id, &candidates)?.is_some() {
+    if ctx.store.gpu_placement(t.id)?.is_some() {
         return Ok(None);
     }
-    let quarantined = ctx.store.quarantined()?;
-    let held_back = candidates.iter().any(|c| {
-        quarantined
-            .iter()
-            .any(|q| q.gpu == c.gpu && q.slots.iter().any(|s| c.slots.contains(s)))
-    });
-    Err(StepError::failed(if held_back {
-        "every GPU placement that fits the request is taken or quarantined (a scrub did not verify: see `tenantvm gpu quarantine`); destroy a tenant, re-scrub with `tenantvm gpu scrub`, or ask for a smaller profile"
-    } else {
-        "every GPU placement that fits the request is taken; destroy a tenant or ask for a smaller profile"
-    }))
+    for _ in 0..RESERVE_ATTEMPTS {
+        let held = held_shares(ctx.store)?;
+        let quarantined = ctx.store.quarantined()?;
+        let placement = ctx
+            .gpu
+            .place(t.name.as_str(), &t.spec.gpu, &held)
+            .map_err(|e| {
+                if quarantined.is_empty() {
+                    StepError::from(e)
+                } else {
+                    StepError::failed(format!(
+                        "{e} ({} slice(s) are quarantined because a scrub did not verify: see `tenantvm gpu quarantine`, re-scrub with `tenantvm gpu scrub`)",
+                        quarantined.len()
+                    ))
+                }
+            })?;
+        if ctx.store.reserve_gpu(t.id, &[placement])?.is_some() {
+            return Ok(None);
+        }
+    }
+    Err(StepError::failed(
+        "the GPU placement was taken by concurrent creates every time; create the tenant again",
+    ))
 }
 
 /// create-gpu-instance: makes the reserved placement real (its MIG instance).
@@ -67,7 +100,60 @@ pub fn device_reset(
     let Some(p) = ctx.store.gpu_placement(t.id)? else {
         return Ok(Some(no_device(DepartureStep::DeviceReset, started)));
     };
-    let out = ctx.gpu.reset(&p)?;
+    let record = crate::tenant::steps::device::stored(ctx, t)?.map(|(_, r)| r);
+    // What the VMM said about its devices' resets as it ended (tenantvm-vmm's exit report;
+    // a compromised VMM wrote it, so it is evidence, never the only check).
+    let mut vmm_evidence = std::collections::BTreeMap::new();
+    let mut vmm_failed = Vec::new();
+    match crate::backend::vmm::Vmm::read_exit_report(&ctx.config.tenant_dir(&t.name)) {
+        Ok(Some(report)) => {
+            for d in &report.devices {
+                let path = crate::logs::sanitize(&d.path.display().to_string());
+                let outcome = crate::logs::sanitize(&format!("{:?}", d.reset_at_detach));
+                if matches!(
+                    d.reset_at_detach,
+                    tenantvm_vmm_api::ResetOutcome::Failed { .. }
+                ) {
+                    vmm_failed.push(format!("{path}: {outcome}"));
+                }
+                vmm_evidence.insert(format!("vmm reset at detach {path}"), outcome);
+            }
+        }
+        Ok(None) => {}
+        Err(e) => {
+            vmm_evidence.insert(
+                "vmm exit report".into(),
+                crate::logs::sanitize(&e.to_string()),
+            );
+        }
+    }
+    let routed = match &record {
+        Some(r) => match ctx.gpu.reset_device(r) {
+            Ok(out) => out,
+            Err(e) => {
+                let why = format!("device-reset: {e}");
+                ctx.store.quarantine_gpu(&p, &why)?;
+                let mut rec = StepRecord::new(
+                    DepartureStep::DeviceReset,
+                    "PCI function reset through sysfs",
+                    StepResult::Failed,
+                    Assurance::Unverified,
+                    started,
+                    now_rfc3339(),
+                )
+                .with_evidence("quarantined", true)
+                .with_evidence("slice", slice_id(&p))
+                .failed(why);
+                rec.evidence.extend(vmm_evidence);
+                return Ok(Some(rec));
+            }
+        },
+        None => None,
+    };
+    let out = match routed {
+        Some(out) => out,
+        None => ctx.gpu.reset(&p)?,
+    };
     let mut rec = StepRecord::new(
         DepartureStep::DeviceReset,
         &out.method,
@@ -77,6 +163,18 @@ pub fn device_reset(
         now_rfc3339(),
     );
     rec.evidence = out.evidence;
+    if let Some(r) = &record {
+        rec.evidence.insert("route".into(), r.route().into());
+    }
+    rec.evidence.extend(vmm_evidence);
+    if !vmm_failed.is_empty() {
+        let why = format!(
+            "device-reset: the VMM's reset failed: {}",
+            vmm_failed.join("; ")
+        );
+        ctx.store.quarantine_gpu(&p, &why)?;
+        rec = rec.with_evidence("quarantined", true).failed(why);
+    }
     Ok(Some(rec))
 }
 
@@ -100,8 +198,16 @@ fn scrub_or_quarantine(
             let mut rec = outcome.step_record(started, now_rfc3339());
             if outcome.passed {
                 // A re-run after a crash may pass where the first run did not: a scrub that
-                // verifies is what lifts a quarantine.
-                ctx.store.lift_quarantine(p)?;
+                // verifies is what lifts a quarantine, but not one a failed reset or rebind
+                // of this departure set (the device was not given back clean).
+                let held_by_device_step = ctx.store.quarantined()?.iter().any(|q| {
+                    q.gpu == p.gpu
+                        && q.label == p.label
+                        && DEVICE_STEPS.iter().any(|s| q.reason.starts_with(s))
+                });
+                if !held_by_device_step {
+                    ctx.store.lift_quarantine(p)?;
+                }
             } else {
                 ctx.store
                     .quarantine_gpu(p, rec.error.as_deref().unwrap_or("scrub did not pass"))?;
@@ -141,21 +247,29 @@ pub fn destroy_instance(
         return Ok(Some(no_device(DepartureStep::GpuRelease, started)));
     };
     ctx.gpu.release(&p)?;
-    Ok(Some(
-        StepRecord::new(
-            DepartureStep::GpuRelease,
-            if p.label.contains('@') {
-                "MIG compute and GPU instance destroyed, found again by GPU, profile and start"
-            } else {
-                "whole GPU released (no MIG instance)"
-            },
-            StepResult::Ok,
-            Assurance::Verified,
-            started,
-            now_rfc3339(),
-        )
-        .with_evidence("slice", slice_id(&p)),
-    ))
+    // A reset or rebind that failed quarantined the slice: the receipt names that step.
+    let quarantined = ctx
+        .store
+        .quarantined()?
+        .into_iter()
+        .find(|q| q.gpu == p.gpu && q.label == p.label);
+    let rec = StepRecord::new(
+        DepartureStep::GpuRelease,
+        if p.label.contains('@') {
+            "MIG compute and GPU instance destroyed, found again by GPU, profile and start"
+        } else {
+            "whole GPU released (no MIG instance)"
+        },
+        StepResult::Ok,
+        Assurance::Verified,
+        started,
+        now_rfc3339(),
+    )
+    .with_evidence("slice", slice_id(&p));
+    Ok(Some(match quarantined {
+        Some(q) => rec.with_evidence("quarantined", crate::logs::sanitize(&q.reason)),
+        None => rec,
+    }))
 }
 
 /// release-gpu: returns the placement's slots to the ledger.
@@ -165,5 +279,6 @@ pub fn release(
     _op: Op,
 ) -> Result<Option<StepRecord>, StepError> {
     ctx.store.release_gpu(t.id)?;
+    crate::tenant::steps::device::release(ctx, t)?;
     Ok(None)
 }

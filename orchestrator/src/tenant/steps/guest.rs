@@ -318,6 +318,7 @@ mod tests {
                 cpu: "/nonexistent".into(),
                 pids: "/nonexistent".into(),
                 blkio: None,
+                devices: None,
             },
             uid: me.wrapping_add(1),
         };
@@ -358,6 +359,7 @@ mod tests {
                 cpu: "/nonexistent".into(),
                 pids: "/nonexistent".into(),
                 blkio: None,
+                devices: None,
             },
             uid: me,
         };

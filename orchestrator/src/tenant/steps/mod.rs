@@ -12,6 +12,7 @@
 //! again.
 
 pub mod departure;
+pub mod device;
 pub mod disk;
 pub mod gpu;
 pub mod guest;
@@ -94,6 +95,18 @@ pub enum Step {
     RevokeTokens,
     /// Departure: append the receipt to the signed audit log.
     WriteReceipt,
+    /// Decide and record how the GPU share reaches the VM (with the VM's UUID), then
+    /// prepare the card (vGPU: MIG on, then VFs on). No-op without a GPU.
+    PrepareGpuHost,
+    /// Bind the share for the VM: whole GPU onto vfio-pci, or the vGPU type on a VF
+    /// (checked against the planned instance).
+    BindGpu,
+    /// Record the devices the VM gets (launch-vm passes them to the VMM).
+    AttachGpu,
+    /// Departure: a whole GPU's devices back on their host drivers (a failure quarantines).
+    RebindGpu,
+    /// Departure: the vGPU type off its VF (type 0).
+    DetachGpu,
 }
 
 /// Runs one step: the narrow context, the tenant (whose facts the step keeps current), and
@@ -114,7 +127,7 @@ pub struct StepDef {
 }
 
 /// Every step, in [`Step`] order: the one place a step is bound to its code.
-pub static TABLE: [StepDef; 23] = [
+pub static TABLE: [StepDef; 28] = [
     row(Step::AllocateUid, "allocate-uid", vm::allocate_uid, None),
     row(Step::ReserveGpu, "reserve-gpu", gpu::reserve, None),
     row(
@@ -198,6 +211,16 @@ pub static TABLE: [StepDef; 23] = [
         departure::write_receipt,
         None,
     ),
+    row(
+        Step::PrepareGpuHost,
+        "prepare-gpu-host",
+        device::prepare_host,
+        None,
+    ),
+    row(Step::BindGpu, "bind-gpu", device::bind, None),
+    row(Step::AttachGpu, "attach-gpu", device::attach, None),
+    row(Step::RebindGpu, "rebind-gpu", device::rebind, None),
+    row(Step::DetachGpu, "detach-gpu", device::detach, None),
 ];
 
 const fn row(
@@ -252,7 +275,10 @@ impl Op {
             Op::Create => &[
                 AllocateUid,
                 ReserveGpu,
+                PrepareGpuHost,
                 CreateGpuInstance,
+                BindGpu,
+                AttachGpu,
                 PrepareDir,
                 CreateDisk,
                 LaunchVm,
@@ -276,6 +302,8 @@ impl Op {
                 StopVm,
                 CleanupJail,
                 DeviceReset,
+                RebindGpu,
+                DetachGpu,
                 ScrubGpu,
                 DestroyGpuInstance,
                 ReleaseGpu,

@@ -59,6 +59,7 @@ pub fn launch(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepR
         .cleanup(&t.name, &dir)
         .map_err(|e| StepError::failed(error_chain(&e)))?;
     let uid = t.uid()?;
+    let (devices, uuid) = crate::tenant::steps::device::for_launch(ctx, t)?;
     let boot = crate::tenant::image::boot_files(cfg, &t.spec, t.guest)
         .map_err(|e| StepError::failed(format!("guest image: {e}")))?;
     let spec = VmSpec {
@@ -70,6 +71,8 @@ pub fn launch(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepR
         memory_mib: t.spec.memory_mib,
         disks: disk::attachments(cfg, &t.spec),
         tenant_dir: dir,
+        devices,
+        uuid,
     };
     let jail = JailConfig {
         uid,

@@ -393,6 +393,16 @@ fn create_mdev(root: &Path, parent: &str, type_id: &str, uuid: &str) -> io::Resu
     std::os::unix::fs::symlink(&tdir, mdir.join("mdev_type"))?;
     std::fs::create_dir_all(root.join("sys/bus/mdev/devices"))?;
     std::os::unix::fs::symlink(&mdir, root.join("sys/bus/mdev/devices").join(uuid))?;
+    // vfio-mdev gives each mdev an IOMMU group of its own (`/dev/vfio/<group>`).
+    let groups = root.join("sys/kernel/iommu_groups");
+    let next = std::fs::read_dir(&groups)?
+        .filter_map(|e| e.ok()?.file_name().to_string_lossy().parse::<u32>().ok())
+        .max()
+        .map_or(0, |g| g + 1);
+    let gdir = groups.join(next.to_string());
+    std::fs::create_dir_all(gdir.join("devices"))?;
+    std::os::unix::fs::symlink(&gdir, mdir.join("iommu_group"))?;
+    std::os::unix::fs::symlink(&mdir, gdir.join("devices").join(uuid))?;
     adjust_available(&tdir, -1)
 }
 
@@ -400,6 +410,9 @@ fn remove_mdev(root: &Path, uuid: &str) -> io::Result<()> {
     let link = root.join("sys/bus/mdev/devices").join(uuid);
     let mdir = std::fs::read_link(&link).map_err(|_| errno(libc::ENOENT, "no such mdev"))?;
     let tdir = std::fs::read_link(mdir.join("mdev_type"))?;
+    if let Ok(group) = std::fs::read_link(mdir.join("iommu_group")) {
+        let _ = std::fs::remove_dir_all(group);
+    }
     std::fs::remove_dir_all(&mdir)?;
     std::fs::remove_file(&link)?;
     adjust_available(&tdir, 1)

@@ -1,0 +1,419 @@
+//! The GPU share reaches the VM and comes back, through the daemon's steps, on a FAKE sysfs
+//! tree (the HGX H100 fixture and its fake kernel) linked to a SIMULATED GPU host whose
+//! driver enforces the vGPU ordering rules. Both routes, an uninterrupted run, and a crash
+//! (the in-process fault hook) at every boundary of the steps from reserve-gpu to launch-vm
+//! and from stop-vm to release-gpu (the GPU's own and those around them), after which
+//! a restarted service resumes: it must converge to the uninterrupted run's host state, with
+//! nothing left bound to the wrong driver, no VF left typed, no instance leaked.
+
+use std::sync::Arc;
+
+use tenantvm_gpu::backend::sim::{SimHost, SimVgpu};
+use tenantvm_gpu::host::fake::FakeHost;
+use tenantvm_gpu::host::{sriov, PciAddress};
+use tenantvm_gpu::route::vgpu::vgpu_state;
+
+use crate::auth::Caller;
+use crate::backend::PassthroughDevice;
+use crate::domain::lifecycle::LifecycleState;
+use crate::domain::spec::TenantSpec;
+use crate::reconcile::{reconcile, ReconcileOptions};
+use crate::tenant::fault::{Boundary, FaultHook};
+use crate::tenant::gpu::BackendPlanner;
+use crate::tenant::service::TenantCommand;
+use crate::tenant::steps::{Op, Step};
+use crate::tenant::test_utils::Harness;
+
+/// A FAKE HGX H100 tree with its SIMULATED GPUs, every one with SR-IOV vGPU.
+struct GpuHost {
+    fake: FakeHost,
+    planner: Arc<BackendPlanner>,
+}
+
+fn gpu_host() -> GpuHost {
+    gpu_host_with(|_| {})
+}
+
+fn gpu_host_with(change: impl FnOnce(&mut tenantvm_gpu::host::fake::FakeHostSpec)) -> GpuHost {
+    let mut spec = FakeHost::h100x8_spec();
+    change(&mut spec);
+    let fake = FakeHost::build(&spec).unwrap();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/hosts/sim-h100x8.json");
+    let mut host: SimHost = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    for g in &mut host.gpus {
+        g.vgpu = SimVgpu::Sriov;
+    }
+    let sim = fake.attach_sim(&host).unwrap();
+    let planner = Arc::new(BackendPlanner::new(Box::new(sim)).with_sysfs(fake.sysfs()));
+    GpuHost { fake, planner }
+}
+
+/// Everything the routes change, per GPU: MIG mode, instances, enabled VFs, typed VFs
+/// (with their instance), and the drivers of the GPU's functions.
+/// Per GPU: address, MIG mode, instances (profile, start), enabled VFs, typed VFs (with
+/// their instance), the PF's driver.
+type GpuState = (
+    String,
+    bool,
+    Vec<(u32, u32)>,
+    u32,
+    Vec<(String, Option<u32>)>,
+    Option<String>,
+);
+/// Every GPU's state, and how many mdevs exist (their UUIDs are random).
+type Snapshot = (Vec<GpuState>, usize);
+
+fn snapshot(h: &GpuHost) -> Snapshot {
+    let sysfs = h.fake.sysfs();
+    let mut out = Vec::new();
+    for g in h.planner.backend().gpus().unwrap() {
+        let pf = PciAddress::parse(&g.pci_address).unwrap();
+        let mut instances: Vec<(u32, u32)> = g
+            .instances
+            .iter()
+            .map(|i| (i.profile_id, i.start))
+            .collect();
+        instances.sort_unstable();
+        let typed: Vec<(String, Option<u32>)> = vgpu_state(&sysfs, &pf)
+            .unwrap()
+            .into_iter()
+            .filter(|v| v.vgpu_type.is_some())
+            .map(|v| (v.vf, v.gpu_instance_id))
+            .collect();
+        out.push((
+            g.pci_address.clone(),
+            g.mig_enabled,
+            instances,
+            sriov::enabled_vfs(&sysfs, &pf).unwrap_or(0),
+            typed,
+            sysfs.device(&pf).unwrap().driver,
+        ));
+    }
+    (out, sysfs.list(&sysfs.path("sys/bus/mdev/devices")).len())
+}
+
+/// The workstation tree (gpu-audio.sysfs.json) with its A100 as a SIMULATED GPU whose vGPU
+/// is an mdev (vGPU 16 and older).
+fn mdev_host() -> GpuHost {
+    let fake = FakeHost::build(&FakeHost::audio_host_spec()).unwrap();
+    let host: SimHost = serde_json::from_str(
+        r#"{"gpus": [{"index": 0, "model": "a100-40gb", "pci_address": "0000:05:00.0",
+            "mig_enabled": true, "vgpu": "mdev", "iommu_group": 14}]}"#,
+    )
+    .unwrap();
+    let sim = fake.attach_sim(&host).unwrap();
+    let planner = Arc::new(BackendPlanner::new(Box::new(sim)).with_sysfs(fake.sysfs()));
+    GpuHost { fake, planner }
+}
+
+fn sysfs_has_mdev(host: &GpuHost, uuid: &str) -> bool {
+    let sysfs = host.fake.sysfs();
+    sysfs
+        .list(&sysfs.path("sys/bus/mdev/devices"))
+        .iter()
+        .any(|u| u == uuid)
+}
+
+const MDEV: &str = "{ profile = \"1g.5gb\" }";
+
+fn spec(gpu: &str) -> TenantSpec {
+    TenantSpec::from_toml(&format!(
+        "name = \"g\"\ngpu = {gpu}\n[image]\nname = \"hello\"\n"
+    ))
+    .unwrap()
+}
+
+const VGPU: &str = "{ profile = \"3g.40gb\" }";
+const WHOLE: &str = "{ whole_gpu = true }";
+
+fn state(h: &Harness) -> Option<LifecycleState> {
+    h.svc.store().tenant("g").unwrap().map(|t| t.state)
+}
+
+fn create(h: &Harness, gpu: &str) {
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Create(spec(gpu)))
+        .unwrap();
+    h.svc.wait_idle();
+}
+
+fn destroy(h: &Harness) {
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Destroy("g".into()))
+        .unwrap();
+    h.svc.wait_idle();
+}
+
+/// A service over `host`; its fake VM backend says it is QEMU (the backend an mdev needs).
+fn harness(host: &GpuHost) -> Harness {
+    let h = Harness::new(FaultHook::default()).with_planner(host.planner.clone());
+    h.host.state().qemu = true;
+    h
+}
+
+/// The last launch's devices and UUID.
+fn launched(h: &Harness) -> (Vec<PassthroughDevice>, Option<tenantvm_vmm_api::VmUuid>) {
+    let s = h.host.state();
+    let (_, devices, uuid) = s.launched_devices.last().cloned().unwrap();
+    (devices, uuid)
+}
+
+#[test]
+fn a_vgpu_reaches_the_vm_on_its_planned_instance_and_everything_comes_back() {
+    let host = gpu_host();
+    let before = snapshot(&host);
+    let h = harness(&host);
+    create(&h, VGPU);
+    assert_eq!(
+        state(&h),
+        Some(LifecycleState::Running),
+        "{:?}",
+        h.svc.store().tenant("g").unwrap().unwrap().error
+    );
+    let (devices, uuid) = launched(&h);
+    assert!(
+        uuid.is_some(),
+        "a vGPU VM needs its UUID on the VMM's command line"
+    );
+    let [PassthroughDevice::Pci { address, .. }] = &devices[..] else {
+        panic!("one VF expected: {devices:?}")
+    };
+    // The VF the VM got is typed and serves an instance of the tenant's card.
+    let during = snapshot(&host);
+    let card = during
+        .0
+        .iter()
+        .find(|g| g.4.iter().any(|(vf, _)| vf == address))
+        .unwrap_or_else(|| panic!("VF {address} is not typed: {during:?}"));
+    assert_eq!(card.4.len(), 1);
+    assert!(card.3 > 0 && card.1, "VFs and MIG on: {card:?}");
+    destroy(&h);
+    assert_eq!(state(&h), None);
+    assert_eq!(snapshot(&host), before, "the card left vGPU mode as it was");
+    assert!(h.svc.store().gpu_devices().unwrap().is_empty());
+    assert!(h.svc.store().gpu_reservations().unwrap().is_empty());
+}
+
+#[test]
+fn a_whole_gpu_is_bound_to_vfio_handed_over_and_given_back_to_its_driver() {
+    let host = gpu_host();
+    let before = snapshot(&host);
+    let h = harness(&host);
+    create(&h, WHOLE);
+    assert_eq!(
+        state(&h),
+        Some(LifecycleState::Running),
+        "{:?}",
+        h.svc.store().tenant("g").unwrap().unwrap().error
+    );
+    let (devices, _) = launched(&h);
+    let Some(PassthroughDevice::Pci {
+        address,
+        iommu_group,
+    }) = devices.first()
+    else {
+        panic!("no device: {devices:?}")
+    };
+    let sysfs = host.fake.sysfs();
+    let dev = sysfs.device(&PciAddress::parse(address).unwrap()).unwrap();
+    assert_eq!(dev.driver.as_deref(), Some("vfio-pci"));
+    assert_eq!(dev.iommu_group, Some(*iommu_group));
+    destroy(&h);
+    assert_eq!(state(&h), None);
+    assert_eq!(snapshot(&host), before);
+    assert!(
+        host.fake.resets(address) >= 1,
+        "the departure reset the GPU"
+    );
+}
+
+#[test]
+fn a_failed_reset_quarantines_the_card_and_the_receipt_names_the_step() {
+    // Every GPU's function reset fails (the fake kernel answers the write with an error).
+    let host = gpu_host_with(|spec| {
+        for d in &mut spec.devices {
+            if d.vendor == "0x10de" && d.class.starts_with("0x0302") {
+                d.reset_fails = true;
+            }
+        }
+    });
+    let h = harness(&host);
+    create(&h, WHOLE);
+    assert_eq!(state(&h), Some(LifecycleState::Running));
+    let (devices, _) = launched(&h);
+    let Some(PassthroughDevice::Pci { address, .. }) = devices.first().cloned() else {
+        panic!("no device")
+    };
+    destroy(&h);
+    // The departure finished; the card is quarantined with the failed step as the reason.
+    assert_eq!(state(&h), None);
+    let q = h.svc.store().quarantined().unwrap();
+    assert_eq!(q.len(), 1, "{q:?}");
+    assert!(q[0].reason.starts_with("device-reset: "), "{}", q[0].reason);
+    assert_eq!(q[0].gpu, address);
+    let kit = h.svc.departure_kit().unwrap();
+    let entry = kit
+        .log
+        .entries()
+        .unwrap()
+        .into_iter()
+        .find(|e| e.receipt.tenant == "g")
+        .unwrap();
+    let line = |step| {
+        entry
+            .receipt
+            .steps
+            .iter()
+            .find(|s| s.step == step)
+            .cloned()
+            .unwrap()
+    };
+    let reset = line(crate::receipt::DepartureStep::DeviceReset);
+    assert_eq!(reset.result, crate::receipt::StepResult::Failed);
+    assert!(reset.error.unwrap().contains("device-reset"));
+    let release = line(crate::receipt::DepartureStep::GpuRelease);
+    assert!(release.evidence["quarantined"].starts_with("device-reset"));
+    // The driver came back all the same, and the next whole GPU is another card.
+    let sysfs = host.fake.sysfs();
+    let dev = sysfs.device(&PciAddress::parse(&address).unwrap()).unwrap();
+    assert_eq!(dev.driver.as_deref(), Some("nvidia"));
+    create(&h, WHOLE);
+    let (devices, _) = launched(&h);
+    assert!(
+        !devices
+            .iter()
+            .any(|d| matches!(d, PassthroughDevice::Pci { address: a, .. } if *a == address)),
+        "{devices:?}"
+    );
+}
+
+/// The steps of `op` from `first` to `last`: those around the GPU's. (The crash tests of
+/// `tenant::tests` cover every boundary of every step with the fake planner; each run here
+/// costs a FAKE tree and a SIMULATED host file, so only the boundaries where the device is
+/// in flight are repeated with the real routes.)
+fn window(op: Op, first: Step, last: Step) -> Vec<Step> {
+    let steps = op.steps();
+    let a = steps.iter().position(|s| *s == first).unwrap();
+    let b = steps.iter().position(|s| *s == last).unwrap();
+    steps[a..=b].to_vec()
+}
+
+/// Create with a crash at `step`/`boundary`, restart, reconcile: it must end running with
+/// the host as an uninterrupted create leaves it; then destroy with a crash at every
+/// boundary too, converging to the host as it was.
+fn converges(gpu: &str, gpu_host: fn() -> GpuHost) {
+    let reference = {
+        let host = gpu_host();
+        let h = harness(&host);
+        create(&h, gpu);
+        assert_eq!(state(&h), Some(LifecycleState::Running));
+        let created = snapshot(&host);
+        destroy(&h);
+        (created, snapshot(&host))
+    };
+    for step in window(Op::Create, Step::ReserveGpu, Step::LaunchVm) {
+        for boundary in [Boundary::Before, Boundary::After] {
+            let host = gpu_host();
+            let mut h = harness(&host);
+            h.restart(FaultHook::fail_at("create", step.name(), boundary));
+            create(&h, gpu);
+            h.restart(FaultHook::default());
+            reconcile(&h.svc, &ReconcileOptions::default()).unwrap();
+            assert_eq!(
+                state(&h),
+                Some(LifecycleState::Running),
+                "create {step:?} {boundary:?}: {:?}",
+                h.svc.store().tenant("g").unwrap().unwrap().error
+            );
+            assert_eq!(snapshot(&host), reference.0, "create {step:?} {boundary:?}");
+        }
+    }
+    for step in window(Op::Destroy, Step::StopVm, Step::ReleaseGpu) {
+        for boundary in [Boundary::Before, Boundary::After] {
+            let host = gpu_host();
+            let mut h = harness(&host);
+            create(&h, gpu);
+            h.restart(FaultHook::fail_at("destroy", step.name(), boundary));
+            destroy(&h);
+            h.restart(FaultHook::default());
+            reconcile(&h.svc, &ReconcileOptions::default()).unwrap();
+            assert_eq!(state(&h), None, "destroy {step:?} {boundary:?}");
+            assert_eq!(
+                snapshot(&host),
+                reference.1,
+                "destroy {step:?} {boundary:?}"
+            );
+            assert!(h.svc.store().gpu_devices().unwrap().is_empty());
+            assert!(h.svc.store().gpu_reservations().unwrap().is_empty());
+        }
+    }
+}
+
+#[test]
+fn a_vgpu_tenant_converges_after_a_crash_at_every_step_boundary() {
+    converges(VGPU, gpu_host);
+}
+
+#[test]
+fn a_whole_gpu_tenant_converges_after_a_crash_at_every_step_boundary() {
+    converges(WHOLE, gpu_host);
+}
+
+#[test]
+fn an_mdev_tenant_converges_after_a_crash_at_every_step_boundary() {
+    converges(MDEV, mdev_host);
+}
+
+#[test]
+fn an_mdev_share_is_refused_at_create_on_tenantvm_vmm_with_what_to_do() {
+    let host = mdev_host();
+    let before = snapshot(&host);
+    let h = harness(&host);
+    h.host.state().qemu = false;
+    let err = h
+        .svc
+        .execute(&Caller::Admin, TenantCommand::Create(spec(MDEV)))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("mdev") && err.contains("--backend qemu-kvm"),
+        "{err}"
+    );
+    assert_eq!(state(&h), None);
+    assert_eq!(snapshot(&host), before, "nothing touched");
+}
+
+#[test]
+fn an_mdev_vgpu_is_created_handed_over_by_its_sysfs_path_and_removed() {
+    let host = mdev_host();
+    let before = snapshot(&host);
+    let h = harness(&host);
+    create(&h, MDEV);
+    assert_eq!(state(&h), Some(LifecycleState::Running));
+    let (devices, uuid) = launched(&h);
+    let [PassthroughDevice::Mdev {
+        uuid: mdev,
+        iommu_group,
+    }] = &devices[..]
+    else {
+        panic!("one mdev expected: {devices:?}")
+    };
+    assert!(uuid.is_some());
+    let during = snapshot(&host);
+    assert_eq!(during.1, 1);
+    assert!(sysfs_has_mdev(&host, mdev));
+    assert!(
+        !before.0[0].2.contains(&during.0[0].2[0]),
+        "an instance was made"
+    );
+    // Its own IOMMU group, which the jail will give the VMM as /dev/vfio/<group>.
+    let sysfs = host.fake.sysfs();
+    assert!(sysfs
+        .path(&format!(
+            "sys/kernel/iommu_groups/{iommu_group}/devices/{mdev}"
+        ))
+        .exists());
+    destroy(&h);
+    assert_eq!(snapshot(&host), before);
+}

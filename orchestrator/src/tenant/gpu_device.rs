@@ -1,0 +1,337 @@
+//! How a reserved GPU share reaches the tenant's VM and is given back, over tenantvm-gpu's
+//! routes (`tenantvm_gpu::route`): the record the daemon stores for it ([`DeviceRecord`])
+//! and the [`BackendPlanner`]'s host work on sysfs.
+//!
+//! - whole GPU: its IOMMU group bound to vfio-pci (the binding recorded before it is
+//!   applied); departure: checked reset, host drivers back, then scrub and release;
+//! - MIG-backed vGPU on an SR-IOV VF: MIG on and VFs enabled first (enabling VFs wipes every
+//!   GPU instance), then the instance, then the vGPU type on a free VF, whose
+//!   `gpu_instance_id` must be the planned instance; departure: type 0, scrub, instance
+//!   destroyed, and when the card's last vGPU tenant leaves: VFs off, MIG off last;
+//! - a MIG instance as an mdev vGPU (vGPU 16 and older): the instance, then an mdev of the
+//!   profile's type (chosen and recorded, then created); the VM gets it by its sysfs path
+//!   (QEMU only); departure removes it before the scrub;
+//! - a simulated host: nothing is handed to the VM and the record says why.
+
+use serde::{Deserialize, Serialize};
+use tenantvm_gpu::backend::GpuInfo;
+use tenantvm_gpu::host::mdev::{self, MdevAssignment};
+use tenantvm_gpu::host::{PciAddress, Sysfs};
+use tenantvm_gpu::mig::{MigProfile, VgpuSupport};
+use tenantvm_gpu::route::vgpu::{self, VgpuAttachment, VgpuHost};
+use tenantvm_gpu::route::whole::{self, VfioBinding};
+
+use crate::backend::PassthroughDevice;
+use crate::receipt::{Assurance, StepResult};
+use crate::store::GpuPlacement;
+use crate::tenant::gpu::{find_gpu, BackendPlanner};
+use crate::tenant::host::{DeviceResetOutcome, GpuPlanError};
+
+/// What the host did (or will do) to hand a tenant's share to its VM: stored before the step
+/// that acts on it, read by every later step (also after a restart).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "route", rename_all = "snake_case", deny_unknown_fields)]
+pub enum DeviceRecord {
+    /// Nothing reaches the VM.
+    NotAttached {
+        /// Why (a simulated host; a route the daemon does not drive yet).
+        reason: String,
+    },
+    /// A whole GPU: its IOMMU group on vfio-pci.
+    Whole {
+        /// The binding (drivers and overrides before it), to give the group back.
+        binding: VfioBinding,
+    },
+    /// A MIG instance as an mdev vGPU (vGPU 16 and older); QEMU passes it (`sysfsdev=`).
+    MdevVgpu {
+        /// The parent device (the GPU).
+        parent: String,
+        /// The mdev (type and UUID), chosen by bind-gpu once the instance exists and
+        /// recorded before it is created.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        assignment: Option<MdevAssignment>,
+    },
+    /// A MIG instance as the vGPU of an SR-IOV VF.
+    SriovVgpu {
+        /// The card's preparation (whether this tenant turned MIG and VFs on).
+        host: VgpuHost,
+        /// The typed VF, once bind-gpu ran.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        attachment: Option<VgpuAttachment>,
+    },
+}
+
+impl DeviceRecord {
+    /// Whether a device is handed to the VM.
+    pub fn attaches(&self) -> bool {
+        !matches!(self, DeviceRecord::NotAttached { .. })
+    }
+
+    /// The route's name, for receipts and logs.
+    pub fn route(&self) -> &'static str {
+        match self {
+            DeviceRecord::NotAttached { .. } => "not-attached",
+            DeviceRecord::Whole { .. } => "whole-gpu",
+            DeviceRecord::SriovVgpu { .. } => "sriov-vgpu",
+            DeviceRecord::MdevVgpu { .. } => "mdev-vgpu",
+        }
+    }
+}
+
+fn plan_err(e: impl std::fmt::Display) -> GpuPlanError {
+    GpuPlanError::Plan(e.to_string())
+}
+
+fn pci(address: &str) -> Result<PciAddress, GpuPlanError> {
+    PciAddress::parse(address).map_err(plan_err)
+}
+
+/// The (profile, start) of a MIG placement label.
+fn mig_label<'m>(
+    info: &'m GpuInfo,
+    placement: &GpuPlacement,
+) -> Result<(&'m MigProfile, u32), GpuPlanError> {
+    let (name, start) = placement
+        .label
+        .split_once('@')
+        .ok_or_else(|| plan_err(format!("{} is not a MIG placement", placement.label)))?;
+    let start = start
+        .parse()
+        .map_err(|_| plan_err(format!("unreadable placement {:?}", placement.label)))?;
+    let model = info
+        .gpu_model()
+        .ok_or_else(|| plan_err(format!("GPU {} has no known model", info.pci_address)))?;
+    Ok((model.profile(name).map_err(plan_err)?, start))
+}
+
+impl BackendPlanner {
+    fn gpu_info(&self, id: &str) -> Result<GpuInfo, GpuPlanError> {
+        let gpus = self.backend().gpus().map_err(plan_err)?;
+        find_gpu(&gpus, id)
+            .cloned()
+            .ok_or_else(|| plan_err(format!("GPU {id} is gone")))
+    }
+
+    fn sysfs_or(&self) -> Result<&Sysfs, GpuPlanError> {
+        self.sysfs()
+            .ok_or_else(|| plan_err("this planner has no sysfs to act on"))
+    }
+
+    /// Decides the route of `placement` and reads what it will do; touches nothing.
+    pub(crate) fn plan_device_route(
+        &self,
+        placement: &GpuPlacement,
+    ) -> Result<DeviceRecord, GpuPlanError> {
+        let Some(sysfs) = self.sysfs() else {
+            return Ok(DeviceRecord::NotAttached {
+                reason: "SIMULATED GPU host: no device is handed to the VM".into(),
+            });
+        };
+        let info = self.gpu_info(&placement.gpu)?;
+        if placement.label == "whole" {
+            whole::check_free(sysfs, &info).map_err(plan_err)?;
+            let binding = whole::plan_bind(sysfs, &pci(&info.pci_address)?).map_err(plan_err)?;
+            return Ok(DeviceRecord::Whole { binding });
+        }
+        match &info.vgpu {
+            VgpuSupport::Sriov { .. } => Ok(DeviceRecord::SriovVgpu {
+                host: vgpu::plan_host(sysfs, &info).map_err(plan_err)?,
+                attachment: None,
+            }),
+            VgpuSupport::Mdev => Ok(DeviceRecord::MdevVgpu {
+                parent: info.pci_address.clone(),
+                assignment: None,
+            }),
+            VgpuSupport::Simulated | VgpuSupport::Missing { .. } => Ok(DeviceRecord::NotAttached {
+                reason: "SIMULATED vGPU: no device is handed to the VM".into(),
+            }),
+        }
+    }
+
+    /// vGPU: MIG on, then VFs on (each only if needed). Nothing for the other routes.
+    pub(crate) fn prepare_device_host(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
+        if let DeviceRecord::SriovVgpu { host, .. } = record {
+            vgpu::prepare_host(self.sysfs_or()?, self.backend(), host).map_err(plan_err)?;
+        }
+        Ok(())
+    }
+
+    /// mdev: chooses the type (with room, now that the instance exists) and the mdev's
+    /// UUID; touches nothing (bind-gpu records it before creating the mdev). The other
+    /// routes have nothing to choose.
+    pub(crate) fn plan_bind_route(
+        &self,
+        placement: &GpuPlacement,
+        record: &DeviceRecord,
+    ) -> Result<DeviceRecord, GpuPlanError> {
+        match record {
+            DeviceRecord::MdevVgpu {
+                parent,
+                assignment: None,
+            } => {
+                let info = self.gpu_info(&placement.gpu)?;
+                let (profile, _) = mig_label(&info, placement)?;
+                let assignment =
+                    mdev::plan_mdev(self.sysfs_or()?, &pci(parent)?, profile).map_err(plan_err)?;
+                Ok(DeviceRecord::MdevVgpu {
+                    parent: parent.clone(),
+                    assignment: Some(assignment),
+                })
+            }
+            _ => Ok(record.clone()),
+        }
+    }
+
+    /// Whole: the group onto vfio-pci. vGPU: the instance's compute instance, then the
+    /// vGPU type on a free VF, checked against the planned instance.
+    pub(crate) fn bind_device_route(
+        &self,
+        placement: &GpuPlacement,
+        record: &DeviceRecord,
+    ) -> Result<DeviceRecord, GpuPlanError> {
+        match record {
+            DeviceRecord::NotAttached { .. } => Ok(record.clone()),
+            DeviceRecord::Whole { binding } => {
+                whole::apply_bind(self.sysfs_or()?, binding).map_err(plan_err)?;
+                Ok(record.clone())
+            }
+            DeviceRecord::MdevVgpu { assignment, .. } => {
+                let a = assignment
+                    .as_ref()
+                    .ok_or_else(|| plan_err("no mdev is chosen yet (bind-gpu plans it first)"))?;
+                mdev::create_mdev(self.sysfs_or()?, a).map_err(plan_err)?;
+                Ok(record.clone())
+            }
+            DeviceRecord::SriovVgpu { host, .. } => {
+                let info = self.gpu_info(&placement.gpu)?;
+                let (profile, start) = mig_label(&info, placement)?;
+                let gi = vgpu::ensure_instance(self.backend(), host.gpu, profile, start)
+                    .map_err(plan_err)?;
+                let attachment = vgpu::attach(self.sysfs_or()?, &pci(&host.pf)?, &gi, profile)
+                    .map_err(plan_err)?;
+                Ok(DeviceRecord::SriovVgpu {
+                    host: host.clone(),
+                    attachment: Some(attachment),
+                })
+            }
+        }
+    }
+
+    /// The devices the VM gets, the GPU first, each with its IOMMU group.
+    pub(crate) fn device_list(
+        &self,
+        record: &DeviceRecord,
+    ) -> Result<Vec<PassthroughDevice>, GpuPlanError> {
+        match record {
+            DeviceRecord::NotAttached { .. } => Ok(Vec::new()),
+            DeviceRecord::Whole { binding } => {
+                let sysfs = self.sysfs_or()?;
+                Ok(whole::device_paths(sysfs, binding)
+                    .iter()
+                    .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                    .map(|address| PassthroughDevice::Pci {
+                        address,
+                        iommu_group: binding.group,
+                    })
+                    .collect())
+            }
+            DeviceRecord::MdevVgpu { assignment, .. } => {
+                let a = assignment
+                    .as_ref()
+                    .ok_or_else(|| plan_err("no mdev is created yet (bind-gpu)"))?;
+                let sysfs = self.sysfs_or()?;
+                let link = a.sysfs_path(sysfs).join("iommu_group");
+                let group = std::fs::read_link(&link)
+                    .ok()
+                    .and_then(|t| t.file_name()?.to_str()?.parse().ok())
+                    .ok_or_else(|| {
+                        plan_err(format!(
+                            "mdev {} has no IOMMU group ({} unreadable): is vfio-mdev loaded?",
+                            a.uuid,
+                            link.display()
+                        ))
+                    })?;
+                Ok(vec![PassthroughDevice::Mdev {
+                    uuid: a.uuid.to_string(),
+                    iommu_group: group,
+                }])
+            }
+            DeviceRecord::SriovVgpu { attachment, .. } => {
+                let a = attachment
+                    .as_ref()
+                    .ok_or_else(|| plan_err("no vGPU is set on a VF yet (bind-gpu)"))?;
+                let group = self
+                    .sysfs_or()?
+                    .device(&pci(&a.vf)?)
+                    .map_err(plan_err)?
+                    .iommu_group
+                    .ok_or_else(|| plan_err(format!("VF {} has no IOMMU group", a.vf)))?;
+                Ok(vec![PassthroughDevice::Pci {
+                    address: a.vf.clone(),
+                    iommu_group: group,
+                }])
+            }
+        }
+    }
+
+    /// Whole: the checked reset of every bound device (the GPU first). None for the other
+    /// routes (their reset is the planner's [`crate::tenant::host::GpuPlanner::reset`]).
+    pub(crate) fn reset_device_route(
+        &self,
+        record: &DeviceRecord,
+    ) -> Result<Option<DeviceResetOutcome>, GpuPlanError> {
+        let DeviceRecord::Whole { binding } = record else {
+            return Ok(None);
+        };
+        let rec = whole::reset_gpu(self.sysfs_or()?, binding).map_err(plan_err)?;
+        let mut evidence = std::collections::BTreeMap::new();
+        for (device, how) in &rec.devices {
+            evidence.insert(format!("reset {device}"), format!("{how:?}"));
+        }
+        Ok(Some(DeviceResetOutcome {
+            method: rec.method(),
+            result: StepResult::Ok,
+            assurance: Assurance::Verified,
+            evidence,
+        }))
+    }
+
+    /// Whole: every device of the group back on its recorded host driver, checked.
+    pub(crate) fn rebind_device_route(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
+        if let DeviceRecord::Whole { binding } = record {
+            whole::rebind_host_drivers(self.sysfs_or()?, binding).map_err(plan_err)?;
+        }
+        Ok(())
+    }
+
+    /// vGPU: type 0 on every VF serving the tenant's instance; mdev: the mdev removed.
+    pub(crate) fn detach_device_route(
+        &self,
+        placement: &GpuPlacement,
+        record: &DeviceRecord,
+    ) -> Result<(), GpuPlanError> {
+        if let DeviceRecord::MdevVgpu {
+            assignment: Some(a),
+            ..
+        } = record
+        {
+            mdev::remove_mdev(self.sysfs_or()?, a).map_err(plan_err)?;
+        }
+        if let DeviceRecord::SriovVgpu { host, .. } = record {
+            let info = self.gpu_info(&placement.gpu)?;
+            let (profile, start) = mig_label(&info, placement)?;
+            vgpu::detach_instance(self.sysfs_or()?, self.backend(), host.gpu, profile, start)
+                .map_err(plan_err)?;
+        }
+        Ok(())
+    }
+
+    /// vGPU, the card's last vGPU tenant gone: VFs off, then MIG off if this record turned
+    /// it on.
+    pub(crate) fn leave_device_mode(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
+        if let DeviceRecord::SriovVgpu { host, .. } = record {
+            vgpu::leave_vgpu_mode(self.sysfs_or()?, self.backend(), host).map_err(plan_err)?;
+        }
+        Ok(())
+    }
+}

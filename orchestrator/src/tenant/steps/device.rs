@@ -1,0 +1,212 @@
+//! The steps that hand a tenant's GPU share to its VM and take it back
+//! ([`crate::tenant::gpu_device`] says how each route does it):
+//!
+//! create: reserve-gpu → **prepare-gpu-host** (the route decided and recorded with the VM's
+//! UUID, then the card prepared: vGPU needs MIG on and VFs enabled before any instance) →
+//! create-gpu-instance → **bind-gpu** (whole: the IOMMU group on vfio-pci; vGPU: the type on
+//! a VF, checked against the planned instance) → **attach-gpu** (the devices the VM gets,
+//! recorded; launch-vm passes them and the UUID to the VMM);
+//!
+//! destroy: stop-vm → cleanup-jail → device-reset (checked; the VMM's exit report too) →
+//! **rebind-gpu** (whole: host drivers back) → **detach-gpu** (vGPU: type 0) → scrub-gpu →
+//! destroy-gpu-instance → release-gpu (the card leaves vGPU mode with its last vGPU tenant).
+//!
+//! Every step reads the stored record and does only what is not done yet, so a daemon killed
+//! anywhere converges when the operation runs again. A reset or rebind that fails
+//! quarantines the slice with the step's name as the reason (the receipt shows it); the
+//! departure goes on.
+
+use crate::backend::PassthroughDevice;
+use crate::receipt::StepRecord;
+use crate::store::{GpuDeviceRow, GpuPlacement};
+use crate::tenant::context::{StepCtx, StepError, Tenant};
+use crate::tenant::gpu_device::DeviceRecord;
+use crate::tenant::steps::Op;
+
+fn corrupt(what: &str, e: impl std::fmt::Display) -> StepError {
+    StepError::failed(format!("the stored GPU device {what} is unreadable: {e}"))
+}
+
+/// The tenant's stored device row and its record, if prepare-gpu-host ran.
+pub fn stored(
+    ctx: &StepCtx<'_>,
+    t: &Tenant,
+) -> Result<Option<(GpuDeviceRow, DeviceRecord)>, StepError> {
+    let Some(row) = ctx.store.gpu_device(t.id)? else {
+        return Ok(None);
+    };
+    let record = serde_json::from_str(&row.record).map_err(|e| corrupt("record", e))?;
+    Ok(Some((row, record)))
+}
+
+fn save(
+    ctx: &StepCtx<'_>,
+    t: &Tenant,
+    row: &GpuDeviceRow,
+    record: &DeviceRecord,
+) -> Result<(), StepError> {
+    let row = GpuDeviceRow {
+        record: serde_json::to_string(record).map_err(StepError::failed)?,
+        ..row.clone()
+    };
+    ctx.store.set_gpu_device(t.id, &row)?;
+    Ok(())
+}
+
+/// What launch-vm passes to the VMM: the recorded devices and the VM's UUID (none without
+/// a GPU device).
+pub fn for_launch(
+    ctx: &StepCtx<'_>,
+    t: &Tenant,
+) -> Result<(Vec<PassthroughDevice>, Option<tenantvm_vmm_api::VmUuid>), StepError> {
+    let Some((row, record)) = stored(ctx, t)? else {
+        return Ok((Vec::new(), None));
+    };
+    let devices: Vec<PassthroughDevice> = match &row.devices {
+        Some(text) => serde_json::from_str(text).map_err(|e| corrupt("device list", e))?,
+        None if record.attaches() => {
+            return Err(StepError::failed(
+                "the GPU device was bound but attach-gpu has not recorded the VM's devices",
+            ))
+        }
+        None => Vec::new(),
+    };
+    let uuid = row.vm_uuid.parse().map_err(|e| corrupt("VM UUID", e))?;
+    Ok((devices, Some(uuid)))
+}
+
+fn placement(ctx: &StepCtx<'_>, t: &Tenant) -> Result<Option<GpuPlacement>, StepError> {
+    Ok(ctx.store.gpu_placement(t.id)?)
+}
+
+/// prepare-gpu-host: decides the route of the reserved placement and records it with a new
+/// VM UUID (once), then prepares the card (vGPU: MIG on, then VFs on).
+pub fn prepare_host(
+    ctx: &StepCtx<'_>,
+    t: &mut Tenant,
+    _op: Op,
+) -> Result<Option<StepRecord>, StepError> {
+    let Some(p) = placement(ctx, t)? else {
+        return Ok(None);
+    };
+    let record = match stored(ctx, t)? {
+        Some((_, record)) => record,
+        None => {
+            let record = ctx.gpu.plan_device(&p)?;
+            let row = GpuDeviceRow {
+                vm_uuid: uuid::Uuid::new_v4().hyphenated().to_string(),
+                record: String::new(),
+                devices: None,
+            };
+            save(ctx, t, &row, &record)?;
+            record
+        }
+    };
+    ctx.gpu.prepare_device(&record)?;
+    Ok(None)
+}
+
+/// bind-gpu: whole: the GPU's IOMMU group onto vfio-pci; vGPU: the vGPU type on a free VF,
+/// whose instance must be the planned one; mdev: the mdev of the profile's type, chosen and
+/// recorded first, then created. The record (with the typed VF) is stored.
+pub fn bind(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepRecord>, StepError> {
+    let (Some(p), Some((row, record))) = (placement(ctx, t)?, stored(ctx, t)?) else {
+        return Ok(None);
+    };
+    // What binding will do is recorded before it is done (mdev: its type and UUID).
+    let planned = ctx.gpu.plan_bind(&p, &record)?;
+    if planned != record {
+        save(ctx, t, &row, &planned)?;
+    }
+    let bound = ctx.gpu.bind_device(&p, &planned)?;
+    if bound != planned {
+        save(ctx, t, &row, &bound)?;
+    }
+    Ok(None)
+}
+
+/// attach-gpu: records the devices the VM gets (each with its IOMMU group), for every
+/// launch of the tenant's VM.
+pub fn attach(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepRecord>, StepError> {
+    let Some((row, record)) = stored(ctx, t)? else {
+        return Ok(None);
+    };
+    let devices = ctx.gpu.devices(&record)?;
+    let row = GpuDeviceRow {
+        devices: Some(serde_json::to_string(&devices).map_err(StepError::failed)?),
+        ..row
+    };
+    ctx.store.set_gpu_device(t.id, &row)?;
+    Ok(None)
+}
+
+/// rebind-gpu: whole: every device of the group back on its recorded host driver (checked).
+/// A failure quarantines the slice (reason `rebind-gpu: ...`) and the departure goes on.
+pub fn rebind(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepRecord>, StepError> {
+    let (Some(p), Some((_, record))) = (placement(ctx, t)?, stored(ctx, t)?) else {
+        return Ok(None);
+    };
+    if let Err(e) = ctx.gpu.rebind_device(&record) {
+        ctx.store.quarantine_gpu(&p, &format!("rebind-gpu: {e}"))?;
+    }
+    Ok(None)
+}
+
+/// detach-gpu: vGPU: type 0 on every VF serving the tenant's instance; mdev: the mdev
+/// removed (before the scrub and the instance's destruction).
+pub fn detach(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepRecord>, StepError> {
+    let (Some(p), Some((_, record))) = (placement(ctx, t)?, stored(ctx, t)?) else {
+        return Ok(None);
+    };
+    ctx.gpu.detach_device(&p, &record)?;
+    Ok(None)
+}
+
+/// Part of release-gpu: the card leaves vGPU mode when this was its last vGPU tenant (else
+/// another of its tenants inherits what this one turned on), then the row is removed.
+pub fn release(ctx: &StepCtx<'_>, t: &Tenant) -> Result<(), StepError> {
+    let Some((_, record)) = stored(ctx, t)? else {
+        return Ok(());
+    };
+    if let DeviceRecord::SriovVgpu { host, .. } = &record {
+        let mut heir = None;
+        for (id, row) in ctx.store.gpu_devices()? {
+            if id == t.id {
+                continue;
+            }
+            if let Ok(DeviceRecord::SriovVgpu { host: other, .. }) =
+                serde_json::from_str::<DeviceRecord>(&row.record)
+            {
+                if other.pf == host.pf {
+                    heir = Some((id, row));
+                    break;
+                }
+            }
+        }
+        match heir {
+            Some((id, row)) => {
+                let Ok(DeviceRecord::SriovVgpu {
+                    host: mut other,
+                    attachment,
+                }) = serde_json::from_str::<DeviceRecord>(&row.record)
+                else {
+                    unreachable!("checked above")
+                };
+                other.enables_mig |= host.enables_mig;
+                other.enables_vfs |= host.enables_vfs;
+                let rec = DeviceRecord::SriovVgpu {
+                    host: other,
+                    attachment,
+                };
+                let row = GpuDeviceRow {
+                    record: serde_json::to_string(&rec).map_err(StepError::failed)?,
+                    ..row
+                };
+                ctx.store.set_gpu_device(id, &row)?;
+            }
+            None => ctx.gpu.leave_device_mode(&record)?,
+        }
+    }
+    ctx.store.remove_gpu_device(t.id)?;
+    Ok(())
+}
