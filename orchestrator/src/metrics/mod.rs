@@ -442,6 +442,7 @@ mod tests {
             cpu,
             pids: dir.path().join("pids"),
             blkio: None,
+            devices: None,
         };
         assert_eq!(read_cgroup(&v1), (Some(1.5), Some(8192)));
         let m = Metrics::default();
