@@ -5,7 +5,8 @@
 #   (MSI off) three times, unmasked at each EOI through KVM's resample eventfd; the exit report
 #   records edu's missing reset as unsupported; the guest brings nvme up and gets its
 #   Identify completion by MSI-X, and nvme's FLR at attach and detach is recorded; a device
-#   left on no VFIO driver is refused with status 22
+#   left on no VFIO driver is refused with status 22; NVIDIA's GPUDirect clique on edu is
+#   refused with status 2
 # limit: 300
 # sets: ci
 . "$NH_LIB"
@@ -33,6 +34,15 @@ bind_vfio "$edu1"
 bind_vfio "$edu2"
 bind_vfio "$nvme"
 step "edu $edu1, edu $edu2, nvme $nvme bound to vfio-pci"
+
+# NVIDIA's GPUDirect clique capability is refused on edu (vendor 0x1234), naming the vendor.
+"$vmm" --kernel "$guest" --serial none \
+    --device "vfio,path=/sys/bus/pci/devices/$edu1,gpudirect_clique=1" \
+    2>"$NH_WORK/clique.err" && fail "gpudirect_clique on edu was accepted"
+rc=$?
+[ "$rc" = 2 ] && grep -q "0x1234" "$NH_WORK/clique.err" ||
+    fail "gpudirect_clique on edu exited $rc: $(cat "$NH_WORK/clique.err")"
+step "gpudirect_clique on edu refused: $(cat "$NH_WORK/clique.err")"
 
 run_edu() { # NAME DEVICE
     timeout 120 "$vmm" --kernel "$guest" --memory-mib 128 --serial "file:$NH_WORK/$1.log" \
