@@ -6,7 +6,8 @@
 #   records edu's missing reset as unsupported; the guest brings nvme up and gets its
 #   Identify completion by MSI-X, and nvme's FLR at attach and detach is recorded; a device
 #   left on no VFIO driver is refused with status 22; NVIDIA's GPUDirect clique on edu is
-#   refused with status 2
+#   refused with status 2; the stock kernel with a busybox initramfs lists edu with its
+#   host ids (1234:11e8)
 # limit: 300
 # sets: ci
 . "$NH_LIB"
@@ -83,3 +84,7 @@ case "$line" in *"vfio-nvme PASS"*) ;; *) fail "nvme: ${line:-no report}" ;; esa
 resets="$(grep -c '"outcome": "reset"' "$NH_WORK/nvme.json")"
 [ "$resets" = 2 ] || fail "nvme: expected a reset at attach and at detach: $(cat "$NH_WORK/nvme.json")"
 step "nvme reset at attach and detach: $(tr -d ' \n' <"$NH_WORK/nvme.json")"
+
+# The stock kernel (busybox initramfs) lists edu with its host ids, lspci -nn style.
+run_or_fail "$NH_BIN/nh-stock-kernel" vfio "/sys/bus/pci/devices/$edu1"
+step "the stock kernel lists edu $edu1 as 1234:11e8"
