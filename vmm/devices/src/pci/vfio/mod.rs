@@ -12,7 +12,8 @@
 //! - `gpudirect`: NVIDIA's GPUDirect clique capability (emulated, optional);
 //! - `device`: the [`VfioPciDevice`] on the PCI root;
 //! - `sysfs`: what sysfs says (driver, IOMMU group, group viability);
-//! - `kernel`: the kernel backend (VFIO container/group ioctls).
+//! - `kernel`: the kernel backend (VFIO container/group ioctls);
+//! - `iommufd`: the iommufd/cdev interface's pieces (not wired into `kernel` yet).
 //!
 //! The device is hostile input too: everything read from it (capability chains, region
 //! capabilities, sparse areas, BAR sizes) is checked before use.
@@ -22,6 +23,7 @@ mod backend;
 mod capability;
 mod device;
 mod gpudirect;
+mod iommufd;
 mod kernel;
 mod mapping;
 pub mod model;
@@ -38,6 +40,10 @@ pub use capability::{ext_id, walk_caps, walk_ext_caps, ExtCap, PciCap, EXT_CAP_S
 pub use device::{irq_vectors, PlannedArea, VfioDeviceError, VfioMetrics, VfioPciDevice};
 pub use gpudirect::{
     GpuDirectCap, GpuDirectError, GPUDIRECT_CAP_OFFSET, MAX_CLIQUE, NVIDIA_VENDOR_ID,
+};
+pub use iommufd::{
+    bind_and_attach, cdev_name, choose_interface, Iommufd, IommufdError, VfioInterface,
+    IOMMUFD_IOCTLS,
 };
 pub use kernel::{
     KernelVfioDevice, VfioContainer, VfioGroup, VfioKernelError,
