@@ -131,7 +131,7 @@ fn device_sources(config: &VmConfig) -> Vec<DeviceSource> {
     let mut sources: Vec<DeviceSource> = config
         .devices
         .iter()
-        .map(|d| DeviceSource::Kernel(d.path.clone()))
+        .map(|d| DeviceSource::Kernel(d.clone()))
         .collect();
     sources.extend(std::iter::repeat_n(
         DeviceSource::Model,

@@ -82,10 +82,11 @@ struct Cli {
     seccomp: Option<SeccompMode>,
     /// A PCI device passed through over VFIO (repeatable, at most 8; PCI slot order after
     /// the virtio devices): a whole device or an SR-IOV virtual function bound to a VFIO
-    /// driver, given by its sysfs directory.
+    /// driver, given by its sysfs directory. `,gpudirect_clique=N` (0-15, NVIDIA GPUs
+    /// only) gives the guest NVIDIA's GPUDirect clique capability at config offset 0xD4.
     #[arg(
         long = "device",
-        value_name = "vfio,path=/sys/bus/pci/devices/DDDD:BB:DD.F"
+        value_name = "vfio,path=/sys/bus/pci/devices/DDDD:BB:DD.F[,gpudirect_clique=N]"
     )]
     devices: Vec<String>,
     /// The VM's UUID; `-uuid UUID` (QEMU's spelling, which NVIDIA's vGPU manager looks for

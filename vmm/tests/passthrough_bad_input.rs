@@ -118,6 +118,16 @@ fn malformed_or_too_many_devices_exit_2() {
     let kernel = tiny_kernel(dir.path());
     let (status, stderr) = run(&["--kernel", &kernel, "--device", "vfio,path=/dev/vfio/3"]);
     assert_eq!(status, Some(2), "{stderr}");
+    for clique in ["16", "x", ""] {
+        let device =
+            format!("vfio,path=/sys/bus/pci/devices/0000:41:00.0,gpudirect_clique={clique}");
+        let (status, stderr) = run(&["--kernel", &kernel, "--device", &device]);
+        assert_eq!(status, Some(2), "{clique}: {stderr}");
+        assert!(
+            stderr.contains("gpudirect_clique=0-15"),
+            "{clique}: {stderr}"
+        );
+    }
     let one = "vfio,path=/sys/bus/pci/devices/0000:41:00.0";
     let mut args = vec!["--kernel", kernel.as_str()];
     for _ in 0..9 {
@@ -195,6 +205,62 @@ fn devices_uuid_and_exit_report_come_from_the_config_file_too() {
     assert_eq!(status, Some(21), "{stderr}");
     assert!(stderr.contains("0000:ff:1f.6"), "{stderr}");
     assert_eq!(report(&out).status, 21);
+}
+
+#[test]
+fn gpudirect_clique_out_of_range_in_the_config_file_exits_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = tiny_kernel(dir.path());
+    let device = |clique: u32| {
+        serde_json::json!({
+            "kernel": kernel,
+            "devices": [{"path": "/sys/bus/pci/devices/0000:ff:1f.6", "gpudirect_clique": clique}],
+        })
+        .to_string()
+    };
+    let ok = write_file(dir.path(), "ok.json", device(15).as_bytes());
+    let (status, stderr) = run(&["--config", ok.to_str().unwrap(), "--check"]);
+    assert_eq!(status, Some(0), "{stderr}");
+    let bad = write_file(dir.path(), "bad.json", device(16).as_bytes());
+    let (status, stderr) = run(&["--config", bad.to_str().unwrap(), "--check"]);
+    assert_eq!(status, Some(2), "{stderr}");
+    assert!(stderr.contains("use 0 to 15"), "{stderr}");
+}
+
+/// A VFIO-bound device that is not NVIDIA's (QEMU's edu in the nested host) is refused the
+/// GPUDirect clique with status 2, a message naming its vendor id, and a report.
+#[test]
+fn gpudirect_clique_on_a_non_nvidia_device_exits_2() {
+    if !Path::new("/dev/vfio/vfio").exists() {
+        tenantvm_skip::skip!("no /dev/vfio/vfio here");
+    }
+    let Some(path) = vfio_bound_device()
+        .filter(|p| std::fs::read_to_string(p.join("vendor")).is_ok_and(|v| v.trim() != "0x10de"))
+    else {
+        tenantvm_skip::skip!("no non-NVIDIA device bound to vfio-pci here");
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = tiny_kernel(dir.path());
+    let out = dir.path().join("exit.json");
+    let device = format!("vfio,path={},gpudirect_clique=1", path.display());
+    let (status, stderr) = run(&[
+        "--kernel",
+        &kernel,
+        "--device",
+        &device,
+        "--exit-report",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(status, Some(2), "{stderr}");
+    assert!(stderr.contains("is for NVIDIA GPUs"), "{stderr}");
+    assert!(stderr.contains("remove gpudirect_clique"), "{stderr}");
+    // Opened and reset before the refusal: still reset at detach and reported.
+    let r = report(&out);
+    assert_eq!(r.status, 2);
+    assert_ne!(
+        r.devices[0].reset_at_detach,
+        tenantvm_vmm_api::ResetOutcome::NotAttempted
+    );
 }
 
 #[test]

@@ -5,7 +5,9 @@
 #   (MSI off) three times, unmasked at each EOI through KVM's resample eventfd; the exit report
 #   records edu's missing reset as unsupported; the guest brings nvme up and gets its
 #   Identify completion by MSI-X, and nvme's FLR at attach and detach is recorded; a device
-#   left on no VFIO driver is refused with status 22
+#   left on no VFIO driver is refused with status 22; NVIDIA's GPUDirect clique on edu is
+#   refused with status 2; the stock kernel with a busybox initramfs lists edu with its
+#   host ids (1234:11e8)
 # limit: 300
 # sets: ci
 . "$NH_LIB"
@@ -33,6 +35,15 @@ bind_vfio "$edu1"
 bind_vfio "$edu2"
 bind_vfio "$nvme"
 step "edu $edu1, edu $edu2, nvme $nvme bound to vfio-pci"
+
+# NVIDIA's GPUDirect clique capability is refused on edu (vendor 0x1234), naming the vendor.
+"$vmm" --kernel "$guest" --serial none \
+    --device "vfio,path=/sys/bus/pci/devices/$edu1,gpudirect_clique=1" \
+    2>"$NH_WORK/clique.err" && fail "gpudirect_clique on edu was accepted"
+rc=$?
+[ "$rc" = 2 ] && grep -q "0x1234" "$NH_WORK/clique.err" ||
+    fail "gpudirect_clique on edu exited $rc: $(cat "$NH_WORK/clique.err")"
+step "gpudirect_clique on edu refused: $(cat "$NH_WORK/clique.err")"
 
 run_edu() { # NAME DEVICE
     timeout 120 "$vmm" --kernel "$guest" --memory-mib 128 --serial "file:$NH_WORK/$1.log" \
@@ -73,3 +84,7 @@ case "$line" in *"vfio-nvme PASS"*) ;; *) fail "nvme: ${line:-no report}" ;; esa
 resets="$(grep -c '"outcome": "reset"' "$NH_WORK/nvme.json")"
 [ "$resets" = 2 ] || fail "nvme: expected a reset at attach and at detach: $(cat "$NH_WORK/nvme.json")"
 step "nvme reset at attach and detach: $(tr -d ' \n' <"$NH_WORK/nvme.json")"
+
+# The stock kernel (busybox initramfs) lists edu with its host ids, lspci -nn style.
+run_or_fail "$NH_BIN/nh-stock-kernel" vfio "/sys/bus/pci/devices/$edu1"
+step "the stock kernel lists edu $edu1 as 1234:11e8"

@@ -18,6 +18,7 @@ pub mod inputs;
 pub mod outer;
 pub mod real;
 pub mod stock;
+pub mod stock_vfio;
 pub mod vm;
 pub mod watch;
 

@@ -18,15 +18,49 @@ pub const PCI_DEVICES_DIR: &str = "/sys/bus/pci/devices";
 /// SR-IOV virtual function, or a vendor VFIO driver's virtual function (which stays bound
 /// to its own driver).
 ///
-/// On the command line: `--device vfio,path=/sys/bus/pci/devices/0000:41:00.0`.
+/// On the command line: `--device vfio,path=/sys/bus/pci/devices/0000:41:00.0`, with
+/// `,gpudirect_clique=N` for NVIDIA's GPUDirect clique capability. Build one with
+/// [`PassthroughConfig::new`] so that options added later keep their defaults.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PassthroughConfig {
     /// The device's sysfs directory, `/sys/bus/pci/devices/DOMAIN:BUS:DEV.FN`.
     pub path: PathBuf,
+    /// NVIDIA's GPUDirect clique id (0-15, QEMU's `x-nv-gpudirect-clique`): the guest sees
+    /// a vendor capability at config offset 0xD4 telling NVIDIA's driver which GPUs may do
+    /// peer-to-peer DMA with each other (those with the same id). Off (`None`) by default;
+    /// refused at start for a device that is not an NVIDIA GPU.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "clique_in_range"
+    )]
+    pub gpudirect_clique: Option<u8>,
+}
+
+/// The largest GPUDirect clique id (it is 4 bits in the capability).
+pub const MAX_GPUDIRECT_CLIQUE: u8 = 15;
+
+fn clique_in_range<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u8>, D::Error> {
+    let value = Option::<u8>::deserialize(d)?;
+    match value {
+        Some(n) if n > MAX_GPUDIRECT_CLIQUE => Err(serde::de::Error::custom(format!(
+            "gpudirect_clique {n} is out of range; use 0 to {MAX_GPUDIRECT_CLIQUE}"
+        ))),
+        _ => Ok(value),
+    }
 }
 
 impl PassthroughConfig {
+    /// The device at sysfs directory `path`, every option at its default (no GPUDirect
+    /// clique).
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            gpudirect_clique: None,
+        }
+    }
+
     /// The device's PCI address (the last component of its sysfs path), when the path has
     /// the `/sys/bus/pci/devices/DDDD:BB:DD.F` shape.
     pub fn address(&self) -> Option<&str> {
@@ -64,9 +98,10 @@ impl std::error::Error for DeviceParseError {}
 impl FromStr for PassthroughConfig {
     type Err = DeviceParseError;
 
-    /// Parses `vfio,path=/sys/bus/pci/devices/DDDD:BB:DD.F`.
+    /// Parses `vfio,path=/sys/bus/pci/devices/DDDD:BB:DD.F[,gpudirect_clique=N]`.
     fn from_str(s: &str) -> Result<Self, DeviceParseError> {
-        let usage = "use --device vfio,path=/sys/bus/pci/devices/DDDD:BB:DD.F";
+        let usage =
+            "use --device vfio,path=/sys/bus/pci/devices/DDDD:BB:DD.F[,gpudirect_clique=0-15]";
         let mut parts = s.split(',');
         match parts.next() {
             Some("vfio") => {}
@@ -78,12 +113,26 @@ impl FromStr for PassthroughConfig {
             }
         }
         let mut path = None;
+        let mut clique = None;
         for part in parts {
             match part.split_once('=') {
                 Some(("path", value)) if path.is_none() => path = Some(PathBuf::from(value)),
                 Some(("path", _)) => {
                     return Err(DeviceParseError(format!("path given twice; {usage}")))
                 }
+                Some(("gpudirect_clique", _)) if clique.is_some() => {
+                    return Err(DeviceParseError(format!(
+                        "gpudirect_clique given twice; {usage}"
+                    )))
+                }
+                Some(("gpudirect_clique", value)) => match value.parse::<u8>() {
+                    Ok(n) if n <= MAX_GPUDIRECT_CLIQUE => clique = Some(n),
+                    _ => {
+                        return Err(DeviceParseError(format!(
+                            "gpudirect_clique={value:?} is not a clique id; {usage}"
+                        )))
+                    }
+                },
                 _ => {
                     return Err(DeviceParseError(format!(
                         "Unknown device option {part:?}; {usage}"
@@ -93,6 +142,7 @@ impl FromStr for PassthroughConfig {
         }
         let config = PassthroughConfig {
             path: path.ok_or_else(|| DeviceParseError(format!("No path; {usage}")))?,
+            gpudirect_clique: clique,
         };
         if config.address().is_none() {
             return Err(DeviceParseError(format!(
@@ -244,6 +294,15 @@ mod tests {
             .parse()
             .unwrap();
         assert_eq!(ok.address(), Some("0000:41:00.0"));
+        assert_eq!(
+            ok,
+            PassthroughConfig::new("/sys/bus/pci/devices/0000:41:00.0")
+        );
+        let nv: PassthroughConfig =
+            "vfio,gpudirect_clique=15,path=/sys/bus/pci/devices/0000:41:00.0"
+                .parse()
+                .unwrap();
+        assert_eq!(nv.gpudirect_clique, Some(15));
         for bad in [
             "",
             "virtio,path=/sys/bus/pci/devices/0000:41:00.0",
@@ -253,12 +312,39 @@ mod tests {
             "vfio,path=/sys/bus/pci/devices/0000:41:00.8",
             "vfio,path=/sys/bus/pci/devices/0000:41:00.0,path=/sys/bus/pci/devices/0000:42:00.0",
             "vfio,path=/sys/bus/pci/devices/0000:41:00.0,iommu=off",
+            "vfio,path=/sys/bus/pci/devices/0000:41:00.0,gpudirect_clique=16",
+            "vfio,path=/sys/bus/pci/devices/0000:41:00.0,gpudirect_clique=-1",
+            "vfio,path=/sys/bus/pci/devices/0000:41:00.0,gpudirect_clique=",
+            "vfio,path=/sys/bus/pci/devices/0000:41:00.0,gpudirect_clique=1,gpudirect_clique=2",
+            "vfio,gpudirect_clique=1",
         ] {
             assert!(
                 bad.parse::<PassthroughConfig>().is_err(),
                 "{bad:?} accepted"
             );
         }
+    }
+
+    #[test]
+    fn gpudirect_clique_defaults_off_in_old_configs_and_is_range_checked() {
+        let old: PassthroughConfig =
+            serde_json::from_str(r#"{"path":"/sys/bus/pci/devices/0000:41:00.0"}"#).unwrap();
+        assert_eq!(old.gpudirect_clique, None);
+        // Written without the field when off, so older readers still take it.
+        assert_eq!(
+            serde_json::to_string(&old).unwrap(),
+            r#"{"path":"/sys/bus/pci/devices/0000:41:00.0"}"#
+        );
+        let nv: PassthroughConfig = serde_json::from_str(
+            r#"{"path":"/sys/bus/pci/devices/0000:41:00.0","gpudirect_clique":3}"#,
+        )
+        .unwrap();
+        assert_eq!(nv.gpudirect_clique, Some(3));
+        let err = serde_json::from_str::<PassthroughConfig>(
+            r#"{"path":"/sys/bus/pci/devices/0000:41:00.0","gpudirect_clique":16}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("use 0 to 15"), "{err}");
     }
 
     #[test]

@@ -15,15 +15,15 @@ use kvm_bindings::{
 };
 use kvm_ioctls::DeviceFd;
 use tenantvm_devices::pci::vfio::{
-    self, irq_vectors, DeviceProbe, KernelVfioDevice, MappedArea, MappingError, ShadowError,
-    SysfsError, VfioBackend, VfioBackendError, VfioContainer, VfioDeviceError, VfioKernelError,
-    VfioPciDevice,
+    self, irq_vectors, DeviceProbe, GpuDirectCap, GpuDirectError, KernelVfioDevice, MappedArea,
+    MappingError, ShadowError, SysfsError, VfioBackend, VfioBackendError, VfioContainer,
+    VfioDeviceError, VfioKernelError, VfioPciDevice,
 };
 use tenantvm_devices::pci::{
     BarAllocatorError, BarKind, BarMove, MsiInterruptSink, MsiMessage, MsiSinkError, PciBarWindow,
     PciWindows, MMIO64_ALIGN, MMIO64_DEFAULT_SIZE,
 };
-use tenantvm_vmm_api::{DeviceReport, ExitStatus, ResetOutcome};
+use tenantvm_vmm_api::{DeviceReport, ExitStatus, PassthroughConfig, ResetOutcome};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -56,6 +56,15 @@ pub enum PassthroughError {
         /// What is wrong.
         #[source]
         source: ShadowError,
+    },
+    /// The device cannot have the GPUDirect clique capability it was configured with.
+    #[error("Device {path}: {source}")]
+    GpuDirect {
+        /// The device.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: GpuDirectError,
     },
     /// The device could not be built.
     #[error("Device {path}: {source}")]
@@ -128,6 +137,7 @@ impl PassthroughError {
                 ExitStatus::VfioUnavailable
             }
             PassthroughError::Placement(_) => ExitStatus::BarPlacement,
+            PassthroughError::GpuDirect { .. } => ExitStatus::ConfigError,
             _ => ExitStatus::VmmError,
         }
     }
@@ -136,8 +146,8 @@ impl PassthroughError {
 /// What a configured device is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeviceSource {
-    /// A device bound to a VFIO driver, by sysfs path.
-    Kernel(PathBuf),
+    /// A device bound to a VFIO driver, as configured (its sysfs path and options).
+    Kernel(PassthroughConfig),
     /// The model GPU (a test fake).
     Model,
 }
@@ -200,7 +210,7 @@ impl Passthrough {
             let first = reports.len();
             reports.extend(sources.iter().map(|s| DeviceReport {
                 path: match s {
-                    DeviceSource::Kernel(path) => path.clone(),
+                    DeviceSource::Kernel(config) => config.path.clone(),
                     DeviceSource::Model => MODEL_GPU_PATH.into(),
                 },
                 reset_at_attach: ResetOutcome::NotAttempted,
@@ -211,7 +221,7 @@ impl Passthrough {
         for (report, source) in (first..).zip(sources) {
             let (path, backend, kernel, model): (PathBuf, Arc<dyn VfioBackend>, _, _) = match source
             {
-                DeviceSource::Kernel(path) => {
+                DeviceSource::Kernel(PassthroughConfig { path, .. }) => {
                     // sysfs first: its errors say what to do about this device.
                     vfio::inspect(path)?;
                     let container = match &this.container {
@@ -237,13 +247,26 @@ impl Passthrough {
             if let Some(r) = lock(&this.reports).get_mut(report) {
                 r.reset_at_attach = reset;
             }
-            let probe = match vfio::probe(backend.as_ref()) {
+            let mut probe = match vfio::probe(backend.as_ref()) {
                 Ok(probe) => probe,
                 Err(source) => {
                     this.unprobed.push((report, backend));
                     return Err(PassthroughError::Probe { path, source });
                 }
             };
+            let clique = match source {
+                DeviceSource::Kernel(config) => config.gpudirect_clique,
+                DeviceSource::Model => None,
+            };
+            if let Some(clique) = clique {
+                match GpuDirectCap::for_device(backend.as_ref(), clique) {
+                    Ok(cap) => probe.gpudirect = Some(cap),
+                    Err(source) => {
+                        this.unprobed.push((report, backend));
+                        return Err(PassthroughError::GpuDirect { path, source });
+                    }
+                }
+            }
             this.opened.push(Opened {
                 report,
                 path,

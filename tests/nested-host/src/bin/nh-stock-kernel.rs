@@ -6,6 +6,8 @@
 //! ```text
 //! nh-stock-kernel check              the four boots below
 //! nh-stock-kernel bench RUNS QEMU    userspace under tenantvm-vmm and under QEMU -accel kvm
+//! nh-stock-kernel vfio SYSFS_DEVICE  the device passed through, listed by the guest with
+//!                                    its host ids (tenantvm_nested_host::stock_vfio)
 //! ```
 //! env: NH_BIN (tenantvm-vmm), NH_KERNEL_DIR, NH_GUEST_TOOLS (nh-vsock-echo), NH_WORK.
 //!
@@ -26,6 +28,7 @@ use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
 use tenantvm_nested_host::stock::{self, GUEST_PORT, HOST_PORT, PATTERN_SECTOR};
+use tenantvm_nested_host::stock_vfio;
 use tenantvm_nested_host::vm::SerialVm;
 
 const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -383,6 +386,25 @@ fn bench(runs: usize, qemu: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The stock kernel lists a passed-through device with its host ids.
+fn vfio(device: &str) -> Result<(), String> {
+    let run = stock_vfio::Run {
+        vmm: env_path("NH_BIN")?.join("tenantvm-vmm"),
+        kernel: env_path("NH_KERNEL_DIR")?.join("vmlinux"),
+        busybox: which("busybox").ok_or("busybox is not installed (run scripts/setup.sh)")?,
+        work: env_path("NH_WORK")?,
+        device: PathBuf::from(device),
+    };
+    let start = Instant::now();
+    let listing = run.check()?;
+    println!("{listing}");
+    println!(
+        "ok: the stock kernel lists {device} with its host ids ({:.1} s)",
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
@@ -391,7 +413,13 @@ fn main() -> ExitCode {
             (Some(runs), Some(qemu)) if runs > 0 => bench(runs, qemu),
             _ => Err("usage: nh-stock-kernel bench RUNS QEMU".into()),
         },
-        _ => Err("usage: nh-stock-kernel check | bench RUNS QEMU".into()),
+        Some("vfio") => match args.get(1) {
+            Some(device) => vfio(device),
+            None => Err("usage: nh-stock-kernel vfio /sys/bus/pci/devices/BDF".into()),
+        },
+        _ => Err(
+            "usage: nh-stock-kernel check | bench RUNS QEMU | vfio /sys/bus/pci/devices/BDF".into(),
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

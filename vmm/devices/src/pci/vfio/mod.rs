@@ -9,9 +9,11 @@
 //! - `areas`: which parts of a BAR are mmapped and which stay trapped;
 //! - `mapping`: one aligned mmap of a BAR area;
 //! - `shadow`: the configuration space the guest sees;
+//! - `gpudirect`: NVIDIA's GPUDirect clique capability (emulated, optional);
 //! - `device`: the [`VfioPciDevice`] on the PCI root;
 //! - `sysfs`: what sysfs says (driver, IOMMU group, group viability);
-//! - `kernel`: the kernel backend (VFIO container/group ioctls).
+//! - `kernel`: the kernel backend (VFIO container/group ioctls);
+//! - `iommufd`: the iommufd/cdev interface's pieces (not wired into `kernel` yet).
 //!
 //! The device is hostile input too: everything read from it (capability chains, region
 //! capabilities, sparse areas, BAR sizes) is checked before use.
@@ -20,6 +22,8 @@ mod areas;
 mod backend;
 mod capability;
 mod device;
+mod gpudirect;
+mod iommufd;
 mod kernel;
 mod mapping;
 pub mod model;
@@ -34,6 +38,13 @@ pub use backend::{
 };
 pub use capability::{ext_id, walk_caps, walk_ext_caps, ExtCap, PciCap, EXT_CAP_START};
 pub use device::{irq_vectors, PlannedArea, VfioDeviceError, VfioMetrics, VfioPciDevice};
+pub use gpudirect::{
+    GpuDirectCap, GpuDirectError, GPUDIRECT_CAP_OFFSET, MAX_CLIQUE, NVIDIA_VENDOR_ID,
+};
+pub use iommufd::{
+    bind_and_attach, cdev_name, choose_interface, Iommufd, IommufdError, VfioInterface,
+    IOMMUFD_IOCTLS,
+};
 pub use kernel::{
     KernelVfioDevice, VfioContainer, VfioGroup, VfioKernelError,
     VFIO_DEVICE_GET_PCI_HOT_RESET_INFO, VFIO_DEVICE_PCI_HOT_RESET, VFIO_DEVICE_RESET,

@@ -14,6 +14,7 @@
 
 use super::backend::{region_index, IrqIndex, VfioBackend};
 use super::capability::{ext_id, id, walk_caps, walk_ext_caps, PCIE_CONFIG_SIZE};
+use super::gpudirect::{GpuDirectCap, GPUDIRECT_CAP_LEN, GPUDIRECT_CAP_OFFSET};
 use crate::pci::{BarKind, BarMove, MsiMessage, PciConfigError, PciConfiguration, PciHeader};
 
 /// Register index of BAR 0.
@@ -24,6 +25,12 @@ const ROM_REG: usize = 12;
 const HEADER_REG: usize = 3;
 /// Header type dword: everything but the multi-function bit.
 const HEADER_MF_MASK: u32 = 0xff7f_ffff;
+/// Register index of the command/status dword.
+const COMMAND_REG: usize = 1;
+/// Status register: capability list present (bit 4 of status, bit 20 of the dword).
+const STATUS_CAP_LIST: u32 = 1 << 20;
+/// Register index of the capabilities pointer.
+const CAP_POINTER_REG: usize = 0x34 / 4;
 
 /// Why a device could not be described to the guest.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -118,6 +125,9 @@ pub struct DeviceProbe {
     pub msi: Option<usize>,
     /// Extended capabilities hidden from the guest.
     pub hidden: Vec<HiddenCap>,
+    /// NVIDIA's GPUDirect clique capability, emulated at 0xD4 at the head of the standard
+    /// list (off unless configured: [`GpuDirectCap::for_device`]).
+    pub gpudirect: Option<GpuDirectCap>,
 }
 
 fn read32(backend: &dyn VfioBackend, offset: u64) -> Result<u32, ShadowError> {
@@ -202,7 +212,7 @@ fn probe_bars(backend: &dyn VfioBackend) -> Result<Vec<ProbedBar>, ShadowError> 
 
 /// Bytes an MSI capability at `offset` covers: 10, plus 4 for 64-bit addresses, plus 10
 /// for per-vector masking.
-fn msi_cap_len(cfg: &[u8], offset: usize) -> usize {
+pub(super) fn msi_cap_len(cfg: &[u8], offset: usize) -> usize {
     let control = cfg.get(offset + 2).copied().unwrap_or(0);
     let pvm = cfg.get(offset + 3).copied().unwrap_or(0) & 1 != 0;
     10 + if control & 0x80 != 0 { 4 } else { 0 } + if pvm { 10 } else { 0 }
@@ -284,6 +294,7 @@ pub fn probe(backend: &dyn VfioBackend) -> Result<DeviceProbe, ShadowError> {
         msix,
         msi,
         hidden,
+        gpudirect: None,
     })
 }
 
@@ -477,6 +488,11 @@ impl ConfigShadow {
         if reg >= PCIE_CONFIG_SIZE / 4 {
             return u32::MAX;
         }
+        if let Some(cap) = &self.probe.gpudirect {
+            if let Some(value) = cap.read_reg(reg) {
+                return value;
+            }
+        }
         if let Some(h) = self.hidden(at) {
             // The null capability: id 0, version 0, the chain continues.
             return if at == h.offset {
@@ -501,6 +517,11 @@ impl ConfigShadow {
         let value = read32(backend, at as u64).unwrap_or(u32::MAX);
         match (reg, self.probe.msix) {
             (HEADER_REG, _) => value & HEADER_MF_MASK,
+            // The GPUDirect capability heads the list (it points on to the device's head).
+            (COMMAND_REG, _) if self.probe.gpudirect.is_some() => value | STATUS_CAP_LIST,
+            (CAP_POINTER_REG, _) if self.probe.gpudirect.is_some() => {
+                (value & !0xff) | GPUDIRECT_CAP_OFFSET as u32
+            }
             (_, Some(m)) if at == m.cap => {
                 (value & 0x3fff_ffff) | (u32::from(self.msix_control & 0xc000) << 16)
             }
@@ -530,6 +551,12 @@ impl ConfigShadow {
             return out;
         }
         if reg == ROM_REG || self.hidden(at).is_some() {
+            return out;
+        }
+        if self.probe.gpudirect.is_some()
+            && (GPUDIRECT_CAP_OFFSET..GPUDIRECT_CAP_OFFSET + GPUDIRECT_CAP_LEN).contains(&at)
+        {
+            // Emulated and read-only: nothing of it exists on the device.
             return out;
         }
         if let Some(m) = self.probe.msix {
@@ -658,6 +685,48 @@ mod tests {
         assert_eq!((w.moves[0].old, w.moves[0].new), (0xc000_0000, 0xd000_0000));
         // Only the command register reached the device.
         assert_eq!(gpu.take_config_writes(), vec![(4, 2)]);
+    }
+
+    #[test]
+    fn gpudirect_clique_heads_the_guests_capability_list() {
+        let gpu = ModelGpu::new(ModelReset::Flr).unwrap();
+        let mut p = probe(&gpu).unwrap();
+        p.gpudirect = Some(GpuDirectCap::for_device(&gpu, 7).unwrap());
+        let mut s = ConfigShadow::new(
+            &gpu,
+            p,
+            &[(0, 0xc000_0000), (1, 128 << 30), (3, 0x2_0000_0000)],
+        )
+        .unwrap();
+        let mut cfg = vec![0u8; 256];
+        for reg in 0..64 {
+            cfg[reg * 4..reg * 4 + 4].copy_from_slice(&s.read(&gpu, reg).to_le_bytes());
+        }
+        let caps: Vec<_> = walk_caps(&cfg).iter().map(|c| (c.id, c.offset)).collect();
+        assert_eq!(
+            caps,
+            [
+                (0x09, 0xd4),
+                (0x01, 0x60),
+                (0x05, model::cap_offset::MSI),
+                (0x10, 0x78),
+                (0x11, model::cap_offset::MSIX)
+            ]
+        );
+        assert_eq!(
+            &cfg[0xd4..0xdc],
+            &[0x09, 0x60, 8, b'P', b'2', b'P', 7 << 3, 0]
+        );
+        // Writes to it are dropped; the device never had it.
+        gpu.take_config_writes();
+        s.write(&gpu, 0xd4 / 4, 0, &u32::MAX.to_le_bytes());
+        s.write(&gpu, 0xd8 / 4, 2, &[0xff]);
+        assert!(gpu.take_config_writes().is_empty());
+        assert_eq!(s.read(&gpu, 0xd8 / 4), 0x0038_5032);
+        // Without it, the device's own list.
+        let s = shadow(&gpu);
+        assert_eq!(s.read(&gpu, 0x34 / 4) & 0xff, 0x60);
+        assert_eq!(s.read(&gpu, 0xd4 / 4), 0);
     }
 
     #[test]

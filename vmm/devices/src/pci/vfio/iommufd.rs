@@ -1,0 +1,343 @@
+//! The iommufd interface of kernel VFIO (Linux 6.6+): `/dev/iommu` holds an IO address
+//! space (IOAS) into which guest RAM is mapped, and the device is opened through its
+//! character device `/dev/vfio/devices/vfioN` (named by sysfs `<device>/vfio-dev/vfioN`),
+//! bound to the iommufd and attached to the IOAS, instead of through a group and a
+//! container.
+//!
+//! This file has the pieces: which interface a device offers ([`choose_interface`]), the
+//! iommufd ([`Iommufd`]: IOAS allocation, DMA map and unmap) and the device's bind and
+//! attach ([`bind_and_attach`]), with struct layouts from `<linux/iommufd.h>` and
+//! `<linux/vfio.h>`. NOT WIRED IN: the kernel backend (`kernel.rs`) still opens every device
+//! through the legacy container/group path, which kernels with the cdev also keep offering
+//! (`CONFIG_VFIO_GROUP`). The nested test host's 6.1 kernel has no VFIO cdev, so nothing
+//! here has run against a kernel; the unit tests cover the selection and the encodings.
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::{Path, PathBuf};
+
+/// `_IO(';', nr)`: iommufd's and VFIO's ioctls share the type and carry no size.
+const fn io(nr: u32) -> libc::c_ulong {
+    ((b';' as libc::c_ulong) << 8) | nr as libc::c_ulong
+}
+
+/// IOMMU_IOAS_ALLOC.
+pub const IOMMU_IOAS_ALLOC: libc::c_ulong = io(0x81);
+/// IOMMU_IOAS_MAP.
+pub const IOMMU_IOAS_MAP: libc::c_ulong = io(0x85);
+/// IOMMU_IOAS_UNMAP.
+pub const IOMMU_IOAS_UNMAP: libc::c_ulong = io(0x86);
+/// VFIO_DEVICE_BIND_IOMMUFD (VFIO_BASE 100 + 18).
+pub const VFIO_DEVICE_BIND_IOMMUFD: libc::c_ulong = io(100 + 18);
+/// VFIO_DEVICE_ATTACH_IOMMUFD_PT (VFIO_BASE 100 + 19).
+pub const VFIO_DEVICE_ATTACH_IOMMUFD_PT: libc::c_ulong = io(100 + 19);
+/// The ioctls of this path a seccomp filter would have to allow.
+pub const IOMMUFD_IOCTLS: [libc::c_ulong; 5] = [
+    IOMMU_IOAS_ALLOC,
+    IOMMU_IOAS_MAP,
+    IOMMU_IOAS_UNMAP,
+    VFIO_DEVICE_BIND_IOMMUFD,
+    VFIO_DEVICE_ATTACH_IOMMUFD_PT,
+];
+
+/// IOMMU_IOAS_MAP flags: FIXED_IOVA | WRITEABLE | READABLE.
+const MAP_FIXED_RW: u32 = 0b111;
+
+/// Which VFIO interface opens a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VfioInterface {
+    /// iommufd: `/dev/iommu` and the device's cdev.
+    Cdev {
+        /// `/dev/iommu`.
+        iommu: PathBuf,
+        /// `/dev/vfio/devices/vfioN`.
+        device: PathBuf,
+    },
+    /// The legacy container (`/dev/vfio/vfio`) and group (`/dev/vfio/<group>`).
+    Legacy,
+}
+
+/// Why the iommufd path failed.
+#[derive(Debug, thiserror::Error)]
+pub enum IommufdError {
+    /// A file could not be opened.
+    #[error("Cannot open {path}: {source}")]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Guest RAM could not be mapped for lack of lockable memory.
+    #[error("Mapping {size:#x} bytes of guest RAM at {iova:#x} for DMA failed: out of locked memory; the VMM needs RLIMIT_MEMLOCK of at least the guest RAM size (ulimit -l, or the jail's memlock limit)")]
+    DmaMemlock {
+        /// IOVA (= guest physical address).
+        iova: u64,
+        /// Bytes.
+        size: u64,
+    },
+    /// An ioctl failed.
+    #[error("{op} failed: {source}")]
+    Ioctl {
+        /// The ioctl.
+        op: &'static str,
+        /// What the kernel answered.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn ioctl_err(op: &'static str) -> IommufdError {
+    IommufdError::Ioctl {
+        op,
+        source: std::io::Error::last_os_error(),
+    }
+}
+
+/// The device's VFIO cdev name (`vfioN`) from its sysfs directory's `vfio-dev/` folder,
+/// when the kernel made one.
+pub fn cdev_name(sysfs_device: &Path) -> Option<String> {
+    let mut names: Vec<String> = std::fs::read_dir(sysfs_device.join("vfio-dev"))
+        .ok()?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| {
+            n.strip_prefix("vfio")
+                .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .collect();
+    names.sort();
+    names.into_iter().next()
+}
+
+/// The interface to open the device at `sysfs_device` with, given the device folder
+/// `dev_root` (normally `/dev`): the cdev when `<dev_root>/iommu` and
+/// `<dev_root>/vfio/devices/vfioN` both exist, the legacy group path otherwise.
+pub fn choose_interface(sysfs_device: &Path, dev_root: &Path) -> VfioInterface {
+    let iommu = dev_root.join("iommu");
+    let cdev = cdev_name(sysfs_device).map(|n| dev_root.join("vfio/devices").join(n));
+    match cdev {
+        Some(device) if iommu.exists() && device.exists() => VfioInterface::Cdev { iommu, device },
+        _ => VfioInterface::Legacy,
+    }
+}
+
+/// `struct iommu_ioas_alloc` (size, flags, out_ioas_id).
+fn ioas_alloc_arg() -> [u32; 3] {
+    [12, 0, 0]
+}
+
+/// `struct iommu_ioas_map` (size, flags, ioas_id, reserved, user_va, length, iova) as
+/// u64 words, little-endian halves for the four u32 fields.
+fn ioas_map_arg(ioas: u32, iova: u64, size: u64, host_addr: u64) -> [u64; 5] {
+    [
+        40 | (u64::from(MAP_FIXED_RW) << 32),
+        u64::from(ioas),
+        host_addr,
+        size,
+        iova,
+    ]
+}
+
+/// `struct iommu_ioas_unmap` (size, ioas_id, iova, length).
+fn ioas_unmap_arg(ioas: u32, iova: u64, size: u64) -> [u64; 3] {
+    [24 | (u64::from(ioas) << 32), iova, size]
+}
+
+/// `struct vfio_device_bind_iommufd` (argsz, flags, iommufd, out_devid): the 16-byte
+/// form every cdev kernel accepts (6.17 added an optional token pointer after it).
+fn bind_arg(iommufd: RawFd) -> [u32; 4] {
+    [16, 0, iommufd as u32, 0]
+}
+
+/// `struct vfio_device_attach_iommufd_pt` (argsz, flags, pt_id).
+fn attach_arg(pt_id: u32) -> [u32; 3] {
+    [12, 0, pt_id]
+}
+
+/// An open `/dev/iommu` with one IOAS for the VM's guest RAM.
+#[derive(Debug)]
+pub struct Iommufd {
+    file: File,
+    ioas: u32,
+}
+
+impl Iommufd {
+    /// Opens `path` (normally `/dev/iommu`) and allocates the IOAS.
+    pub fn open(path: &Path) -> Result<Self, IommufdError> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| IommufdError::Open {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        let mut arg = ioas_alloc_arg();
+        // SAFETY: `arg` is a struct iommu_ioas_alloc the kernel fills (out_ioas_id).
+        if unsafe { libc::ioctl(file.as_raw_fd(), IOMMU_IOAS_ALLOC, arg.as_mut_ptr()) } < 0 {
+            return Err(ioctl_err("IOMMU_IOAS_ALLOC"));
+        }
+        Ok(Self { file, ioas: arg[2] })
+    }
+
+    /// The IOAS id devices attach to.
+    pub fn ioas(&self) -> u32 {
+        self.ioas
+    }
+
+    /// The iommufd's descriptor (devices bind to it).
+    pub fn fd(&self) -> RawFd {
+        self.file.as_raw_fd()
+    }
+
+    /// Maps `size` bytes at host address `host_addr` for device DMA at `iova`.
+    ///
+    /// # Safety
+    ///
+    /// As the legacy container's `map_dma`: the range must stay mapped until unmapped (or
+    /// the iommufd closes), and no Rust reference to it may exist while it is mapped.
+    pub unsafe fn map_dma(&self, iova: u64, size: u64, host_addr: u64) -> Result<(), IommufdError> {
+        let mut arg = ioas_map_arg(self.ioas, iova, size, host_addr);
+        // SAFETY: `arg` is a valid struct iommu_ioas_map (the kernel writes `iova` back,
+        // within it); the caller guarantees the range's lifetime and aliasing rules.
+        if unsafe { libc::ioctl(self.file.as_raw_fd(), IOMMU_IOAS_MAP, arg.as_mut_ptr()) } < 0 {
+            let source = std::io::Error::last_os_error();
+            if source.raw_os_error() == Some(libc::ENOMEM) {
+                return Err(IommufdError::DmaMemlock { iova, size });
+            }
+            return Err(IommufdError::Ioctl {
+                op: "IOMMU_IOAS_MAP",
+                source,
+            });
+        }
+        Ok(())
+    }
+
+    /// Removes the DMA mapping at `iova`.
+    pub fn unmap_dma(&self, iova: u64, size: u64) -> Result<(), IommufdError> {
+        let mut arg = ioas_unmap_arg(self.ioas, iova, size);
+        // SAFETY: `arg` is a valid struct iommu_ioas_unmap (the kernel writes `length`
+        // back, within it).
+        if unsafe { libc::ioctl(self.file.as_raw_fd(), IOMMU_IOAS_UNMAP, arg.as_mut_ptr()) } < 0 {
+            return Err(ioctl_err("IOMMU_IOAS_UNMAP"));
+        }
+        Ok(())
+    }
+}
+
+/// Opens the device cdev at `path`, binds it to `iommufd` and attaches it to its IOAS;
+/// returns the device file (then used like a group's device fd) and the device id.
+pub fn bind_and_attach(path: &Path, iommufd: &Iommufd) -> Result<(File, u32), IommufdError> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|source| IommufdError::Open {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    let mut bind = bind_arg(iommufd.fd());
+    // SAFETY: `bind` is a struct vfio_device_bind_iommufd the kernel fills (out_devid).
+    if unsafe {
+        libc::ioctl(
+            file.as_raw_fd(),
+            VFIO_DEVICE_BIND_IOMMUFD,
+            bind.as_mut_ptr(),
+        )
+    } < 0
+    {
+        return Err(ioctl_err("VFIO_DEVICE_BIND_IOMMUFD"));
+    }
+    let mut attach = attach_arg(iommufd.ioas());
+    // SAFETY: `attach` is a struct vfio_device_attach_iommufd_pt (the kernel writes the
+    // attached page table id back into pt_id).
+    if unsafe {
+        libc::ioctl(
+            file.as_raw_fd(),
+            VFIO_DEVICE_ATTACH_IOMMUFD_PT,
+            attach.as_mut_ptr(),
+        )
+    } < 0
+    {
+        return Err(ioctl_err("VFIO_DEVICE_ATTACH_IOMMUFD_PT"));
+    }
+    Ok((file, bind[3]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ioctl_numbers_match_the_linux_headers() {
+        // <linux/iommufd.h>: IOMMUFD_TYPE ';', IOAS_ALLOC 0x81, IOAS_MAP 0x85, UNMAP 0x86.
+        assert_eq!(IOMMU_IOAS_ALLOC, 0x3b81);
+        assert_eq!(IOMMU_IOAS_MAP, 0x3b85);
+        assert_eq!(IOMMU_IOAS_UNMAP, 0x3b86);
+        // <linux/vfio.h>: VFIO_BASE 100; BIND 18, ATTACH_PT 19.
+        assert_eq!(VFIO_DEVICE_BIND_IOMMUFD, 0x3b76);
+        assert_eq!(VFIO_DEVICE_ATTACH_IOMMUFD_PT, 0x3b77);
+    }
+
+    #[test]
+    fn argument_layouts_match_the_structs() {
+        assert_eq!(std::mem::size_of_val(&ioas_alloc_arg()), 12);
+        let map = ioas_map_arg(7, 0x1000, 0x2000, 0x7f00_0000_0000);
+        assert_eq!(std::mem::size_of_val(&map), 40);
+        // size 40, flags FIXED|WRITE|READ, ioas_id 7, reserved 0, user_va, length, iova.
+        assert_eq!(map[0] as u32, 40);
+        assert_eq!((map[0] >> 32) as u32, 0b111);
+        assert_eq!(map[1], 7);
+        assert_eq!((map[2], map[3], map[4]), (0x7f00_0000_0000, 0x2000, 0x1000));
+        let unmap = ioas_unmap_arg(7, 0x1000, 0x2000);
+        assert_eq!((unmap[0] as u32, (unmap[0] >> 32) as u32), (24, 7));
+        assert_eq!(bind_arg(9), [16, 0, 9, 0]);
+        assert_eq!(attach_arg(7), [12, 0, 7]);
+    }
+
+    #[test]
+    fn cdev_is_chosen_only_when_the_kernel_offers_it() {
+        let sys = tempfile::tempdir().unwrap();
+        let dev = tempfile::tempdir().unwrap();
+        // A 6.1 kernel: no vfio-dev folder, no /dev/iommu.
+        assert_eq!(
+            choose_interface(sys.path(), dev.path()),
+            VfioInterface::Legacy
+        );
+        std::fs::create_dir_all(sys.path().join("vfio-dev/vfio3")).unwrap();
+        assert_eq!(cdev_name(sys.path()).as_deref(), Some("vfio3"));
+        // The cdev without /dev/iommu, then without its /dev node: still legacy.
+        assert_eq!(
+            choose_interface(sys.path(), dev.path()),
+            VfioInterface::Legacy
+        );
+        std::fs::write(dev.path().join("iommu"), b"").unwrap();
+        assert_eq!(
+            choose_interface(sys.path(), dev.path()),
+            VfioInterface::Legacy
+        );
+        std::fs::create_dir_all(dev.path().join("vfio/devices")).unwrap();
+        std::fs::write(dev.path().join("vfio/devices/vfio3"), b"").unwrap();
+        assert_eq!(
+            choose_interface(sys.path(), dev.path()),
+            VfioInterface::Cdev {
+                iommu: dev.path().join("iommu"),
+                device: dev.path().join("vfio/devices/vfio3"),
+            }
+        );
+        // Names that are not vfioN are ignored.
+        let odd = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(odd.path().join("vfio-dev/vfio")).unwrap();
+        std::fs::create_dir_all(odd.path().join("vfio-dev/vfiox")).unwrap();
+        assert_eq!(cdev_name(odd.path()), None);
+    }
+
+    #[test]
+    fn missing_dev_iommu_is_an_open_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = Iommufd::open(&dir.path().join("iommu")).unwrap_err();
+        assert!(err.to_string().contains("iommu"), "{err}");
+        assert!(matches!(err, IommufdError::Open { .. }));
+    }
+}
