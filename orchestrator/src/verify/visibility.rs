@@ -31,7 +31,7 @@ fn cross(out: &mut Outcome, what: &str, result: Result<usize, HostError>) {
                 "{what}: answered with {n} item(s) of another tenant"
             ));
         }
-        Err(e) if matches!(e.status(), Some(403 | 404)) => {}
+        Err(e) if matches!(e.status(), Some(401 | 403 | 404)) => {}
         Err(e) => {
             if out.verdict == Verdict::Pass {
                 out.verdict = Verdict::Inconclusive;
