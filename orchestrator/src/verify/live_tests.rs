@@ -302,3 +302,45 @@ fn metrics_models_and_inference_keys_are_scoped_and_the_scan_control_finds_a_pla
     drop(b);
     assert!(p.release_all().is_empty());
 }
+
+#[test]
+fn the_front_door_client_reads_a_probes_own_metrics_with_its_key_and_nothing_without_one() {
+    let d = Daemon::start(FaultHook::default());
+    let host = d.host();
+    let p = probes(&host, "aaaa0006", None);
+    let a = p.create("a", |_| {}).unwrap();
+    let key = host.inference_key(&a.name, &a.token).unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let (cert_pem, key_pem) = (d.h.dir.path().join("c.pem"), d.h.dir.path().join("k.pem"));
+    std::fs::write(&cert_pem, cert.cert.pem()).unwrap();
+    std::fs::write(&key_pem, cert.key_pair.serialize_pem()).unwrap();
+    let tls = crate::frontdoor::tls_config(&cert_pem, &key_pem).unwrap();
+    let listener =
+        d.rt.block_on(crate::frontdoor::bind("127.0.0.1:0".parse().unwrap()))
+            .unwrap();
+    let addr = listener.local_addr().unwrap();
+    d.rt.spawn(crate::frontdoor::serve(
+        listener,
+        tls,
+        d.h.svc.clone(),
+        std::future::pending(),
+    ));
+    let host = d
+        .host()
+        .with_front_door(super::door::FrontDoorTarget {
+            addr,
+            server_name: "localhost".into(),
+            ca: cert_pem,
+        })
+        .unwrap();
+    let (status, text) = host.front_door(&key, "/metrics", None).unwrap();
+    assert_eq!(status, 200, "{text}");
+    // The first request is counted after it is answered: the second shows it, by tenant.
+    let (status, text) = host.front_door(&key, "/metrics", None).unwrap();
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains(a.name.as_str()), "{text}");
+    let (status, _) = host.front_door("tvm-not-a-key", "/metrics", None).unwrap();
+    assert_eq!(status, 401);
+    drop(a);
+    assert!(p.release_all().is_empty());
+}

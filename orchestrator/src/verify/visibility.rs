@@ -161,7 +161,9 @@ fn cross_credentials(ctx: &Ctx<'_>, a: &Probe<'_>, b: &Probe<'_>, out: &mut Outc
             &what,
             ctx.host.models_with(&owner.name, &key).map(|m| m.len()),
         );
-        for path in ["/metrics", "/v1/models"] {
+        // /v1/models first: the front door counts a request once answered, so /metrics then
+        // shows the reader its own series.
+        for path in ["/v1/models", "/metrics"] {
             match ctx.host.front_door(&key, path, None) {
                 Ok((200, text)) => {
                     if path == "/metrics" {
