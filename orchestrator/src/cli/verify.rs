@@ -124,6 +124,9 @@ pub struct VerifyArgs {
     /// More files or directories the plaintext marker scan reads (the daemon's log file).
     #[arg(long, value_name = "PATH")]
     pub scan: Vec<PathBuf>,
+    /// The front door (checks 7 and 9), boxed: the flags are rarely given.
+    #[command(flatten)]
+    pub front: Box<FrontDoorArgs>,
     /// Ledger of probe tenants created (default: <state-dir>/verify/probes).
     #[arg(long, value_name = "FILE")]
     pub ledger: Option<PathBuf>,
@@ -209,6 +212,14 @@ fn run_blocking(
             scan_extra: args.scan.clone(),
         },
     );
+    let host = match (args.front.front_door, &args.front.front_door_ca) {
+        (Some(addr), Some(ca)) => host.with_front_door(crate::verify::door::FrontDoorTarget {
+            addr,
+            server_name: args.front.front_door_name.clone(),
+            ca: ca.clone(),
+        })?,
+        _ => host,
+    };
     let daemon = host.daemon()?;
     let started_at = crate::receipt::now_rfc3339();
     let run_id = new_run_id();
@@ -407,6 +418,21 @@ pub(super) async fn run(
             "not every selected check passed (see the report above)",
         ))
     }
+}
+
+/// Where the daemon's front door is and how to trust it (`tenantvm verify`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct FrontDoorArgs {
+    /// The daemon's front door (its --listen address): checks 7 and 9 read probes' metrics
+    /// and models there with inference keys, and send check 7's marker prompt through it.
+    #[arg(long, value_name = "ADDR:PORT", requires = "front_door_ca")]
+    pub front_door: Option<std::net::SocketAddr>,
+    /// The CA (or self-signed certificate, PEM) the front door's certificate is trusted by.
+    #[arg(long, value_name = "PEM", requires = "front_door")]
+    pub front_door_ca: Option<PathBuf>,
+    /// The name the front door's certificate is issued to.
+    #[arg(long, value_name = "NAME", default_value = "localhost")]
+    pub front_door_name: String,
 }
 
 #[cfg(test)]

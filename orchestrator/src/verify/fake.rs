@@ -36,6 +36,10 @@ pub struct Broken {
     pub logs_prompts: bool,
     /// A tenant's token reads every tenant's logs and receipts.
     pub cross_reads: bool,
+    /// Metrics are served unscoped: a tenant's token or key reads every tenant's series.
+    pub metrics_unscoped: bool,
+    /// The plaintext scan is blind (reads nothing): what check 9's positive control is for.
+    pub blind_scan: bool,
 }
 
 #[derive(Debug)]
@@ -58,6 +62,12 @@ struct State {
     caches: BTreeMap<String, HashSet<String>>,
     last_noisy: Option<Instant>,
     tick: u64,
+    /// Models pushed: tenant -> names.
+    models: BTreeMap<String, Vec<String>>,
+    /// Inference keys: key -> tenant.
+    inference_keys: BTreeMap<String, String>,
+    /// Requests answered per tenant (its metric).
+    requests: BTreeMap<String, u64>,
 }
 
 /// The fake host.
@@ -339,6 +349,7 @@ impl VerifyHost for FakeVerifyHost {
             _ => return Err(refused()),
         }
         st.tick += 1;
+        *st.requests.entry(name.to_string()).or_default() += 1;
         let jitter = (st.tick * 7919 % 13) as f64 * 0.1;
         if self.broken.logs_prompts {
             st.files
@@ -384,6 +395,9 @@ impl VerifyHost for FakeVerifyHost {
     }
 
     fn files_holding(&self, marker: &[u8]) -> Result<Vec<String>, HostError> {
+        if self.broken.blind_scan {
+            return Ok(Vec::new());
+        }
         Ok(self
             .st()
             .files
@@ -417,6 +431,107 @@ impl VerifyHost for FakeVerifyHost {
         }
     }
 
+    fn metrics_with(&self, token: Option<&str>) -> Result<String, HostError> {
+        let st = self.st();
+        let only = match token {
+            None => None,
+            Some(token) => match st.tenants.iter().find(|(_, t)| t.token == token) {
+                Some(_) if self.broken.metrics_unscoped => None,
+                Some((name, _)) => Some(name.clone()),
+                None => return Err(refused()),
+            },
+        };
+        Ok(render_metrics(&st, only.as_deref()))
+    }
+
+    fn models_with(&self, name: &str, token: &str) -> Result<Vec<String>, HostError> {
+        let st = self.st();
+        match st.tenants.get(name) {
+            Some(t) if t.token == token || self.broken.cross_reads => {
+                Ok(st.models.get(name).cloned().unwrap_or_default())
+            }
+            _ => Err(refused()),
+        }
+    }
+
+    fn push_model(
+        &self,
+        name: &str,
+        token: &str,
+        model: &str,
+        bytes: &[u8],
+    ) -> Result<(), HostError> {
+        let mut st = self.st();
+        match st.tenants.get(name) {
+            Some(t) if t.token == token => {}
+            _ => return Err(refused()),
+        }
+        st.models
+            .entry(name.to_string())
+            .or_default()
+            .push(model.to_string());
+        if self.broken.plaintext_disk {
+            st.files
+                .entry(format!("{name}/disk.img"))
+                .or_default()
+                .extend_from_slice(bytes);
+        }
+        Ok(())
+    }
+
+    fn inference_key(&self, name: &str, token: &str) -> Result<String, HostError> {
+        let mut st = self.st();
+        match st.tenants.get(name) {
+            Some(t) if t.token == token => {}
+            _ => return Err(refused()),
+        }
+        let key = format!("tvmk-fake-{name}-{}", st.inference_keys.len());
+        st.inference_keys.insert(key.clone(), name.to_string());
+        Ok(key)
+    }
+
+    fn front_door(
+        &self,
+        key: &str,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<(u16, String), HostError> {
+        let (name, token) = {
+            let st = self.st();
+            let Some(name) = st.inference_keys.get(key).cloned() else {
+                return Ok((401, "invalid key".into()));
+            };
+            let token = st.tenants.get(&name).map(|t| t.token.clone());
+            (name, token.unwrap_or_default())
+        };
+        match (path, body) {
+            ("/metrics", None) => {
+                let st = self.st();
+                let only = (!self.broken.metrics_unscoped).then_some(name.as_str());
+                Ok((200, render_metrics(&st, only)))
+            }
+            ("/v1/models", None) => {
+                let st = self.st();
+                let models = st.models.get(&name).cloned().unwrap_or_default();
+                Ok((200, serde_json::json!({ "data": models }).to_string()))
+            }
+            ("/v1/completions", Some(b)) => {
+                let prompt = b["prompt"].as_str().unwrap_or_default();
+                self.complete(&name, &token, prompt, 4)?;
+                Ok((200, "{}".into()))
+            }
+            _ => Ok((404, "unknown route".into())),
+        }
+    }
+
+    fn scan_finds(&self, content: &[u8], marker: &[u8]) -> Result<bool, HostError> {
+        const SCRATCH: &str = "verify-scan-control";
+        self.st().files.insert(SCRATCH.into(), content.to_vec());
+        let found = self.files_holding(marker);
+        self.st().files.remove(SCRATCH);
+        Ok(found?.iter().any(|p| p == SCRATCH))
+    }
+
     fn receipts_with(&self, tenant: &str, token: &str) -> Result<usize, HostError> {
         let st = self.st();
         let own = st.tenants.get(tenant).is_some_and(|t| t.token == token);
@@ -427,4 +542,20 @@ impl VerifyHost for FakeVerifyHost {
             Ok(0)
         }
     }
+}
+
+/// The fake's per-tenant metrics in the Prometheus text format: every tenant's, or `only`'s.
+fn render_metrics(st: &State, only: Option<&str>) -> String {
+    let mut out = String::from("# TYPE tenantvm_requests_total counter\n");
+    for name in st
+        .tenants
+        .keys()
+        .filter(|n| only.is_none_or(|o| o == n.as_str()))
+    {
+        let n = st.requests.get(name).copied().unwrap_or(0);
+        out.push_str(&format!(
+            "tenantvm_requests_total{{tenant=\"{name}\"}} {n}\n"
+        ));
+    }
+    out
 }

@@ -182,4 +182,32 @@ pub trait VerifyHost: Sync {
     fn logs_with(&self, name: &str, token: &str, stream: LogStream) -> Result<String, HostError>;
     /// Reads a tenant's receipts with `token`: the count, or the refusal.
     fn receipts_with(&self, tenant: &str, token: &str) -> Result<usize, HostError>;
+    /// Reads the per-tenant metrics (`GET /v1/metrics`, Prometheus text) with `token`
+    /// (`None`: the admin's, every tenant's series).
+    fn metrics_with(&self, token: Option<&str>) -> Result<String, HostError>;
+    /// Lists a tenant's models with `token` (`GET /v1/tenants/{name}/models`): the model
+    /// names, or the refusal.
+    fn models_with(&self, name: &str, token: &str) -> Result<Vec<String>, HostError>;
+    /// Pushes `bytes` as model `model` to the tenant with its own `token`.
+    fn push_model(
+        &self,
+        name: &str,
+        token: &str,
+        model: &str,
+        bytes: &[u8],
+    ) -> Result<(), HostError>;
+    /// Gives the tenant an inference key for the front door (with its own `token`).
+    fn inference_key(&self, name: &str, token: &str) -> Result<String, HostError>;
+    /// One request at the front door with an inference key: `GET path` (`body` `None`) or
+    /// `POST path` with a JSON body; the status and the body as text.
+    /// [`HostError::Unsupported`] when the operator named no front door.
+    fn front_door(
+        &self,
+        key: &str,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<(u16, String), HostError>;
+    /// Positive control of [`VerifyHost::files_holding`]: writes `content` to a scratch file
+    /// where the scan looks, says whether the scan finds `marker` there, and removes it.
+    fn scan_finds(&self, content: &[u8], marker: &[u8]) -> Result<bool, HostError>;
 }

@@ -11,6 +11,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use hyper::Method;
 use tenantvm_agent_protocol::{AgentClient, AgentEndpoint, HttpRequest};
 
 use super::host::{CpuOverrun, GpuView, HostError, Overrun, VerifyHost};
@@ -49,7 +50,11 @@ pub struct LiveHost {
     admin: Client,
     rt: tokio::runtime::Handle,
     paths: LivePaths,
+    door: Option<super::door::FrontDoorClient>,
 }
+
+/// Deadline of one front-door request.
+const DOOR_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn from_client(e: ClientError) -> HostError {
     match e {
@@ -79,7 +84,18 @@ impl LiveHost {
             admin: Client::new(paths.socket.clone(), token),
             rt,
             paths,
+            door: None,
         }
+    }
+
+    /// The same host, with the front door reached at `target` (checks 7 and 9 read a
+    /// probe's metrics and models there, with an inference key).
+    pub fn with_front_door(
+        mut self,
+        target: super::door::FrontDoorTarget,
+    ) -> Result<LiveHost, HostError> {
+        self.door = Some(super::door::FrontDoorClient::new(target)?);
+        Ok(self)
     }
 
     fn as_tenant(&self, token: &str) -> Client {
@@ -475,6 +491,91 @@ impl VerifyHost for LiveHost {
         Ok(text)
     }
 
+    fn metrics_with(&self, token: Option<&str>) -> Result<String, HostError> {
+        let client = match token {
+            Some(t) => self.as_tenant(t),
+            None => self.admin.clone(),
+        };
+        let (status, bytes) = self
+            .rt
+            .block_on(client.raw(Method::GET, "/v1/metrics", None))
+            .map_err(from_client)?;
+        answer(status, &bytes)
+    }
+
+    fn models_with(&self, name: &str, token: &str) -> Result<Vec<String>, HostError> {
+        let list: crate::api::models::ModelList = self
+            .rt
+            .block_on(self.as_tenant(token).call(
+                Method::GET,
+                &format!("/v1/tenants/{name}/models"),
+                None,
+            ))
+            .map_err(from_client)?;
+        Ok(list.models.into_iter().map(|m| m.name).collect())
+    }
+
+    fn push_model(
+        &self,
+        name: &str,
+        token: &str,
+        model: &str,
+        bytes: &[u8],
+    ) -> Result<(), HostError> {
+        let (status, answer) =
+            self.rt
+                .block_on(put_model(&self.paths.socket, token, name, model, bytes))?;
+        answer_json::<crate::api::models::ModelStored>(status, &answer).map(|_| ())
+    }
+
+    fn inference_key(&self, name: &str, token: &str) -> Result<String, HostError> {
+        let created: crate::api::keys::KeyCreated = self
+            .rt
+            .block_on(self.as_tenant(token).call(
+                Method::POST,
+                &format!("/v1/tenants/{name}/keys"),
+                None,
+            ))
+            .map_err(from_client)?;
+        Ok(created.key)
+    }
+
+    fn front_door(
+        &self,
+        key: &str,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<(u16, String), HostError> {
+        match &self.door {
+            Some(door) => door.request(key, path, body, DOOR_TIMEOUT),
+            None => Err(HostError::Unsupported(
+                "no front door named (--front-door ADDR --front-door-ca PEM)".into(),
+            )),
+        }
+    }
+
+    fn scan_finds(&self, content: &[u8], marker: &[u8]) -> Result<bool, HostError> {
+        // In the state directory itself, where the scan looks, and gone when this returns.
+        let dir = self.paths.state_dir.join(format!(
+            "verify-scan-control-{:016x}",
+            rand::random::<u64>()
+        ));
+        std::fs::create_dir(&dir).map_err(io_err(&dir))?;
+        let file = dir.join("plaintext-copy");
+        // The same scan as files_holding, over the scratch directory only (it lies inside
+        // the state directory, a root of files_holding): a second full scan would double
+        // the check's time for nothing.
+        let mut found = Vec::new();
+        let found = std::fs::write(&file, content)
+            .map_err(io_err(&file))
+            .and_then(|()| scan(&dir, marker, &mut found, &skip_real_disks))
+            .map(|()| found);
+        let removed = std::fs::remove_dir_all(&dir).map_err(io_err(&dir));
+        let found = found?;
+        removed?;
+        Ok(found.iter().any(|p| Path::new(p) == file))
+    }
+
     fn receipts_with(&self, tenant: &str, token: &str) -> Result<usize, HostError> {
         Ok(self
             .rt
@@ -485,6 +586,73 @@ impl VerifyHost for LiveHost {
             .filter(|e| e.receipt.tenant == tenant)
             .count())
     }
+}
+
+/// `PUT /v1/tenants/{tenant}/models/{model}` with the model in memory, its length and hash.
+async fn put_model(
+    socket: &Path,
+    token: &str,
+    tenant: &str,
+    model: &str,
+    bytes: &[u8],
+) -> Result<(hyper::StatusCode, Vec<u8>), HostError> {
+    use http_body_util::{BodyExt, Full};
+    use sha2::Digest;
+    let http = |e: String| HostError::Failed(format!("model push: {e}"));
+    let stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .map_err(|e| HostError::Unreachable(format!("{}: {e}", socket.display())))?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| http(e.to_string()))?;
+    let conn_task = tokio::spawn(conn);
+    let req = hyper::Request::builder()
+        .method(Method::PUT)
+        .uri(format!(
+            "http://localhost/v1/tenants/{tenant}/models/{model}"
+        ))
+        .header("host", "localhost")
+        .header("authorization", format!("Bearer {token}"))
+        .header("content-length", bytes.len())
+        .header("x-model-sha256", hex::encode(sha2::Sha256::digest(bytes)))
+        .body(Full::new(hyper::body::Bytes::copy_from_slice(bytes)))
+        .map_err(|e| http(e.to_string()))?;
+    let resp = tokio::time::timeout(DOOR_TIMEOUT, async {
+        let resp = sender.send_request(req).await?;
+        let status = resp.status();
+        let body = resp.into_body().collect().await?.to_bytes();
+        Ok::<_, hyper::Error>((status, body.to_vec()))
+    })
+    .await;
+    conn_task.abort();
+    match resp {
+        Ok(r) => r.map_err(|e| http(e.to_string())),
+        Err(_) => Err(HostError::Timeout {
+            what: format!("the model push to {tenant}"),
+            seconds: DOOR_TIMEOUT.as_secs(),
+        }),
+    }
+}
+
+/// A successful answer decoded, or the refusal with the daemon's message.
+fn answer_json<T: serde::de::DeserializeOwned>(
+    status: hyper::StatusCode,
+    bytes: &[u8],
+) -> Result<T, HostError> {
+    let text = answer(status, bytes)?;
+    serde_json::from_str(&text).map_err(|e| HostError::Failed(format!("undecodable answer: {e}")))
+}
+
+/// A successful answer's body as text, or the refusal.
+fn answer(status: hyper::StatusCode, bytes: &[u8]) -> Result<String, HostError> {
+    if status.is_success() {
+        return Ok(String::from_utf8_lossy(bytes).into_owned());
+    }
+    Err(HostError::Api {
+        status: status.as_u16(),
+        message: crate::untrusted::one_line(&String::from_utf8_lossy(bytes)),
+    })
 }
 
 /// Real tenants' disk images are not read by the marker scan: the marker goes to probes

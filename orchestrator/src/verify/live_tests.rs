@@ -239,3 +239,108 @@ fn the_gpus_come_from_the_named_backend_with_the_planners_models() {
         .unwrap_err();
     assert!(err.to_string().contains("GPU backend"), "{err}");
 }
+
+#[test]
+fn metrics_models_and_inference_keys_are_scoped_and_the_scan_control_finds_a_plaintext_copy() {
+    let d = Daemon::start(FaultHook::default());
+    let host = d.host();
+    let p = probes(&host, "aaaa0005", None);
+    let a = p.create("a", |_| {}).unwrap();
+    let b = p.create("b", |_| {}).unwrap();
+    // Metrics: a tenant's token reads no other tenant's series (this test daemon's VMs have
+    // no cgroup to sample, so no probe has a series yet: the text is the families' heads).
+    let own = host.metrics_with(Some(&a.token)).unwrap();
+    assert!(own.contains("# TYPE tenantvm_"), "{own}");
+    assert!(!own.contains(b.name.as_str()), "{own}");
+    host.metrics_with(None).unwrap();
+    let refused = host.metrics_with(Some("not-a-token")).unwrap_err();
+    assert_eq!(refused.status(), Some(401), "{refused}");
+    // Models: another tenant's listing is refused.
+    let refused = host.models_with(&a.name, &b.token).unwrap_err();
+    assert!(matches!(refused.status(), Some(403 | 404)), "{refused}");
+    // An inference key is no API credential: every read with it is refused.
+    let key = host.inference_key(&b.name, &b.token).unwrap();
+    let refused = host
+        .logs_with(&a.name, &key, LogStream::Events)
+        .unwrap_err();
+    assert!(
+        matches!(refused.status(), Some(401 | 403 | 404)),
+        "{refused}"
+    );
+    let refused = host.receipts_with(&a.name, &key).unwrap_err();
+    assert!(
+        matches!(refused.status(), Some(401 | 403 | 404)),
+        "{refused}"
+    );
+    // No front door named: said so, not guessed.
+    assert!(matches!(
+        host.front_door(&key, "/metrics", None),
+        Err(HostError::Unsupported(_))
+    ));
+    // This test daemon's guests have no vsock of their own: model push is refused (409),
+    // which check 9 reports rather than counts.
+    let refused = host
+        .push_model(&a.name, &a.token, "tvm-verify-marker", b"weights")
+        .unwrap_err();
+    assert_eq!(refused.status(), Some(409), "{refused}");
+    // The scan's positive control finds a plaintext copy in the state dir and removes it.
+    let marker = at_rest::new_marker("ctl");
+    let model = at_rest::marker_model(&marker);
+    assert!(host.scan_finds(&model, marker.as_bytes()).unwrap());
+    assert!(!host.scan_finds(b"other bytes", marker.as_bytes()).unwrap());
+    let left: Vec<_> = std::fs::read_dir(d.state_dir())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("verify-scan-control")
+        })
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    drop(a);
+    drop(b);
+    assert!(p.release_all().is_empty());
+}
+
+#[test]
+fn the_front_door_client_reads_a_probes_own_metrics_with_its_key_and_nothing_without_one() {
+    let d = Daemon::start(FaultHook::default());
+    let host = d.host();
+    let p = probes(&host, "aaaa0006", None);
+    let a = p.create("a", |_| {}).unwrap();
+    let key = host.inference_key(&a.name, &a.token).unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let (cert_pem, key_pem) = (d.h.dir.path().join("c.pem"), d.h.dir.path().join("k.pem"));
+    std::fs::write(&cert_pem, cert.cert.pem()).unwrap();
+    std::fs::write(&key_pem, cert.key_pair.serialize_pem()).unwrap();
+    let tls = crate::frontdoor::tls_config(&cert_pem, &key_pem).unwrap();
+    let listener =
+        d.rt.block_on(crate::frontdoor::bind("127.0.0.1:0".parse().unwrap()))
+            .unwrap();
+    let addr = listener.local_addr().unwrap();
+    d.rt.spawn(crate::frontdoor::serve(
+        listener,
+        tls,
+        d.h.svc.clone(),
+        std::future::pending(),
+    ));
+    let host = d
+        .host()
+        .with_front_door(super::door::FrontDoorTarget {
+            addr,
+            server_name: "localhost".into(),
+            ca: cert_pem,
+        })
+        .unwrap();
+    let (status, text) = host.front_door(&key, "/metrics", None).unwrap();
+    assert_eq!(status, 200, "{text}");
+    // The first request is counted after it is answered: the second shows it, by tenant.
+    let (status, text) = host.front_door(&key, "/metrics", None).unwrap();
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains(a.name.as_str()), "{text}");
+    let (status, _) = host.front_door("tvm-not-a-key", "/metrics", None).unwrap();
+    assert_eq!(status, 401);
+    drop(a);
+    assert!(p.release_all().is_empty());
+}

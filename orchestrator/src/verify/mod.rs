@@ -21,6 +21,7 @@ pub mod at_rest;
 pub mod audit;
 pub mod batching;
 pub mod departure;
+pub mod door;
 pub mod gpu;
 pub mod host;
 pub mod live;

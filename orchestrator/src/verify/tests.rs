@@ -300,6 +300,52 @@ fn check_7_a_debug_mode_that_logs_prompts_fails_and_so_do_cross_reads() {
 }
 
 #[test]
+fn check_7_metrics_served_unscoped_fail_and_the_marker_goes_through_the_front_door() {
+    let (v, r) = verdict(Broken::default(), CheckId::Visibility);
+    assert_eq!(v, Verdict::Pass, "{r:#?}");
+    // Each probe saw its own series twice (API with its token, front door with its key).
+    assert_eq!(r.outcome.value("own_metrics_answered"), Some(4.0), "{r:#?}");
+    assert_eq!(
+        r.outcome.value("marker_via_front_door"),
+        Some(1.0),
+        "{r:#?}"
+    );
+    assert_eq!(r.outcome.value("places_with_marker"), Some(0.0), "{r:#?}");
+    let (v, r) = verdict(
+        Broken {
+            metrics_unscoped: true,
+            ..Broken::default()
+        },
+        CheckId::Visibility,
+    );
+    assert_eq!(v, Verdict::Fail, "{r:#?}");
+    for place in ["metrics (API)", "front-door /metrics"] {
+        assert!(
+            r.outcome.findings.iter().any(|f| f.contains(place)),
+            "{place}: {r:#?}"
+        );
+    }
+    // The prompt-logging debug mode is caught on the marker sent through the front door.
+    let (v, r) = verdict(
+        Broken {
+            logs_prompts: true,
+            ..Broken::default()
+        },
+        CheckId::Visibility,
+    );
+    assert_eq!(v, Verdict::Fail, "{r:#?}");
+    assert_eq!(
+        r.outcome.value("marker_via_front_door"),
+        Some(1.0),
+        "{r:#?}"
+    );
+    assert!(
+        r.outcome.findings.iter().any(|f| f.contains("daemon.log")),
+        "{r:#?}"
+    );
+}
+
+#[test]
 fn check_8_a_tenant_without_a_cpu_quota_fails() {
     let (v, r) = verdict(Broken::default(), CheckId::NoisyNeighbour);
     assert_eq!(v, Verdict::Pass, "{r:#?}");
@@ -354,6 +400,40 @@ fn check_9_a_plaintext_disk_fails() {
             ..Broken::default()
         },
     );
+    let (_, r) = verdict(Broken::default(), CheckId::WeightsAtRest);
+    assert_eq!(r.outcome.value("marker_models_pushed"), Some(2.0), "{r:#?}");
+    assert_eq!(
+        r.outcome.value("control_found_plaintext_copy"),
+        Some(1.0),
+        "{r:#?}"
+    );
+}
+
+#[test]
+fn check_9_a_blind_scan_is_inconclusive_never_a_pass() {
+    // The plaintext disk is there, but the scan cannot see: the control says so.
+    let (v, r) = verdict(
+        Broken {
+            plaintext_disk: true,
+            blind_scan: true,
+            ..Broken::default()
+        },
+        CheckId::WeightsAtRest,
+    );
+    assert_eq!(v, Verdict::Inconclusive, "{r:#?}");
+    assert_eq!(
+        r.outcome.value("control_found_plaintext_copy"),
+        Some(0.0),
+        "{r:#?}"
+    );
+}
+
+#[test]
+fn a_marker_model_holds_its_marker_many_times() {
+    let model = super::at_rest::marker_model("tvm-verify-rest-marker-0123");
+    assert!(model.len() >= 64 << 10);
+    let text = String::from_utf8(model).unwrap();
+    assert!(text.matches("tvm-verify-rest-marker-0123").count() > 1000);
 }
 
 #[test]
