@@ -81,9 +81,7 @@ impl Vmm {
             .devices
             .iter()
             .map(|d| match d {
-                PassthroughDevice::Pci { .. } => Ok(PassthroughConfig {
-                    path: d.sysfs_path(),
-                }),
+                PassthroughDevice::Pci { .. } => Ok(PassthroughConfig::new(d.sysfs_path())),
                 PassthroughDevice::Mdev { uuid, .. } => Err(BackendError::InvalidSpec(format!(
                     "mdev {uuid}: tenantvm-vmm passes PCI functions only; run a tenant with an mdev vGPU (vGPU 16 and older) on the QEMU backend"
                 ))),
@@ -477,12 +475,8 @@ mod tests {
         assert_eq!(
             devices,
             vec![
-                PassthroughConfig {
-                    path: "/sys/bus/pci/devices/0000:41:00.0".into()
-                },
-                PassthroughConfig {
-                    path: "/sys/bus/pci/devices/0000:41:00.1".into()
-                },
+                PassthroughConfig::new("/sys/bus/pci/devices/0000:41:00.0"),
+                PassthroughConfig::new("/sys/bus/pci/devices/0000:41:00.1"),
             ]
         );
         // Each is what `--device vfio,path=...` would have given the VMM.
