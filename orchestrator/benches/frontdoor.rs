@@ -31,6 +31,7 @@ use hyper::Method;
 use tenantvm::domain::lifecycle::LifecycleState;
 use tenantvm::domain::spec::TenantSpec;
 use tenantvm::domain::GuestKind;
+use tenantvm_agent::payload_pool::PayloadPool;
 use tenantvm_agent_protocol::{
     decode_body, encode_data, encode_frame, read_frame, AgentFailure, ErrorCode, HttpHead, Outcome,
     Reply, Request, RequestFrame, ResponseFrame,
@@ -121,17 +122,24 @@ fn start_payload() -> Payload {
     }
 }
 
-/// The stand-in guest agent of one tenant: each connection is one `infer-stream`.
+/// The stand-in guest agent of one tenant: each connection is one `infer-stream`. Its
+/// connections to the payload are the agent's own kept-alive ones
+/// ([`tenantvm_agent::payload_pool::PayloadPool`]), or a new one per request with
+/// `TENANTVM_BENCH_AGENT_POOL=0` (what the agent did before).
 fn serve_agent(listener: std::os::unix::net::UnixListener, payload: SocketAddr) {
+    let pooled = std::env::var("TENANTVM_BENCH_AGENT_POOL").map_or(true, |v| v != "0");
+    let pool = Arc::new(PayloadPool::new(payload));
     std::thread::spawn(move || {
         for s in listener.incoming() {
             let Ok(s) = s else { return };
-            std::thread::spawn(move || forward(s, payload));
+            let pool = pool.clone();
+            std::thread::spawn(move || forward(s, &pool, pooled));
         }
     });
 }
 
-fn forward(mut s: UnixStream, payload: SocketAddr) {
+fn forward(mut s: UnixStream, pool: &PayloadPool, pooled: bool) {
+    let payload = pool.addr();
     let mut line = [0u8; 13];
     if s.read_exact(&mut line).is_err() || s.write_all(b"OK 1\n").is_err() {
         return;
@@ -157,22 +165,27 @@ fn forward(mut s: UnixStream, payload: SocketAddr) {
         );
         return;
     };
-    let tcp = TcpStream::connect(payload).unwrap();
-    tcp.set_nodelay(true).unwrap();
-    let (status, headers, mut body) =
-        match tenantvm_agent::http1::exchange_stream(tcp, &payload.to_string(), &http) {
-            Ok(x) => x,
-            Err(e) => {
-                let _ = send(
-                    &mut s,
-                    Outcome::Err(AgentFailure {
-                        code: ErrorCode::PayloadUnavailable,
-                        message: e.to_string(),
-                    }),
-                );
-                return;
-            }
-        };
+    let opened = if pooled {
+        pool.stream(&http, Duration::from_secs(60))
+    } else {
+        let tcp = TcpStream::connect(payload).unwrap();
+        tcp.set_nodelay(true).unwrap();
+        tenantvm_agent::http1::exchange_stream(tcp, &payload.to_string(), &http)
+            .map_err(|e| e.to_string())
+    };
+    let (status, headers, mut body) = match opened {
+        Ok(x) => x,
+        Err(e) => {
+            let _ = send(
+                &mut s,
+                Outcome::Err(AgentFailure {
+                    code: ErrorCode::PayloadUnavailable,
+                    message: e,
+                }),
+            );
+            return;
+        }
+    };
     if send(
         &mut s,
         Outcome::Ok(Reply::InferHead(HttpHead { status, headers })),
@@ -187,7 +200,13 @@ fn forward(mut s: UnixStream, payload: SocketAddr) {
             Ok(n) => n,
             Err(_) => return,
         };
-        if s.write_all(&encode_data(&buf[..n]).unwrap()).is_err() || n == 0 {
+        if n == 0 {
+            // As the agent does: the connection is kept before the end is sent.
+            pool.give_back(body);
+            let _ = s.write_all(&encode_data(&[]).unwrap());
+            return;
+        }
+        if s.write_all(&encode_data(&buf[..n]).unwrap()).is_err() {
             return;
         }
     }

@@ -58,6 +58,8 @@ pub struct Agent {
     started: Instant,
     channel: Mutex<String>,
     state: Mutex<State>,
+    /// Kept-alive connections to the payload for streamed requests.
+    payload_conns: crate::payload_pool::PayloadPool,
 }
 
 fn failure(code: ErrorCode, message: impl Into<String>) -> Outcome {
@@ -79,7 +81,9 @@ fn disk_failure(e: DiskError) -> Outcome {
 impl Agent {
     /// An agent for `cfg`, spawning children through `reaper`.
     pub fn new(cfg: AgentConfig, reaper: Reaper, logs: Arc<LogBuffer>) -> Self {
+        let payload_addr = SocketAddr::from(([127, 0, 0, 1], cfg.payload.port));
         Self {
+            payload_conns: crate::payload_pool::PayloadPool::new(payload_addr),
             cfg,
             reaper,
             logs,
@@ -368,16 +372,7 @@ impl Agent {
             );
             return;
         }
-        let addr = SocketAddr::from(([127, 0, 0, 1], self.cfg.payload.port));
-        let opened = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
-            .map_err(|e| format!("Cannot connect to the payload on {addr}: {e}"))
-            .and_then(|stream| {
-                stream
-                    .set_read_timeout(Some(INFER_TIMEOUT))
-                    .and_then(|()| stream.set_write_timeout(Some(INFER_TIMEOUT)))
-                    .map_err(|e| e.to_string())?;
-                http1::exchange_stream(stream, &addr.to_string(), req).map_err(|e| e.to_string())
-            });
+        let opened = self.payload_conns.stream(req, INFER_TIMEOUT);
         let (status, headers, mut body) = match opened {
             Ok(parts) => parts,
             Err(e) => {
@@ -403,7 +398,14 @@ impl Agent {
             let Ok(frame) = encode_data(&buf[..n]) else {
                 return;
             };
-            if w.write_all(&frame).and_then(|()| w.flush()).is_err() || n == 0 {
+            if n == 0 {
+                // Read to its end: the connection may serve the next request (kept before
+                // the host learns the answer ended, so its next request can use it).
+                self.payload_conns.give_back(body);
+                let _ = w.write_all(&frame).and_then(|()| w.flush());
+                return;
+            }
+            if w.write_all(&frame).and_then(|()| w.flush()).is_err() {
                 return;
             }
         }

@@ -281,9 +281,15 @@ pub fn write_response(
     w.flush()
 }
 
-/// Writes `req` to `w` with `Connection: close` and the body's length (a fresh connection
-/// to the payload); every field is checked so nothing can inject headers.
-fn write_request(w: &mut impl Write, host: &str, req: &HttpRequest) -> Result<(), HttpCodecError> {
+/// Writes `req` to `w` with the body's length and `Connection: close` unless `keep_alive`,
+/// in one write (no small segment left waiting on Nagle's algorithm); every field is
+/// checked so nothing can inject headers.
+fn write_request(
+    w: &mut impl Write,
+    host: &str,
+    req: &HttpRequest,
+    keep_alive: bool,
+) -> Result<(), HttpCodecError> {
     if !is_token(&req.method) {
         return Err(HttpCodecError::InvalidField("method"));
     }
@@ -301,12 +307,13 @@ fn write_request(w: &mut impl Write, host: &str, req: &HttpRequest) -> Result<()
         }
         head.push_str(&format!("{name}: {value}\r\n"));
     }
-    head.push_str(&format!(
-        "Content-Length: {}\r\nConnection: close\r\n\r\n",
-        req.body.len()
-    ));
+    head.push_str(&format!("Content-Length: {}\r\n", req.body.len()));
+    if !keep_alive {
+        head.push_str("Connection: close\r\n");
+    }
+    head.push_str("\r\n");
+    head.push_str(&req.body);
     w.write_all(head.as_bytes())?;
-    w.write_all(req.body.as_bytes())?;
     w.flush()?;
     Ok(())
 }
@@ -334,7 +341,7 @@ pub fn exchange<S: Read + Write>(
     max_body: usize,
 ) -> Result<HttpResponse, HttpCodecError> {
     let mut r = BufReader::new(stream);
-    write_request(r.get_mut(), host, req)?;
+    write_request(r.get_mut(), host, req, false)?;
     let (status, headers) = read_response_head(&mut r)?;
     let body = read_body(&mut r, &headers, max_body, true)?;
     Ok(HttpResponse {
@@ -362,9 +369,19 @@ enum Framing {
 pub struct BodyStream<S: Read> {
     r: BufReader<S>,
     framing: Framing,
+    /// Whether the connection may carry another request once this body is read.
+    reusable: bool,
 }
 
 impl<S: Read> BodyStream<S> {
+    /// The connection, if it can carry another request: the request asked for keep-alive,
+    /// the answer was delimited (length or chunked, no `Connection: close`), read to its
+    /// end, and nothing more came after it.
+    pub fn into_reusable(self) -> Option<S> {
+        (self.reusable && self.framing == Framing::Done && self.r.buffer().is_empty())
+            .then(|| self.r.into_inner())
+    }
+
     /// Reads the next piece of the body into `buf`; `Ok(0)` at its end.
     pub fn next_piece(&mut self, buf: &mut [u8]) -> Result<usize, HttpCodecError> {
         loop {
@@ -436,8 +453,27 @@ pub fn exchange_stream<S: Read + Write>(
     host: &str,
     req: &HttpRequest,
 ) -> Result<StreamedResponse<S>, HttpCodecError> {
+    exchange_stream_with(stream, host, req, false)
+}
+
+/// [`exchange_stream`] on a connection to be kept for further requests (no
+/// `Connection: close`); see [`BodyStream::into_reusable`].
+pub fn exchange_stream_keep_alive<S: Read + Write>(
+    stream: S,
+    host: &str,
+    req: &HttpRequest,
+) -> Result<StreamedResponse<S>, HttpCodecError> {
+    exchange_stream_with(stream, host, req, true)
+}
+
+fn exchange_stream_with<S: Read + Write>(
+    stream: S,
+    host: &str,
+    req: &HttpRequest,
+    keep_alive: bool,
+) -> Result<StreamedResponse<S>, HttpCodecError> {
     let mut r = BufReader::new(stream);
-    write_request(r.get_mut(), host, req)?;
+    write_request(r.get_mut(), host, req, keep_alive)?;
     let (status, headers) = read_response_head(&mut r)?;
     let framing = if header(&headers, "transfer-encoding")
         .is_some_and(|v| v.eq_ignore_ascii_case("chunked"))
@@ -451,7 +487,18 @@ pub fn exchange_stream<S: Read + Write>(
     } else {
         Framing::Eof
     };
-    Ok((status, headers, BodyStream { r, framing }))
+    let closes = header(&headers, "connection")
+        .is_some_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("close")));
+    let reusable = keep_alive && framing != Framing::Eof && !closes;
+    Ok((
+        status,
+        headers,
+        BodyStream {
+            r,
+            framing,
+            reusable,
+        },
+    ))
 }
 
 #[cfg(test)]

@@ -16,5 +16,6 @@ pub mod init;
 pub mod kmod;
 pub mod logbuf;
 pub mod models;
+pub mod payload_pool;
 pub mod reaper;
 pub mod server;

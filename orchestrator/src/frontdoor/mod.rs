@@ -27,6 +27,7 @@
 
 mod errors;
 pub mod keys;
+mod workers;
 
 use std::convert::Infallible;
 use std::io::Read;
@@ -142,6 +143,7 @@ pub async fn serve(
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let tenants = Arc::new(TenantConnections::default());
+    let shared = Shared::default();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
@@ -161,7 +163,12 @@ pub async fn serve(
             continue;
         };
         let _ = tcp.set_nodelay(true);
-        let (acceptor, svc, tenants) = (acceptor.clone(), svc.clone(), tenants.clone());
+        let (acceptor, svc, tenants, shared) = (
+            acceptor.clone(),
+            svc.clone(),
+            tenants.clone(),
+            shared.clone(),
+        );
         tokio::spawn(async move {
             let _place = place;
             // Whose connection this is, once a key was used on it (held until it closes).
@@ -175,6 +182,7 @@ pub async fn serve(
                 let conn = Conn {
                     tenants: tenants.clone(),
                     owner: owner.clone(),
+                    shared: shared.clone(),
                 };
                 handle(svc.clone(), conn, req)
             });
@@ -252,10 +260,20 @@ impl Drop for TenantConnection {
     }
 }
 
+/// What all of the front door's connections share.
+#[derive(Clone, Default)]
+struct Shared {
+    /// Keys' tenants, so that a request on a known key queries nothing.
+    keys: Arc<keys::KeyCache>,
+    /// The threads forwarded requests run on.
+    workers: workers::Workers,
+}
+
 /// What a request knows of its connection.
 struct Conn {
     tenants: Arc<TenantConnections>,
     owner: Arc<std::sync::Mutex<Option<TenantConnection>>>,
+    shared: Shared,
 }
 
 impl Conn {
@@ -347,7 +365,11 @@ async fn answer(
         .headers()
         .get(hyper::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    let record = keys::authenticate(svc.store(), authorization).map_err(|e| (e, None))?;
+    let record = conn
+        .shared
+        .keys
+        .authenticate(svc.store(), authorization)
+        .map_err(|e| (e, None))?;
     let name = record.name.to_string();
     svc.metrics().claim(&name, record.id);
     let fail = |e: OpenAiError| (e, Some(name.clone()));
@@ -425,9 +447,18 @@ async fn answer(
         headers,
         body,
     };
-    let resp = forward(svc.clone(), &name, admitted, request, started, in_flight)
-        .await
-        .map_err(fail)?;
+    let workers = &conn.shared.workers;
+    let resp = forward(
+        svc.clone(),
+        workers,
+        &name,
+        admitted,
+        request,
+        started,
+        in_flight,
+    )
+    .await
+    .map_err(fail)?;
     Ok((resp, name))
 }
 
@@ -459,10 +490,11 @@ pub(crate) fn sample_vm(svc: &TenantService, record: &crate::store::TenantRecord
     }
 }
 
-/// Runs the forwarded request on a thread of its own and returns the response as soon as
+/// Runs the forwarded request on a thread of its own (one of `workers`) and returns the response as soon as
 /// the payload's head is in; the thread then passes the body on piece by piece.
 async fn forward(
     svc: TenantService,
+    workers: &workers::Workers,
     tenant: &str,
     admitted: infer::AdmittedInfer,
     request: PayloadRequest,
@@ -472,9 +504,8 @@ async fn forward(
     let (head_tx, head_rx) = oneshot::channel();
     let (body_tx, body_rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(PIPE_CHUNKS);
     let tenant_name = tenant.to_string();
-    std::thread::Builder::new()
-        .name("tenantvmd-frontdoor".into())
-        .spawn(move || {
+    workers
+        .run(move || {
             let ctx = svc.ctx();
             let mut answer = match forward_http(&ctx, admitted, request) {
                 Ok(answer) => answer,

@@ -52,6 +52,17 @@ impl Store {
             .optional()?)
     }
 
+    /// A stamp that changes whenever anything in the database may have changed: rows
+    /// written through this connection (SQLite's total change count) or commits by any
+    /// other connection (`PRAGMA data_version`). The front door's key cache is good only
+    /// while the stamp it was filled under is current, so a revoked key, a stopped or
+    /// destroyed tenant, or a changed spec takes effect on the next request.
+    pub fn change_stamp(&self) -> Result<(u64, i64), StoreError> {
+        let conn = self.lock();
+        let version: i64 = conn.query_row("PRAGMA data_version", [], |r| r.get(0))?;
+        Ok((conn.total_changes(), version))
+    }
+
     /// The keys of a tenant, oldest first, revoked ones included.
     pub fn inference_keys(&self, tenant_id: i64) -> Result<Vec<InferenceKeyInfo>, StoreError> {
         let conn = self.lock();
