@@ -19,8 +19,7 @@
 //! plaintext, while the same scan finds it in a plaintext copy (positive control); `stop`,
 //! `start`, and both models answer again as before (the pushed one came back from the
 //! encrypted disk); `destroy` leaves a receipt whose agent shutdown and crypto-shred are
-//! `ok` and that names the tenant's data (models included) as shredded; the tenant's
-//! directory is gone.
+//! `ok`; the tenant's directory is gone.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
