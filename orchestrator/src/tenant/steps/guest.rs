@@ -185,6 +185,12 @@ pub fn await_payload(
                 if !left.is_zero()
                     && !matches!(last, PayloadState::Exited { .. })
                     && Instant::now() < deadline => {}
+            // One health answer took longer than a round (the agent probes the payload;
+            // slow under emulation): not a failure before the deadline. Its late answer
+            // would sit on this connection, so take a fresh one.
+            Err(AgentClientError::Timeout { .. }) if Instant::now() < deadline => {
+                agent = connect(ctx.backend, vm, CALL_TIMEOUT).map_err(StepError::failed)?;
+            }
             Err(AgentClientError::PayloadNotReady { last, .. }) => {
                 return Err(StepError::failed(AgentClientError::PayloadNotReady {
                     timeout: ctx.config.agent_timeout,

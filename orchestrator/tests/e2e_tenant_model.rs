@@ -1,0 +1,312 @@
+//! The tenant's own weights, end to end on a Linux guest under `tenantvmd` (issue 15): a model trained here on a corpus of its own, pushed with
+//! `tenantvm model push` onto the tenant's encrypted disk, is served by name and changes
+//! the tenant's completions (the built-in model, asked the same, answers otherwise and its
+//! own answers are unchanged); the host's disk image never holds the pushed model's bytes in
+//! plaintext, while the same scan finds them in a plaintext copy (positive control);
+//! `model rm` takes it away (the payload then refuses the name).
+//!
+//! `model push` needs a connection of its own to the agent (vsock): the QEMU backends on a
+//! host without /dev/vhost-vsock (this one) refuse it with a clear error, so this test runs
+//! only with `TENANTVM_E2E_BACKEND=vmm` on a host whose KVM runs Linux; here the same
+//! checks run in the nested host's `inference-tenant` scenario (docs/testing.md). Skips with
+//! a printed reason otherwise, and without root, `.cache/kernel` or the
+//! image tools (`TENANTVM_GUEST_IMAGE=DIR`: a prebuilt image set).
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use support::daemon::{self, TestDaemon};
+
+/// A word only the pushed model's corpus holds.
+const MARKER: &str = "quokkazanzibarmarker";
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn skip_reason() -> Option<String> {
+    if std::env::var("TENANTVM_E2E_BACKEND").as_deref() != Ok("vmm") {
+        return Some(
+            "model push needs the agent over vsock: set TENANTVM_E2E_BACKEND=vmm on a KVM host that runs Linux (here: scripts/nested-host.sh inference-tenant)".into(),
+        );
+    }
+    // SAFETY: geteuid has no preconditions and touches no memory.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("needs root (jails set uids, cgroups and namespaces)".into());
+    }
+    if std::env::var_os("TENANTVM_GUEST_IMAGE").is_none() {
+        if !repo_root().join(".cache/kernel/vmlinuz").is_file() {
+            return Some(".cache/kernel/vmlinuz is missing (run scripts/setup.sh)".into());
+        }
+        for tool in ["cpio", "depmod", "busybox", "cryptsetup", "mke2fs"] {
+            if !have(tool) {
+                return Some(format!("{tool} is not installed (run scripts/setup.sh)"));
+            }
+        }
+    }
+    if !have("python3") {
+        return Some("python3 is missing (the test daemon writes the idle guest)".into());
+    }
+    None
+}
+
+/// The image set: `TENANTVM_GUEST_IMAGE`, or target/guest-image-test (the directory
+/// e2e_linux_guest builds and reuses; built here when absent or broken).
+fn image_set() -> PathBuf {
+    if let Some(dir) = std::env::var_os("TENANTVM_GUEST_IMAGE") {
+        return PathBuf::from(dir);
+    }
+    let out = repo_root().join("target/guest-image-test");
+    if tenantvm_agent_protocol::ImageSet::open(&out).is_ok() {
+        return out;
+    }
+    let status = Command::new(repo_root().join("guest-image/build.sh"))
+        .arg(&out)
+        .env("SOURCE_DATE_EPOCH", "1700000000")
+        .status()
+        .expect("running guest-image/build.sh");
+    assert!(status.success(), "guest-image/build.sh failed: {status}");
+    out
+}
+
+/// Whether `file` holds `needle` anywhere (grep reads a sparse GiB in a second).
+fn file_contains(file: &Path, needle: &str) -> bool {
+    let status = Command::new("grep")
+        .args(["-q", "-a", "-F", "--", needle])
+        .arg(file)
+        .status()
+        .expect("running grep");
+    match status.code() {
+        Some(0) => true,
+        Some(1) => false,
+        _ => panic!("grep failed on {}: {status}", file.display()),
+    }
+}
+
+fn cli(d: &TestDaemon, token: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tenantvm"))
+        .arg("--socket")
+        .arg(d.socket())
+        .arg("--token-file")
+        .arg(token)
+        .args(args)
+        .env_remove("TENANTVM_TOKEN")
+        .output()
+        .unwrap()
+}
+
+fn must(o: Output, what: &str, d: &TestDaemon) -> Output {
+    assert!(
+        o.status.success(),
+        "{what}: {:?}\n{}{}\n--- daemon ---\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+        d.log()
+    );
+    o
+}
+
+/// A greedy completion by `model` through the daemon's inference route.
+fn complete(
+    rt: &tokio::runtime::Runtime,
+    d: &TestDaemon,
+    token: &str,
+    tenant: &str,
+    model: &str,
+    prompt: &str,
+) -> Result<String, String> {
+    let body =
+        serde_json::json!({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let v = rt
+        .block_on(d.client(token).infer(tenant, &body))
+        .map_err(|e| e.to_string())?;
+    v["choices"][0]["text"]
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| format!("no text in {v}"))
+}
+
+/// The pushed model's corpus: words the built-in model (the image's corpus) never saw.
+fn tenant_corpus() -> String {
+    let line = format!(
+        "the lighthouse keeper counted {MARKER} gulls over the harbour every morning \
+         while the ferry waited by the old stone pier for the baker's cart."
+    );
+    [line.as_str(); 4].join("\n")
+}
+
+#[test]
+fn a_pushed_model_changes_the_completions_and_never_reaches_the_host_in_plaintext() {
+    if let Some(why) = skip_reason() {
+        tenantvm_skip::skip!("{why}");
+    }
+    let set = image_set();
+    let mut d = TestDaemon::new().with_args(&[
+        "--backend",
+        "vmm",
+        "--boot-timeout-s",
+        "120",
+        "--agent-timeout-s",
+        "600",
+        "--stop-grace-s",
+        "30",
+    ]);
+    let dst = d.dir.path().join("img").join("linux");
+    std::fs::create_dir_all(&dst).unwrap();
+    for f in [
+        "vmlinuz",
+        "vmlinux",
+        "initramfs.cpio.gz",
+        "cmdline",
+        "manifest.json",
+    ] {
+        std::fs::copy(set.join(f), dst.join(f)).unwrap();
+    }
+    d.start(None);
+    let admin = d.state_dir().join("admin.token");
+    let name = daemon::unique("mdl");
+    let spec = d.dir.path().join("t.toml");
+    std::fs::write(
+        &spec,
+        format!(
+            "name = \"{name}\"\nvcpus = 1\nmemory_mib = 512\ndisk_gib = 1\n[image]\nname = \"linux\"\n"
+        ),
+    )
+    .unwrap();
+    let token_file = d.dir.path().join("t.token");
+    let started = Instant::now();
+    must(
+        cli(
+            &d,
+            &admin,
+            &[
+                "create",
+                spec.to_str().unwrap(),
+                "--token-out",
+                token_file.to_str().unwrap(),
+                "--timeout-s",
+                "900",
+            ],
+        ),
+        "create",
+        &d,
+    );
+    eprintln!("create: {:.1} s", started.elapsed().as_secs_f64());
+    let token = std::fs::read_to_string(&token_file)
+        .unwrap()
+        .trim()
+        .to_string();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+
+    // The built-in model's answers, before anything was pushed (the name the image's
+    // payload serves it under: `tenantvm-ngram serve --name`'s default).
+    let builtin = "tenantvm-ngram".to_string();
+    let gettysburg = "four score and seven years";
+    let own_prompt = "the lighthouse keeper counted";
+    let before = complete(&rt, &d, &token, &name, &builtin, gettysburg).unwrap();
+    assert!(before.starts_with(" ago our fathers"), "{before:?}");
+    let builtin_own = complete(&rt, &d, &token, &name, &builtin, own_prompt).unwrap();
+    assert!(!builtin_own.contains(MARKER), "{builtin_own:?}");
+    // Not pushed yet: the name is refused.
+    assert!(complete(&rt, &d, &token, &name, "harbour", own_prompt).is_err());
+
+    // Train and push.
+    let model = tenantvm_ngram::NgramModel::train(&tenant_corpus(), 3).unwrap();
+    let file = d.dir.path().join("harbour.json");
+    std::fs::write(&file, serde_json::to_vec(&model).unwrap()).unwrap();
+    must(
+        cli(
+            &d,
+            &token_file,
+            &[
+                "model",
+                "push",
+                &name,
+                file.to_str().unwrap(),
+                "--name",
+                "harbour",
+            ],
+        ),
+        "model push",
+        &d,
+    );
+    let listed = must(
+        cli(&d, &token_file, &["model", "list", &name, "--json"]),
+        "model list",
+        &d,
+    );
+    assert!(
+        String::from_utf8_lossy(&listed.stdout).contains("harbour"),
+        "{}",
+        String::from_utf8_lossy(&listed.stdout)
+    );
+
+    // Served by name (the payload rescans its models directory about once a second).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let own = loop {
+        match complete(&rt, &d, &token, &name, "harbour", own_prompt) {
+            Ok(text) => break text,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "the pushed model: {e}");
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        }
+    };
+    assert!(
+        own.contains(MARKER),
+        "the pushed model's completion is not from its corpus: {own:?}"
+    );
+    assert_ne!(
+        own, builtin_own,
+        "the pushed model answers like the built-in"
+    );
+    assert_eq!(
+        complete(&rt, &d, &token, &name, &builtin, gettysburg).unwrap(),
+        before,
+        "pushing a model changed the built-in model's answer"
+    );
+
+    // The host image: no plaintext of the model; the same scan finds the marker in a
+    // plaintext copy (positive control).
+    let img = d.state_dir().join("tenants").join(&name).join("disk.img");
+    assert!(file_contains(&file, MARKER), "positive control");
+    assert!(
+        !file_contains(&img, MARKER),
+        "the pushed model reached the host image in plaintext"
+    );
+    assert!(!file_contains(&img, "lighthouse keeper counted"));
+
+    // Removed: the name is refused again.
+    must(
+        cli(&d, &token_file, &["model", "rm", &name, "harbour"]),
+        "model rm",
+        &d,
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while complete(&rt, &d, &token, &name, "harbour", own_prompt).is_ok() {
+        assert!(Instant::now() < deadline, "a removed model is still served");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    must(
+        cli(&d, &admin, &["destroy", &name, "--timeout-s", "600"]),
+        "destroy",
+        &d,
+    );
+    assert!(!img.exists());
+    d.stop();
+}

@@ -1,0 +1,23 @@
+#!/bin/sh
+# description: the whole lifecycle of an inference tenant on the default backend, through
+#   tenantvmd inside the outer guest: tenantvm create (guest image, tenantvm-vmm, agent over
+#   vsock), a key from tenantvm key create, completions through the TLS front door (plain
+#   and streamed), a model trained on another corpus pushed with tenantvm model push and
+#   served by name (its completions differ from the default model's), the host image scanned
+#   for the pushed model's marker (none; a plaintext copy as positive control), stop, start,
+#   both models again, destroy with its receipt checked
+# limit: 600
+. "$NH_LIB"
+need_kvm
+need_modules vhost_vsock dm_crypt loop
+# tenantvmd puts each tenant in a cgroup of its own (memory, cpu, pids).
+if [ ! -e /sys/fs/cgroup/cgroup.controllers ]; then
+    mkdir -p /sys/fs/cgroup
+    mount -t cgroup2 cgroup2 /sys/fs/cgroup || fail "cannot mount cgroup2"
+fi
+for c in cpu memory pids io; do
+    echo "+$c" >/sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || step "controller $c not enabled"
+done
+# The front door listens on 127.0.0.1: the outer guest's init leaves loopback down.
+ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up || fail "cannot bring up loopback"
+run_or_fail "$NH_BIN/nh-inference-tenant"
