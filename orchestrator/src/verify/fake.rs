@@ -38,6 +38,9 @@ pub struct Broken {
     pub cross_reads: bool,
     /// Metrics are served unscoped: a tenant's token or key reads every tenant's series.
     pub metrics_unscoped: bool,
+    /// Metrics answer with no series at all, not even the reader's own: scoping cannot be
+    /// judged from them.
+    pub metrics_empty: bool,
     /// The plaintext scan is blind (reads nothing): what check 9's positive control is for.
     pub blind_scan: bool,
 }
@@ -441,6 +444,9 @@ impl VerifyHost for FakeVerifyHost {
                 None => return Err(refused()),
             },
         };
+        if self.broken.metrics_empty {
+            return Ok(String::new());
+        }
         Ok(render_metrics(&st, only.as_deref()))
     }
 
@@ -505,6 +511,7 @@ impl VerifyHost for FakeVerifyHost {
             (name, token.unwrap_or_default())
         };
         match (path, body) {
+            ("/metrics", None) if self.broken.metrics_empty => Ok((200, String::new())),
             ("/metrics", None) => {
                 let st = self.st();
                 let only = (!self.broken.metrics_unscoped).then_some(name.as_str());

@@ -281,6 +281,19 @@ fn check_6_two_tenants_routed_to_one_payload_fail() {
 }
 
 #[test]
+fn check_7_is_inconclusive_when_no_probe_sees_even_its_own_metrics() {
+    let (v, r) = verdict(
+        Broken {
+            metrics_empty: true,
+            ..Broken::default()
+        },
+        CheckId::Visibility,
+    );
+    assert_eq!(v, Verdict::Inconclusive, "{r:#?}");
+    assert_eq!(r.outcome.value("own_metrics_answered"), Some(0.0), "{r:#?}");
+}
+
+#[test]
 fn check_7_a_debug_mode_that_logs_prompts_fails_and_so_do_cross_reads() {
     assert_pass_then_fail(
         CheckId::Visibility,

@@ -187,6 +187,13 @@ fn cross_credentials(ctx: &Ctx<'_>, a: &Probe<'_>, b: &Probe<'_>, out: &mut Outc
         }
     }
     out.add("own_metrics_answered", own_metrics as f64, "count");
+    if own_metrics == 0 && out.verdict == Verdict::Pass {
+        out.verdict = Verdict::Inconclusive;
+        out.findings.push(
+            "control: no probe saw even its own series in the metrics, so \"names no other probe\" proves nothing"
+                .into(),
+        );
+    }
 }
 
 /// Fails the check when `text` (what `what` showed a tenant) names `other`.
