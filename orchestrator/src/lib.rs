@@ -7,6 +7,7 @@
 pub mod api;
 pub mod auth;
 pub mod backend;
+mod channel_body;
 pub mod cli;
 pub mod client;
 pub mod daemon;

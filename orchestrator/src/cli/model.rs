@@ -5,12 +5,10 @@
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
-use std::task::{Context, Poll};
 
 use clap::Subcommand;
 use http_body_util::BodyExt;
-use hyper::body::{Bytes, Frame};
+use hyper::body::Bytes;
 use hyper::{Method, Request};
 use hyper_util::rt::TokioIo;
 use sha2::{Digest, Sha256};
@@ -18,6 +16,7 @@ use sha2::{Digest, Sha256};
 use super::{exit, fail, output, CliFailure};
 use crate::api::models::{ModelList, ModelRemoved, ModelStored};
 use crate::api::types::ErrorBody;
+use crate::channel_body::ChannelBody;
 use crate::client::{Client, ClientError};
 
 /// `tenantvm model ...`.
@@ -100,21 +99,6 @@ fn hash_file(path: &Path) -> Result<(u64, String), CliFailure> {
     }
 }
 
-/// A request body read from a file on a thread, one piece at a time.
-struct FileBody(tokio::sync::mpsc::Receiver<std::io::Result<Bytes>>);
-
-impl hyper::body::Body for FileBody {
-    type Data = Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
-        self.0.poll_recv(cx).map(|p| p.map(|r| r.map(Frame::data)))
-    }
-}
-
 async fn push(
     client: &Client,
     token: &str,
@@ -170,7 +154,7 @@ async fn push(
         .header("authorization", format!("Bearer {token}"))
         .header("content-length", size)
         .header("x-model-sha256", &sha256)
-        .body(FileBody(rx))
+        .body(ChannelBody(rx))
         .map_err(|e| ClientError::Http(e.to_string()))?;
     let resp = sender.send_request(req).await.map_err(|e| {
         CliFailure::from(ClientError::Http(format!(

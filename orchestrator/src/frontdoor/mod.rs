@@ -33,14 +33,12 @@ use std::convert::Infallible;
 use std::io::Read;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::{Bytes, Frame, Incoming};
+use hyper::body::{Bytes, Incoming};
 use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -51,6 +49,7 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 
 pub use errors::OpenAiError;
 
+use crate::channel_body::ChannelBody;
 use crate::metrics::RefusalReason;
 use crate::tenant::admission::Refused;
 use crate::tenant::infer::{self, forward_http, InferError, PayloadRequest};
@@ -674,23 +673,6 @@ impl UsageScanner {
                 .and_then(|v| usage_of(&v));
         }
         self.found
-    }
-}
-
-/// A body fed by the request's thread, one piece at a time.
-struct ChannelBody(mpsc::Receiver<Result<Bytes, std::io::Error>>);
-
-impl hyper::body::Body for ChannelBody {
-    type Data = Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
-        self.0
-            .poll_recv(cx)
-            .map(|piece| piece.map(|r| r.map(Frame::data)))
     }
 }
 
