@@ -46,6 +46,21 @@ pub enum BackendKind {
     },
 }
 
+impl std::fmt::Display for BackendKind {
+    /// What `GET /v1/health` and people see: `tenantvm-vmm`, `qemu-kvm` or `qemu-tcg`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendKind::TenantvmVmm => "tenantvm-vmm",
+            BackendKind::Qemu {
+                accel: QemuAccel::Kvm,
+            } => "qemu-kvm",
+            BackendKind::Qemu {
+                accel: QemuAccel::Tcg,
+            } => "qemu-tcg",
+        })
+    }
+}
+
 /// A disk handed to the VM.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

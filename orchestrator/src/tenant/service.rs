@@ -291,7 +291,7 @@ impl TenantService {
 
     /// Name of the backend, for `/v1/health`.
     pub fn backend_name(&self) -> String {
-        format!("{:?}", self.backend.kind())
+        self.backend.kind().to_string()
     }
 
     fn hold(&self, name: &str, with: BusyWith) -> Result<BusyGuard, TenantServiceError> {
