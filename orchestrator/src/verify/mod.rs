@@ -30,6 +30,7 @@ pub mod noisy;
 pub mod prefix;
 pub mod probe;
 pub mod report;
+pub mod scan;
 pub mod stats;
 pub mod threat;
 pub mod visibility;
