@@ -14,6 +14,7 @@
 
 pub mod control;
 pub mod qemu;
+pub mod report_dir;
 pub mod runner;
 pub mod socket;
 pub mod vmm;
@@ -372,6 +373,9 @@ pub enum BackendError {
     /// The VM already exited.
     #[error("The VM is not running (it exited: {0:?})")]
     NotRunning(ExitReason),
+    /// The VMM's report directory could not be kept under its cap.
+    #[error(transparent)]
+    ReportDir(#[from] report_dir::ReportDirError),
     /// A file in the tenant directory could not be read or written.
     #[error("Cannot access {path}")]
     Io {

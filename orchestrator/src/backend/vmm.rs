@@ -15,6 +15,7 @@ use tenantvm_vmm_api::{
 };
 
 use super::control::JsonLines;
+use super::report_dir::{self, MAX_REPORT_ENTRIES};
 use super::runner::{
     self, Prepared, Runner, RuntimeConfig, StopRequest, VmmDriver, JAIL_SERIAL_LOG, JAIL_VM_DIR,
     RUN_DIR,
@@ -144,8 +145,10 @@ impl Vmm {
     /// Reads the exit report the VMM left in the tenant directory: `None` when there is
     /// none. Refused when it is not a regular file, is larger than
     /// [`MAX_EXIT_REPORT_BYTES`], or is not an [`ExitReport`].
+    /// The report directory is capped first ([`report_dir`]).
     pub fn read_exit_report(tenant_dir: &Path) -> Result<Option<ExitReport>, BackendError> {
         use std::io::Read;
+        report_dir::cap_entries(&tenant_dir.join(REPORT_DIR), MAX_REPORT_ENTRIES)?;
         let path = tenant_dir.join(REPORT_DIR).join(EXIT_REPORT);
         let io = |source| BackendError::Io {
             path: path.clone(),
@@ -280,6 +283,12 @@ impl VmmDriver for Vmm {
     }
 
     fn query(&self, vm: &RunningVm, timeout: Duration) -> Result<VmState, BackendError> {
+        // The VMM may write into its report directory while it runs: each look at the VM
+        // keeps the directory under its cap.
+        if let Err(e) = report_dir::cap_entries(&vm.tenant_dir.join(REPORT_DIR), MAX_REPORT_ENTRIES)
+        {
+            tracing::warn!(tenant = %vm.tenant, error = %e, "the VMM's report directory");
+        }
         match Self::request(vm, VmCommand::Status, timeout)? {
             VmResponse::Status { state, .. } => Ok(match state {
                 tenantvm_vmm_api::VmState::Running => VmState::Running,
@@ -568,5 +577,31 @@ mod tests {
         fs::remove_file(&file).unwrap();
         std::os::unix::fs::symlink("/etc/passwd", &file).unwrap();
         assert!(Vmm::read_exit_report(tmp.path()).is_err());
+    }
+
+    #[test]
+    fn reading_the_exit_report_caps_the_report_directory() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join(REPORT_DIR);
+        fs::create_dir(&dir).unwrap();
+        // A VMM that filled its report directory, then wrote its report last.
+        for i in 0..3 * MAX_REPORT_ENTRIES {
+            fs::write(dir.join(format!("junk-{i}")), "x").unwrap();
+        }
+        let report = ExitReport {
+            status: 0,
+            devices: Vec::new(),
+        };
+        let file = dir.join(EXIT_REPORT);
+        fs::write(&file, serde_json::to_string(&report).unwrap()).unwrap();
+        let later = std::time::SystemTime::now() + Duration::from_secs(60);
+        fs::File::options()
+            .write(true)
+            .open(&file)
+            .unwrap()
+            .set_modified(later)
+            .unwrap();
+        assert_eq!(Vmm::read_exit_report(tmp.path()).unwrap(), Some(report));
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), MAX_REPORT_ENTRIES);
     }
 }
