@@ -80,7 +80,8 @@ impl StopFlag {
 }
 
 /// What a step may use: the store, the VM backend, the jail cleaner, the GPU planner, the
-/// disk keys and receipt log, the inference gate, the settings, and the daemon's stop flag.
+/// disk keys and receipt log, the inference gate, the settings, the daemon's stop flag and
+/// its per-card locks.
 /// Nothing else of the daemon is reachable from a step.
 #[derive(Clone, Copy)]
 pub struct StepCtx<'a> {
@@ -100,6 +101,21 @@ pub struct StepCtx<'a> {
     pub config: &'a ServiceConfig,
     /// Set when the daemon stops.
     pub stop: &'a StopFlag,
+    /// One lock per GPU card: held by the steps that change a card's host mode.
+    pub cards: &'a crate::tenant::card_lock::CardLocks,
+}
+
+impl StepCtx<'_> {
+    /// Holds GPU card `gpu` (a ledger id) for a step that changes its host mode, waiting
+    /// at most [`crate::tenant::card_lock::CARD_LOCK_WAIT`].
+    pub fn hold_card(
+        &self,
+        gpu: &str,
+    ) -> Result<crate::tenant::card_lock::CardGuard<'_>, StepError> {
+        self.cards
+            .hold(gpu, crate::tenant::card_lock::CARD_LOCK_WAIT)
+            .map_err(StepError::failed)
+    }
 }
 
 impl StepCtx<'_> {

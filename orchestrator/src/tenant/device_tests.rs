@@ -107,6 +107,35 @@ fn mdev_host() -> GpuHost {
     GpuHost { fake, planner }
 }
 
+/// The same workstation, its A100 with MIG off: the daemon turns it on for the tenant's
+/// instance and must turn it off again as the card's last MIG tenant leaves.
+fn mdev_host_mig_off() -> GpuHost {
+    let fake = FakeHost::build(&FakeHost::audio_host_spec()).unwrap();
+    let host: SimHost = serde_json::from_str(
+        r#"{"gpus": [{"index": 0, "model": "a100-40gb", "pci_address": "0000:05:00.0",
+            "mig_enabled": false, "vgpu": "mdev", "iommu_group": 14}]}"#,
+    )
+    .unwrap();
+    let sim = fake.attach_sim(&host).unwrap();
+    let planner = Arc::new(BackendPlanner::new(Box::new(sim)).with_sysfs(fake.sysfs()));
+    GpuHost { fake, planner }
+}
+
+/// The HGX tree with only its third H100 (MIG on, no instance, VFs off), with SR-IOV vGPU.
+fn one_vgpu_card() -> GpuHost {
+    let fake = FakeHost::build(&FakeHost::h100x8_spec()).unwrap();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/hosts/sim-h100x8.json");
+    let mut host: SimHost = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    host.gpus.retain(|g| g.index == 2);
+    for g in &mut host.gpus {
+        g.vgpu = SimVgpu::Sriov;
+    }
+    let sim = fake.attach_sim(&host).unwrap();
+    let planner = Arc::new(BackendPlanner::new(Box::new(sim)).with_sysfs(fake.sysfs()));
+    GpuHost { fake, planner }
+}
+
 fn sysfs_has_mdev(host: &GpuHost, uuid: &str) -> bool {
     let sysfs = host.fake.sysfs();
     sysfs
@@ -118,8 +147,12 @@ fn sysfs_has_mdev(host: &GpuHost, uuid: &str) -> bool {
 const MDEV: &str = "{ profile = \"1g.5gb\" }";
 
 fn spec(gpu: &str) -> TenantSpec {
+    spec_named("g", gpu)
+}
+
+fn spec_named(name: &str, gpu: &str) -> TenantSpec {
     TenantSpec::from_toml(&format!(
-        "name = \"g\"\ngpu = {gpu}\n[image]\nname = \"hello\"\n"
+        "name = \"{name}\"\ngpu = {gpu}\n[image]\nname = \"hello\"\n"
     ))
     .unwrap()
 }
@@ -305,11 +338,14 @@ fn window(op: Op, first: Step, last: Step) -> Vec<Step> {
 fn converges(gpu: &str, gpu_host: fn() -> GpuHost) {
     let reference = {
         let host = gpu_host();
+        let before = snapshot(&host);
         let h = harness(&host);
         create(&h, gpu);
         assert_eq!(state(&h), Some(LifecycleState::Running));
         let created = snapshot(&host);
         destroy(&h);
+        // The uninterrupted run gives the card back as it found it (MIG mode included).
+        assert_eq!(snapshot(&host), before, "the host as the tenant found it");
         (created, snapshot(&host))
     };
     for step in window(Op::Create, Step::ReserveGpu, Step::LaunchVm) {
@@ -416,4 +452,236 @@ fn an_mdev_vgpu_is_created_handed_over_by_its_sysfs_path_and_removed() {
         .exists());
     destroy(&h);
     assert_eq!(snapshot(&host), before);
+}
+
+#[test]
+fn mig_mode_turned_on_for_an_mdev_tenant_goes_back_off_as_it_leaves() {
+    let host = mdev_host_mig_off();
+    let before = snapshot(&host);
+    assert!(!before.0[0].1, "the card starts with MIG off");
+    let h = harness(&host);
+    create(&h, MDEV);
+    assert_eq!(state(&h), Some(LifecycleState::Running));
+    assert!(snapshot(&host).0[0].1, "MIG on for the tenant's instance");
+    // The record says so before the mode is changed (the crash test below relies on it).
+    let rows = h.svc.store().gpu_devices().unwrap();
+    assert!(
+        rows[0]
+            .1
+            .record
+            .contains("\"mig_turned_on\":\"0000:05:00.0\""),
+        "{rows:?}"
+    );
+    destroy(&h);
+    assert_eq!(snapshot(&host), before, "MIG off again");
+}
+
+#[test]
+fn an_mdev_tenant_that_turned_mig_on_converges_after_a_crash_at_every_step_boundary() {
+    converges(MDEV, mdev_host_mig_off);
+}
+
+#[test]
+fn a_card_that_had_mig_on_keeps_it_and_the_last_mig_tenant_turns_it_off() {
+    // MIG on before: it stays on after the tenant leaves.
+    let host = mdev_host();
+    let before = snapshot(&host);
+    let h = harness(&host);
+    create(&h, MDEV);
+    destroy(&h);
+    assert_eq!(snapshot(&host), before);
+    assert!(snapshot(&host).0[0].1);
+
+    // MIG off before, two tenants on the card: the first to leave hands the duty to the
+    // other, the last one turns MIG off.
+    let host = mdev_host_mig_off();
+    let before = snapshot(&host);
+    let h = harness(&host);
+    for name in ["a", "b"] {
+        h.svc
+            .execute(
+                &Caller::Admin,
+                TenantCommand::Create(spec_named(name, MDEV)),
+            )
+            .unwrap();
+        h.svc.wait_idle();
+        let t = h.svc.store().tenant(name).unwrap().unwrap();
+        assert_eq!(t.state, LifecycleState::Running, "{name}: {:?}", t.error);
+    }
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Destroy("a".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    assert!(snapshot(&host).0[0].1, "b's instance still needs MIG");
+    let rows = h.svc.store().gpu_devices().unwrap();
+    assert_eq!(rows.len(), 1);
+    assert!(
+        rows[0].1.record.contains("mig_turned_on"),
+        "b inherited: {rows:?}"
+    );
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Destroy("b".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    assert_eq!(
+        snapshot(&host),
+        before,
+        "the last MIG tenant turned MIG off"
+    );
+}
+
+/// A planner that holds the departure of a card's last vGPU tenant inside
+/// `leave_device_mode` (VFs off, MIG off) until the test lets it go, and notes whether
+/// another tenant's create planned its route meanwhile.
+struct GatedPlanner {
+    inner: Arc<BackendPlanner>,
+    entered: std::sync::Mutex<Option<std::sync::mpsc::Sender<()>>>,
+    go: std::sync::Mutex<Option<std::sync::mpsc::Receiver<()>>>,
+    inside: std::sync::atomic::AtomicBool,
+    planned_inside: std::sync::atomic::AtomicBool,
+}
+
+mod gated {
+    use super::GatedPlanner;
+    use crate::backend::PassthroughDevice;
+    use crate::domain::spec::GpuRequest;
+    use crate::store::GpuPlacement;
+    use crate::tenant::gpu_device::{DeviceRecord, MigRestore};
+    use crate::tenant::host::{DeviceResetOutcome, GpuPlanError, GpuPlanner};
+    use std::sync::atomic::Ordering::SeqCst;
+
+    impl GpuPlanner for GatedPlanner {
+        fn place(
+            &self,
+            tenant: &str,
+            request: &GpuRequest,
+            held: &[GpuPlacement],
+        ) -> Result<GpuPlacement, GpuPlanError> {
+            self.inner.place(tenant, request, held)
+        }
+        fn materialize(&self, p: &GpuPlacement) -> Result<(), GpuPlanError> {
+            self.inner.materialize(p)
+        }
+        fn release(&self, p: &GpuPlacement) -> Result<(), GpuPlanError> {
+            GpuPlanner::release(self.inner.as_ref(), p)
+        }
+        fn reset(&self, p: &GpuPlacement) -> Result<DeviceResetOutcome, GpuPlanError> {
+            self.inner.reset(p)
+        }
+        fn scrub(&self, p: &GpuPlacement) -> Result<crate::scrub::ScrubOutcome, GpuPlanError> {
+            self.inner.scrub(p)
+        }
+        fn plan_device(&self, p: &GpuPlacement) -> Result<DeviceRecord, GpuPlanError> {
+            if self.inside.load(SeqCst) {
+                self.planned_inside.store(true, SeqCst);
+            }
+            self.inner.plan_device(p)
+        }
+        fn prepare_device(&self, r: &DeviceRecord) -> Result<(), GpuPlanError> {
+            self.inner.prepare_device(r)
+        }
+        fn plan_bind(
+            &self,
+            p: &GpuPlacement,
+            r: &DeviceRecord,
+        ) -> Result<DeviceRecord, GpuPlanError> {
+            self.inner.plan_bind(p, r)
+        }
+        fn bind_device(
+            &self,
+            p: &GpuPlacement,
+            r: &DeviceRecord,
+        ) -> Result<DeviceRecord, GpuPlanError> {
+            self.inner.bind_device(p, r)
+        }
+        fn devices(&self, r: &DeviceRecord) -> Result<Vec<PassthroughDevice>, GpuPlanError> {
+            self.inner.devices(r)
+        }
+        fn reset_device(
+            &self,
+            r: &DeviceRecord,
+        ) -> Result<Option<DeviceResetOutcome>, GpuPlanError> {
+            self.inner.reset_device(r)
+        }
+        fn rebind_device(&self, r: &DeviceRecord) -> Result<(), GpuPlanError> {
+            self.inner.rebind_device(r)
+        }
+        fn detach_device(&self, p: &GpuPlacement, r: &DeviceRecord) -> Result<(), GpuPlanError> {
+            self.inner.detach_device(p, r)
+        }
+        fn leave_device_mode(&self, r: &DeviceRecord) -> Result<(), GpuPlanError> {
+            let entered = self.entered.lock().unwrap().take();
+            if let Some(tx) = entered {
+                self.inside.store(true, SeqCst);
+                tx.send(()).unwrap();
+                let go = self.go.lock().unwrap().take().unwrap();
+                go.recv_timeout(std::time::Duration::from_secs(60)).unwrap();
+                let out = GpuPlanner::leave_device_mode(self.inner.as_ref(), r);
+                self.inside.store(false, SeqCst);
+                return out;
+            }
+            GpuPlanner::leave_device_mode(self.inner.as_ref(), r)
+        }
+        fn mig_enabled(&self, gpu: &str) -> Result<Option<bool>, GpuPlanError> {
+            self.inner.mig_enabled(gpu)
+        }
+        fn restore_mig_off(&self, gpu: &str) -> Result<MigRestore, GpuPlanError> {
+            GpuPlanner::restore_mig_off(self.inner.as_ref(), gpu)
+        }
+    }
+}
+
+#[test]
+fn a_vgpu_create_waits_while_the_cards_last_vgpu_tenant_takes_it_out_of_vgpu_mode() {
+    let host = one_vgpu_card();
+    let before = snapshot(&host);
+    let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel();
+    let gated = Arc::new(GatedPlanner {
+        inner: host.planner.clone(),
+        entered: std::sync::Mutex::new(Some(entered_tx)),
+        go: std::sync::Mutex::new(Some(go_rx)),
+        inside: Default::default(),
+        planned_inside: Default::default(),
+    });
+    let h = Harness::new(FaultHook::default()).with_planner(gated.clone());
+    h.host.state().qemu = true;
+    let run = |cmd| {
+        h.svc.execute(&Caller::Admin, cmd).unwrap();
+    };
+    run(TenantCommand::Create(spec_named("a", VGPU)));
+    h.svc.wait_idle();
+    let card = snapshot(&host).0[0].clone();
+    assert!(
+        card.1 && card.3 > 0,
+        "a put the card in vGPU mode: {card:?}"
+    );
+    // a leaves; its departure stops inside the card's way out of vGPU mode.
+    run(TenantCommand::Destroy("a".into()));
+    entered_rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .unwrap();
+    // b wants a vGPU on the same card meanwhile: its host preparation must wait.
+    run(TenantCommand::Create(spec_named("b", VGPU)));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        !gated
+            .planned_inside
+            .load(std::sync::atomic::Ordering::SeqCst),
+        "b planned its route while a was taking the card out of vGPU mode"
+    );
+    go_tx.send(()).unwrap();
+    h.svc.wait_idle();
+    assert!(h.svc.store().tenant("a").unwrap().is_none());
+    let b = h.svc.store().tenant("b").unwrap().unwrap();
+    assert_eq!(b.state, LifecycleState::Running, "{:?}", b.error);
+    // b found the card out of vGPU mode (VFs off), put it back, and says so.
+    let rows = h.svc.store().gpu_devices().unwrap();
+    assert!(
+        rows[0].1.record.contains("\"enables_vfs\":true"),
+        "{rows:?}"
+    );
+    run(TenantCommand::Destroy("b".into()));
+    h.svc.wait_idle();
+    assert_eq!(snapshot(&host), before, "the card as it was");
 }

@@ -20,7 +20,7 @@ use tenantvm_gpu::plan::search::DEFAULT_NODE_BUDGET;
 use crate::backend::PassthroughDevice;
 use crate::domain::spec::GpuRequest;
 use crate::store::GpuPlacement;
-use crate::tenant::gpu_device::DeviceRecord;
+use crate::tenant::gpu_device::{DeviceRecord, MigRestore};
 use crate::tenant::host::{GpuPlanError, GpuPlanner};
 
 /// Builds the planner `--gpu-backend` names (`nvml` or `sim:FILE`). With NVML the devices
@@ -184,6 +184,15 @@ impl GpuPlanner for BackendPlanner {
 
     fn leave_device_mode(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
         BackendPlanner::leave_device_mode(self, record)
+    }
+
+    fn mig_enabled(&self, gpu: &str) -> Result<Option<bool>, GpuPlanError> {
+        let gpus = self.backend.gpus().map_err(plan_err)?;
+        Ok(find_gpu(&gpus, gpu).map(|g| g.mig_enabled))
+    }
+
+    fn restore_mig_off(&self, gpu: &str) -> Result<MigRestore, GpuPlanError> {
+        BackendPlanner::restore_mig_off(self, gpu)
     }
 
     fn scrub(&self, placement: &GpuPlacement) -> Result<crate::scrub::ScrubOutcome, GpuPlanError> {

@@ -36,6 +36,10 @@ pub enum DeviceRecord {
     NotAttached {
         /// Why (a simulated host; a route the daemon does not drive yet).
         reason: String,
+        /// The card (ledger id) whose MIG mode was off and which this tenant's MIG
+        /// instance turns on; the card's last MIG tenant turns it off again as it leaves.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mig_turned_on: Option<String>,
     },
     /// A whole GPU: its IOMMU group on vfio-pci.
     Whole {
@@ -50,6 +54,9 @@ pub enum DeviceRecord {
         /// recorded before it is created.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         assignment: Option<MdevAssignment>,
+        /// As for [`DeviceRecord::NotAttached`]: the card whose MIG mode this tenant turns on.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mig_turned_on: Option<String>,
     },
     /// A MIG instance as the vGPU of an SR-IOV VF.
     SriovVgpu {
@@ -65,6 +72,31 @@ impl DeviceRecord {
     /// Whether a device is handed to the VM.
     pub fn attaches(&self) -> bool {
         !matches!(self, DeviceRecord::NotAttached { .. })
+    }
+
+    /// The card whose MIG mode was off before this tenant and which the daemon turns off
+    /// again when the card's last MIG tenant leaves (vGPU: its host's `enables_mig`, for
+    /// which the card is the PF).
+    pub fn mig_turned_on(&self) -> Option<&str> {
+        match self {
+            DeviceRecord::NotAttached { mig_turned_on, .. }
+            | DeviceRecord::MdevVgpu { mig_turned_on, .. } => mig_turned_on.as_deref(),
+            DeviceRecord::SriovVgpu { host, .. } => host.enables_mig.then_some(host.pf.as_str()),
+            DeviceRecord::Whole { .. } => None,
+        }
+    }
+
+    /// Records that this tenant's card `gpu` had MIG off and that its turning it on is this
+    /// record's to undo (a whole GPU has no MIG mode to restore: unchanged).
+    pub fn take_mig_turned_on(&mut self, gpu: &str) {
+        match self {
+            DeviceRecord::NotAttached { mig_turned_on, .. }
+            | DeviceRecord::MdevVgpu { mig_turned_on, .. } => {
+                *mig_turned_on = Some(gpu.to_string());
+            }
+            DeviceRecord::SriovVgpu { host, .. } => host.enables_mig = true,
+            DeviceRecord::Whole { .. } => {}
+        }
     }
 
     /// The route's name, for receipts and logs.
@@ -122,12 +154,17 @@ impl BackendPlanner {
         &self,
         placement: &GpuPlacement,
     ) -> Result<DeviceRecord, GpuPlanError> {
+        let info = self.gpu_info(&placement.gpu)?;
+        // A MIG share on a card with MIG off: create-gpu-instance turns it on, and this
+        // record says so, so that the card's last MIG tenant turns it off again.
+        let mig_turned_on =
+            (placement.label.contains('@') && !info.mig_enabled).then(|| placement.gpu.clone());
         let Some(sysfs) = self.sysfs() else {
             return Ok(DeviceRecord::NotAttached {
                 reason: "SIMULATED GPU host: no device is handed to the VM".into(),
+                mig_turned_on,
             });
         };
-        let info = self.gpu_info(&placement.gpu)?;
         if placement.label == "whole" {
             whole::check_free(sysfs, &info).map_err(plan_err)?;
             let binding = whole::plan_bind(sysfs, &pci(&info.pci_address)?).map_err(plan_err)?;
@@ -141,9 +178,11 @@ impl BackendPlanner {
             VgpuSupport::Mdev => Ok(DeviceRecord::MdevVgpu {
                 parent: info.pci_address.clone(),
                 assignment: None,
+                mig_turned_on,
             }),
             VgpuSupport::Simulated | VgpuSupport::Missing { .. } => Ok(DeviceRecord::NotAttached {
                 reason: "SIMULATED vGPU: no device is handed to the VM".into(),
+                mig_turned_on,
             }),
         }
     }
@@ -168,6 +207,7 @@ impl BackendPlanner {
             DeviceRecord::MdevVgpu {
                 parent,
                 assignment: None,
+                mig_turned_on,
             } => {
                 let info = self.gpu_info(&placement.gpu)?;
                 let (profile, _) = mig_label(&info, placement)?;
@@ -176,6 +216,7 @@ impl BackendPlanner {
                 Ok(DeviceRecord::MdevVgpu {
                     parent: parent.clone(),
                     assignment: Some(assignment),
+                    mig_turned_on: mig_turned_on.clone(),
                 })
             }
             _ => Ok(record.clone()),
@@ -334,4 +375,35 @@ impl BackendPlanner {
         }
         Ok(())
     }
+
+    /// The card's last MIG tenant gone: MIG off again on `gpu`, unless it is off already or
+    /// instances remain on it (not this daemon's to destroy: MIG stays on and the outcome
+    /// says why).
+    pub(crate) fn restore_mig_off(&self, gpu: &str) -> Result<MigRestore, GpuPlanError> {
+        let info = self.gpu_info(gpu)?;
+        if !info.mig_enabled {
+            return Ok(MigRestore::AlreadyOff);
+        }
+        if !info.instances.is_empty() {
+            return Ok(MigRestore::LeftOn(format!(
+                "GPU instances {:?} remain on it",
+                info.instances.iter().map(|i| i.gi_id).collect::<Vec<_>>()
+            )));
+        }
+        self.backend()
+            .set_mig_mode(info.index, false)
+            .map_err(plan_err)?;
+        Ok(MigRestore::TurnedOff)
+    }
+}
+
+/// What restoring a card's MIG mode did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MigRestore {
+    /// MIG was on and is off now.
+    TurnedOff,
+    /// MIG was off already (a re-run after a crash).
+    AlreadyOff,
+    /// MIG stays on, and why (instances the daemon did not make remain).
+    LeftOn(String),
 }

@@ -11,7 +11,7 @@ use crate::domain::spec::GpuRequest;
 use crate::jail::{self, BlockIoLimit, BlockIoOutcome, Cgroups, JailError};
 use crate::receipt::{Assurance, StepResult};
 use crate::store::GpuPlacement;
-use crate::tenant::gpu_device::DeviceRecord;
+use crate::tenant::gpu_device::{DeviceRecord, MigRestore};
 
 /// Tears down what the jail left on the host. Implemented for the real [`Cgroups`].
 pub trait JailCleaner: Send + Sync {
@@ -111,6 +111,7 @@ pub trait GpuPlanner: Send + Sync {
     fn plan_device(&self, _placement: &GpuPlacement) -> Result<DeviceRecord, GpuPlanError> {
         Ok(DeviceRecord::NotAttached {
             reason: "this planner hands no device to the VM".into(),
+            mig_turned_on: None,
         })
     }
 
@@ -170,6 +171,17 @@ pub trait GpuPlanner: Send + Sync {
     /// The card's last vGPU tenant is gone: VFs off, MIG off last. Idempotent.
     fn leave_device_mode(&self, _record: &DeviceRecord) -> Result<(), GpuPlanError> {
         Ok(())
+    }
+
+    /// Whether card `gpu` has MIG mode on (None: this planner has no cards to ask).
+    fn mig_enabled(&self, _gpu: &str) -> Result<Option<bool>, GpuPlanError> {
+        Ok(None)
+    }
+
+    /// The card's last MIG tenant is gone and the daemon had turned MIG on for one of its
+    /// tenants: MIG off again. Idempotent. The default has no MIG mode to restore.
+    fn restore_mig_off(&self, _gpu: &str) -> Result<MigRestore, GpuPlanError> {
+        Ok(MigRestore::AlreadyOff)
     }
 }
 

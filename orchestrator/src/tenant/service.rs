@@ -18,6 +18,7 @@ use crate::domain::spec::{TenantSpec, TenantSpecError};
 use crate::domain::TenantName;
 use crate::store::{ResourceKind, Store, StoreError, TenantRecord, TokenOwner};
 use crate::tenant::admission::Admission;
+use crate::tenant::card_lock::CardLocks;
 use crate::tenant::context::{StepCtx, StepError, StopFlag, Tenant};
 use crate::tenant::departure::{DepartureError, DepartureKit, Kit};
 #[cfg(any(test, feature = "test-hooks"))]
@@ -163,6 +164,8 @@ pub struct TenantService {
     admission: Arc<Admission>,
     kit: Arc<Kit>,
     stop: Arc<StopFlag>,
+    /// One lock per GPU card for the steps that change its host mode.
+    cards: Arc<CardLocks>,
     busy: Arc<Mutex<HashMap<String, BusyWith>>>,
     /// Set from the start of a daemon's recovery pass until it has gone through every tenant.
     recovering: Arc<AtomicBool>,
@@ -216,6 +219,7 @@ impl TenantService {
             fault: Arc::default(),
             admission: Arc::default(),
             stop: Arc::default(),
+            cards: Arc::default(),
             busy: Arc::default(),
             recovering: Arc::default(),
             workers: Arc::default(),
@@ -280,6 +284,7 @@ impl TenantService {
             admission: &self.admission,
             config: &self.config,
             stop: &self.stop,
+            cards: &self.cards,
         }
     }
 

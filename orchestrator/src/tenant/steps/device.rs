@@ -20,7 +20,7 @@ use crate::backend::PassthroughDevice;
 use crate::receipt::StepRecord;
 use crate::store::{GpuDeviceRow, GpuPlacement};
 use crate::tenant::context::{StepCtx, StepError, Tenant};
-use crate::tenant::gpu_device::DeviceRecord;
+use crate::tenant::gpu_device::{DeviceRecord, MigRestore};
 use crate::tenant::steps::Op;
 
 fn corrupt(what: &str, e: impl std::fmt::Display) -> StepError {
@@ -45,11 +45,20 @@ fn save(
     row: &GpuDeviceRow,
     record: &DeviceRecord,
 ) -> Result<(), StepError> {
+    save_row(ctx, t.id, row, record)
+}
+
+fn save_row(
+    ctx: &StepCtx<'_>,
+    id: i64,
+    row: &GpuDeviceRow,
+    record: &DeviceRecord,
+) -> Result<(), StepError> {
     let row = GpuDeviceRow {
         record: serde_json::to_string(record).map_err(StepError::failed)?,
         ..row.clone()
     };
-    ctx.store.set_gpu_device(t.id, &row)?;
+    ctx.store.set_gpu_device(id, &row)?;
     Ok(())
 }
 
@@ -89,6 +98,10 @@ pub fn prepare_host(
     let Some(p) = placement(ctx, t)? else {
         return Ok(None);
     };
+    // Recording the route (and what this tenant turns on) and preparing the card happen
+    // under the card's lock, never between a departing tenant's look for heirs and its
+    // turning the card's mode back off.
+    let _card = ctx.hold_card(&p.gpu)?;
     let record = match stored(ctx, t)? {
         Some((_, record)) => record,
         None => {
@@ -162,12 +175,84 @@ pub fn detach(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepR
     Ok(None)
 }
 
-/// Part of release-gpu: the card leaves vGPU mode when this was its last vGPU tenant (else
-/// another of its tenants inherits what this one turned on), then the row is removed.
+/// create-gpu-instance's first half: when the tenant's MIG instance is about to turn its
+/// card's MIG mode on and the record does not say so yet (the mode changed since
+/// prepare-gpu-host looked), the record takes it over first, so that the card's last MIG
+/// tenant turns it off again. Runs under the card's lock.
+pub fn record_mig_turned_on(
+    ctx: &StepCtx<'_>,
+    t: &Tenant,
+    p: &GpuPlacement,
+) -> Result<(), StepError> {
+    if !p.label.contains('@') || ctx.gpu.mig_enabled(&p.gpu)? != Some(false) {
+        return Ok(());
+    }
+    let Some((row, mut record)) = stored(ctx, t)? else {
+        return Ok(());
+    };
+    if record.mig_turned_on().is_none() {
+        record.take_mig_turned_on(&p.gpu);
+        save(ctx, t, &row, &record)?;
+    }
+    Ok(())
+}
+
+/// The other tenant (row id, row, record) whose MIG share is on `card`, if any: it
+/// inherits the duty to turn MIG off again.
+fn mig_heir(
+    ctx: &StepCtx<'_>,
+    t: &Tenant,
+    card: &str,
+) -> Result<Option<(i64, GpuDeviceRow, DeviceRecord)>, StepError> {
+    for (id, row) in ctx.store.gpu_devices()? {
+        if id == t.id {
+            continue;
+        }
+        let on_card = ctx
+            .store
+            .gpu_placement(id)?
+            .is_some_and(|p| p.gpu.eq_ignore_ascii_case(card) && p.label.contains('@'));
+        if !on_card {
+            continue;
+        }
+        if let Ok(record) = serde_json::from_str::<DeviceRecord>(&row.record) {
+            return Ok(Some((id, row, record)));
+        }
+    }
+    Ok(None)
+}
+
+/// Part of release-gpu, under the card's lock: the card leaves vGPU mode when this was its
+/// last vGPU tenant, and its MIG mode goes back off when this tenant's record turned it on
+/// and no other MIG tenant of the card is left (else another of its tenants inherits what
+/// this one turned on); then the row is removed. Each part reads the card again, so a
+/// re-run after a crash converges.
 pub fn release(ctx: &StepCtx<'_>, t: &Tenant) -> Result<(), StepError> {
     let Some((_, record)) = stored(ctx, t)? else {
         return Ok(());
     };
+    let card = match (placement(ctx, t)?, &record) {
+        (Some(p), _) => p.gpu,
+        (None, DeviceRecord::SriovVgpu { host, .. }) => host.pf.clone(),
+        (None, other) => other.mig_turned_on().unwrap_or_default().to_string(),
+    };
+    let _card = ctx.hold_card(&card)?;
+    if let (false, Some(gpu)) = (
+        matches!(record, DeviceRecord::SriovVgpu { .. }),
+        record.mig_turned_on(),
+    ) {
+        match mig_heir(ctx, t, gpu)? {
+            Some((id, row, mut other)) => {
+                other.take_mig_turned_on(gpu);
+                save_row(ctx, id, &row, &other)?;
+            }
+            None => {
+                if let MigRestore::LeftOn(why) = ctx.gpu.restore_mig_off(gpu)? {
+                    tracing::warn!(tenant = %t.name, gpu, "MIG mode stays on: {why}");
+                }
+            }
+        }
+    }
     if let DeviceRecord::SriovVgpu { host, .. } = &record {
         let mut heir = None;
         for (id, row) in ctx.store.gpu_devices()? {

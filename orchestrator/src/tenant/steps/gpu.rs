@@ -78,13 +78,17 @@ pub fn reserve(
     ))
 }
 
-/// create-gpu-instance: makes the reserved placement real (its MIG instance).
+/// create-gpu-instance: makes the reserved placement real (its MIG instance), under the
+/// card's lock; when that turns the card's MIG mode on, the tenant's device record says so
+/// first (see [`crate::tenant::steps::device::record_mig_turned_on`]).
 pub fn create_instance(
     ctx: &StepCtx<'_>,
     t: &mut Tenant,
     _op: Op,
 ) -> Result<Option<StepRecord>, StepError> {
     if let Some(p) = ctx.store.gpu_placement(t.id)? {
+        let _card = ctx.hold_card(&p.gpu)?;
+        crate::tenant::steps::device::record_mig_turned_on(ctx, t, &p)?;
         ctx.gpu.materialize(&p)?;
     }
     Ok(None)
@@ -272,13 +276,15 @@ pub fn destroy_instance(
     }))
 }
 
-/// release-gpu: returns the placement's slots to the ledger.
+/// release-gpu: the card's host mode back as the tenant found it (its last tenant), then
+/// the placement's slots back to the ledger. In that order: the mode's restoration reads the
+/// placement, so a crash between the two leaves what the re-run needs.
 pub fn release(
     ctx: &StepCtx<'_>,
     t: &mut Tenant,
     _op: Op,
 ) -> Result<Option<StepRecord>, StepError> {
-    ctx.store.release_gpu(t.id)?;
     crate::tenant::steps::device::release(ctx, t)?;
+    ctx.store.release_gpu(t.id)?;
     Ok(None)
 }
