@@ -140,8 +140,11 @@ pub fn qemu_args(
 ) -> Vec<OsString> {
     let w = &cfg.work_dir;
     let names: Vec<&str> = scenarios.iter().map(|s| s.name.as_str()).collect();
+    // no_timer_check: on a loaded host, TCG can miss the ticks the kernel's early check of
+    // the timer through the interrupt-remapped I/O APIC waits for, and the kernel panics
+    // ("timer doesn't work through Interrupt-remapped IO-APIC") before init.
     let mut cmdline = format!(
-        "console=ttyS0 intel_iommu=on panic=-1 loglevel=4 nh.run={}",
+        "console=ttyS0 intel_iommu=on no_timer_check panic=-1 loglevel=4 nh.run={}",
         names.join(",")
     );
     if cfg.format == RootFormat::Initramfs {

@@ -186,12 +186,11 @@ fn ioapic_write(reg: u32, value: u32) {
     w(IOAPIC + 0x10, value);
 }
 
-/// `vfio-edu-intx`: edu's legacy interrupt (MSI left off). The VMM routes INTA-INTD of slot
-/// S to I/O APIC pin 16 + (S + pin) % 8 (its DSDT `_PRT` says so); the guest programs that
-/// pin level-triggered to IDT vector `IRQ_BASE + 1`, raises three interrupts one after the
-/// other and acknowledges each: the second and third only arrive if the line was unmasked
-/// after the EOI before (VFIO's INTx unmask through KVM's resample eventfd).
-pub fn intx(bi: &BootInfo) -> Result<Detail, Detail> {
+/// Finds edu with MSI left off, masks the 8259s and programs the I/O APIC pin the VMM routes
+/// its INTx to (16 + (slot + pin) % 8, what its DSDT `_PRT` says) level-triggered to IDT
+/// vector `IRQ_BASE + 1`; edu's stale interrupt status is cleared first. Returns (slot, pin,
+/// GSI, BAR0).
+fn open_intx(bi: &BootInfo) -> Result<(u8, u8, u32, u64), Detail> {
     check_dma(bi)?;
     let cfg = ConfigAccess::Ecam(pci::find_ecam()?);
     let (slot, bar) = open_edu(cfg)?;
@@ -200,26 +199,116 @@ pub fn intx(bi: &BootInfo) -> Result<Detail, Detail> {
         return Err(err(format_args!("edu's interrupt pin is {pin}")));
     }
     let gsi = 16 + (u32::from(slot) + u32::from(pin) - 1) % 8;
+    w(bar + IRQ_ACK, u32::MAX);
     crate::io::outb(0x21, 0xff);
     crate::io::outb(0xa1, 0xff);
     // Vector IRQ_BASE + 1, fixed delivery, physical destination APIC 0, level-triggered.
     ioapic_write(0x11 + 2 * gsi, 0);
     ioapic_write(0x10 + 2 * gsi, (u32::from(IRQ_BASE) + 1) | (1 << 15));
+    Ok((slot, pin, gsi, bar))
+}
+
+/// Makes the handler of vector `IRQ_BASE + 1` acknowledge edu's INTx status bit `bit`
+/// before its EOI (0: the handler acknowledges nothing).
+fn ack_in_handler(bar: u64, bit: u32) {
+    use core::sync::atomic::Ordering;
+    crate::idt::LEVEL_ACK_VALUE.store(bit, Ordering::SeqCst);
+    let addr = if bit == 0 { 0 } else { bar + IRQ_ACK };
+    crate::idt::LEVEL_ACK_ADDR.store(addr, Ordering::SeqCst);
+}
+
+/// The bit the INTx tests raise in edu's interrupt status.
+const INTX_BIT: u32 = 0x10;
+
+/// `vfio-edu-intx`: edu's legacy interrupt (MSI left off), as a driver of a level-triggered
+/// line takes it: the handler acknowledges edu before its EOI. Three interrupts one after
+/// the other; the second and third only arrive if the line was unmasked after the EOI before
+/// (VFIO's INTx unmask through KVM's resample eventfd), and each raise gives exactly one
+/// interrupt (acknowledged before the EOI, the line does not fire again).
+pub fn intx(bi: &BootInfo) -> Result<Detail, Detail> {
+    let (slot, pin, gsi, bar) = open_intx(bi)?;
+    ack_in_handler(bar, INTX_BIT);
     enable_interrupts();
+    let start = irqs(1);
     for round in 0..3 {
         let before = irqs(1);
-        w(bar + IRQ_RAISE, 0x10u32);
+        w(bar + IRQ_RAISE, INTX_BIT);
         if !wait_irq(1, before) {
             return Err(err(format_args!(
                 "No INTx interrupt in round {round} on GSI {gsi} (edu irq status {:#x})",
                 r::<u32>(bar + IRQ_STATUS)
             )));
         }
-        w(bar + IRQ_ACK, 0x10u32);
         timer::delay_us(10_000);
+        let status: u32 = r(bar + IRQ_STATUS);
+        if status != 0 {
+            return Err(err(format_args!(
+                "edu irq status {status:#x} after the handler's acknowledgement in round {round}"
+            )));
+        }
+    }
+    let got = irqs(1) - start;
+    if got != 3 {
+        return Err(err(format_args!(
+            "{got} INTx interrupts for 3 raises (each acknowledged before its EOI)"
+        )));
     }
     Ok(Detail::fmt(format_args!(
-        "slot={slot} pin={pin} gsi={gsi} rounds=3 irqs={}",
-        irqs(1)
+        "slot={slot} pin={pin} gsi={gsi} rounds=3 irqs={got}"
+    )))
+}
+
+/// `vfio-edu-intx-storm`: a guest that never acknowledges its level-triggered interrupt.
+/// edu's INTx is raised and left pending for `tvm.ms=N` ms (default 500) while the handler
+/// only EOIs, so the line fires again after every EOI (each time through VFIO's unmask at
+/// KVM's resample and its re-sent trigger); the count is the storm's size. Then the guest
+/// acknowledges: the storm must stop (at most one interrupt already on its way), and one
+/// more raise, acknowledged by the handler, must arrive exactly once.
+pub fn intx_storm(bi: &BootInfo) -> Result<Detail, Detail> {
+    let ms: u64 = crate::bootinfo::cmdline_param(bi.cmdline(), "tvm.ms")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(500);
+    let (slot, _pin, gsi, bar) = open_intx(bi)?;
+    ack_in_handler(bar, 0);
+    enable_interrupts();
+    let before = irqs(1);
+    let t0 = crate::io::rdtsc();
+    w(bar + IRQ_RAISE, INTX_BIT);
+    timer::delay_us(ms * 1000);
+    let storm = irqs(1) - before;
+    let elapsed_us = (crate::io::rdtsc() - t0) * 1000 / timer::tsc_per_ms().max(1);
+    w(bar + IRQ_ACK, INTX_BIT);
+    timer::delay_us(50_000);
+    let settled = irqs(1);
+    timer::delay_us(100_000);
+    let after = irqs(1) - settled;
+    let tail = settled - before - storm;
+    if storm == 0 {
+        return Err(err(format_args!(
+            "No INTx interrupt on GSI {gsi} in {ms} ms"
+        )));
+    }
+    if after != 0 || tail > 1 {
+        return Err(err(format_args!(
+            "the line kept firing after the acknowledgement: {tail} within 50 ms, {after} in the next 100 ms"
+        )));
+    }
+    ack_in_handler(bar, INTX_BIT);
+    let b = irqs(1);
+    w(bar + IRQ_RAISE, INTX_BIT);
+    if !wait_irq(1, b) {
+        return Err(err(format_args!("No INTx interrupt after the storm")));
+    }
+    timer::delay_us(10_000);
+    let last = irqs(1) - b;
+    if last != 1 {
+        return Err(err(format_args!(
+            "{last} interrupts for the raise after the storm"
+        )));
+    }
+    Ok(Detail::fmt(format_args!(
+        "slot={slot} gsi={gsi} storm={storm} storm_ms={} per_second={} tail={tail}",
+        elapsed_us / 1000,
+        u64::from(storm) * 1_000_000 / elapsed_us.max(1)
     )))
 }

@@ -120,10 +120,25 @@ extern "C" {
     static irq_stubs: u8;
 }
 
-/// Counts a device interrupt and signals end-of-interrupt to the local APIC.
+/// A level-triggered source's acknowledgement, done by the handler of vector `IRQ_BASE + 1`
+/// before its EOI (as a driver of a level-triggered line must): a 32-bit register address
+/// (0: none) and the value written there.
+pub static LEVEL_ACK_ADDR: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(0);
+/// The value written to [`LEVEL_ACK_ADDR`].
+pub static LEVEL_ACK_VALUE: core::sync::atomic::AtomicU32 = core::sync::atomic::AtomicU32::new(0);
+
+/// Counts a device interrupt, acknowledges a level-triggered source at the device when one
+/// is registered ([`LEVEL_ACK_ADDR`]), and signals end-of-interrupt to the local APIC.
 extern "C" fn irq_handler(vector: u64) {
+    use core::sync::atomic::Ordering;
     if let Some(n) = IRQS.get((vector as usize).wrapping_sub(usize::from(IRQ_BASE))) {
-        n.fetch_add(1, core::sync::atomic::Ordering::SeqCst);
+        n.fetch_add(1, Ordering::SeqCst);
+    }
+    if vector == u64::from(IRQ_BASE) + 1 {
+        let addr = LEVEL_ACK_ADDR.load(Ordering::SeqCst);
+        if addr != 0 {
+            crate::virtio::w(addr, LEVEL_ACK_VALUE.load(Ordering::SeqCst));
+        }
     }
     crate::virtio::lapic_eoi();
 }

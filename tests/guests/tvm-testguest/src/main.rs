@@ -87,6 +87,7 @@ const TESTS: &[&str] = &[
     "vfio-edu-bench",
     "vfio-nvme",
     "vfio-edu-intx",
+    "vfio-edu-intx-storm",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -148,6 +149,7 @@ const TIMED_TESTS: &[&str] = &[
     "vfio-edu-bench",
     "vfio-nvme",
     "vfio-edu-intx",
+    "vfio-edu-intx-storm",
 ];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
@@ -225,6 +227,7 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "vfio-edu-bench" => edu::bench(bi),
         "vfio-nvme" => nvme::run(bi),
         "vfio-edu-intx" => edu::intx(bi),
+        "vfio-edu-intx-storm" => edu::intx_storm(bi),
         "vsock-bench" => vsock::bench(bi),
         "hostile-blk" | "hostile-config" | "vfio-model" => {
             let result = match name {
