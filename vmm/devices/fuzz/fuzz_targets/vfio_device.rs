@@ -1,14 +1,16 @@
 //! What a broken or hostile device hands the VMM: a configuration space (capability
-//! lists, BAR probe answers, MSI-X layout) and VFIO region capability chains with sparse
-//! mmap areas. Nothing here may panic, loop, or yield an mmap area outside its region or
-//! over a trapped page.
+//! lists, BAR probe answers, MSI-X layout, where NVIDIA's GPUDirect clique capability would
+//! go) and VFIO region capability chains with sparse mmap areas. Nothing here may panic,
+//! loop, or yield an mmap area outside its region or over a trapped page; a placed clique
+//! capability never overlaps the device's own capabilities and heads a list that still
+//! reaches every one of them.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use tenantvm_devices::pci::vfio::{
-    mmap_areas, parse_region_caps, probe, walk_caps, walk_ext_caps, IrqIndex, IrqInfo,
-    MmapSource, RegionInfo, VfioBackend, VfioBackendError, PAGE_SIZE, REGION_FLAG_MMAP,
-    REGION_FLAG_READ,
+    mmap_areas, parse_region_caps, probe, walk_caps, walk_ext_caps, GpuDirectCap, IrqIndex,
+    IrqInfo, MmapSource, RegionInfo, VfioBackend, VfioBackendError, GPUDIRECT_CAP_OFFSET,
+    MAX_CLIQUE, NVIDIA_VENDOR_ID, PAGE_SIZE, REGION_FLAG_MMAP, REGION_FLAG_READ,
 };
 use tenantvm_vmm_api::ResetOutcome;
 use vmm_sys_util::eventfd::EventFd;
@@ -75,6 +77,8 @@ fuzz_target!(|data: &[u8]| {
     let mut seen = std::collections::HashSet::new();
     assert!(ext.iter().all(|c| c.offset >= 0x100 && c.offset < 4096 && seen.insert(c.offset)));
 
+    gpudirect(&config, data.last().copied().unwrap_or(0));
+
     let mut sizes = [0u64; 6];
     for (i, s) in sizes.iter_mut().enumerate() {
         *s = rest.get(i * 8..i * 8 + 8).map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap()));
@@ -105,3 +109,55 @@ fuzz_target!(|data: &[u8]| {
         }
     }
 });
+
+/// The GPUDirect clique capability placed at 0xD4 of the hostile configuration space. With
+/// bit 7 of `knob` the space is made an NVIDIA display controller (so the fuzzer reaches
+/// the overlap checks); bits 0-4 are the clique id (16-31 out of range).
+fn gpudirect(config: &[u8], knob: u8) {
+    let mut cfg = config.to_vec();
+    if knob & 0x80 != 0 {
+        cfg[0..2].copy_from_slice(&NVIDIA_VENDOR_ID.to_le_bytes());
+        cfg[0x0b] = 0x03;
+    }
+    let clique = knob & 0x1f;
+    let Ok(cap) = GpuDirectCap::place(&cfg, clique) else {
+        return;
+    };
+    assert!(clique <= MAX_CLIQUE);
+    assert_eq!(u16::from_le_bytes([cfg[0], cfg[1]]), NVIDIA_VENDOR_ID);
+    assert_eq!(cfg[0x0b], 0x03);
+    let own = walk_caps(&cfg);
+    let ours = GPUDIRECT_CAP_OFFSET..GPUDIRECT_CAP_OFFSET + 8;
+    assert!(own.iter().all(|c| !ours.contains(&c.offset)), "{own:?}");
+    let bytes = cap.bytes();
+    assert_eq!(
+        &bytes[..6],
+        &[
+            0x09,
+            own.first().map_or(0, |c| c.offset as u8),
+            8,
+            b'P',
+            b'2',
+            b'P'
+        ]
+    );
+    assert_eq!(bytes[6], clique << 3);
+    // The guest's view: the list head at 0xD4, the capability there, pointing on to the
+    // device's own list, which it must still walk in full (up to the walk's own cap).
+    let mut seen = cfg.clone();
+    seen[0x06] |= 0x10;
+    seen[0x34] = GPUDIRECT_CAP_OFFSET as u8;
+    seen[ours.clone()].copy_from_slice(&bytes);
+    let walked: Vec<usize> = walk_caps(&seen).iter().map(|c| c.offset).collect();
+    assert_eq!(walked.first(), Some(&GPUDIRECT_CAP_OFFSET));
+    let rest: Vec<usize> = own
+        .iter()
+        .map(|c| c.offset)
+        .take(walked.len() - 1)
+        .collect();
+    assert_eq!(&walked[1..], &rest[..], "own {own:?}");
+    for reg in 0..64 {
+        let inside = ours.contains(&(reg * 4));
+        assert_eq!(cap.read_reg(reg).is_some(), inside, "reg {reg}");
+    }
+}
