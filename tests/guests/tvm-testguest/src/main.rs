@@ -87,6 +87,7 @@ const TESTS: &[&str] = &[
     "vfio-edu-bench",
     "vfio-nvme",
     "vfio-edu-intx",
+    "vfio-edu-hold",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -148,6 +149,7 @@ const TIMED_TESTS: &[&str] = &[
     "vfio-edu-bench",
     "vfio-nvme",
     "vfio-edu-intx",
+    "vfio-edu-hold",
 ];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
@@ -226,10 +228,11 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "vfio-nvme" => nvme::run(bi),
         "vfio-edu-intx" => edu::intx(bi),
         "vsock-bench" => vsock::bench(bi),
-        "hostile-blk" | "hostile-config" | "vfio-model" => {
+        "hostile-blk" | "hostile-config" | "vfio-model" | "vfio-edu-hold" => {
             let result = match name {
                 "hostile-blk" => hostile::block(bi),
                 "hostile-config" => hostile::config(bi),
+                "vfio-edu-hold" => edu::run(bi),
                 _ => gpu::run(bi),
             };
             match result {
