@@ -7,10 +7,10 @@
 # sets: bench
 . "$NH_LIB"
 need_kvm
-need_modules vfio_pci vfio_iommu_type1
 edu="$(pci_devices 1234 11e8 | sed -n 1p)"
 [ -n "$edu" ] || skip "no edu device (1234:11e8): QEMU's edu exists on the nested host only"
 [ -n "$(iommu_group "$edu")" ] || skip "no IOMMU (intel_iommu=on) for $edu"
+need_modules vfio_pci vfio_iommu_type1
 if [ ! -e /sys/fs/cgroup/cgroup.controllers ]; then
     mkdir -p /sys/fs/cgroup
     mount -t cgroup2 cgroup2 /sys/fs/cgroup || fail "cannot mount cgroup2"

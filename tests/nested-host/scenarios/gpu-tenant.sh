@@ -12,10 +12,10 @@
 # sets: ci
 . "$NH_LIB"
 need_kvm
-need_modules vfio_pci vfio_iommu_type1
 edu="$(pci_devices 1234 11e8 | sed -n 1p)"
 [ -n "$edu" ] || skip "no edu device (1234:11e8): QEMU's edu exists on the nested host only"
 [ -n "$(iommu_group "$edu")" ] || skip "no IOMMU (intel_iommu=on) for $edu"
+need_modules vfio_pci vfio_iommu_type1
 # tenantvmd puts each tenant in a cgroup of its own (memory, cpu, pids).
 if [ ! -e /sys/fs/cgroup/cgroup.controllers ]; then
     mkdir -p /sys/fs/cgroup
