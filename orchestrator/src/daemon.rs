@@ -92,6 +92,12 @@ pub struct DaemonArgs {
     /// GPU backend: `none`, `nvml`, or `sim:FILE` (a simulated host described in FILE).
     #[arg(long, default_value = "none")]
     pub gpu_backend: String,
+    /// The root the sysfs that GPU devices are bound and handed to VMs through lies under.
+    /// Default: `/` with `nvml`; none with `sim:FILE` (a simulated host hands over no
+    /// device). With `sim:FILE`, `/` hands over the real devices at the simulated GPUs' PCI
+    /// addresses (the nested test host passes QEMU's edu through as a whole card this way).
+    #[arg(long, value_name = "ROOT")]
+    pub gpu_sysfs_root: Option<PathBuf>,
     /// Directory of named guest images: <dir>/<name>/kernel (+ initramfs, cmdline).
     #[arg(long)]
     pub image_dir: Option<PathBuf>,
@@ -226,10 +232,14 @@ fn make_backend(args: &DaemonArgs) -> anyhow::Result<Arc<dyn VmBackend>> {
     })
 }
 
-fn make_gpu(spec: &str) -> anyhow::Result<Arc<dyn GpuPlanner>> {
-    match spec {
-        "none" => Ok(Arc::new(NoGpus)),
-        other => crate::tenant::gpu::planner_from_arg(other),
+fn make_gpu(spec: &str, sysfs_root: Option<&Path>) -> anyhow::Result<Arc<dyn GpuPlanner>> {
+    match (spec, sysfs_root) {
+        ("none", Some(root)) => anyhow::bail!(
+            "--gpu-sysfs-root {} needs a GPU backend: add --gpu-backend nvml or sim:FILE, or drop --gpu-sysfs-root",
+            root.display()
+        ),
+        ("none", None) => Ok(Arc::new(NoGpus)),
+        (other, root) => crate::tenant::gpu::planner_from_arg(other, root),
     }
 }
 
@@ -353,7 +363,7 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
         store,
         backend,
         Arc::new(cgroups),
-        make_gpu(&args.gpu_backend)?,
+        make_gpu(&args.gpu_backend, args.gpu_sysfs_root.as_deref())?,
         cfg,
     );
     let svc = with_test_hooks(svc)?;
@@ -520,6 +530,29 @@ mod tests {
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
+    }
+
+    #[test]
+    fn a_gpu_sysfs_root_without_a_gpu_backend_is_refused() {
+        let err = make_gpu("none", Some(Path::new("/")))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("--gpu-sysfs-root") && err.contains("--gpu-backend"),
+            "{err}"
+        );
+        assert!(make_gpu("none", None).is_ok());
+        // A flag the parser knows, next to --gpu-backend.
+        let args = DaemonArgs::try_parse_from([
+            "tenantvmd",
+            "--gpu-backend",
+            "sim:host.json",
+            "--gpu-sysfs-root",
+            "/",
+        ])
+        .unwrap();
+        assert_eq!(args.gpu_sysfs_root.as_deref(), Some(Path::new("/")));
     }
 
     #[test]

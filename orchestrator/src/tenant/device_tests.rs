@@ -321,6 +321,82 @@ fn a_failed_reset_quarantines_the_card_and_the_receipt_names_the_step() {
     );
 }
 
+/// The nested host's edu as a whole card (FAKE tree, SIMULATED host at its address): no
+/// host driver before, no reset method.
+fn edu_host() -> GpuHost {
+    use crate::tenant::test_utils::{EDU_TREE, SIM_AT_EDU};
+    let fake = FakeHost::build(&serde_json::from_str(EDU_TREE).unwrap()).unwrap();
+    let sim = fake
+        .attach_sim(&serde_json::from_str(SIM_AT_EDU).unwrap())
+        .unwrap();
+    let planner = Arc::new(BackendPlanner::new(Box::new(sim)).with_sysfs(fake.sysfs()));
+    GpuHost { fake, planner }
+}
+
+#[test]
+fn a_card_without_reset_or_host_driver_goes_back_unbound_and_the_receipt_says_no_reset() {
+    let host = edu_host();
+    let h = harness(&host);
+    create(&h, WHOLE);
+    assert_eq!(
+        state(&h),
+        Some(LifecycleState::Running),
+        "{:?}",
+        h.svc.store().tenant("g").unwrap().unwrap().error
+    );
+    let edu = PciAddress::parse("0000:00:03.0").unwrap();
+    let sysfs = host.fake.sysfs();
+    assert_eq!(
+        sysfs.device(&edu).unwrap().driver.as_deref(),
+        Some("vfio-pci")
+    );
+    destroy(&h);
+    assert_eq!(state(&h), None);
+    // Back to no driver, its override cleared: a later probe binds nothing to it.
+    assert_eq!(sysfs.device(&edu).unwrap().driver, None);
+    let over = sysfs
+        .read(&sysfs.path("sys/bus/pci/devices/0000:00:03.0/driver_override"))
+        .unwrap();
+    assert!(over.is_empty() || over == "(null)", "{over:?}");
+    assert_eq!(host.fake.resets("0000:00:03.0"), 0);
+    let entry = h
+        .svc
+        .departure_kit()
+        .unwrap()
+        .log
+        .entries()
+        .unwrap()
+        .into_iter()
+        .find(|e| e.receipt.tenant == "g")
+        .unwrap();
+    let line = |step| {
+        entry
+            .receipt
+            .steps
+            .iter()
+            .find(|s| s.step == step)
+            .cloned()
+            .unwrap()
+    };
+    // No reset is claimed: the step failed, saying why, and the card is quarantined.
+    let reset = line(crate::receipt::DepartureStep::DeviceReset);
+    assert_eq!(reset.result, crate::receipt::StepResult::Failed);
+    let error = reset.error.as_deref().unwrap();
+    assert!(error.contains("no reset method"), "{reset:?}");
+    // Host device work, not a placement: the message does not say "cannot be planned".
+    assert!(!error.contains("planned"), "{error}");
+    assert_eq!(reset.evidence["quarantined"], "true");
+    let scrub = line(crate::receipt::DepartureStep::GpuScrub);
+    assert_eq!(scrub.assurance, crate::receipt::Assurance::Simulated);
+    let release = line(crate::receipt::DepartureStep::GpuRelease);
+    assert_eq!(
+        release.evidence["driver 0000:00:03.0"], "none (before the bind: none)",
+        "{release:?}"
+    );
+    assert!(release.evidence["quarantined"].starts_with("device-reset"));
+    assert!(h.svc.store().gpu_devices().unwrap().is_empty());
+}
+
 /// The steps of `op` from `first` to `last`: those around the GPU's. (The crash tests of
 /// `tenant::tests` cover every boundary of every step with the fake planner; each run here
 /// costs a FAKE tree and a SIMULATED host file, so only the boundaries where the device is

@@ -23,16 +23,45 @@ use crate::store::GpuPlacement;
 use crate::tenant::gpu_device::{DeviceRecord, MigRestore};
 use crate::tenant::host::{GpuPlanError, GpuPlanner};
 
-/// Builds the planner `--gpu-backend` names (`nvml` or `sim:FILE`). With NVML the devices
-/// are handed over through the host's sysfs (`/`); a simulated host hands over none.
-pub fn planner_from_arg(arg: &str) -> anyhow::Result<Arc<dyn GpuPlanner>> {
+/// Builds the planner `--gpu-backend` names (`nvml` or `sim:FILE`), handing devices over
+/// through the sysfs under `sysfs_root` (`--gpu-sysfs-root`). Without one, NVML hands them
+/// over through the host's sysfs (`/`) and a simulated host hands over none. A simulated
+/// host with a root hands over the real devices at its GPUs' PCI addresses (the nested
+/// test host gives QEMU's edu device whole this way): the binding, the VM's devices, the
+/// reset and the rebind are real, the inventory, placement and scrub simulated.
+pub fn planner_from_arg(
+    arg: &str,
+    sysfs_root: Option<&std::path::Path>,
+) -> anyhow::Result<Arc<dyn GpuPlanner>> {
     let spec: BackendSpec = arg.parse()?;
+    if let Some(root) = sysfs_root {
+        if !root.join("sys/bus/pci").is_dir() {
+            anyhow::bail!(
+                "--gpu-sysfs-root {}: there is no sys/bus/pci under it; name the root the host's sysfs is mounted under (`/`)",
+                root.display()
+            );
+        }
+    }
     let backend = gpu_backend::open(&spec)?;
-    let planner = BackendPlanner::new(backend);
-    Ok(Arc::new(match spec {
-        BackendSpec::Sim(_) => planner,
-        _ => planner.with_sysfs(Sysfs::new("/")),
-    }))
+    Ok(Arc::new(planner_with_sysfs(
+        BackendPlanner::new(backend),
+        &spec,
+        sysfs_root,
+    )))
+}
+
+/// `planner` with the sysfs it hands devices over through: `sysfs_root` when given, else
+/// `/` for NVML and none for a simulated host.
+fn planner_with_sysfs(
+    planner: BackendPlanner,
+    spec: &BackendSpec,
+    sysfs_root: Option<&std::path::Path>,
+) -> BackendPlanner {
+    match (sysfs_root, spec) {
+        (Some(root), _) => planner.with_sysfs(Sysfs::new(root)),
+        (None, BackendSpec::Sim(_)) => planner,
+        (None, _) => planner.with_sysfs(Sysfs::new("/")),
+    }
 }
 
 /// A planner over a tenantvm-gpu backend.
@@ -182,6 +211,13 @@ impl GpuPlanner for BackendPlanner {
         self.detach_device_route(placement, record)
     }
 
+    fn device_drivers(
+        &self,
+        record: &DeviceRecord,
+    ) -> Result<Vec<(String, Option<String>)>, GpuPlanError> {
+        self.device_drivers_now(record)
+    }
+
     fn leave_device_mode(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
         BackendPlanner::leave_device_mode(self, record)
     }
@@ -307,6 +343,52 @@ mod tests {
         let mut old = held[1..].to_vec();
         old.push(by_index);
         assert!(p.place("again", &profile("1g.5gb"), &old).is_err());
+    }
+
+    #[test]
+    fn a_simulated_host_hands_real_devices_over_only_with_a_sysfs_root() {
+        use crate::tenant::test_utils::{EDU_TREE, SIM_AT_EDU};
+        use tenantvm_gpu::host::fake::FakeHost;
+        let tree = FakeHost::build(&serde_json::from_str(EDU_TREE).unwrap()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("host.json");
+        std::fs::write(&path, SIM_AT_EDU).unwrap();
+        let spec = BackendSpec::Sim(path.clone());
+        let whole = GpuRequest {
+            whole_gpu: true,
+            ..Default::default()
+        };
+        let open = || BackendPlanner::new(gpu_backend::open(&spec).unwrap());
+
+        // Without a root the simulated host hands nothing over.
+        let p = planner_with_sysfs(open(), &spec, None);
+        assert!(p.sysfs().is_none());
+        let placement = p.place("t", &whole, &[]).unwrap();
+        let record = p.plan_device(&placement).unwrap();
+        assert!(!record.attaches(), "{record:?}");
+
+        // With one, the device at the simulated GPU's address is bound as a whole card:
+        // its group, and the driver and override it has now (none) recorded.
+        let p = planner_with_sysfs(open(), &spec, Some(tree.root()));
+        let record = p.plan_device(&placement).unwrap();
+        let DeviceRecord::Whole { binding } = &record else {
+            panic!("{record:?}")
+        };
+        assert_eq!((binding.group, binding.gpu.as_str()), (5, "0000:00:03.0"));
+        assert_eq!(binding.devices.len(), 1);
+        assert_eq!(binding.devices[0].previous_driver, None);
+        assert_eq!(binding.devices[0].previous_override, None);
+
+        // A root without sysfs under it is refused, naming the flag.
+        let err = planner_from_arg(&format!("sim:{}", path.display()), Some(dir.path()))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("--gpu-sysfs-root") && err.contains("sys/bus/pci"),
+            "{err}"
+        );
+        assert!(planner_from_arg(&format!("sim:{}", path.display()), Some(tree.root())).is_ok());
     }
 
     #[test]

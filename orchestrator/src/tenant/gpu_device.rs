@@ -110,8 +110,9 @@ impl DeviceRecord {
     }
 }
 
+/// Host device work failed (not a placement: the message says what the host refused).
 fn plan_err(e: impl std::fmt::Display) -> GpuPlanError {
-    GpuPlanError::Plan(e.to_string())
+    GpuPlanError::Device(e.to_string())
 }
 
 fn pci(address: &str) -> Result<PciAddress, GpuPlanError> {
@@ -343,6 +344,26 @@ impl BackendPlanner {
             whole::rebind_host_drivers(self.sysfs_or()?, binding).map_err(plan_err)?;
         }
         Ok(())
+    }
+
+    /// Whole: the driver each device of the group is bound to now (None: unbound), read
+    /// from sysfs. Nothing for the other routes.
+    pub(crate) fn device_drivers_now(
+        &self,
+        record: &DeviceRecord,
+    ) -> Result<Vec<(String, Option<String>)>, GpuPlanError> {
+        let DeviceRecord::Whole { binding } = record else {
+            return Ok(Vec::new());
+        };
+        let sysfs = self.sysfs_or()?;
+        binding
+            .devices
+            .iter()
+            .map(|d| {
+                let dev = sysfs.device(&pci(&d.address)?).map_err(plan_err)?;
+                Ok((d.address.clone(), dev.driver))
+            })
+            .collect()
     }
 
     /// vGPU: type 0 on every VF serving the tenant's instance; mdev: the mdev removed.

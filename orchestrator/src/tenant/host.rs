@@ -71,6 +71,10 @@ pub enum GpuPlanError {
     /// The planner refused the request.
     #[error("GPU request cannot be planned: {0}")]
     Plan(String),
+    /// Handing a device to a VM or taking it back failed on the host (bind, reset,
+    /// rebind, vGPU type, mdev).
+    #[error("GPU device: {0}")]
+    Device(String),
 }
 
 /// Places a GPU request: the exact planner over the host's current instances, the shares
@@ -157,6 +161,16 @@ pub trait GpuPlanner: Send + Sync {
     /// Gives the devices back to their host drivers (whole). Idempotent.
     fn rebind_device(&self, _record: &DeviceRecord) -> Result<(), GpuPlanError> {
         Ok(())
+    }
+
+    /// The driver each device of the record is bound to now, read from sysfs (whole: every
+    /// device of the group, None when unbound), for the receipt after rebind-gpu. The
+    /// default reads nothing.
+    fn device_drivers(
+        &self,
+        _record: &DeviceRecord,
+    ) -> Result<Vec<(String, Option<String>)>, GpuPlanError> {
+        Ok(Vec::new())
     }
 
     /// Takes the vGPU off its VF (type 0). Idempotent.

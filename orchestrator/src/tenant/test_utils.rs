@@ -19,6 +19,17 @@ use crate::tenant::fault::FaultHook;
 use crate::tenant::host::{GpuPlanError, GpuPlanner, JailCleaner};
 use crate::tenant::service::{ServiceConfig, TenantService};
 
+/// A FAKE tree holding one device like the nested host's edu (QEMU's 1234:11e8: no host
+/// driver, no reset method, alone in IOMMU group 5) at 0000:00:03.0.
+pub const EDU_TREE: &str = r#"{"devices": [{"bdf": "0000:00:03.0",
+    "vendor": "0x1234", "device": "0x11e8", "class": "0x00ff00", "iommu_group": 5,
+    "reset_method": ""}], "drivers": ["vfio-pci"], "modules": ["vfio", "vfio_pci"]}"#;
+
+/// A SIMULATED whole-only GPU (an L40S) at the edu's address.
+pub const SIM_AT_EDU: &str = r#"{"gpus": [{"index": 0, "model": "l40s",
+    "pci_address": "0000:00:03.0", "driver": "550.54.15", "vgpu": "none",
+    "iommu_group": 5}]}"#;
+
 /// What the fake host holds.
 #[derive(Debug, Default)]
 pub struct FakeHostState {

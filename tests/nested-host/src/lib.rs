@@ -10,7 +10,7 @@
 //!
 //! The crate's binaries: `nested-host` (the command behind scripts/nested-host.sh) and the
 //! test-only programs the scenarios run inside the outer guest: `nh-stock-kernel`,
-//! `nh-guest-image`, `nh-vfio-kernel`, `nh-inference-tenant`.
+//! `nh-guest-image`, `nh-vfio-kernel`, `nh-inference-tenant`, `nh-gpu-tenant`.
 
 pub mod catalog;
 pub mod cpio;

@@ -270,10 +270,48 @@ pub fn destroy_instance(
         now_rfc3339(),
     )
     .with_evidence("slice", slice_id(&p));
+    let rec = with_drivers(ctx, t, rec)?;
     Ok(Some(match quarantined {
         Some(q) => rec.with_evidence("quarantined", crate::logs::sanitize(&q.reason)),
         None => rec,
     }))
+}
+
+/// A whole GPU's devices after rebind-gpu: for each, the driver sysfs shows now and the
+/// one recorded before the bind (`none`: unbound), as the gpu-release line's evidence.
+fn with_drivers(ctx: &StepCtx<'_>, t: &Tenant, rec: StepRecord) -> Result<StepRecord, StepError> {
+    let Some((_, record)) = crate::tenant::steps::device::stored(ctx, t)? else {
+        return Ok(rec);
+    };
+    let crate::tenant::gpu_device::DeviceRecord::Whole { binding } = &record else {
+        return Ok(rec);
+    };
+    let mut rec = rec;
+    let now = match ctx.gpu.device_drivers(&record) {
+        Ok(now) => now,
+        Err(e) => {
+            return Ok(rec.with_evidence(
+                "drivers",
+                crate::logs::sanitize(&format!("unreadable: {e}")),
+            ))
+        }
+    };
+    for (address, driver) in now {
+        let before = binding
+            .devices
+            .iter()
+            .find(|d| d.address == address)
+            .and_then(|d| d.previous_driver.clone());
+        rec = rec.with_evidence(
+            &format!("driver {address}"),
+            format!(
+                "{} (before the bind: {})",
+                driver.as_deref().unwrap_or("none"),
+                before.as_deref().unwrap_or("none")
+            ),
+        );
+    }
+    Ok(rec)
 }
 
 /// release-gpu: the card's host mode back as the tenant found it (its last tenant), then

@@ -126,6 +126,8 @@ pub fn run(bi: &BootInfo) -> Result<Detail, Detail> {
     check_dma(bi)?;
     let cfg = ConfigAccess::Ecam(pci::find_ecam()?);
     let (slot, bar) = open_edu(cfg)?;
+    // Vendor and device ids as config space gives them (what the host's sysfs shows).
+    let ids = cfg.read32(slot, 0);
     let id: u32 = r(bar + ID);
     if id & 0xffff != 0x00ed {
         return Err(err(format_args!("edu ID register reads {id:#x}")));
@@ -174,7 +176,9 @@ pub fn run(bi: &BootInfo) -> Result<Detail, Detail> {
         )));
     }
     Ok(Detail::fmt(format_args!(
-        "slot={slot} bar0={bar:#x} id={id:#x} factorial=3628800 msi=1 dma={DMA_BYTES}"
+        "slot={slot} pci={:04x}:{:04x} bar0={bar:#x} id={id:#x} factorial=3628800 msi=1 dma={DMA_BYTES}",
+        ids & 0xffff,
+        ids >> 16
     )))
 }
 

@@ -88,6 +88,7 @@ const TESTS: &[&str] = &[
     "vfio-nvme",
     "vfio-edu-intx",
     "vfio-edu-intx-storm",
+    "vfio-edu-hold",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -150,6 +151,7 @@ const TIMED_TESTS: &[&str] = &[
     "vfio-nvme",
     "vfio-edu-intx",
     "vfio-edu-intx-storm",
+    "vfio-edu-hold",
 ];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
@@ -229,10 +231,11 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "vfio-edu-intx" => edu::intx(bi),
         "vfio-edu-intx-storm" => edu::intx_storm(bi),
         "vsock-bench" => vsock::bench(bi),
-        "hostile-blk" | "hostile-config" | "vfio-model" => {
+        "hostile-blk" | "hostile-config" | "vfio-model" | "vfio-edu-hold" => {
             let result = match name {
                 "hostile-blk" => hostile::block(bi),
                 "hostile-config" => hostile::config(bi),
+                "vfio-edu-hold" => edu::run(bi),
                 _ => gpu::run(bi),
             };
             match result {
