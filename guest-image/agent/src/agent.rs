@@ -60,6 +60,8 @@ pub struct Agent {
     state: Mutex<State>,
     /// Kept-alive connections to the payload for streamed requests.
     payload_conns: crate::payload_pool::PayloadPool,
+    /// The bounded test loads (`load`, `load-status`).
+    loads: crate::load::Loads,
 }
 
 fn failure(code: ErrorCode, message: impl Into<String>) -> Outcome {
@@ -84,6 +86,7 @@ impl Agent {
         let payload_addr = SocketAddr::from(([127, 0, 0, 1], cfg.payload.port));
         Self {
             payload_conns: crate::payload_pool::PayloadPool::new(payload_addr),
+            loads: crate::load::Loads::default(),
             cfg,
             reaper,
             logs,
@@ -153,6 +156,11 @@ impl Agent {
             Request::Infer(http) => (self.infer(&http), After::Continue),
             Request::ModelList => (self.model_list(), After::Continue),
             Request::ModelRemove { name } => (self.model_remove(&name), After::Continue),
+            Request::Load(spec) => (self.start_load(spec), After::Continue),
+            Request::LoadStatus { kind } => (
+                Outcome::Ok(Reply::Load(self.loads.report(kind))),
+                After::Continue,
+            ),
             // Answered by `infer_stream` / `model_push` on the connection itself (server.rs).
             Request::InferStream(_) | Request::ModelPush { .. } => (
                 failure(
@@ -422,6 +430,33 @@ impl Agent {
         Ok(self.cfg.disk.mount_point.join(models::MODELS_DIR))
     }
 
+    fn start_load(&self, spec: tenantvm_agent_protocol::LoadSpec) -> Outcome {
+        let data =
+            (self.state().disk == DiskState::Mounted).then(|| self.cfg.disk.mount_point.clone());
+        match self.loads.start(&self.reaper, spec, data.as_deref()) {
+            Ok(pid) => {
+                self.log(&format!(
+                    "{} load started: {} {} for {} s (pid {pid})",
+                    spec.kind.as_str(),
+                    spec.amount,
+                    spec.kind.unit(),
+                    spec.seconds
+                ));
+                Outcome::Ok(Reply::LoadStarted { pid })
+            }
+            Err(e) => {
+                use crate::load::LoadError;
+                let code = match e {
+                    LoadError::Spec(_) => ErrorCode::BadRequest,
+                    LoadError::Busy(_) | LoadError::NotMounted => ErrorCode::WrongState,
+                    LoadError::NoSpace { .. } => ErrorCode::NoSpace,
+                    LoadError::Spawn(_) => ErrorCode::Internal,
+                };
+                failure(code, e.to_string())
+            }
+        }
+    }
+
     fn model_list(&self) -> Outcome {
         let dir = match self.models_dir() {
             Ok(d) => d,
@@ -502,6 +537,8 @@ impl Agent {
             )
         };
         self.log("shutdown requested");
+        // A disk load holds a file on the data disk: stop every load before unmounting.
+        self.loads.stop_all(Duration::from_secs(5));
         let mut payload_stopped = false;
         if let Some(pid) = pid {
             let target = Pid::from_raw(pid as i32);

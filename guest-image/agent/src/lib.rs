@@ -6,7 +6,7 @@
 //! channel. The channel's framing and messages, and the host-side client, live in the
 //! `tenantvm-agent-protocol` crate that the orchestrator shares. [`http1`] is shared by
 //! the agent's forwarder and the CI payload server. [`models`] stores the tenant's own
-//! models on its disk.
+//! models on its disk. [`load`] runs the bounded test loads of `tenantvm verify`.
 
 pub mod agent;
 pub mod config;
@@ -14,6 +14,7 @@ pub mod disk;
 pub mod http1;
 pub mod init;
 pub mod kmod;
+pub mod load;
 pub mod logbuf;
 pub mod models;
 pub mod payload_pool;

@@ -10,7 +10,7 @@ use tenantvm_agent::agent::Agent;
 use tenantvm_agent::config::{AgentConfig, DEFAULT_CONFIG_PATH};
 use tenantvm_agent::logbuf::LogBuffer;
 use tenantvm_agent::reaper::Reaper;
-use tenantvm_agent::{init, kmod, server};
+use tenantvm_agent::{init, kmod, load, server};
 
 /// How long to wait for the virtio-serial port to show up after module loading.
 const PORT_WAIT: Duration = Duration::from_secs(30);
@@ -36,6 +36,17 @@ fn kernel_release() -> String {
 
 fn main() {
     let is_init = std::process::id() == 1;
+    // A load worker: the agent runs itself as a child for each test load (load.rs).
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    if !is_init && argv.first().map(String::as_str) == Some(load::WORKER_ARG) {
+        match load::run_worker(&argv[1..]) {
+            Ok(()) => std::process::exit(0),
+            Err(e) => {
+                eprintln!("tenantvm-agent load-worker: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
     let mut args = std::env::args().skip(1);
     let mut config_path = PathBuf::from(DEFAULT_CONFIG_PATH);
     let mut check_only = false;

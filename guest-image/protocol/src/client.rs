@@ -206,6 +206,8 @@ fn what(req: &Request) -> &'static str {
         Request::ModelPush { .. } => "model-push",
         Request::ModelList => "model-list",
         Request::ModelRemove { .. } => "model-remove",
+        Request::Load(_) => "load",
+        Request::LoadStatus { .. } => "load-status",
         Request::Shutdown => "shutdown",
     }
 }
@@ -741,6 +743,40 @@ impl AgentClient {
             Reply::ModelRemoved => Ok(()),
             _ => Err(AgentClientError::UnexpectedReply {
                 what: "model-remove",
+            }),
+        }
+    }
+
+    /// Starts a bounded test load (checked against the caps before it is sent); returns
+    /// the worker's pid in the guest.
+    pub fn load_start(
+        &mut self,
+        spec: crate::load::LoadSpec,
+        timeout: Duration,
+    ) -> Result<u32, AgentClientError> {
+        spec.check().map_err(|e| AgentClientError::Agent {
+            what: "load",
+            failure: AgentFailure {
+                code: crate::message::ErrorCode::BadRequest,
+                message: e.to_string(),
+            },
+        })?;
+        match self.call(&Request::Load(spec), timeout)? {
+            Reply::LoadStarted { pid } => Ok(pid),
+            _ => Err(AgentClientError::UnexpectedReply { what: "load" }),
+        }
+    }
+
+    /// The latest load of `kind`.
+    pub fn load_status(
+        &mut self,
+        kind: crate::load::LoadKind,
+        timeout: Duration,
+    ) -> Result<crate::load::LoadReport, AgentClientError> {
+        match self.call(&Request::LoadStatus { kind }, timeout)? {
+            Reply::Load(report) => Ok(report),
+            _ => Err(AgentClientError::UnexpectedReply {
+                what: "load-status",
             }),
         }
     }

@@ -5,6 +5,7 @@
 //! - [`message`]: the requests and replies, the disk key, the channel's port names;
 //! - [`client`]: the host's synchronous client, with a deadline on every connect, read
 //!   and write and an optional peer-uid check (`SO_PEERCRED`);
+//! - [`load`]: the bounded test loads `tenantvm verify` asks a guest to run;
 //! - [`image`]: opening a guest image set and verifying it against its manifest.
 //!
 //! The agent binary links this crate for [`frame`] and [`message`]; the orchestrator for
@@ -16,6 +17,7 @@ mod channel;
 pub mod client;
 pub mod frame;
 pub mod image;
+pub mod load;
 pub mod message;
 
 pub use client::{AgentClient, AgentClientError, AgentEndpoint, BringUp, InferBody};
@@ -25,6 +27,10 @@ pub use frame::{
     PROTOCOL_VERSION,
 };
 pub use image::{ImageSet, ImageSetError};
+pub use load::{
+    LoadKind, LoadReport, LoadSpec, LoadSpecError, LoadState, MAX_LOAD_DISK_MIB,
+    MAX_LOAD_MEMORY_MIB, MAX_LOAD_SECONDS, MAX_LOAD_THREADS,
+};
 pub use message::{
     salvage_id, AgentFailure, DiskKey, DiskState, ErrorCode, HttpHead, HttpRequest, HttpResponse,
     KeyError, LogLine, ModelEntry, Outcome, PayloadState, Reply, Request, RequestFrame,

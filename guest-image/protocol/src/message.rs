@@ -8,6 +8,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use thiserror::Error;
 use zeroize::{Zeroize, Zeroizing};
 
+use crate::load::{LoadKind, LoadReport, LoadSpec};
+
 /// The vsock port the agent listens on.
 pub const AGENT_VSOCK_PORT: u32 = 1024;
 /// The name of the virtio-serial port the agent serves when there is no vsock device.
@@ -199,6 +201,16 @@ pub enum Request {
         /// Its name.
         name: String,
     },
+    /// Start a bounded test load ([`crate::load`]): one of each kind at a time, answered
+    /// [`Reply::LoadStarted`] at once; the load runs in a child process the guest's OOM
+    /// killer prefers, and the agent kills it past its deadline. The daemon forwards it
+    /// for the admin only (`tenantvm verify`).
+    Load(LoadSpec),
+    /// Report the latest load of `kind`: [`Reply::Load`].
+    LoadStatus {
+        /// Which load.
+        kind: LoadKind,
+    },
     /// Stop the payload, unmount, close the disk, sync and power off.
     Shutdown,
 }
@@ -349,6 +361,13 @@ pub enum Reply {
     },
     /// Answer to [`Request::ModelRemove`].
     ModelRemoved,
+    /// Answer to [`Request::Load`]: the load runs.
+    LoadStarted {
+        /// The worker's process id in the guest.
+        pid: u32,
+    },
+    /// Answer to [`Request::LoadStatus`].
+    Load(LoadReport),
     /// Answer to [`Request::Shutdown`]; the guest powers off after sending it.
     ShuttingDown(ShutdownReport),
 }

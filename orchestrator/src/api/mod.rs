@@ -9,6 +9,7 @@
 
 pub mod keys;
 pub mod lanes;
+pub mod load;
 mod metrics;
 pub mod models;
 pub mod types;
@@ -447,6 +448,8 @@ pub fn router(svc: TenantService) -> Router {
             axum::routing::delete(keys::revoke),
         )
         .route("/v1/tenants/{name}/models", get(models::list))
+        .route("/v1/tenants/{name}/load", post(load::start))
+        .route("/v1/tenants/{name}/load/{kind}", get(load::status))
         .route(
             "/v1/tenants/{name}/models/{model}",
             axum::routing::put(models::push)

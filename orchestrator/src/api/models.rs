@@ -80,7 +80,7 @@ fn err(status: StatusCode, code: &'static str, message: impl Into<String>) -> Ap
     ApiError::new(status, code, message)
 }
 
-fn agent_error(e: AgentClientError) -> ApiError {
+pub(super) fn agent_error(e: AgentClientError) -> ApiError {
     let msg = crate::untrusted::one_line(&e.to_string());
     match &e {
         AgentClientError::Agent { failure, .. } => match failure.code {
@@ -97,7 +97,11 @@ fn agent_error(e: AgentClientError) -> ApiError {
 
 /// The running tenant `name` with an agent, if `caller` may see it; and whether its
 /// channel is a socket (a push needs a connection of its own).
-fn serving(svc: &TenantService, caller: &Caller, name: &str) -> Result<(Tenant, bool), ApiError> {
+pub(super) fn serving(
+    svc: &TenantService,
+    caller: &Caller,
+    name: &str,
+) -> Result<(Tenant, bool), ApiError> {
     let not_found = || ApiError::from(TenantServiceError::NotFound(name.to_string()));
     if TenantName::check(name).is_err() {
         return Err(not_found());
@@ -133,7 +137,7 @@ fn serving(svc: &TenantService, caller: &Caller, name: &str) -> Result<(Tenant, 
     Ok((t, socket))
 }
 
-fn connect(
+pub(super) fn connect(
     svc: &TenantService,
     t: &Tenant,
 ) -> Result<tenantvm_agent_protocol::AgentClient, ApiError> {

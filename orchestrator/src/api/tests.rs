@@ -664,3 +664,93 @@ async fn infer_is_held_to_each_tenants_request_rate() {
         .await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
 }
+
+#[tokio::test]
+async fn test_loads_are_for_the_admin_only_and_bad_loads_are_refused() {
+    let api = Api::new();
+    let admin = api.admin.clone();
+    let a = Some(admin.as_str());
+    let (_, alice) = api
+        .checked(
+            "POST",
+            "/v1/tenants",
+            "/v1/tenants",
+            a,
+            Some(spec_json("alice")),
+        )
+        .await;
+    api.idle().await;
+    let alice_token = alice["token"].as_str().unwrap().to_string();
+    let load = json!({"kind": "memory", "amount": 64, "seconds": 5}).to_string();
+    // A tenant's token, even for itself: 403, and nothing reaches the guest.
+    let (s, body) = api
+        .checked(
+            "POST",
+            "/v1/tenants/alice/load",
+            "/v1/tenants/{name}/load",
+            Some(&alice_token),
+            Some(load.clone()),
+        )
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{body}");
+    let (s, _) = api
+        .checked(
+            "GET",
+            "/v1/tenants/alice/load/memory",
+            "/v1/tenants/{name}/load/{kind}",
+            Some(&alice_token),
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+    let (s, _) = api
+        .checked(
+            "POST",
+            "/v1/tenants/alice/load",
+            "/v1/tenants/{name}/load",
+            None,
+            Some(load.clone()),
+        )
+        .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    // Out of the caps, an unknown kind, an unknown field: 400 before any guest is asked.
+    for bad in [
+        json!({"kind": "memory", "amount": 0, "seconds": 5}),
+        json!({"kind": "cpu", "amount": 65, "seconds": 5}),
+        json!({"kind": "disk", "amount": 8, "seconds": 121}),
+        json!({"kind": "gpu", "amount": 1, "seconds": 1}),
+        json!({"kind": "cpu", "amount": 1, "seconds": 1, "shell": "rm -rf /"}),
+    ] {
+        let (s, body) = api
+            .checked(
+                "POST",
+                "/v1/tenants/alice/load",
+                "/v1/tenants/{name}/load",
+                a,
+                Some(bad.to_string()),
+            )
+            .await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{bad}: {body}");
+    }
+    let (s, _) = api
+        .checked(
+            "GET",
+            "/v1/tenants/alice/load/gpu",
+            "/v1/tenants/{name}/load/{kind}",
+            a,
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    // The admin on a tenant without an inference guest: 409, not a load.
+    let (s, body) = api
+        .checked(
+            "POST",
+            "/v1/tenants/alice/load",
+            "/v1/tenants/{name}/load",
+            a,
+            Some(load),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{body}");
+}

@@ -114,6 +114,10 @@ pub struct VerifyArgs {
     /// The daemon's state directory.
     #[arg(long, env = "TENANTVMD_STATE_DIR", default_value = "/var/lib/tenantvm")]
     pub state_dir: PathBuf,
+    /// The daemon's key-encryption key file (its `--kek-file`), read to unwrap the probes'
+    /// disk keys for check 9's cross-key open; never created.
+    #[arg(long, env = "TENANTVMD_KEK_FILE", default_value = crate::keys::DEFAULT_KEK_FILE)]
+    pub kek_file: PathBuf,
     /// The cgroup filesystem root.
     #[arg(long, default_value = crate::jail::cgroup::DEFAULT_CGROUP_ROOT)]
     pub cgroup_root: PathBuf,
@@ -210,6 +214,7 @@ fn run_blocking(
             cgroup_root: args.cgroup_root.clone(),
             gpu_backend: args.gpu_backend.clone(),
             scan_extra: args.scan.clone(),
+            kek_file: args.kek_file.clone(),
         },
     );
     let host = match (args.front.front_door, &args.front.front_door_ca) {
@@ -294,6 +299,7 @@ async fn interrupted_cleanup(args: &VerifyArgs, socket: PathBuf, token: String) 
                 cgroup_root: args.cgroup_root.clone(),
                 gpu_backend: None,
                 scan_extra: Vec::new(),
+                kek_file: args.kek_file.clone(),
             },
         );
         let ledger = args

@@ -6,8 +6,13 @@
 //!
 //! A marker *model* (a file whose bytes repeat a marker) is pushed to each probe with model
 //! push, and the plaintext scan must not find it, after a positive control: the same scan
-//! finds the marker in a plaintext copy written where it looks. Not done: opening one
-//! tenant's disk with another's key (a written disk's header is hostile input, docs/verify.md).
+//! finds the marker in a plaintext copy written where it looks.
+//!
+//! Each disk must open only with its own key: the other probe's key is tried against it
+//! (a keyslot check, nothing mapped) and must fail, after the positive control that its
+//! own key opens it (else inconclusive). The live host tries keys against a private
+//! snapshot of the header, and only when every keyslot's KDF cost is within what the
+//! daemon writes (a guest-written header is hostile input, [`super::cross_key`]).
 
 use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 
@@ -142,12 +147,61 @@ impl Check for WeightsAtRestCheck {
             out.findings
                 .push("no marker reached a tenant: the plaintext scan proves nothing".into());
         }
-        out.findings.push(
-            "opening a disk with another tenant's key is not tried (a written disk's header is hostile input)".into(),
-        );
+        judge_cross_keys(ctx, &mut out, &a.name, &b.name);
         Ok(out)
     }
 }
 
 /// Check 9.
 pub struct WeightsAtRestCheck;
+
+/// Each disk with its own key (the control: must open) and with the other's (must not).
+fn judge_cross_keys(ctx: &Ctx<'_>, out: &mut Outcome, a: &str, b: &str) {
+    let mut cross_opened = 0;
+    let mut own_opened = 0;
+    let mut tried = 0;
+    for (disk, other) in [(a, b), (b, a)] {
+        let own = ctx.host.disk_opens_with(disk, disk);
+        let cross = ctx.host.disk_opens_with(disk, other);
+        match (own, cross) {
+            (Ok(own), Ok(cross)) => {
+                tried += 1;
+                own_opened += u32::from(own);
+                cross_opened += u32::from(cross);
+                if cross {
+                    out.verdict = Verdict::Fail;
+                    out.findings.push(format!(
+                        "{disk}'s disk opens with {other}'s key: the tenants' keys are not separate"
+                    ));
+                }
+                if !own {
+                    if out.verdict == Verdict::Pass {
+                        out.verdict = Verdict::Inconclusive;
+                    }
+                    out.findings.push(format!(
+                        "control: {disk}'s disk does not open even with its own key, so the cross-key refusal proves nothing"
+                    ));
+                }
+            }
+            (Err(e), _) | (_, Err(e)) => {
+                if out.verdict == Verdict::Pass {
+                    out.verdict = Verdict::Inconclusive;
+                }
+                out.findings
+                    .push(format!("{disk}: keys not tried against its disk: {e}"));
+            }
+        }
+    }
+    out.add("disks_tried_with_keys", f64::from(tried), "count");
+    out.add("disks_opened_by_own_key", f64::from(own_opened), "count");
+    out.add(
+        "disks_opened_by_other_key",
+        f64::from(cross_opened),
+        "count",
+    );
+    if tried == 2 && own_opened == 2 && cross_opened == 0 {
+        out.findings.push(format!(
+            "each disk opens with its own key and not with the other's ({a}, {b})"
+        ));
+    }
+}

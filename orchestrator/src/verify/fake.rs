@@ -6,6 +6,8 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use tenantvm_agent_protocol::{LoadKind, LoadReport, LoadSpec, LoadState};
+
 use super::host::{CpuOverrun, GpuView, HostError, Overrun, VerifyHost};
 use crate::api::types::{GpuSlice, LogStream, TenantView};
 use crate::backend::ResourceLimits;
@@ -43,6 +45,18 @@ pub struct Broken {
     pub metrics_empty: bool,
     /// The plaintext scan is blind (reads nothing): what check 9's positive control is for.
     pub blind_scan: bool,
+    /// A guest gets more memory than it was given (an in-guest overrun takes all it asks
+    /// for), and the host's memory pressure slows its neighbours.
+    pub guest_ram_unbounded: bool,
+    /// The guest agents refuse test loads (an old guest image).
+    pub guest_loads_refused: bool,
+    /// Every tenant's disk opens with every tenant's key (one key for all).
+    pub shared_disk_key: bool,
+    /// No disk opens even with its own key (what check 9's key control is for).
+    pub keys_open_nothing: bool,
+    /// A guest touching more than its RAM gets its VMM killed by its own cgroup (the VMM
+    /// overhead allowance is too small): the tenant fails, its neighbours do not notice.
+    pub vmm_killed_by_overrun: bool,
 }
 
 #[derive(Debug)]
@@ -71,6 +85,8 @@ struct State {
     inference_keys: BTreeMap<String, String>,
     /// Requests answered per tenant (its metric).
     requests: BTreeMap<String, u64>,
+    /// In-guest loads: (tenant, kind) -> spec and start.
+    loads: BTreeMap<(String, &'static str), (LoadSpec, Instant)>,
 }
 
 /// The fake host.
@@ -225,6 +241,8 @@ impl VerifyHost for FakeVerifyHost {
         let Some(t) = st.tenants.remove(name) else {
             return Ok(());
         };
+        // Its VM is gone, and its loads with it.
+        st.loads.retain(|(t, _), _| t != name);
         let mut steps = vec![
             // As the daemon records it: the guest's own report.
             step(DepartureStep::AgentShutdown, Assurance::Unverified),
@@ -379,7 +397,20 @@ impl VerifyHost for FakeVerifyHost {
         let busy = st
             .last_noisy
             .is_some_and(|t| t.elapsed() < Duration::from_millis(100));
-        if self.broken.no_cpu_quota && busy {
+        // A CPU or disk load running in another guest.
+        let guest_busy = st.loads.iter().any(|((t, kind), (spec, at))| {
+            t != name
+                && *kind != "memory"
+                && at.elapsed() < Duration::from_secs(u64::from(spec.seconds))
+        });
+        if self.broken.no_cpu_quota && (busy || guest_busy) {
+            ms *= 10.0;
+        }
+        // A guest that took more memory than it was given, moments ago.
+        let pressure = st.loads.iter().any(|((t, kind), (_, at))| {
+            t != name && *kind == "memory" && at.elapsed() < Duration::from_secs(5)
+        });
+        if self.broken.guest_ram_unbounded && pressure {
             ms *= 10.0;
         }
         Ok(Duration::from_secs_f64(ms / 1e3))
@@ -529,6 +560,94 @@ impl VerifyHost for FakeVerifyHost {
             }
             _ => Ok((404, "unknown route".into())),
         }
+    }
+
+    fn guest_load(&self, name: &str, spec: LoadSpec) -> Result<(), HostError> {
+        let mut st = self.st();
+        if !st.tenants.contains_key(name) {
+            return Err(refused());
+        }
+        if self.broken.guest_loads_refused {
+            return Err(HostError::Api {
+                status: 502,
+                message: "the agent answered load with bad-request: unknown variant `load`".into(),
+            });
+        }
+        if self.broken.vmm_killed_by_overrun && spec.kind == LoadKind::Memory {
+            if let Some(t) = st.tenants.get_mut(name) {
+                t.view.state = LifecycleState::Failed;
+            }
+            return Ok(());
+        }
+        st.loads.insert(
+            (name.to_string(), spec.kind.as_str()),
+            (spec, Instant::now()),
+        );
+        Ok(())
+    }
+
+    fn guest_load_status(&self, name: &str, kind: LoadKind) -> Result<LoadReport, HostError> {
+        let st = self.st();
+        let t = st.tenants.get(name).ok_or_else(refused)?;
+        if t.view.state != LifecycleState::Running {
+            return Err(HostError::Api {
+                status: 409,
+                message: format!("Tenant {name:?} is not running"),
+            });
+        }
+        let guest = u64::from(t.view.spec.memory_mib);
+        let mut r = LoadReport {
+            spec: None,
+            state: LoadState::Idle,
+            elapsed_ms: 0,
+            progress: 0,
+            exit_code: None,
+            oom_kills: 0,
+            guest_mem_total_mib: guest - 8,
+            error: None,
+        };
+        let Some((spec, at)) = st.loads.get(&(name.to_string(), kind.as_str())) else {
+            return Ok(r);
+        };
+        r.spec = Some(*spec);
+        r.elapsed_ms = at.elapsed().as_millis() as u64;
+        let ran_out = at.elapsed() >= Duration::from_secs(u64::from(spec.seconds));
+        match kind {
+            LoadKind::Memory
+                if self.broken.guest_ram_unbounded || u64::from(spec.amount) < guest =>
+            {
+                r.state = LoadState::Finished;
+                r.exit_code = Some(0);
+                r.progress = u64::from(spec.amount);
+            }
+            LoadKind::Memory => {
+                r.state = LoadState::Killed;
+                r.exit_code = Some(137);
+                r.progress = guest - 24;
+                r.oom_kills = 1;
+            }
+            _ => {
+                r.state = if ran_out {
+                    LoadState::Finished
+                } else {
+                    LoadState::Running
+                };
+                r.exit_code = ran_out.then_some(0);
+                r.progress = r.elapsed_ms / 10 + 1;
+            }
+        }
+        Ok(r)
+    }
+
+    fn disk_opens_with(&self, disk_of: &str, key_of: &str) -> Result<bool, HostError> {
+        let st = self.st();
+        let has_disk = |n: &str| st.tenants.get(n).is_some_and(|t| t.disk.is_some());
+        if !has_disk(disk_of) || !st.keys.contains_key(key_of) {
+            return Err(HostError::Unsupported(format!(
+                "{disk_of} has no disk or {key_of} no key"
+            )));
+        }
+        Ok(!self.broken.keys_open_nothing && (disk_of == key_of || self.broken.shared_disk_key))
     }
 
     fn scan_finds(&self, content: &[u8], marker: &[u8]) -> Result<bool, HostError> {

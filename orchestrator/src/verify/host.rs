@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use tenantvm_agent_protocol::{LoadKind, LoadReport, LoadSpec};
+
 use crate::api::types::{LogStream, TenantView};
 use crate::backend::ResourceLimits;
 use crate::domain::spec::TenantSpec;
@@ -207,6 +209,16 @@ pub trait VerifyHost: Sync {
         path: &str,
         body: Option<&serde_json::Value>,
     ) -> Result<(u16, String), HostError>;
+    /// Starts a bounded load inside the tenant's guest (its agent's `load` command, which
+    /// the daemon forwards for the admin only).
+    fn guest_load(&self, name: &str, spec: LoadSpec) -> Result<(), HostError>;
+    /// The latest load of `kind` in the tenant's guest.
+    fn guest_load_status(&self, name: &str, kind: LoadKind) -> Result<LoadReport, HostError>;
+    /// Whether the disk of tenant `disk_of` opens with the key of tenant `key_of` (the
+    /// keyslot is only checked, nothing is mapped). [`HostError::Unsupported`] when the
+    /// host cannot try it (no KEK readable, a header declaring a KDF cost above what the
+    /// daemon writes).
+    fn disk_opens_with(&self, disk_of: &str, key_of: &str) -> Result<bool, HostError>;
     /// Positive control of [`VerifyHost::files_holding`]: writes `content` to a scratch file
     /// where the scan looks, says whether the scan finds `marker` there, and removes it.
     fn scan_finds(&self, content: &[u8], marker: &[u8]) -> Result<bool, HostError>;

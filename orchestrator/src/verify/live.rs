@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use hyper::Method;
-use tenantvm_agent_protocol::{AgentClient, AgentEndpoint, HttpRequest};
+use tenantvm_agent_protocol::{
+    AgentClient, AgentEndpoint, HttpRequest, LoadKind, LoadReport, LoadSpec,
+};
 
 use super::host::{CpuOverrun, GpuView, HostError, Overrun, VerifyHost};
 use super::scan::{scan, skip_real_disks};
@@ -42,6 +44,9 @@ pub struct LivePaths {
     pub gpu_backend: Option<String>,
     /// More files or directories the plaintext scan reads (the daemon's log file).
     pub scan_extra: Vec<PathBuf>,
+    /// The daemon's key-encryption key (`tenantvmd --kek-file`; a systemd credential
+    /// `tenantvm-kek` wins when present), read to unwrap probe disk keys (check 9).
+    pub kek_file: PathBuf,
 }
 
 /// The live host.
@@ -242,12 +247,13 @@ impl VerifyHost for LiveHost {
         if !memory.exists() {
             return Err(HostError::Failed(format!("{name} has no memory cgroup")));
         }
-        // The shell joins the cgroup itself, then becomes dd, whose one block of `bytes` is
-        // allocated and written (zeroes read into it) inside the cgroup. No code runs between
-        // fork and exec here; the path is an argument, never shell text.
+        // The shell makes itself the OOM killer's first choice (so the cgroup's OOM kill
+        // takes it, not the tenant's VMM), joins the cgroup, then becomes dd, whose one block
+        // of `bytes` is allocated and written (zeroes read into it) inside the cgroup. No code
+        // runs between fork and exec here; the path is an argument, never shell text.
         let mut child = std::process::Command::new("sh")
             .arg("-c")
-            .arg(r#"echo $$ > "$1/cgroup.procs" || exit 97; exec dd if=/dev/zero of=/dev/null bs="$2" count=1 status=none"#)
+            .arg(r#"echo 1000 > /proc/$$/oom_score_adj; echo $$ > "$1/cgroup.procs" || exit 97; exec dd if=/dev/zero of=/dev/null bs="$2" count=1 status=none"#)
             .arg("tenantvm-verify-overrun")
             .arg(&memory)
             .arg(bytes.to_string())
@@ -551,6 +557,64 @@ impl VerifyHost for LiveHost {
                 "no front door named (--front-door ADDR --front-door-ca PEM)".into(),
             )),
         }
+    }
+
+    fn guest_load(&self, name: &str, spec: LoadSpec) -> Result<(), HostError> {
+        let body = serde_json::to_vec(&spec).map_err(|e| HostError::Failed(e.to_string()))?;
+        let _: crate::api::load::LoadStarted = self
+            .rt
+            .block_on(self.admin.call(
+                Method::POST,
+                &format!("/v1/tenants/{name}/load"),
+                Some(body),
+            ))
+            .map_err(from_client)?;
+        Ok(())
+    }
+
+    fn guest_load_status(&self, name: &str, kind: LoadKind) -> Result<LoadReport, HostError> {
+        let status: crate::api::load::LoadStatus = self
+            .rt
+            .block_on(self.admin.call(
+                Method::GET,
+                &format!("/v1/tenants/{name}/load/{}", kind.as_str()),
+                None,
+            ))
+            .map_err(from_client)?;
+        Ok(status.report)
+    }
+
+    fn disk_opens_with(&self, disk_of: &str, key_of: &str) -> Result<bool, HostError> {
+        use crate::keys::{HostKek, KekSource, KeyStore};
+        let source = KekSource::detect(&self.paths.kek_file);
+        // Loading a KEK file creates it when absent: never here.
+        if let KekSource::File(p) = &source {
+            if !p.exists() {
+                return Err(HostError::Unsupported(format!(
+                    "no KEK at {} (give the daemon's --kek-file)",
+                    p.display()
+                )));
+            }
+        }
+        let unsupported = |e: crate::keys::KeyError| HostError::Unsupported(format!("keys: {e}"));
+        let kek = HostKek::load(&source).map_err(unsupported)?;
+        let key = KeyStore::new(&self.paths.state_dir.join("keys"), kek)
+            .and_then(|ks| ks.unwrap(key_of))
+            .map_err(unsupported)?;
+        let image = self
+            .tenant_dir(disk_of)
+            .join(crate::tenant::steps::disk::IMAGE_FILE);
+        let scratch = self.paths.state_dir.join("verify").join("key-scratch");
+        super::cross_key::snapshot_opens(
+            &image,
+            &key,
+            &scratch,
+            crate::disk::KeyslotCost::PRODUCTION,
+        )
+        .map_err(|e| match e {
+            super::cross_key::CrossKeyError::Refused(_) => HostError::Unsupported(e.to_string()),
+            _ => HostError::Failed(e.to_string()),
+        })
     }
 
     fn scan_finds(&self, content: &[u8], marker: &[u8]) -> Result<bool, HostError> {

@@ -67,6 +67,7 @@ impl Daemon {
                 cgroup_root: self.cgroups.path().to_path_buf(),
                 gpu_backend: None,
                 scan_extra: Vec::new(),
+                kek_file: std::path::PathBuf::from("/nonexistent/tenantvm-kek"),
             },
         )
     }
@@ -205,6 +206,7 @@ fn the_gpus_come_from_the_named_backend_with_the_planners_models() {
                 cgroup_root: PathBuf::from("/nonexistent"),
                 gpu_backend: backend,
                 scan_extra: Vec::new(),
+                kek_file: std::path::PathBuf::from("/nonexistent/tenantvm-kek"),
             },
         )
     };

@@ -20,9 +20,11 @@
 pub mod at_rest;
 pub mod audit;
 pub mod batching;
+pub mod cross_key;
 pub mod departure;
 pub mod door;
 pub mod gpu;
+pub mod guest_load;
 pub mod host;
 pub mod live;
 pub mod memory;

@@ -8,11 +8,17 @@
 //! take no more than it, while the same processes outside any cgroup (the control) show
 //! what the host would give.
 //!
-//! Not yet done: saturating disk I/O from inside the noisy guest (no agent command for it).
+//! During the loaded phase the noisy guest also runs CPU and disk I/O load of its own (the
+//! agent's bounded `load` command): busy threads, twice its vCPUs, and a file on its data
+//! disk rewritten and fsynced; what they did is reported, and a load that did not run makes
+//! the check inconclusive (its latency ratio would not show a saturated neighbour).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use tenantvm_agent_protocol::LoadKind;
+
+use super::guest_load::{not_run, spec};
 use super::host::CpuOverrun;
 use super::stats::quantile;
 use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
@@ -103,6 +109,84 @@ pub fn judge_latency(out: &mut Outcome, idle: &[f64], loaded: &[f64], max_ratio:
 }
 
 const PROMPT: &str = "the quick brown fox jumps over the lazy dog and then the dog sleeps";
+/// The noisy guest's disk load file, MiB (rewritten for the whole loaded phase).
+const DISK_LOAD_MIB: u32 = 32;
+
+/// Starts the noisy guest's own CPU and disk load for `seconds`; the kinds that started.
+fn start_guest_loads(
+    ctx: &Ctx<'_>,
+    noisy: &str,
+    vcpus: u32,
+    seconds: u32,
+    out: &mut Outcome,
+) -> Vec<LoadKind> {
+    let mut started = Vec::new();
+    for load in [
+        spec(LoadKind::Cpu, (vcpus * 2).clamp(2, 64), seconds),
+        spec(LoadKind::Disk, DISK_LOAD_MIB, seconds),
+    ] {
+        match ctx.host.guest_load(noisy, load) {
+            Ok(()) => started.push(load.kind),
+            Err(e) => out.findings.push(format!(
+                "{noisy}: the in-guest {} load did not start: {e}",
+                load.kind.as_str()
+            )),
+        }
+    }
+    started
+}
+
+/// Reports what the noisy guest's own loads did; false when one did not run.
+fn report_guest_loads(ctx: &Ctx<'_>, noisy: &str, out: &mut Outcome) -> bool {
+    let mut all_ran = true;
+    for kind in [LoadKind::Cpu, LoadKind::Disk] {
+        match ctx.host.guest_load_status(noisy, kind) {
+            Ok(r) => {
+                let secs = (r.elapsed_ms as f64 / 1e3).max(1e-3);
+                match kind {
+                    LoadKind::Cpu => {
+                        out.add(
+                            "noisy_guest_cpu_threads",
+                            f64::from(r.spec.map_or(0, |s| s.amount)),
+                            "count",
+                        );
+                        out.add(
+                            "noisy_guest_cpu_mrounds_per_s",
+                            r.progress as f64 / secs,
+                            "1e6/s",
+                        );
+                    }
+                    _ => {
+                        out.add("noisy_guest_disk_mib_written", r.progress as f64, "MiB");
+                        out.add(
+                            "noisy_guest_disk_mib_per_s",
+                            r.progress as f64 / secs,
+                            "MiB/s",
+                        );
+                    }
+                }
+                if let Some(why) = not_run(&r).or_else(|| {
+                    (r.state == tenantvm_agent_protocol::LoadState::Idle || r.progress == 0)
+                        .then(|| "made no progress".to_string())
+                }) {
+                    all_ran = false;
+                    out.findings.push(format!(
+                        "{noisy}: the in-guest {} load {why}",
+                        kind.as_str()
+                    ));
+                }
+            }
+            Err(e) => {
+                all_ran = false;
+                out.findings.push(format!(
+                    "{noisy}: the in-guest {} load could not be read: {e}",
+                    kind.as_str()
+                ));
+            }
+        }
+    }
+    all_ran
+}
 
 impl Check for NoisyNeighbourCheck {
     fn id(&self) -> CheckId {
@@ -110,7 +194,10 @@ impl Check for NoisyNeighbourCheck {
     }
 
     fn run(&self, ctx: &Ctx<'_>) -> Result<Outcome, HostError> {
-        let noisy = ctx.probes.create("noisy", |_| {})?;
+        // A disk of its own, for the in-guest disk I/O load.
+        let noisy = ctx
+            .probes
+            .create("noisy", |s| s.disk_gib = s.disk_gib.max(1))?;
         // The victim's own rate quota must not throttle its latency samples.
         let victim = ctx
             .probes
@@ -169,6 +256,12 @@ impl Check for NoisyNeighbourCheck {
         if let Err(e) = sample(&mut idle) {
             return unmeasured(out, e);
         }
+        // The noisy guest's own CPU and disk load cover the loaded phase: its idle length,
+        // three times over, and the build-up.
+        let idle_s: f64 = idle.iter().sum::<f64>() / 1e3;
+        let seconds =
+            ((idle_s * 3.0).ceil() as u32 + 5).clamp(5, tenantvm_agent_protocol::MAX_LOAD_SECONDS);
+        let started = start_guest_loads(ctx, &noisy.name, noisy.spec.vcpus, seconds, &mut out);
         let stop = AtomicBool::new(false);
         let sent = AtomicU64::new(0);
         let mut loaded = Vec::new();
@@ -203,9 +296,16 @@ impl Check for NoisyNeighbourCheck {
             sent.load(Ordering::Relaxed) as f64,
             "count",
         );
+        let reported = report_guest_loads(ctx, &noisy.name, &mut out);
+        let loads_ran = started.len() == 2 && reported;
         judge_latency(&mut out, &idle, &loaded, ctx.config.max_latency_ratio);
-        out.findings
-            .push("disk I/O is not saturated from inside the guest (no agent command yet)".into());
+        if !loads_ran && out.verdict == Verdict::Pass {
+            out.verdict = Verdict::Inconclusive;
+            out.findings.push(
+                "the noisy guest did not run its own CPU and disk load: a pass would not show a saturated neighbour"
+                    .into(),
+            );
+        }
         Ok(out)
     }
 }

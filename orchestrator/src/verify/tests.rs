@@ -359,6 +359,131 @@ fn check_7_metrics_served_unscoped_fail_and_the_marker_goes_through_the_front_do
 }
 
 #[test]
+fn check_4_a_guest_that_takes_more_than_its_ram_fails_and_an_old_agent_is_inconclusive() {
+    let (v, r) = verdict(Broken::default(), CheckId::MemoryPartition);
+    assert_eq!(v, Verdict::Pass, "{r:#?}");
+    // The probe's 128 MiB guest was asked for 192 MiB and stopped below its RAM.
+    assert_eq!(
+        r.outcome.value("guest_overrun_asked_mib"),
+        Some(192.0),
+        "{r:#?}"
+    );
+    assert!(r.outcome.value("guest_overrun_reached_mib").unwrap() < 128.0);
+    assert_eq!(r.outcome.value("guest_oom_kills"), Some(1.0));
+    assert!(r.outcome.value("neighbour_p50_ratio").unwrap() <= 3.0);
+    let (v, r) = verdict(
+        Broken {
+            guest_ram_unbounded: true,
+            ..Broken::default()
+        },
+        CheckId::MemoryPartition,
+    );
+    assert_eq!(v, Verdict::Fail, "{r:#?}");
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("more memory than it was given")),
+        "{r:#?}"
+    );
+    // Its neighbour slowed tenfold meanwhile: that alone fails too.
+    assert!(
+        r.outcome.value("neighbour_p50_ratio").unwrap() > 3.0,
+        "{r:#?}"
+    );
+    let (v, r) = verdict(
+        Broken {
+            guest_loads_refused: true,
+            ..Broken::default()
+        },
+        CheckId::MemoryPartition,
+    );
+    assert_eq!(v, Verdict::Inconclusive, "{r:#?}");
+    // A VMM its own cgroup kills when its guest uses all its RAM: stopped, said, not failed.
+    let (v, r) = verdict(
+        Broken {
+            vmm_killed_by_overrun: true,
+            ..Broken::default()
+        },
+        CheckId::MemoryPartition,
+    );
+    assert_eq!(v, Verdict::Pass, "{r:#?}");
+    assert_eq!(
+        r.outcome.value("guest_overrun_vm_stopped"),
+        Some(1.0),
+        "{r:#?}"
+    );
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("its own cgroup stopped its VMM")),
+        "{r:#?}"
+    );
+    // The neighbour judgement alone.
+    let mut o = Outcome::new(Verdict::Pass);
+    guest_load::judge_neighbour(&mut o, "b", &[10.0; 5], &[40.0; 5], 3.0);
+    assert_eq!(o.verdict, Verdict::Fail);
+    let mut o = Outcome::new(Verdict::Pass);
+    guest_load::judge_neighbour(&mut o, "b", &[10.0; 5], &[], 3.0);
+    assert_eq!(o.verdict, Verdict::Inconclusive);
+}
+
+#[test]
+fn check_8_the_noisy_guest_runs_its_own_cpu_and_disk_load_or_the_check_is_inconclusive() {
+    let (v, r) = verdict(Broken::default(), CheckId::NoisyNeighbour);
+    assert_eq!(v, Verdict::Pass, "{r:#?}");
+    assert!(
+        r.outcome.value("noisy_guest_disk_mib_written").unwrap() > 0.0,
+        "{r:#?}"
+    );
+    assert!(r.outcome.value("noisy_guest_cpu_mrounds_per_s").unwrap() > 0.0);
+    assert_eq!(r.outcome.value("noisy_guest_cpu_threads"), Some(2.0));
+    let (v, r) = verdict(
+        Broken {
+            guest_loads_refused: true,
+            ..Broken::default()
+        },
+        CheckId::NoisyNeighbour,
+    );
+    assert_eq!(v, Verdict::Inconclusive, "{r:#?}");
+    // Without a CPU quota the in-guest load slows the victim: fail, whatever else.
+    let (v, r) = verdict(
+        Broken {
+            no_cpu_quota: true,
+            guest_loads_refused: false,
+            ..Broken::default()
+        },
+        CheckId::NoisyNeighbour,
+    );
+    assert_eq!(v, Verdict::Fail, "{r:#?}");
+}
+
+#[test]
+fn check_9_a_disk_that_opens_with_another_tenants_key_fails() {
+    let (v, r) = verdict(Broken::default(), CheckId::WeightsAtRest);
+    assert_eq!(v, Verdict::Pass, "{r:#?}");
+    assert_eq!(r.outcome.value("disks_opened_by_own_key"), Some(2.0));
+    assert_eq!(r.outcome.value("disks_opened_by_other_key"), Some(0.0));
+    assert_pass_then_fail(
+        CheckId::WeightsAtRest,
+        Broken {
+            shared_disk_key: true,
+            ..Broken::default()
+        },
+    );
+    // The control: keys that open nothing prove nothing.
+    let (v, r) = verdict(
+        Broken {
+            keys_open_nothing: true,
+            ..Broken::default()
+        },
+        CheckId::WeightsAtRest,
+    );
+    assert_eq!(v, Verdict::Inconclusive, "{r:#?}");
+}
+
+#[test]
 fn check_8_a_tenant_without_a_cpu_quota_fails() {
     let (v, r) = verdict(Broken::default(), CheckId::NoisyNeighbour);
     assert_eq!(v, Verdict::Pass, "{r:#?}");
