@@ -344,6 +344,11 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
     cfg.stop_grace = Duration::from_secs(args.stop_grace_s);
     cfg.boot_timeout = Duration::from_secs(args.boot_timeout_s);
     cfg.agent_timeout = Duration::from_secs(args.agent_timeout_s);
+    if args.backend == BackendArg::QemuTcg {
+        // TCG's translation cache lives in the VMM beside guest RAM: the VM's cgroup and
+        // the host's admission count it, or a guest that uses all its RAM loses its VM.
+        cfg.vmm_overhead_mib += tenantvm_vmm_api::qemu::TCG_TRANSLATION_CACHE_MIB;
+    }
     cfg.capacity = crate::tenant::admission::HostCapacity::detect(args.host_reserved_memory_mib)
         .context("Cannot read this host's size from /proc/meminfo")?
         .with_overcommit(args.memory_overcommit, args.vcpu_overcommit);

@@ -297,7 +297,7 @@ mod tests {
             .collect::<Vec<_>>()
             .join(" ");
         assert!(
-            args.contains("-accel tcg -cpu max -smp 2 -m 256M"),
+            args.contains("-accel tcg,tb-size=64 -cpu max -smp 2 -m 256M"),
             "{args}"
         );
         assert!(

@@ -19,6 +19,12 @@ pub const KVM_CPU: &str = "host,-arch-capabilities";
 /// process spawning and no resource-control calls.
 pub const SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
 
+/// The size of TCG's translation cache (`-accel tcg,tb-size=`), in MiB. Without it QEMU
+/// sizes the cache by its own default (up to 1 GiB on 64-bit hosts) and fills it as the
+/// guest runs new code, so a long-lived TCG guest's VMM outgrows any fixed allowance and its
+/// cgroup kills it. The orchestrator adds this to the VMM's memory allowance under TCG.
+pub const TCG_TRANSLATION_CACHE_MIB: u64 = 64;
+
 /// The accelerator a QEMU VM uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -92,9 +98,10 @@ impl QemuCommand {
     pub fn args(&self) -> Vec<OsString> {
         let mut args: Vec<OsString> = Vec::new();
         let mut push = |a: &[&str]| args.extend(a.iter().map(OsString::from));
+        let tcg = format!("tcg,tb-size={TCG_TRANSLATION_CACHE_MIB}");
         let (accel, cpu) = match self.accel {
             QemuAccel::Kvm => ("kvm", KVM_CPU),
-            QemuAccel::Tcg => ("tcg", "max"),
+            QemuAccel::Tcg => (tcg.as_str(), "max"),
         };
         push(&["-name", &self.name.replace(',', ",,")]);
         push(&["-machine", "pc", "-accel", accel, "-cpu", cpu]);
@@ -213,7 +220,7 @@ mod tests {
     fn the_command_line_has_the_machine_devices_and_hardening() {
         let args = joined(&command());
         for part in [
-            "-machine pc -accel tcg -cpu max -smp 2 -m 256M -nodefaults -no-user-config",
+            "-machine pc -accel tcg,tb-size=64 -cpu max -smp 2 -m 256M -nodefaults -no-user-config",
             "-kernel /vm/kernel -append console=ttyS0 panic=0",
             "-chardev file,id=serial0,path=/log/serial.log,append=on -serial chardev:serial0",
             "-device virtserialport,bus=vser0.0,chardev=agent,name=org.tenantvm.agent.0",
