@@ -17,6 +17,7 @@ pub mod client;
 pub mod frame;
 pub mod image;
 pub mod message;
+pub mod mux;
 
 pub use client::{AgentClient, AgentClientError, AgentEndpoint, BringUp, InferBody};
 pub use frame::{
