@@ -5,6 +5,7 @@
 #   and streamed), a model push served by name, the host image scan, stop, start, destroy
 # limit: 600
 # needs: qemu
+# sets: ci
 . "$NH_LIB"
 need_kvm
 need_modules vhost_vsock dm_crypt loop
