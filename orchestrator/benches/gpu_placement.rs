@@ -35,6 +35,7 @@ impl VmBackend for NoVms {
     }
     fn launch(&self, spec: &VmSpec, jail: &JailConfig) -> Result<RunningVm, BackendError> {
         Ok(RunningVm {
+            vsock_cid: None,
             backend: BackendKind::TenantvmVmm,
             tenant: spec.tenant.clone(),
             pid: std::process::id() as i32,
@@ -61,6 +62,9 @@ impl VmBackend for NoVms {
     }
     fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint {
         AgentEndpoint::Serial(vm.tenant_dir.join("agent.sock"))
+    }
+    fn agent_transport(&self) -> &'static str {
+        "virtio-serial"
     }
 }
 

@@ -92,6 +92,7 @@ fn main() {
             let dir = tmp.path().join(&tenant);
             fs::create_dir(&dir).unwrap();
             let spec = VmSpec {
+                vsock_cid: None,
                 tenant: tenant.clone(),
                 kernel: kernel.clone(),
                 initramfs: None,

@@ -15,6 +15,7 @@ use clap::{Parser, ValueEnum};
 use tokio::net::UnixListener;
 use tracing_subscriber::fmt::MakeWriter;
 
+use crate::backend::qemu::{AgentTransport, VHOST_VSOCK_DEV};
 use crate::backend::{
     runner::sibling_binary, QemuAccel, QemuBackend, RuntimeConfig, VmBackend, VmmBackend,
 };
@@ -65,6 +66,17 @@ pub enum BackendArg {
     QemuTcg,
 }
 
+/// How the QEMU backends reach guest agents.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum AgentTransportArg {
+    /// vhost-vsock where /dev/vhost-vsock opens, else virtio-serial (the default).
+    Auto,
+    /// vhost-vsock; the daemon refuses to start without /dev/vhost-vsock.
+    VhostVsock,
+    /// One virtio-serial port per VM, even where vhost-vsock exists.
+    VirtioSerial,
+}
+
 /// tenantvmd: the tenantvm daemon.
 ///
 /// On first start it creates the state directory (mode 0700) and an admin token in
@@ -107,6 +119,11 @@ pub struct DaemonArgs {
     /// The QEMU binary for --backend qemu-*.
     #[arg(long, default_value = "/usr/bin/qemu-system-x86_64")]
     pub qemu_binary: PathBuf,
+    /// How --backend qemu-* reaches guest agents: vhost-vsock (AF_VSOCK, one connection per
+    /// request; needs /dev/vhost-vsock) or one virtio-serial port; auto picks vhost-vsock
+    /// where /dev/vhost-vsock opens. `GET /v1/health` says which is in use.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub qemu_agent_transport: AgentTransportArg,
     /// Uids handed to tenants, FIRST:COUNT (gid = uid).
     #[arg(long, default_value = "200000:65536", value_parser = parse_uid_range)]
     pub uid_range: (u32, u32),
@@ -222,13 +239,39 @@ fn make_backend(args: &DaemonArgs) -> anyhow::Result<Arc<dyn VmBackend>> {
         BackendArg::QemuKvm => Arc::new(QemuBackend::new(
             args.qemu_binary.clone(),
             QemuAccel::Kvm,
+            qemu_agent_transport(args.qemu_agent_transport)?,
             config,
         )),
         BackendArg::QemuTcg => Arc::new(QemuBackend::new(
             args.qemu_binary.clone(),
             QemuAccel::Tcg,
+            qemu_agent_transport(args.qemu_agent_transport)?,
             config,
         )),
+    })
+}
+
+/// The QEMU backends' agent transport: detected (`auto`), or as asked when the host has it.
+fn qemu_agent_transport(arg: AgentTransportArg) -> anyhow::Result<AgentTransport> {
+    let (detected, why_not) = AgentTransport::detect(std::path::Path::new(VHOST_VSOCK_DEV));
+    Ok(match arg {
+        AgentTransportArg::VirtioSerial => AgentTransport::VirtioSerial,
+        AgentTransportArg::VhostVsock if detected != AgentTransport::VhostVsock => {
+            anyhow::bail!(
+                "--qemu-agent-transport vhost-vsock: {}",
+                why_not.unwrap_or_default()
+            )
+        }
+        AgentTransportArg::VhostVsock => AgentTransport::VhostVsock,
+        AgentTransportArg::Auto => {
+            match &why_not {
+                Some(reason) => {
+                    tracing::warn!(%reason, "QEMU guests' agents are reached over one virtio-serial port each")
+                }
+                None => tracing::info!("QEMU guests' agents are reached over vhost-vsock"),
+            }
+            detected
+        }
     })
 }
 

@@ -69,12 +69,18 @@ fn qemu_backend(accel: QemuAccel) -> Option<QemuBackend> {
         tenantvm_skip::record_skip!("{QEMU} is not installed (apt-get install qemu-system-x86)");
         return None;
     }
-    Some(QemuBackend::new(PathBuf::from(QEMU), accel, config()))
+    Some(QemuBackend::new(
+        PathBuf::from(QEMU),
+        accel,
+        tenantvm::backend::qemu::AgentTransport::VirtioSerial,
+        config(),
+    ))
 }
 
 fn spec(tmp: &tempfile::TempDir, tag: &str, test: &str, vcpus: u32) -> VmSpec {
     let tenant = common::tenant(tag);
     VmSpec {
+        vsock_cid: None,
         tenant_dir: common::tenant_dir(tmp, &tenant),
         devices: vec![],
         uuid: None,

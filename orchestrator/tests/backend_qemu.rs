@@ -42,12 +42,18 @@ fn backend() -> QemuBackend {
     let mut config = RuntimeConfig::detect().unwrap();
     config.jail_binary = PathBuf::from(env!("CARGO_BIN_EXE_tenantvm-jail"));
     config.ready_timeout = Duration::from_secs(60);
-    QemuBackend::new(PathBuf::from(QEMU), QemuAccel::Tcg, config)
+    QemuBackend::new(
+        PathBuf::from(QEMU),
+        QemuAccel::Tcg,
+        tenantvm::backend::qemu::AgentTransport::VirtioSerial,
+        config,
+    )
 }
 
 fn spec(tmp: &tempfile::TempDir, tag: &str) -> VmSpec {
     let tenant = common::tenant(tag);
     VmSpec {
+        vsock_cid: None,
         tenant_dir: common::tenant_dir(tmp, &tenant),
         devices: vec![],
         uuid: None,
@@ -149,7 +155,12 @@ fn qemu_kvm_accel_opens_the_jails_kvm_node() {
     let mut config = RuntimeConfig::detect().unwrap();
     config.jail_binary = PathBuf::from(env!("CARGO_BIN_EXE_tenantvm-jail"));
     config.ready_timeout = Duration::from_secs(60);
-    let backend = QemuBackend::new(PathBuf::from(QEMU), QemuAccel::Kvm, config);
+    let backend = QemuBackend::new(
+        PathBuf::from(QEMU),
+        QemuAccel::Kvm,
+        tenantvm::backend::qemu::AgentTransport::VirtioSerial,
+        config,
+    );
     let vm = backend.launch(&spec, &jail(4)).unwrap();
     assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
     backend.kill(&vm).unwrap();
@@ -227,6 +238,15 @@ fn qemu_launch_rejects_bad_specs_before_starting_anything() {
             cmdline: "a\0b".into(),
             ..good.clone()
         },
+        // Reserved vsock CIDs (the host's, VMADDR_CID_ANY).
+        VmSpec {
+            vsock_cid: Some(2),
+            ..good.clone()
+        },
+        VmSpec {
+            vsock_cid: Some(u32::MAX),
+            ..good.clone()
+        },
     ];
     for bad in cases {
         let err = backend.launch(&bad, &jail(3)).unwrap_err();
@@ -263,7 +283,12 @@ fn qemu_a_stopped_qemu_is_stopped_in_bounded_time() {
     config.jail_binary = PathBuf::from(env!("CARGO_BIN_EXE_tenantvm-jail"));
     config.ready_timeout = Duration::from_secs(60);
     config.control_timeout = control;
-    let backend = QemuBackend::new(PathBuf::from(QEMU), QemuAccel::Tcg, config);
+    let backend = QemuBackend::new(
+        PathBuf::from(QEMU),
+        QemuAccel::Tcg,
+        tenantvm::backend::qemu::AgentTransport::VirtioSerial,
+        config,
+    );
     let vm = backend.launch(&spec, &jail(5)).unwrap();
     assert_eq!(
         backend.agent_endpoint(&vm),

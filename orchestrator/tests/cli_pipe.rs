@@ -31,6 +31,8 @@ fn view(name: &str) -> TenantView {
         created_ms: 0,
         updated_ms: 0,
         recovering: false,
+        agent_channel: None,
+        vsock_cid: None,
     }
 }
 

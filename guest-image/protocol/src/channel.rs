@@ -7,16 +7,64 @@
 //! on a full backlog it fails at once with `EAGAIN` and `poll(2)` has nothing to wait for.
 //! The kernel bounds a blocking Unix connect by the socket's send timeout instead
 //! (`SO_SNDTIMEO`, socket(7)), so [`connect`] sets that to the time left before connecting.
+//!
+//! An `AF_VSOCK` connection (QEMU's vhost-vsock: the host kernel carries it to the guest
+//! with the CID) is made non-blocking and waited for with `poll(2)` up to the deadline
+//! ([`connect_vsock`]); both kinds are then the same [`ChannelStream`].
 
 use std::io::{self, Read, Write};
-use std::os::fd::AsFd;
-use std::os::unix::net::UnixStream;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
-use nix::sys::socket::{self, sockopt, AddressFamily, SockFlag, SockType, UnixAddr};
+use nix::fcntl::{fcntl, FcntlArg, OFlag};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::socket::{self, sockopt, AddressFamily, SockFlag, SockType, UnixAddr, VsockAddr};
 use nix::sys::time::TimeVal;
+
+/// A connected stream socket to the agent's channel: a Unix socket (virtio-serial
+/// chardev, hybrid vsock) or an `AF_VSOCK` socket. Reads and writes are plain blocking
+/// calls bounded by the socket's `SO_RCVTIMEO`/`SO_SNDTIMEO`, which [`read_by`] and
+/// [`write_all_by`] set from their deadline before each call.
+#[derive(Debug)]
+pub(crate) struct ChannelStream(OwnedFd);
+
+impl ChannelStream {
+    fn set_timeout(&self, send: bool, left: Duration) -> io::Result<()> {
+        let tv = timeval(left);
+        if send {
+            socket::setsockopt(&self.0, sockopt::SendTimeout, &tv)?;
+        } else {
+            socket::setsockopt(&self.0, sockopt::ReceiveTimeout, &tv)?;
+        }
+        Ok(())
+    }
+}
+
+impl AsFd for ChannelStream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+impl Read for ChannelStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        nix::unistd::read(&self.0, buf).map_err(io::Error::from)
+    }
+}
+
+impl Write for ChannelStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        // MSG_NOSIGNAL: a peer that closed must be an error here, not SIGPIPE.
+        socket::send(self.0.as_raw_fd(), buf, socket::MsgFlags::MSG_NOSIGNAL)
+            .map_err(io::Error::from)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
 
 /// Why a deadline-bound socket call failed.
 #[derive(Debug)]
@@ -68,7 +116,7 @@ fn timeval(left: Duration) -> TimeVal {
 }
 
 /// Connects a stream socket to `path`, giving up at `deadline` (see the module docs).
-pub(crate) fn connect(path: &Path, deadline: Instant) -> Result<UnixStream, ChannelError> {
+pub(crate) fn connect(path: &Path, deadline: Instant) -> Result<ChannelStream, ChannelError> {
     let addr = UnixAddr::new(path)?;
     let fd = socket::socket(
         AddressFamily::Unix,
@@ -89,23 +137,68 @@ pub(crate) fn connect(path: &Path, deadline: Instant) -> Result<UnixStream, Chan
     // The send timeout is set again before every write; clear it so it cannot outlive
     // this call's deadline by surprise.
     socket::setsockopt(&fd, sockopt::SendTimeout, &TimeVal::new(0, 0))?;
-    Ok(UnixStream::from(fd))
+    Ok(ChannelStream(fd))
+}
+
+/// Connects an `AF_VSOCK` stream socket to `port` of the VM with context id `cid`, giving
+/// up at `deadline`: the connect runs non-blocking and `poll(2)` waits for it with the
+/// time left (the kernel's own vsock connect timeout, 2 s by default, may end it first:
+/// that reads as a timeout too). A host without vsock support fails at once
+/// (`EAFNOSUPPORT`); a guest with nothing listening yet answers with a reset
+/// (`ECONNRESET`), which callers waiting for the agent retry.
+pub(crate) fn connect_vsock(
+    cid: u32,
+    port: u32,
+    deadline: Instant,
+) -> Result<ChannelStream, ChannelError> {
+    time_left(deadline)?;
+    let fd = socket::socket(
+        AddressFamily::Vsock,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        None,
+    )?;
+    let addr = VsockAddr::new(cid, port);
+    match socket::connect(fd.as_raw_fd(), &addr) {
+        Ok(()) => {}
+        Err(Errno::EINPROGRESS | Errno::EINTR | Errno::EAGAIN) => loop {
+            let left = time_left(deadline)?;
+            let wait = PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX);
+            let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLOUT)];
+            match poll(&mut fds, wait) {
+                Ok(0) | Err(Errno::EINTR) => continue,
+                Ok(_) => {
+                    let err = socket::getsockopt(&fd, sockopt::SocketError)?;
+                    if err != 0 {
+                        return Err(io::Error::from_raw_os_error(err).into());
+                    }
+                    break;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        },
+        Err(e) => return Err(e.into()),
+    }
+    // Back to blocking calls: every later read and write is bounded by its own timeout.
+    let flags = OFlag::from_bits_truncate(fcntl(&fd, FcntlArg::F_GETFL)?);
+    fcntl(&fd, FcntlArg::F_SETFL(flags - OFlag::O_NONBLOCK))?;
+    Ok(ChannelStream(fd))
 }
 
 /// The uid of the process that created the socket at the other end (`SO_PEERCRED`).
-pub(crate) fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
+pub(crate) fn peer_uid(stream: &ChannelStream) -> io::Result<u32> {
     let creds = socket::getsockopt(&stream.as_fd(), sockopt::PeerCredentials)?;
     Ok(creds.uid())
 }
 
 /// Writes all of `bytes` before `deadline`. On `TimedOut` part of it may have been sent.
 pub(crate) fn write_all_by(
-    stream: &mut UnixStream,
+    stream: &mut ChannelStream,
     mut bytes: &[u8],
     deadline: Instant,
 ) -> Result<(), ChannelError> {
     while !bytes.is_empty() {
-        stream.set_write_timeout(Some(time_left(deadline)?))?;
+        stream.set_timeout(true, time_left(deadline)?)?;
         match stream.write(bytes) {
             Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero).into()),
             Ok(n) => bytes = &bytes[n..],
@@ -118,12 +211,12 @@ pub(crate) fn write_all_by(
 
 /// Reads what is available (at least one byte, or 0 at end of stream) before `deadline`.
 pub(crate) fn read_by(
-    stream: &mut UnixStream,
+    stream: &mut ChannelStream,
     buf: &mut [u8],
     deadline: Instant,
 ) -> Result<usize, ChannelError> {
     loop {
-        stream.set_read_timeout(Some(time_left(deadline)?))?;
+        stream.set_timeout(false, time_left(deadline)?)?;
         match stream.read(buf) {
             Ok(n) => return Ok(n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

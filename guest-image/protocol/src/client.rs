@@ -14,7 +14,6 @@
 //! marks the connection broken so the caller reconnects instead of reading garbage.
 
 use std::io;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -23,7 +22,7 @@ use thiserror::Error;
 mod infer_body;
 pub use infer_body::InferBody;
 
-use crate::channel::{self, ChannelError};
+use crate::channel::{self, ChannelError, ChannelStream};
 use crate::frame::{decode_body, encode_frame, FrameDecoder, FrameError, MAX_DATA_LEN};
 use crate::message::{
     AgentFailure, DiskKey, DiskState, HttpHead, HttpRequest, HttpResponse, LogLine, ModelEntry,
@@ -50,6 +49,27 @@ pub enum AgentEndpoint {
         /// The guest port, normally [`AGENT_VSOCK_PORT`].
         port: u32,
     },
+    /// The VM's vsock device through the host kernel (`AF_VSOCK`; QEMU's
+    /// `vhost-vsock-pci`): one connection per request, like the hybrid socket. The peer
+    /// is whichever VM holds `cid` on this host: the kernel lets one VM at a time hold a
+    /// CID, so the caller identifies the tenant by its CID and by its VM process being
+    /// alive (see [`AgentClient::connect_checked`]).
+    Vsock {
+        /// The guest's context id (>= 3).
+        cid: u32,
+        /// The guest port, normally [`AGENT_VSOCK_PORT`].
+        port: u32,
+    },
+}
+
+impl std::fmt::Display for AgentEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Serial(p) => write!(f, "{}", p.display()),
+            Self::HybridVsock { path, port } => write!(f, "{} (vsock port {port})", path.display()),
+            Self::Vsock { cid, port } => write!(f, "vsock CID {cid} port {port}"),
+        }
+    }
 }
 
 impl AgentEndpoint {
@@ -61,10 +81,36 @@ impl AgentEndpoint {
         }
     }
 
-    /// The Unix socket the host connects to.
-    pub fn path(&self) -> &Path {
+    /// The agent's port on the VM's vhost-vsock device with context id `cid`.
+    pub fn vhost_vsock(cid: u32) -> Self {
+        Self::Vsock {
+            cid,
+            port: AGENT_VSOCK_PORT,
+        }
+    }
+
+    /// The Unix socket the host connects to; `None` for an `AF_VSOCK` endpoint.
+    pub fn path(&self) -> Option<&Path> {
         match self {
-            Self::Serial(p) | Self::HybridVsock { path: p, .. } => p,
+            Self::Serial(p) | Self::HybridVsock { path: p, .. } => Some(p),
+            Self::Vsock { .. } => None,
+        }
+    }
+
+    /// Whether each request gets a connection of its own (vsock, hybrid or not), so that
+    /// requests run concurrently and a request may take its connection for a stream
+    /// (`infer-stream`, `model-push`). The virtio-serial port is one stream for all.
+    pub fn connection_per_request(&self) -> bool {
+        !matches!(self, Self::Serial(_))
+    }
+
+    /// How this endpoint carries the channel, for people: `virtio-serial`,
+    /// `hybrid-vsock` or `vhost-vsock`.
+    pub fn transport(&self) -> &'static str {
+        match self {
+            Self::Serial(_) => "virtio-serial",
+            Self::HybridVsock { .. } => "hybrid-vsock",
+            Self::Vsock { .. } => "vhost-vsock",
         }
     }
 }
@@ -73,19 +119,19 @@ impl AgentEndpoint {
 #[derive(Debug, Error)]
 pub enum AgentClientError {
     /// The socket could not be opened.
-    #[error("Cannot connect to the agent channel at {path}: {source}")]
+    #[error("Cannot connect to the agent channel at {endpoint}: {source}")]
     Connect {
-        /// Socket path.
-        path: PathBuf,
+        /// The endpoint (socket path, or vsock CID and port).
+        endpoint: String,
         /// Cause.
         source: io::Error,
     },
     /// Nothing accepted the connection before the deadline (the listener's backlog stayed
     /// full: the VMM is stopped, wedged or hostile).
-    #[error("The agent channel at {path} did not accept a connection within {timeout:?}; the VM's process may be stopped or hung")]
+    #[error("The agent channel at {endpoint} did not accept a connection within {timeout:?}; the VM's process may be stopped or hung")]
     ConnectTimeout {
-        /// Socket path.
-        path: PathBuf,
+        /// The endpoint (socket path, or vsock CID and port).
+        endpoint: String,
         /// The limit.
         timeout: Duration,
     },
@@ -187,7 +233,7 @@ pub struct BringUp {
 
 /// A connection to one guest agent.
 pub struct AgentClient {
-    stream: UnixStream,
+    stream: ChannelStream,
     decoder: FrameDecoder,
     next_id: u64,
     broken: bool,
@@ -233,7 +279,11 @@ impl AgentClient {
     }
 
     /// [`Self::connect`], refusing a socket not served by `expected_uid` (`SO_PEERCRED`,
-    /// checked before anything is written to it).
+    /// checked before anything is written to it). An `AF_VSOCK` endpoint has no peer
+    /// credentials: its peer is the VM holding the CID, which the kernel keeps unique per
+    /// host, so the caller must check that the tenant's VM process (which took the CID at
+    /// start and holds it while it lives) is still alive once this returns, before sending
+    /// anything secret (the orchestrator's `steps::guest::connect` does).
     pub fn connect_checked(
         endpoint: &AgentEndpoint,
         expected_uid: u32,
@@ -248,18 +298,23 @@ impl AgentClient {
         timeout: Duration,
     ) -> Result<Self, AgentClientError> {
         let deadline = Instant::now() + timeout;
-        let path = endpoint.path();
-        let stream = channel::connect(path, deadline).map_err(|e| match e {
+        let connected = match endpoint {
+            AgentEndpoint::Serial(path) | AgentEndpoint::HybridVsock { path, .. } => {
+                channel::connect(path, deadline)
+            }
+            AgentEndpoint::Vsock { cid, port } => channel::connect_vsock(*cid, *port, deadline),
+        };
+        let stream = connected.map_err(|e| match e {
             ChannelError::TimedOut => AgentClientError::ConnectTimeout {
-                path: path.to_path_buf(),
+                endpoint: endpoint.to_string(),
                 timeout,
             },
             ChannelError::Io(source) => AgentClientError::Connect {
-                path: path.to_path_buf(),
+                endpoint: endpoint.to_string(),
                 source,
             },
         })?;
-        if let Some(expected) = expected_uid {
+        if let (Some(expected), Some(path)) = (expected_uid, endpoint.path()) {
             let actual =
                 channel::peer_uid(&stream).map_err(|source| AgentClientError::PeerCredentials {
                     path: path.to_path_buf(),
@@ -796,8 +851,58 @@ mod tests {
     use crate::frame::{read_frame, HEADER_LEN, MAGIC, MAX_BODY_LEN, PROTOCOL_VERSION};
     use crate::message::ErrorCode;
     use std::io::{Read, Write};
-    use std::os::unix::net::UnixListener;
+    use std::os::unix::net::{UnixListener, UnixStream};
     use std::thread;
+
+    #[test]
+    fn endpoints_say_how_they_carry_the_channel() {
+        let serial = AgentEndpoint::Serial("/t/run/agent.sock".into());
+        let hybrid = AgentEndpoint::vsock("/t/run/vsock.sock");
+        let vhost = AgentEndpoint::vhost_vsock(7);
+        assert_eq!(
+            vhost,
+            AgentEndpoint::Vsock {
+                cid: 7,
+                port: AGENT_VSOCK_PORT
+            }
+        );
+        assert!(!serial.connection_per_request());
+        assert!(hybrid.connection_per_request() && vhost.connection_per_request());
+        assert_eq!(
+            [serial.transport(), hybrid.transport(), vhost.transport()],
+            ["virtio-serial", "hybrid-vsock", "vhost-vsock"]
+        );
+        assert_eq!(vhost.path(), None);
+        assert_eq!(serial.path(), Some(Path::new("/t/run/agent.sock")));
+        assert_eq!(vhost.to_string(), "vsock CID 7 port 1024");
+    }
+
+    #[test]
+    fn a_vsock_endpoint_nobody_serves_fails_within_its_deadline() {
+        // No VM holds this CID (and this host may have no vsock at all): an error either
+        // way, never a wait past the deadline, and a checked connect cannot skip it.
+        let started = Instant::now();
+        let ep = AgentEndpoint::vhost_vsock(0x7fff_fff0);
+        for r in [
+            AgentClient::connect(&ep, Duration::from_millis(500)),
+            AgentClient::connect_checked(&ep, 1234, Duration::from_millis(500)),
+        ] {
+            match r {
+                Err(AgentClientError::Connect { endpoint, .. })
+                | Err(AgentClientError::ConnectTimeout { endpoint, .. }) => {
+                    assert_eq!(endpoint, "vsock CID 2147483632 port 1024")
+                }
+                Err(other) => panic!("unexpected error {other:?}"),
+                Ok(_) => panic!("connected to a CID nobody holds"),
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(3));
+        // A deadline already past is a timeout before any socket is made.
+        assert!(matches!(
+            AgentClient::connect(&ep, Duration::ZERO),
+            Err(AgentClientError::ConnectTimeout { .. })
+        ));
+    }
 
     /// Runs `guest` as a fake agent on a fresh socket and returns the endpoint.
     fn fake_guest(

@@ -19,6 +19,7 @@ pub mod frame;
 pub mod image;
 pub mod load;
 pub mod message;
+pub mod mux;
 
 pub use client::{AgentClient, AgentClientError, AgentEndpoint, BringUp, InferBody};
 pub use frame::{

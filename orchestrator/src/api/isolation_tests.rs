@@ -144,6 +144,7 @@ fn a_tenant_with_its_whole_concurrency_hung_slows_no_one_else() {
                 .unwrap();
             let sock = crate::tenant::steps::guest::agent_endpoint(ctx.backend, &vm)
                 .path()
+                .expect("a socket endpoint")
                 .to_path_buf();
             std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
             listeners.push(peercred::listen_as(&sock, vm.uid).unwrap());

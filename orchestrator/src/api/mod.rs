@@ -227,6 +227,7 @@ async fn health(State(api): State<ApiState>, headers: HeaderMap) -> Result<Respo
         status: "ok".into(),
         version: env!("CARGO_PKG_VERSION").into(),
         backend: api.svc.backend_name(),
+        agent_transport: api.svc.agent_transport().into(),
         recovering: api.svc.recovering(),
     })
     .into_response())

@@ -125,6 +125,7 @@ fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure(
         .unwrap();
     let sock = crate::tenant::steps::guest::agent_endpoint(ctx.backend, &vm)
         .path()
+        .expect("a socket endpoint")
         .to_path_buf();
     std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
     serve_guest(

@@ -25,7 +25,7 @@ use axum::Json;
 use http_body_util::BodyExt;
 use hyper::body::Bytes;
 use serde::{Deserialize, Serialize};
-use tenantvm_agent_protocol::{AgentClientError, AgentEndpoint, ErrorCode, ModelEntry};
+use tenantvm_agent_protocol::{AgentClientError, ErrorCode, ModelEntry};
 
 use super::lanes::{offload, Lane};
 use super::{authorization, ApiError, ApiState};
@@ -129,11 +129,9 @@ pub(super) fn serving(
             format!("Tenant {name:?} is not running; start it (`tenantvm start {name}`) and retry"),
         ));
     }
-    let socket = matches!(
+    let socket =
         t.vm.as_ref()
-            .map(|vm| guest::agent_endpoint(ctx.backend, vm)),
-        Some(AgentEndpoint::HybridVsock { .. })
-    );
+            .is_some_and(|vm| guest::agent_endpoint(ctx.backend, vm).connection_per_request());
     Ok((t, socket))
 }
 
@@ -215,7 +213,7 @@ pub(super) async fn push(
             return Err(err(
                 StatusCode::CONFLICT,
                 "invalid_state",
-                "Pushing a model needs a connection of its own to the guest (the tenantvm-vmm backend's vsock); this tenant's QEMU virtio-serial channel has one for everything",
+                "Pushing a model needs a connection of its own to the guest (vsock: tenantvm-vmm, or QEMU on a host with /dev/vhost-vsock); this tenant's QEMU virtio-serial channel has one for everything",
             ));
         }
         let agent = connect(&svc, &t)?;

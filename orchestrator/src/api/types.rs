@@ -41,6 +41,13 @@ pub struct TenantView {
     /// commands on it are refused until recovery is done.
     #[serde(default)]
     pub recovering: bool,
+    /// How the host reaches its guest agent while its VM runs: `vhost-vsock (CID 5)`,
+    /// `virtio-serial` or `hybrid-vsock` (absent while no VM is recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_channel: Option<String>,
+    /// The guest's vsock CID while its VM runs with vhost-vsock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vsock_cid: Option<u32>,
 }
 
 /// One step of a tenant's operation.
@@ -193,6 +200,10 @@ pub struct Health {
     pub version: String,
     /// Backend in use.
     pub backend: String,
+    /// How the backend reaches guest agents: `vhost-vsock` (QEMU where `/dev/vhost-vsock`
+    /// opens), `virtio-serial` (QEMU without it) or `hybrid-vsock` (tenantvm-vmm).
+    #[serde(default)]
+    pub agent_transport: String,
     /// The daemon's recovery after a restart is still going through tenants (the API
     /// answers meanwhile; tenants not yet recovered say `recovering`).
     #[serde(default)]

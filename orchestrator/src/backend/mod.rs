@@ -196,6 +196,11 @@ pub struct VmSpec {
     /// vGPU to its VM by it. Stored with the tenant, the same at every start.
     #[serde(default)]
     pub uuid: Option<VmUuid>,
+    /// The guest's vsock context id, for a backend that carries the agent's channel over
+    /// the host kernel's vhost-vsock ([`VmBackend::needs_vsock_cid`]): unique among the
+    /// host's VMs, allocated and stored by the control plane. `None` elsewhere.
+    #[serde(default)]
+    pub vsock_cid: Option<u32>,
 }
 
 /// Identity and limits of the jail a VM runs in.
@@ -246,6 +251,10 @@ pub struct RunningVm {
     pub cgroup: CgroupHandle,
     /// The uid the VMM runs as.
     pub uid: u32,
+    /// The guest's vsock context id when the agent's channel is vhost-vsock (QEMU on a host
+    /// with `/dev/vhost-vsock`); absent otherwise and in records from before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vsock_cid: Option<u32>,
 }
 
 /// What a VM is doing now.
@@ -393,6 +402,18 @@ impl BackendError {
     pub fn is_unresponsive(&self) -> bool {
         matches!(self, BackendError::Socket(PeerSocketError::Timeout { .. }))
     }
+
+    /// Whether the VM could not start because its vsock CID is held by another VM on the
+    /// host (QEMU: "vhost-vsock: unable to set guest cid: Address already in use"): the
+    /// caller picks another CID and launches again.
+    pub fn is_vsock_cid_in_use(&self) -> bool {
+        match self {
+            BackendError::LaunchFailed { log_tail, .. } => log_tail.lines().any(|l| {
+                l.contains("vhost-vsock") && l.contains("guest cid") && l.contains("in use")
+            }),
+            _ => false,
+        }
+    }
 }
 
 /// Runs VMs. Implementations are cheap to share between the daemon's tasks; every method
@@ -428,6 +449,14 @@ pub trait VmBackend: Send + Sync {
     /// guest without the agent leaves it unanswered). Connect with
     /// [`AgentClient::connect_checked`](tenantvm_agent_protocol::AgentClient::connect_checked), which checks that the tenant's uid serves it.
     fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint;
+    /// How this backend carries the guest agent's channel, for people (health, `show`):
+    /// `virtio-serial`, `hybrid-vsock` or `vhost-vsock`.
+    fn agent_transport(&self) -> &'static str;
+    /// Whether a [`VmSpec`] for this backend must carry a vsock CID (`VmSpec::vsock_cid`):
+    /// QEMU on a host with `/dev/vhost-vsock`.
+    fn needs_vsock_cid(&self) -> bool {
+        false
+    }
 }
 
 impl ExitReason {
@@ -572,6 +601,7 @@ mod tests {
     #[test]
     fn running_vm_round_trips_through_json() {
         let vm = RunningVm {
+            vsock_cid: None,
             backend: BackendKind::Qemu {
                 accel: QemuAccel::Tcg,
             },

@@ -1,7 +1,9 @@
 //! The QEMU backend: `qemu-system-x86_64` with `-accel kvm` or `-accel tcg`, jailed like
 //! `tenantvm-vmm`, serial console appended to serial.log, QMP on a Unix socket for state
 //! and a graceful stop (`system_powerdown`, then `quit`). The command line is the
-//! contract's [`QemuCommand`]; the guest agent is reached over a virtio-serial port.
+//! contract's [`QemuCommand`]; the guest agent is reached over vhost-vsock (`AF_VSOCK` to
+//! the VM's CID, one connection per request) where the host has `/dev/vhost-vsock`, else
+//! over a virtio-serial port.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -9,7 +11,7 @@ use std::time::Duration;
 use serde_json::json;
 use tenantvm_agent_protocol::AgentEndpoint;
 use tenantvm_agent_protocol::VIRTIO_SERIAL_PORT_NAME;
-use tenantvm_vmm_api::{QemuAccel, QemuCommand, SerialPort};
+use tenantvm_vmm_api::{QemuAccel, QemuCommand, SerialPort, VhostVsock};
 
 use super::control::JsonLines;
 use super::runner::{
@@ -26,6 +28,8 @@ use crate::jail::{ExitRecord, JailPlan};
 pub const QMP_SOCK: &str = "qmp.sock";
 /// Name of the guest agent's channel socket in the tenant's `run/` directory.
 pub const AGENT_SOCK: &str = "agent.sock";
+/// The host kernel's vhost-vsock device: QEMU opens it for `-device vhost-vsock-pci`.
+pub const VHOST_VSOCK_DEV: &str = "/dev/vhost-vsock";
 /// Host directories QEMU reads firmware (SeaBIOS, option ROMs such as pvh.bin and
 /// linuxboot_dma.bin) and modules (accel-tcg) from; mounted read-only where they exist.
 const QEMU_DATA_DIRS: [&str; 3] = [
@@ -42,15 +46,64 @@ pub type QemuBackend = Runner<Qemu>;
 pub struct Qemu {
     binary: PathBuf,
     accel: QemuAccel,
+    transport: AgentTransport,
+}
+
+/// How a QEMU VM's agent channel is carried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AgentTransport {
+    /// `-device vhost-vsock-pci,guest-cid=N`: one `AF_VSOCK` connection per request
+    /// (concurrent requests, streamed answers, model push).
+    VhostVsock,
+    /// One virtio-serial port (`org.tenantvm.agent.0`) behind a Unix socket.
+    VirtioSerial,
+}
+
+impl AgentTransport {
+    /// vhost-vsock where `device` (normally [`VHOST_VSOCK_DEV`]) opens for reading and
+    /// writing (the `vhost_vsock` module loaded, the node present), else virtio-serial,
+    /// with the reason it was not vhost-vsock.
+    pub fn detect(device: &Path) -> (Self, Option<String>) {
+        match std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(device)
+        {
+            Ok(_) => (Self::VhostVsock, None),
+            Err(e) => (
+                Self::VirtioSerial,
+                Some(format!(
+                    "{} cannot be opened ({e}); load the vhost_vsock module for concurrent agent connections",
+                    device.display()
+                )),
+            ),
+        }
+    }
+
+    /// `vhost-vsock` or `virtio-serial`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::VhostVsock => "vhost-vsock",
+            Self::VirtioSerial => "virtio-serial",
+        }
+    }
 }
 
 impl Runner<Qemu> {
-    /// A backend running `qemu_binary` (usually /usr/bin/qemu-system-x86_64) with `accel`.
-    pub fn new(qemu_binary: PathBuf, accel: QemuAccel, config: RuntimeConfig) -> Self {
+    /// A backend running `qemu_binary` (usually /usr/bin/qemu-system-x86_64) with `accel`,
+    /// reaching guest agents over `transport` ([`AgentTransport::detect`] decides it for a
+    /// host).
+    pub fn new(
+        qemu_binary: PathBuf,
+        accel: QemuAccel,
+        transport: AgentTransport,
+        config: RuntimeConfig,
+    ) -> Self {
         Runner::with_driver(
             Qemu {
                 binary: qemu_binary,
                 accel,
+                transport,
             },
             config,
         )
@@ -58,7 +111,8 @@ impl Runner<Qemu> {
 }
 
 impl Qemu {
-    /// The QEMU command for `spec`, with paths as seen inside the jail.
+    /// The QEMU command for `spec`, with paths as seen inside the jail. A spec with a vsock
+    /// CID gets a vhost-vsock device as the agent's channel and no virtio-serial port.
     pub fn command(spec: &VmSpec, accel: QemuAccel) -> QemuCommand {
         let vm = Path::new(JAIL_VM_DIR);
         let run = Path::new("/run");
@@ -72,10 +126,11 @@ impl Qemu {
             cmdline: spec.cmdline.clone(),
             serial_log: JAIL_SERIAL_LOG.into(),
             // Created before the QMP socket, whose appearance seals /run read-only.
-            agent_port: Some(SerialPort {
+            agent_port: spec.vsock_cid.is_none().then(|| SerialPort {
                 socket: run.join(AGENT_SOCK),
                 name: VIRTIO_SERIAL_PORT_NAME.into(),
             }),
+            vhost_vsock: spec.vsock_cid.map(|guest_cid| VhostVsock { guest_cid }),
             qmp_socket: Some(run.join(QMP_SOCK)),
             disks: runner::jail_disks(spec),
         }
@@ -197,6 +252,11 @@ impl VmmDriver for Qemu {
         if self.accel == QemuAccel::Kvm {
             plan.device(Path::new("/dev/kvm"))?;
         }
+        if spec.vsock_cid.is_some() {
+            // QEMU opens the node itself; the jail gets it (tenant-owned, 0600) and the
+            // cgroup's device allowance lists it.
+            plan.device(Path::new(VHOST_VSOCK_DEV))?;
+        }
         for dir in QEMU_DATA_DIRS {
             let dir = Path::new(dir);
             if dir.is_dir() {
@@ -252,7 +312,18 @@ impl VmmDriver for Qemu {
     }
 
     fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint {
-        AgentEndpoint::Serial(vm.tenant_dir.join(RUN_DIR).join(AGENT_SOCK))
+        match vm.vsock_cid {
+            Some(cid) => AgentEndpoint::vhost_vsock(cid),
+            None => AgentEndpoint::Serial(vm.tenant_dir.join(RUN_DIR).join(AGENT_SOCK)),
+        }
+    }
+
+    fn agent_transport(&self) -> &'static str {
+        self.transport.name()
+    }
+
+    fn needs_vsock_cid(&self) -> bool {
+        self.transport == AgentTransport::VhostVsock
     }
 }
 
@@ -264,6 +335,7 @@ mod tests {
     #[test]
     fn the_command_uses_jail_paths_the_agent_port_and_the_disks() {
         let spec = VmSpec {
+            vsock_cid: None,
             tenant: "t".into(),
             kernel: "/host/k".into(),
             initramfs: None,
@@ -311,6 +383,7 @@ mod tests {
     #[test]
     fn passthrough_devices_and_the_uuid_reach_the_command_line() {
         let spec = VmSpec {
+            vsock_cid: None,
             tenant: "t".into(),
             kernel: "/host/k".into(),
             initramfs: None,
@@ -357,5 +430,112 @@ mod tests {
             Qemu::args(&bad, QemuAccel::Kvm),
             Err(BackendError::InvalidSpec(_))
         ));
+    }
+
+    fn vsock_spec(cid: Option<u32>) -> VmSpec {
+        VmSpec {
+            vsock_cid: cid,
+            tenant: "t".into(),
+            kernel: "/host/k".into(),
+            initramfs: None,
+            cmdline: "console=ttyS0".into(),
+            vcpus: 1,
+            memory_mib: 256,
+            disks: vec![],
+            tenant_dir: "/var/lib/tenantvm/tenants/t".into(),
+            devices: vec![],
+            uuid: None,
+        }
+    }
+
+    #[test]
+    fn a_vsock_cid_replaces_the_serial_port_with_vhost_vsock() {
+        let args = Qemu::args(&vsock_spec(Some(9)), QemuAccel::Kvm)
+            .unwrap()
+            .join(" ");
+        assert!(
+            args.contains("-device vhost-vsock-pci,id=vsock0,guest-cid=9"),
+            "{args}"
+        );
+        assert!(!args.contains("virtio-serial"), "{args}");
+        assert!(!args.contains("agent.sock"), "{args}");
+        let serial = Qemu::args(&vsock_spec(None), QemuAccel::Kvm)
+            .unwrap()
+            .join(" ");
+        assert!(serial.contains("virtserialport"), "{serial}");
+        assert!(!serial.contains("vhost-vsock"), "{serial}");
+    }
+
+    #[test]
+    fn the_agent_is_reached_where_the_vm_was_launched_to_listen() {
+        let vm = |cid| RunningVm {
+            vsock_cid: cid,
+            backend: BackendKind::Qemu {
+                accel: QemuAccel::Kvm,
+            },
+            tenant: "t".into(),
+            pid: 1,
+            start_time_ticks: 0,
+            api_sock: "/t/run/qmp.sock".into(),
+            tenant_dir: "/t".into(),
+            cgroup: crate::jail::CgroupHandle::V2 {
+                path: "/nonexistent".into(),
+            },
+            uid: 1000,
+        };
+        let driver = |transport| Qemu {
+            binary: "/usr/bin/qemu-system-x86_64".into(),
+            accel: QemuAccel::Kvm,
+            transport,
+        };
+        // Whatever the daemon's transport now, a VM launched with a CID is reached there
+        // and one launched without it (adopted from before) on its serial port.
+        for transport in [AgentTransport::VhostVsock, AgentTransport::VirtioSerial] {
+            let d = driver(transport);
+            assert_eq!(
+                d.agent_endpoint(&vm(Some(5))),
+                AgentEndpoint::vhost_vsock(5)
+            );
+            assert_eq!(
+                d.agent_endpoint(&vm(None)),
+                AgentEndpoint::Serial("/t/run/agent.sock".into())
+            );
+        }
+        assert!(driver(AgentTransport::VhostVsock).needs_vsock_cid());
+        assert!(!driver(AgentTransport::VirtioSerial).needs_vsock_cid());
+        assert_eq!(
+            driver(AgentTransport::VhostVsock).agent_transport(),
+            "vhost-vsock"
+        );
+    }
+
+    #[test]
+    fn detection_opens_the_device_and_says_why_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let (t, why) = AgentTransport::detect(&dir.path().join("vhost-vsock"));
+        assert_eq!(t, AgentTransport::VirtioSerial);
+        let why = why.unwrap();
+        assert!(
+            why.contains("vhost_vsock") && why.contains("cannot be opened"),
+            "{why}"
+        );
+        // Anything that opens read-write counts (the real check is the open itself).
+        let node = dir.path().join("node");
+        std::fs::write(&node, b"").unwrap();
+        assert_eq!(
+            AgentTransport::detect(&node),
+            (AgentTransport::VhostVsock, None)
+        );
+    }
+
+    #[test]
+    fn a_cid_in_use_on_the_host_is_recognised_in_the_launch_failure() {
+        let failed = |tail: &str| BackendError::LaunchFailed {
+            reason: ExitReason::VmmError,
+            log_tail: tail.into(),
+        };
+        assert!(failed("qemu-system-x86_64: -device vhost-vsock-pci,id=vsock0,guest-cid=3: vhost-vsock: unable to set guest cid: Address already in use").is_vsock_cid_in_use());
+        assert!(!failed("qemu-system-x86_64: -device vhost-vsock-pci,id=vsock0,guest-cid=3: vhost-vsock: failed to open vhost device: Permission denied").is_vsock_cid_in_use());
+        assert!(!BackendError::InvalidSpec("guest cid in use".into()).is_vsock_cid_in_use());
     }
 }

@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tenantvm_agent_protocol::AgentEndpoint;
-use tenantvm_vmm_api::{BlockConfig, ExitReport, RateLimitConfig, MAX_PASSTHROUGH_DEVICES};
+use tenantvm_vmm_api::{
+    BlockConfig, ExitReport, RateLimitConfig, MAX_GUEST_CID, MAX_PASSTHROUGH_DEVICES, MIN_GUEST_CID,
+};
 
 use super::control::MAX_SOCKET_PATH;
 use super::{
@@ -74,6 +76,12 @@ pub trait VmmDriver: Send + Sync {
     ) -> Result<(), BackendError>;
     /// Where the host reaches the guest agent's channel.
     fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint;
+    /// [`VmBackend::agent_transport`].
+    fn agent_transport(&self) -> &'static str;
+    /// [`VmBackend::needs_vsock_cid`].
+    fn needs_vsock_cid(&self) -> bool {
+        false
+    }
     /// The VMM's exit report of an ended VM ([`VmBackend::exit_report`]); none by default.
     fn exit_report(&self, _vm: &RunningVm) -> Result<Option<ExitReport>, BackendError> {
         Ok(None)
@@ -264,6 +272,14 @@ impl<D: VmmDriver> VmBackend for Runner<D> {
         self.driver.agent_endpoint(vm)
     }
 
+    fn agent_transport(&self) -> &'static str {
+        self.driver.agent_transport()
+    }
+
+    fn needs_vsock_cid(&self) -> bool {
+        self.driver.needs_vsock_cid()
+    }
+
     fn exit_report(&self, vm: &RunningVm) -> Result<Option<ExitReport>, BackendError> {
         // Only an ended VMM's report is its last word.
         match process_status(vm)? {
@@ -366,6 +382,13 @@ fn prepare(
         return Err(invalid("uid/gid 0: a jailed VMM never runs as root".into()));
     }
     check_devices(spec)?;
+    if let Some(cid) = spec.vsock_cid {
+        if !(MIN_GUEST_CID..=MAX_GUEST_CID).contains(&cid) {
+            return Err(invalid(format!(
+                "vsock CID {cid}: give {MIN_GUEST_CID} to {MAX_GUEST_CID} (0-2 are reserved)"
+            )));
+        }
+    }
     let mut files = vec![("kernel", &spec.kernel)];
     if let Some(initramfs) = &spec.initramfs {
         files.push(("initramfs", initramfs));
@@ -701,6 +724,7 @@ impl Launch<'_> {
         check_binary("tenantvm-jail", &cfg.jail_binary)?;
         let launched = spawn_launcher(&cfg.jail_binary, plan, &self.prepared.vmm_log)?;
         let vm = RunningVm {
+            vsock_cid: self.spec.vsock_cid,
             backend: self.kind,
             tenant: self.spec.tenant.clone(),
             pid: launched.pid,
@@ -764,6 +788,7 @@ mod tests {
         let kernel = dir.join("kernel");
         fs::write(&kernel, b"k").unwrap();
         VmSpec {
+            vsock_cid: None,
             tenant: tenant.into(),
             kernel,
             initramfs: None,

@@ -318,6 +318,10 @@ impl VmmDriver for Vmm {
         AgentEndpoint::vsock(vm.tenant_dir.join(RUN_DIR).join(VSOCK_SOCK))
     }
 
+    fn agent_transport(&self) -> &'static str {
+        "hybrid-vsock"
+    }
+
     fn exit_report(&self, vm: &RunningVm) -> Result<Option<ExitReport>, BackendError> {
         Self::read_exit_report(&vm.tenant_dir)
     }
@@ -331,6 +335,7 @@ mod tests {
 
     fn spec() -> VmSpec {
         VmSpec {
+            vsock_cid: None,
             tenant: "t".into(),
             kernel: "/host/k".into(),
             initramfs: Some("/host/i".into()),

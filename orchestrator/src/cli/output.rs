@@ -76,6 +76,9 @@ pub(super) fn print_status(out: &mut dyn Write, t: &TenantView) -> io::Result<()
     )?;
     writeln!(out, "uid/gid:    {}", opt(t.uid))?;
     writeln!(out, "vmm pid:    {}", opt(t.pid))?;
+    if let Some(channel) = &t.agent_channel {
+        writeln!(out, "agent via:  {}", one_line(channel))?;
+    }
     writeln!(out, "gpu:        {}", one_line(&gpu_label(t)))?;
     if let Some(op) = &t.op {
         writeln!(out, "operation:  {}", one_line(op))?;

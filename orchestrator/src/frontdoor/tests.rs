@@ -239,6 +239,7 @@ fn door(quotas: &[(&'static str, &str)]) -> Option<Door> {
             .unwrap();
         let sock = crate::tenant::steps::guest::agent_endpoint(ctx.backend, &vm)
             .path()
+            .expect("a socket endpoint")
             .to_path_buf();
         std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
         serve_guest(

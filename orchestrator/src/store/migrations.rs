@@ -136,4 +136,14 @@ CREATE TABLE gpu_devices (
     devices     TEXT
 );
 "#,
+    // 6: the vsock context id (CID) of a tenant whose agent is reached over vhost-vsock
+    // (QEMU on a host with /dev/vhost-vsock): unique among live tenants, kept across stop and
+    // start, removed at departure.
+    r#"
+CREATE TABLE vsock_cids (
+    tenant_id   INTEGER PRIMARY KEY REFERENCES tenants(id),
+    cid         INTEGER NOT NULL UNIQUE CHECK (cid >= 3 AND cid < 4294967295),
+    created_ms  INTEGER NOT NULL
+);
+"#,
 ];

@@ -11,11 +11,13 @@ mod gpu_devices;
 mod gpu_ledger;
 mod inference_keys;
 mod migrations;
+mod vsock_cids;
 
 pub use departures::QuarantinedSlice;
 pub use gpu_devices::GpuDeviceRow;
 pub use gpu_ledger::GpuPlacement;
 pub use inference_keys::InferenceKeyInfo;
+pub use vsock_cids::{FIRST_CID, LAST_CID};
 
 use std::path::Path;
 use std::sync::Mutex;
@@ -50,6 +52,9 @@ pub enum StoreError {
     /// Every uid of the configured range is taken.
     #[error("No free uid left in {0}..{1}; destroy tenants or widen --uid-range")]
     UidsExhausted(u32, u32),
+    /// Every guest vsock CID is taken (by tenants or by other VMs on the host).
+    #[error("No free vsock CID left; destroy tenants or free CIDs held by other VMs on this host")]
+    CidsExhausted,
     /// The schema is newer than this binary.
     #[error("Store schema version {0} is newer than this tenantvmd understands ({1}); upgrade tenantvmd")]
     SchemaTooNew(i64, usize),

@@ -338,3 +338,85 @@ fn guest_text_in_events_and_errors_is_bounded_to_one_line() {
     assert!(step_error.len() <= limit && !step_error.contains('\n'));
     assert!(step_error.contains("truncated"));
 }
+
+#[test]
+fn vsock_cids_are_unique_kept_skip_busy_ones_and_are_released() {
+    use std::collections::BTreeSet;
+    let (_d, store) = open_temp();
+    let a = store.insert_tenant(&spec("a"), GuestKind::Agent).unwrap();
+    let b = store.insert_tenant(&spec("b"), GuestKind::Agent).unwrap();
+    let c = store.insert_tenant(&spec("c"), GuestKind::Agent).unwrap();
+    let none = BTreeSet::new();
+    assert_eq!(store.vsock_cid(a.id).unwrap(), None);
+    assert_eq!(store.allocate_vsock_cid(a.id, &none).unwrap(), FIRST_CID);
+    // Asked again (a restart, a resumed step): the same CID.
+    assert_eq!(store.allocate_vsock_cid(a.id, &none).unwrap(), 3);
+    assert_eq!(store.vsock_cid(a.id).unwrap(), Some(3));
+    // Another VM on the host holds 4: b gets 5, and keeps it.
+    let busy: BTreeSet<u32> = [4].into();
+    assert_eq!(store.allocate_vsock_cid(b.id, &busy).unwrap(), 5);
+    assert_eq!(store.allocate_vsock_cid(b.id, &none).unwrap(), 5);
+    // a's own CID found busy on the host (taken while a was stopped): a moves.
+    let busy: BTreeSet<u32> = [3, 4].into();
+    assert_eq!(store.allocate_vsock_cid(a.id, &busy).unwrap(), 6);
+    assert_eq!(store.vsock_cid(a.id).unwrap(), Some(6));
+    // 3 is free again, and lowest.
+    assert_eq!(store.allocate_vsock_cid(c.id, &none).unwrap(), 3);
+    // Released at departure: idempotent, and the CID goes to the next tenant.
+    store.release_vsock_cid(b.id).unwrap();
+    store.release_vsock_cid(b.id).unwrap();
+    assert_eq!(store.vsock_cid(b.id).unwrap(), None);
+    let d = store.insert_tenant(&spec("d"), GuestKind::Agent).unwrap();
+    assert_eq!(store.allocate_vsock_cid(d.id, &none).unwrap(), 4);
+    assert_eq!(store.allocate_vsock_cid(b.id, &none).unwrap(), 5);
+}
+
+#[test]
+fn concurrent_cid_allocations_never_share_a_cid() {
+    use std::collections::BTreeSet;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    let ids: Vec<i64> = {
+        let store = Store::open(&path).unwrap();
+        (0..8)
+            .map(|i| {
+                store
+                    .insert_tenant(&spec(&format!("t{i}")), GuestKind::Agent)
+                    .unwrap()
+                    .id
+            })
+            .collect()
+    };
+    let barrier = Arc::new(Barrier::new(ids.len()));
+    let handles: Vec<_> = ids
+        .into_iter()
+        .map(|id| {
+            let (path, barrier) = (path.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let store = Store::open(&path).unwrap();
+                barrier.wait();
+                store.allocate_vsock_cid(id, &BTreeSet::new()).unwrap()
+            })
+        })
+        .collect();
+    let cids: BTreeSet<u32> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(cids, (3..11).collect());
+}
+
+#[test]
+fn the_cid_table_refuses_reserved_and_duplicate_cids() {
+    let (_d, store) = open_temp();
+    let a = store.insert_tenant(&spec("a"), GuestKind::Agent).unwrap();
+    let b = store.insert_tenant(&spec("b"), GuestKind::Agent).unwrap();
+    let conn = store.lock();
+    let put = |t: i64, cid: i64| {
+        conn.execute(
+            "INSERT INTO vsock_cids (tenant_id, cid, created_ms) VALUES (?1, ?2, 0)",
+            params![t, cid],
+        )
+    };
+    assert!(put(a.id, 2).is_err(), "CID 2 is the host's");
+    assert!(put(a.id, i64::from(u32::MAX)).is_err(), "VMADDR_CID_ANY");
+    put(a.id, 9).unwrap();
+    assert!(put(b.id, 9).is_err(), "one CID, one tenant");
+}

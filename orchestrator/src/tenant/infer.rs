@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use tenantvm_agent_protocol::{AgentClientError, AgentEndpoint, HttpRequest};
+use tenantvm_agent_protocol::{AgentClientError, HttpRequest};
 use thiserror::Error;
 
 use crate::domain::lifecycle::LifecycleState;
@@ -253,10 +253,7 @@ pub fn forward_http(
         body,
     };
     let unavailable = |e: AgentClientError| InferError::Unavailable(e.to_string());
-    let streams = matches!(
-        guest::agent_endpoint(ctx.backend, vm),
-        AgentEndpoint::HybridVsock { .. }
-    );
+    let streams = guest::agent_endpoint(ctx.backend, vm).connection_per_request();
     let mut agent = guest::connect(ctx.backend, vm, guest::CONNECT_TIMEOUT).map_err(unavailable)?;
     if streams {
         let (head, body) = agent

@@ -40,6 +40,8 @@ mod plan_tests;
 pub(crate) mod test_utils;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod vsock_tests;
 
 /// The spec and the state machine moved to [`crate::domain`] (the store uses them too); these
 /// paths stay for code written against them.

@@ -299,6 +299,11 @@ impl TenantService {
         self.backend.kind().to_string()
     }
 
+    /// How the backend reaches guest agents (`GET /v1/health`).
+    pub fn agent_transport(&self) -> &'static str {
+        self.backend.agent_transport()
+    }
+
     fn hold(&self, name: &str, with: BusyWith) -> Result<BusyGuard, TenantServiceError> {
         let mut busy = lock(&self.busy);
         match busy.get(name) {
@@ -746,15 +751,27 @@ impl TenantService {
         };
         let mut uid = None;
         let mut pid = None;
+        let mut agent_channel = None;
+        let mut vsock_cid = None;
         for r in self.store.resources(Some(t.id))? {
             match r.kind {
                 ResourceKind::Uid => uid = r.key.parse().ok(),
                 ResourceKind::Process => {
-                    pid = r
+                    let vm = r
                         .detail
                         .as_deref()
-                        .and_then(|d| serde_json::from_str::<RunningVm>(d).ok())
-                        .map(|vm| vm.pid)
+                        .and_then(|d| serde_json::from_str::<RunningVm>(d).ok());
+                    pid = vm.as_ref().map(|vm| vm.pid);
+                    vsock_cid = vm.as_ref().and_then(|vm| vm.vsock_cid);
+                    agent_channel = vm.as_ref().map(|vm| {
+                        let endpoint = self.backend.agent_endpoint(vm);
+                        match endpoint {
+                            tenantvm_agent_protocol::AgentEndpoint::Vsock { cid, .. } => {
+                                format!("vhost-vsock (CID {cid})")
+                            }
+                            other => other.transport().to_string(),
+                        }
+                    });
                 }
                 _ => {}
             }
@@ -775,6 +792,8 @@ impl TenantService {
             created_ms: t.created_ms,
             updated_ms: t.updated_ms,
             recovering: self.is_recovering(&t.name),
+            agent_channel,
+            vsock_cid,
         })
     }
 }

@@ -68,6 +68,14 @@ pub struct FakeHostState {
     pub ended_calls: usize,
     /// Block I/O limits the launches asked the jail for: (tenant, disks, limit).
     pub block_io: Vec<(String, Vec<std::path::PathBuf>, crate::jail::BlockIoLimit)>,
+    /// Act as QEMU on a host with vhost-vsock: specs must carry a vsock CID, and the
+    /// agent is reached at it.
+    pub vhost_vsock: bool,
+    /// CIDs held by VMs this daemon does not know (another VMM on the host): a launch
+    /// asking for one fails as QEMU does.
+    pub foreign_cids: BTreeSet<u32>,
+    /// The vsock CID each launch was given: (tenant, cid).
+    pub launched_cids: Vec<(String, Option<u32>)>,
 }
 
 /// A fake host shared by [`FakeBackend`] and the fake jail cleaner.
@@ -100,6 +108,22 @@ impl VmBackend for FakeBackend {
         if h.fail_launch {
             return Err(BackendError::InvalidSpec("fake launch failure".into()));
         }
+        h.launched_cids.push((spec.tenant.clone(), spec.vsock_cid));
+        if h.vhost_vsock && spec.vsock_cid.is_none() {
+            return Err(BackendError::InvalidSpec("fake: no vsock CID".into()));
+        }
+        let live_cid = |cid: u32| {
+            h.foreign_cids.contains(&cid)
+                || h.launched_cids.iter().any(|(t, c)| {
+                    *c == Some(cid) && *t != spec.tenant && h.processes.values().any(|p| p == t)
+                })
+        };
+        if let Some(cid) = spec.vsock_cid.filter(|c| live_cid(*c)) {
+            return Err(BackendError::LaunchFailed {
+                reason: ExitReason::VmmError,
+                log_tail: format!("qemu-system-x86_64: -device vhost-vsock-pci,id=vsock0,guest-cid={cid}: vhost-vsock: unable to set guest cid: Address already in use"),
+            });
+        }
         h.next_pid += 1;
         let pid = 1000 + h.next_pid;
         h.processes.insert(pid, spec.tenant.clone());
@@ -111,6 +135,7 @@ impl VmBackend for FakeBackend {
         h.launched_devices
             .push((spec.tenant.clone(), spec.devices.clone(), spec.uuid));
         Ok(RunningVm {
+            vsock_cid: spec.vsock_cid,
             backend: BackendKind::TenantvmVmm,
             tenant: spec.tenant.clone(),
             pid,
@@ -168,6 +193,9 @@ impl VmBackend for FakeBackend {
 
     /// The fake host runs no guest: nothing listens there unless a test binds it.
     fn agent_endpoint(&self, vm: &RunningVm) -> AgentEndpoint {
+        if let Some(cid) = vm.vsock_cid {
+            return AgentEndpoint::vhost_vsock(cid);
+        }
         if self.0.state().agent_vsock {
             AgentEndpoint::HybridVsock {
                 path: vm.tenant_dir.join("run/fake-vsock.sock"),
@@ -176,6 +204,21 @@ impl VmBackend for FakeBackend {
         } else {
             AgentEndpoint::Serial(vm.tenant_dir.join("run/fake-agent.sock"))
         }
+    }
+
+    fn agent_transport(&self) -> &'static str {
+        let h = self.0.state();
+        if h.vhost_vsock {
+            "vhost-vsock"
+        } else if h.agent_vsock {
+            "hybrid-vsock"
+        } else {
+            "virtio-serial"
+        }
+    }
+
+    fn needs_vsock_cid(&self) -> bool {
+        self.0.state().vhost_vsock
     }
 }
 

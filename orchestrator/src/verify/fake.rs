@@ -168,6 +168,8 @@ pub fn view_of(spec: &TenantSpec, uid: u32) -> TenantView {
         created_ms: 0,
         updated_ms: 0,
         recovering: false,
+        agent_channel: None,
+        vsock_cid: None,
     }
 }
 

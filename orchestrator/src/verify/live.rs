@@ -318,16 +318,20 @@ impl VerifyHost for LiveHost {
 
     fn serving(&self, name: &str) -> Result<serde_json::Value, HostError> {
         let run = self.tenant_dir(name).join(crate::backend::runner::RUN_DIR);
-        let endpoint = [
-            AgentEndpoint::vsock(run.join(crate::backend::vmm::VSOCK_SOCK)),
-            AgentEndpoint::Serial(run.join(crate::backend::qemu::AGENT_SOCK)),
-        ]
-        .into_iter()
-        .find(|e| e.path().exists())
-        .ok_or_else(|| {
-            HostError::Unsupported(format!("{name}: no agent socket under {}", run.display()))
-        })?;
-        let uid = self.tenant(name)?.and_then(|t| t.uid);
+        let view = self.tenant(name)?;
+        let uid = view.as_ref().and_then(|t| t.uid);
+        let endpoint = match view.as_ref().and_then(|t| t.vsock_cid) {
+            Some(cid) => AgentEndpoint::vhost_vsock(cid),
+            None => [
+                AgentEndpoint::vsock(run.join(crate::backend::vmm::VSOCK_SOCK)),
+                AgentEndpoint::Serial(run.join(crate::backend::qemu::AGENT_SOCK)),
+            ]
+            .into_iter()
+            .find(|e| e.path().is_some_and(Path::exists))
+            .ok_or_else(|| {
+                HostError::Unsupported(format!("{name}: no agent socket under {}", run.display()))
+            })?,
+        };
         let agent_err = |e: tenantvm_agent_protocol::AgentClientError| {
             HostError::Failed(format!(
                 "{name}: agent: {}",

@@ -30,4 +30,4 @@ pub use devices::{
     DeviceReport, ExitReport, PassthroughConfig, ResetOutcome, VmUuid, MAX_PASSTHROUGH_DEVICES,
 };
 pub use exit::ExitStatus;
-pub use qemu::{QemuAccel, QemuCommand, SerialPort};
+pub use qemu::{QemuAccel, QemuCommand, SerialPort, VhostVsock, MAX_GUEST_CID, MIN_GUEST_CID};

@@ -44,6 +44,22 @@ pub struct SerialPort {
     pub name: String,
 }
 
+/// The smallest guest CID: 0 (hypervisor), 1 (local) and 2 (host) are reserved.
+pub const MIN_GUEST_CID: u32 = 3;
+/// The largest guest CID QEMU and the kernel accept (`u32::MAX` is `VMADDR_CID_ANY`; QEMU
+/// refuses CIDs at or above it).
+pub const MAX_GUEST_CID: u32 = u32::MAX - 1;
+
+/// A vhost-vsock device (`-device vhost-vsock-pci`): the guest's virtio-vsock, carried by
+/// the host kernel's `vhost_vsock`, which QEMU reaches through `/dev/vhost-vsock`. The host
+/// connects to the guest with `AF_VSOCK` and the CID; the kernel refuses a CID another VM
+/// on the host holds, and QEMU then fails to start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VhostVsock {
+    /// The guest's context id, [`MIN_GUEST_CID`]..=[`MAX_GUEST_CID`].
+    pub guest_cid: u32,
+}
+
 /// What QEMU runs: a direct kernel boot on the `pc` machine, without default devices.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QemuCommand {
@@ -65,6 +81,9 @@ pub struct QemuCommand {
     pub serial_log: PathBuf,
     /// The guest agent's channel, created before the QMP socket.
     pub agent_port: Option<SerialPort>,
+    /// The guest's vsock device (the agent's channel where the host has vhost-vsock; the
+    /// agent listens on vsock when the device exists and on the serial port otherwise).
+    pub vhost_vsock: Option<VhostVsock>,
     /// The QMP socket (QEMU listens; created last, so its appearance means every socket
     /// of the VM exists).
     pub qmp_socket: Option<PathBuf>,
@@ -138,6 +157,10 @@ impl QemuCommand {
                 "",
             ));
         }
+        if let Some(vsock) = self.vhost_vsock {
+            args.push("-device".into());
+            args.push(format!("vhost-vsock-pci,id=vsock0,guest-cid={}", vsock.guest_cid).into());
+        }
         for (i, disk) in self.disks.iter().enumerate() {
             args.push("-drive".into());
             let mut drive = option("file=", disk.path.as_os_str(), "");
@@ -195,6 +218,7 @@ mod tests {
                 name: "org.tenantvm.agent.0".into(),
             }),
             qmp_socket: Some("/run/qmp.sock".into()),
+            vhost_vsock: None,
             disks: vec![BlockConfig {
                 path: "/vm/disk0".into(),
                 read_only: true,
@@ -257,9 +281,28 @@ mod tests {
         };
         let args = joined(&bare);
         assert!(args.contains("-initrd /vm/initramfs"), "{args}");
-        for absent in ["virtio-serial", "-qmp", "-drive"] {
+        for absent in ["virtio-serial", "-qmp", "-drive", "vhost-vsock"] {
             assert!(!args.contains(absent), "{absent} in {args}");
         }
+    }
+
+    #[test]
+    fn a_vhost_vsock_device_carries_its_cid() {
+        let vsock = QemuCommand {
+            agent_port: None,
+            vhost_vsock: Some(VhostVsock { guest_cid: 42 }),
+            ..command()
+        };
+        let args = joined(&vsock);
+        assert!(
+            args.contains("-device vhost-vsock-pci,id=vsock0,guest-cid=42"),
+            "{args}"
+        );
+        assert!(!args.contains("virtio-serial"), "{args}");
+        assert!(
+            args.find("vhost-vsock").unwrap() < args.find("-qmp").unwrap(),
+            "{args}"
+        );
     }
 
     #[test]

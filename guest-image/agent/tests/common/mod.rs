@@ -129,6 +129,7 @@ pub fn boot(image: &Path, disk: &Path, sock: &Path, console: &Path, kvm: bool) -
             name: VIRTIO_SERIAL_PORT_NAME.into(),
         }),
         qmp_socket: None,
+        vhost_vsock: None,
         disks: vec![BlockConfig {
             path: disk.to_path_buf(),
             read_only: false,

@@ -46,14 +46,37 @@ pub fn agent_endpoint(backend: &dyn VmBackend, vm: &RunningVm) -> AgentEndpoint 
     backend.agent_endpoint(vm)
 }
 
-/// Connects to the agent of `vm` (a virtio-serial or hybrid-vsock endpoint) within
-/// `timeout`, refusing a socket not served by the tenant's uid.
+/// Connects to the agent of `vm` within `timeout`, checking the peer is the tenant's:
+/// a virtio-serial or hybrid-vsock socket must be served by the tenant's uid; on
+/// vhost-vsock the peer is the VM holding the tenant's CID, and the kernel keeps a CID to
+/// one VM at a time, so the tenant's VM process (which set the CID when it started and
+/// holds it while it lives) must still be alive once the connection is made. Otherwise
+/// the CID may have passed to another VM and the connection is dropped unused.
 pub fn connect(
     backend: &dyn VmBackend,
     vm: &RunningVm,
     timeout: Duration,
 ) -> Result<AgentClient, AgentClientError> {
-    AgentClient::connect_checked(&agent_endpoint(backend, vm), vm.uid, timeout)
+    let endpoint = agent_endpoint(backend, vm);
+    let client = AgentClient::connect_checked(&endpoint, vm.uid, timeout)?;
+    if let AgentEndpoint::Vsock { cid, .. } = endpoint {
+        match backend.ended(vm) {
+            Ok(None) => {}
+            Ok(Some(_)) => return Err(vsock_peer_gone(cid, "the tenant's VM has ended")),
+            Err(e) => return Err(vsock_peer_gone(cid, &e.to_string())),
+        }
+    }
+    Ok(client)
+}
+
+/// The error for a vsock connection whose CID is no longer proven to be the tenant's VM.
+fn vsock_peer_gone(cid: u32, why: &str) -> AgentClientError {
+    AgentClientError::Connect {
+        endpoint: format!("vsock CID {cid}"),
+        source: std::io::Error::other(format!(
+            "{why}; the CID may belong to another VM now, so the connection was dropped unused"
+        )),
+    }
 }
 
 /// The VM of an agent step, or `None` for a tenant whose guest runs no agent.
@@ -311,6 +334,7 @@ mod tests {
         std::fs::create_dir_all(tmp.path().join("run")).unwrap();
         let me = nix::unistd::getuid().as_raw();
         let vm = RunningVm {
+            vsock_cid: None,
             backend: BackendKind::Qemu {
                 accel: crate::backend::QemuAccel::Tcg,
             },
@@ -354,6 +378,7 @@ mod tests {
         std::fs::create_dir_all(tmp.path().join("run")).unwrap();
         let me = nix::unistd::getuid().as_raw();
         let vm = RunningVm {
+            vsock_cid: None,
             backend: BackendKind::TenantvmVmm,
             tenant: "a".into(),
             pid: 1,

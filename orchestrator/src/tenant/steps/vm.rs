@@ -1,6 +1,7 @@
 //! The VM's steps: the tenant's uid, launching the VMM in its jail (with the kernel's block
 //! I/O limit on its disks), waiting for it to run, stopping it, and cleaning the jail up.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -26,7 +27,8 @@ pub fn allocate_uid(
     Ok(None)
 }
 
-/// release-uid: returns the uid to the pool.
+/// release-uid: returns the tenant's host identities to their pools: the uid, and the
+/// guest's vsock CID if it held one (QEMU with vhost-vsock).
 pub fn release_uid(
     ctx: &StepCtx<'_>,
     t: &mut Tenant,
@@ -36,7 +38,44 @@ pub fn release_uid(
         ctx.store
             .remove_resource(ResourceKind::Uid, &uid.to_string())?;
     }
+    ctx.store.release_vsock_cid(t.id)?;
     Ok(None)
+}
+
+/// How many CIDs one launch tries when the kernel reports each one held by another VM on
+/// the host (a VMM this daemon does not run) before it fails.
+pub const CID_ATTEMPTS: usize = 8;
+
+/// Launches `spec`, with a vsock CID from the store when the backend needs one: a CID the
+/// kernel reports held by another VM on the host is set aside and the next free one
+/// tried, [`CID_ATTEMPTS`] times at most. The CID the VM runs with stays stored.
+fn launch_with_cid(
+    ctx: &StepCtx<'_>,
+    t: &Tenant,
+    mut spec: VmSpec,
+    jail: &JailConfig,
+) -> Result<RunningVm, StepError> {
+    if !ctx.backend.needs_vsock_cid() {
+        return ctx
+            .backend
+            .launch(&spec, jail)
+            .map_err(|e| StepError::failed(error_chain(&e)));
+    }
+    let mut busy = BTreeSet::new();
+    for _ in 0..CID_ATTEMPTS {
+        let cid = ctx.store.allocate_vsock_cid(t.id, &busy)?;
+        spec.vsock_cid = Some(cid);
+        match ctx.backend.launch(&spec, jail) {
+            Err(e) if e.is_vsock_cid_in_use() => {
+                tracing::warn!(tenant = %t.name, cid, "vsock CID held by another VM on this host; trying another");
+                busy.insert(cid);
+            }
+            other => return other.map_err(|e| StepError::failed(error_chain(&e))),
+        }
+    }
+    Err(StepError::failed(format!(
+        "vsock CIDs {busy:?} are each held by another VM on this host (another VMM); gave up after {CID_ATTEMPTS} tries: stop those VMs or free their CIDs"
+    )))
 }
 
 /// launch-vm: adopts a VM an interrupted run of this step launched if it still runs;
@@ -63,6 +102,7 @@ pub fn launch(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepR
     let boot = crate::tenant::image::boot_files(cfg, &t.spec, t.guest)
         .map_err(|e| StepError::failed(format!("guest image: {e}")))?;
     let spec = VmSpec {
+        vsock_cid: None,
         tenant: t.name.to_string(),
         kernel: boot.kernel,
         initramfs: boot.initramfs,
@@ -96,10 +136,7 @@ pub fn launch(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepR
             }
         }
     }
-    let vm = ctx
-        .backend
-        .launch(&spec, &jail)
-        .map_err(|e| StepError::failed(error_chain(&e)))?;
+    let vm = launch_with_cid(ctx, t, spec, &jail)?;
     let detail = serde_json::to_string(&vm).map_err(StepError::failed)?;
     let cgroup = serde_json::to_string(&vm.cgroup).map_err(StepError::failed)?;
     ctx.store

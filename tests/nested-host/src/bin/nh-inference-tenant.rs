@@ -6,8 +6,11 @@
 //! nh-inference-tenant
 //! ```
 //! env: NH_BIN (tenantvmd, tenantvm, tenantvm-vmm, tenantvm-jail), NH_GUEST_IMAGE, NH_WORK;
-//! NH_NOTES (optional: figures). Runs as root with cgroup v2 at /sys/fs/cgroup (the
-//! scenario script mounts it).
+//! NH_NOTES (optional: figures); NH_BACKEND (optional): `vmm` (the default) or `qemu-kvm`,
+//! which runs the same checks on QEMU with the agent over vhost-vsock
+//! (`--qemu-agent-transport vhost-vsock`: the daemon refuses to start without
+//! /dev/vhost-vsock) and also checks that `tenantvm status` names the tenant's CID. Runs as
+//! root with cgroup v2 at /sys/fs/cgroup (the scenario script mounts it).
 //!
 //! Checks, in order: `tenantvm create` of a guest-image tenant reaches `running`; a key from
 //! `tenantvm key create` opens the front door (TLS): `GET /v1/models`, a non-streaming
@@ -317,6 +320,62 @@ fn file_contains(file: &Path, needle: &[u8]) -> Result<bool, String> {
     Ok(false)
 }
 
+/// Which backend the daemon runs the tenant on (`NH_BACKEND`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    /// tenantvm-vmm, the agent over its hybrid vsock socket.
+    Vmm,
+    /// QEMU under KVM, the agent over vhost-vsock (AF_VSOCK to the guest's CID).
+    QemuVhostVsock,
+}
+
+impl Backend {
+    fn from_env() -> Result<Self, String> {
+        match std::env::var("NH_BACKEND").as_deref() {
+            Err(_) | Ok("vmm") => Ok(Self::Vmm),
+            Ok("qemu-kvm") => Ok(Self::QemuVhostVsock),
+            Ok(other) => Err(format!("NH_BACKEND={other:?}: use vmm or qemu-kvm")),
+        }
+    }
+
+    fn daemon_args(self) -> Vec<&'static str> {
+        match self {
+            Self::Vmm => vec!["--backend", "vmm"],
+            Self::QemuVhostVsock => vec![
+                "--backend",
+                "qemu-kvm",
+                "--qemu-agent-transport",
+                "vhost-vsock",
+            ],
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Vmm => "tenantvm-vmm",
+            Self::QemuVhostVsock => "qemu-kvm (vhost-vsock)",
+        }
+    }
+
+    /// On QEMU: `tenantvm status` names vhost-vsock and a CID >= 3 (the streamed completion
+    /// and the model push that follow need a connection per request, which a virtio-serial
+    /// channel refuses).
+    fn check_channel(self, cli: &Cli, token: &Path, name: &str, d: &Daemon) -> Result<(), String> {
+        if self == Self::Vmm {
+            return Ok(());
+        }
+        let o = cli.ok(token, &["status", name, "--json"], d)?;
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).map_err(|e| e.to_string())?;
+        let cid = v["vsock_cid"].as_u64().unwrap_or(0);
+        let channel = v["agent_channel"].as_str().unwrap_or_default();
+        if cid < 3 || channel != format!("vhost-vsock (CID {cid})") {
+            return Err(format!("{name} is not on vhost-vsock: {v}"));
+        }
+        println!("ok: {name} reaches its agent over {channel}");
+        Ok(())
+    }
+}
+
 fn wait_running(cli: &Cli, token: &Path, name: &str, d: &Daemon) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(LIFECYCLE_TIMEOUT_S);
     loop {
@@ -350,6 +409,7 @@ fn tenant_corpus() -> String {
 
 fn run() -> Result<(), String> {
     let bin = env_path("NH_BIN")?;
+    let backend = Backend::from_env()?;
     let image = env_path("NH_GUEST_IMAGE")?;
     let work = env_path("NH_WORK")?;
     let started = Instant::now();
@@ -386,7 +446,7 @@ fn run() -> Result<(), String> {
         .arg(&state)
         .arg("--socket")
         .arg(&socket)
-        .args(["--backend", "vmm"])
+        .args(backend.daemon_args())
         .arg("--image-dir")
         .arg(work.join("img"))
         .arg("--vmm-binary")
@@ -459,9 +519,11 @@ fn run() -> Result<(), String> {
     )?;
     wait_running(&cli, &token, name, &d)?;
     note(&format!(
-        "inference tenant on tenantvm-vmm: create to running {:.1} s",
+        "inference tenant on {}: create to running {:.1} s",
+        backend.label(),
         t.elapsed().as_secs_f64()
     ));
+    backend.check_channel(&cli, &token, name, &d)?;
 
     // A key, and the front door over TLS.
     let o = cli.ok(&token, &["key", "create", name], &d)?;
@@ -623,7 +685,8 @@ fn run() -> Result<(), String> {
     }
     println!("ok: destroyed; the receipt records agent-shutdown and crypto-shred ok");
     note(&format!(
-        "inference tenant lifecycle on tenantvm-vmm: {:.1} s",
+        "inference tenant lifecycle on {}: {:.1} s",
+        backend.label(),
         started.elapsed().as_secs_f64()
     ));
     drop(d);
