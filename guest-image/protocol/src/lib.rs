@@ -24,7 +24,7 @@ pub use frame::{
     FrameDecoder, FrameError, FrameHeader, HEADER_LEN, MAGIC, MAX_BODY_LEN, MAX_DATA_LEN,
     PROTOCOL_VERSION,
 };
-pub use image::{ImageSet, ImageSetError};
+pub use image::{ImageSet, ImageSetError, SetKernel};
 pub use message::{
     salvage_id, AgentFailure, DiskKey, DiskState, ErrorCode, HttpHead, HttpRequest, HttpResponse,
     KeyError, LogLine, ModelEntry, Outcome, PayloadState, Reply, Request, RequestFrame,

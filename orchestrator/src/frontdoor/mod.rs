@@ -477,16 +477,10 @@ async fn tenant_metrics(svc: TenantService, record: crate::store::TenantRecord) 
     }
 }
 
-/// Reads the VM's cgroup of `record` into the metrics, if it has a VM.
+/// Reads what `record`'s VM and GPU slice report into the metrics
+/// ([`crate::metrics::sample`]).
 pub(crate) fn sample_vm(svc: &TenantService, record: &crate::store::TenantRecord) {
-    svc.metrics().claim(record.name.as_str(), record.id);
-    let ctx = svc.ctx();
-    if let Ok(t) = crate::tenant::context::Tenant::load(&ctx, record) {
-        if let Some(vm) = &t.vm {
-            svc.metrics()
-                .sample_cgroup(record.name.as_str(), &vm.cgroup);
-        }
-    }
+    crate::metrics::sample::sample_tenant(svc, record);
 }
 
 /// Runs the forwarded request on a thread of its own (one of `workers`) and returns the response as soon as

@@ -171,6 +171,15 @@ pub trait GpuPlanner: Send + Sync {
     fn leave_device_mode(&self, _record: &DeviceRecord) -> Result<(), GpuPlanError> {
         Ok(())
     }
+
+    /// Memory and utilisation of the slice `placement` names, as the GPU backend reads them
+    /// (for the tenant's metrics); None from a planner without a backend that measures.
+    fn usage(
+        &self,
+        _placement: &GpuPlacement,
+    ) -> Result<Option<tenantvm_gpu::backend::SliceUsage>, GpuPlanError> {
+        Ok(None)
+    }
 }
 
 /// The planner of a daemon started with `--gpu-backend none`: every GPU request is refused.

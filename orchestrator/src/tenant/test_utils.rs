@@ -57,6 +57,8 @@ pub struct FakeHostState {
     pub ended_calls: usize,
     /// Block I/O limits the launches asked the jail for: (tenant, disks, limit).
     pub block_io: Vec<(String, Vec<std::path::PathBuf>, crate::jail::BlockIoLimit)>,
+    /// The disk counters each tenant's fake VMM reports (none: it reports none).
+    pub disk_counters: BTreeMap<String, crate::backend::DiskCounters>,
 }
 
 /// A fake host shared by [`FakeBackend`] and the fake jail cleaner.
@@ -153,6 +155,19 @@ impl VmBackend for FakeBackend {
     fn kill(&self, vm: &RunningVm) -> Result<(), BackendError> {
         self.0.state().processes.remove(&vm.pid);
         Ok(())
+    }
+
+    /// What the test set in [`FakeHostState::disk_counters`], while the fake process runs.
+    fn disk_counters(
+        &self,
+        vm: &RunningVm,
+        _timeout: Duration,
+    ) -> Result<Option<crate::backend::DiskCounters>, BackendError> {
+        let h = self.0.state();
+        if !h.processes.contains_key(&vm.pid) {
+            return Ok(None);
+        }
+        Ok(h.disk_counters.get(&vm.tenant).copied())
     }
 
     /// The fake host runs no guest: nothing listens there unless a test binds it.
