@@ -579,7 +579,7 @@ async fn forward(
                 "the payload answered with status {status}"
             )))
         })?;
-    let mut resp = Response::new(ChannelBody(body_rx).boxed());
+    let mut resp = Response::new(ChannelBody::new(body_rx).boxed());
     *resp.status_mut() = status;
     let content_type = headers
         .iter()

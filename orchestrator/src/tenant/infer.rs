@@ -268,7 +268,8 @@ pub fn forward_http(
         guest::agent_endpoint(ctx.backend, vm),
         AgentEndpoint::HybridVsock { .. }
     );
-    let mut agent = guest::connect(ctx.backend, vm, guest::CONNECT_TIMEOUT).map_err(unavailable)?;
+    let mut agent =
+        guest::connect_pipelined(ctx.backend, vm, guest::CONNECT_TIMEOUT).map_err(unavailable)?;
     if streams {
         let (head, body) = agent
             .infer_stream(http, STREAM_IDLE_TIMEOUT, Instant::now() + STREAM_TIMEOUT)
