@@ -89,7 +89,14 @@ fn image_set() -> PathBuf {
 fn install_image(set: &Path, image_dir: &Path, name: &str) {
     let dst = image_dir.join(name);
     std::fs::create_dir_all(&dst).unwrap();
-    for f in ["vmlinuz", "initramfs.cpio.gz", "cmdline", "manifest.json"] {
+    // vmlinuz for QEMU, vmlinux for tenantvm-vmm (TENANTVM_E2E_BACKEND=vmm).
+    for f in [
+        "vmlinuz",
+        "vmlinux",
+        "initramfs.cpio.gz",
+        "cmdline",
+        "manifest.json",
+    ] {
         std::fs::copy(set.join(f), dst.join(f))
             .unwrap_or_else(|e| panic!("{}: {e}", set.join(f).display()));
     }

@@ -9,8 +9,28 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 
-/// The files of an image set that are booted, all listed in the manifest.
-const BOOT_FILES: [&str; 3] = ["vmlinuz", "initramfs.cpio.gz", "cmdline"];
+/// The files of an image set that are booted besides the kernel, all listed in the manifest.
+const BOOT_FILES: [&str; 2] = ["initramfs.cpio.gz", "cmdline"];
+
+/// Which of the set's two kernels is booted (both are the same Linux; the manifest lists both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetKernel {
+    /// `vmlinuz`, the bzImage: what QEMU's `-kernel` boots.
+    BzImage,
+    /// `vmlinux`, the ELF image with a PVH note: what tenantvm-vmm boots without
+    /// decompressing anything in the guest (docs/vmm.md).
+    Elf,
+}
+
+impl SetKernel {
+    /// The file name in the set.
+    pub const fn file(self) -> &'static str {
+        match self {
+            SetKernel::BzImage => "vmlinuz",
+            SetKernel::Elf => "vmlinux",
+        }
+    }
+}
 
 /// Why an image set cannot be used.
 #[derive(Debug, Error)]
@@ -61,6 +81,8 @@ struct Manifest {
 pub struct ImageSet {
     /// The directory.
     pub dir: PathBuf,
+    /// The kernel that was checked (`vmlinuz` or `vmlinux` in [`Self::dir`]).
+    pub kernel: PathBuf,
     /// The kernel command line.
     pub cmdline: String,
 }
@@ -86,6 +108,12 @@ fn sha256_file(path: &Path) -> Result<String, ImageSetError> {
 impl ImageSet {
     /// Opens `dir` and checks vmlinuz, initramfs.cpio.gz and cmdline against the manifest.
     pub fn open(dir: &Path) -> Result<Self, ImageSetError> {
+        Self::open_with_kernel(dir, SetKernel::BzImage)
+    }
+
+    /// Opens `dir` and checks `kernel`'s file, initramfs.cpio.gz and cmdline against the
+    /// manifest.
+    pub fn open_with_kernel(dir: &Path, kernel: SetKernel) -> Result<Self, ImageSetError> {
         let manifest_path = dir.join("manifest.json");
         let text = std::fs::read(&manifest_path).map_err(|source| ImageSetError::Read {
             path: manifest_path.clone(),
@@ -96,7 +124,7 @@ impl ImageSet {
                 path: manifest_path,
                 source,
             })?;
-        for file in BOOT_FILES {
+        for file in std::iter::once(kernel.file()).chain(BOOT_FILES) {
             let entry = manifest
                 .files
                 .get(file)
@@ -120,6 +148,7 @@ impl ImageSet {
             .to_string();
         Ok(Self {
             dir: dir.to_path_buf(),
+            kernel: dir.join(kernel.file()),
             cmdline,
         })
     }
@@ -133,6 +162,7 @@ mod tests {
         let mut files = serde_json::Map::new();
         for (name, content) in [
             ("vmlinuz", "kernel"),
+            ("vmlinux", "elf kernel"),
             ("initramfs.cpio.gz", "initramfs"),
             ("cmdline", "console=ttyS0\n"),
         ] {
@@ -156,6 +186,35 @@ mod tests {
         let set = ImageSet::open(dir.path()).unwrap();
         assert_eq!(set.cmdline, "console=ttyS0");
         assert_eq!(set.dir, dir.path());
+        assert_eq!(set.kernel, dir.path().join("vmlinuz"));
+    }
+
+    #[test]
+    fn the_elf_kernel_is_checked_when_it_is_the_one_booted() {
+        let dir = tempfile::tempdir().unwrap();
+        fake_set(dir.path());
+        let set = ImageSet::open_with_kernel(dir.path(), SetKernel::Elf).unwrap();
+        assert_eq!(set.kernel, dir.path().join("vmlinux"));
+        std::fs::write(dir.path().join("vmlinux"), "evil").unwrap();
+        assert!(matches!(
+            ImageSet::open_with_kernel(dir.path(), SetKernel::Elf),
+            Err(ImageSetError::HashMismatch {
+                file: "vmlinux",
+                ..
+            })
+        ));
+        // The bzImage's check does not read the ELF image.
+        assert!(ImageSet::open(dir.path()).is_ok());
+        // A set built before it listed vmlinux is refused for the ELF boot, by name.
+        std::fs::remove_file(dir.path().join("vmlinux")).unwrap();
+        let manifest = std::fs::read_to_string(dir.path().join("manifest.json")).unwrap();
+        let mut v: serde_json::Value = serde_json::from_str(&manifest).unwrap();
+        v["files"].as_object_mut().unwrap().remove("vmlinux");
+        std::fs::write(dir.path().join("manifest.json"), v.to_string()).unwrap();
+        assert!(matches!(
+            ImageSet::open_with_kernel(dir.path(), SetKernel::Elf),
+            Err(ImageSetError::Unlisted("vmlinux"))
+        ));
     }
 
     #[test]

@@ -27,7 +27,7 @@ pub use frame::{
     FrameDecoder, FrameError, FrameHeader, HEADER_LEN, MAGIC, MAX_BODY_LEN, MAX_DATA_LEN,
     PROTOCOL_VERSION,
 };
-pub use image::{ImageSet, ImageSetError};
+pub use image::{ImageSet, ImageSetError, SetKernel};
 pub use load::{
     LoadKind, LoadReport, LoadSpec, LoadSpecError, LoadState, MAX_LOAD_DISK_MIB,
     MAX_LOAD_MEMORY_MIB, MAX_LOAD_SECONDS, MAX_LOAD_THREADS,

@@ -33,6 +33,9 @@ use types::{ErrorBody, ErrorDetail, Health, LogQuery};
 
 /// Largest request body accepted (a tenant spec is far smaller).
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
+/// Largest body the `infer` route reads: the largest `quotas.max_request_bytes` a spec may
+/// set (each tenant's own limit is then held, as at the front door).
+pub const INFER_BODY_LIMIT: usize = crate::domain::spec::MAX_REQUEST_BYTES_LIMIT as usize;
 
 /// An error response: status, stable code, message.
 #[derive(Debug)]
@@ -126,6 +129,7 @@ impl From<TenantServiceError> for ApiError {
             E::Spec(_) => (StatusCode::BAD_REQUEST, "invalid_spec"),
             E::Image(_) => (StatusCode::BAD_REQUEST, "invalid_image"),
             E::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            E::TooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
             E::Gpu(GpuPlanError::NoGpuBackend) | E::Gpu(GpuPlanError::Plan(_)) => {
                 (StatusCode::BAD_REQUEST, "gpu_unavailable")
             }
@@ -325,7 +329,7 @@ async fn infer(
         StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "body_too_large",
-            format!("Request body is larger than {MAX_BODY_BYTES} bytes"),
+            format!("Request body is larger than {INFER_BODY_LIMIT} bytes, more than any tenant's quotas.max_request_bytes"),
         ),
         StatusCode::UNSUPPORTED_MEDIA_TYPE => ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -439,7 +443,11 @@ pub fn router(svc: TenantService) -> Router {
         .route("/v1/tenants/{name}/stop", post(stop))
         .route("/v1/tenants/{name}/start", post(start))
         .route("/v1/tenants/{name}/logs", get(logs))
-        .route("/v1/tenants/{name}/infer", post(infer))
+        .route(
+            "/v1/tenants/{name}/infer",
+            // The tenant's own `quotas.max_request_bytes` applies once it is known.
+            post(infer).layer(DefaultBodyLimit::max(INFER_BODY_LIMIT)),
+        )
         .route(
             "/v1/tenants/{name}/keys",
             get(keys::list).post(keys::create),
@@ -469,6 +477,8 @@ pub fn router(svc: TenantService) -> Router {
 
 #[cfg(test)]
 mod isolation_tests;
+#[cfg(test)]
+mod metrics_tests;
 #[cfg(test)]
 mod model_tests;
 #[cfg(test)]

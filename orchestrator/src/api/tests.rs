@@ -561,7 +561,8 @@ async fn infer_answers_match_the_spec_and_are_scoped() {
         .as_str()
         .unwrap()
         .contains("not valid JSON"));
-    let huge = json!({ "prompt": "x".repeat(MAX_BODY_BYTES + 1) }).to_string();
+    // Larger than any tenant's quotas.max_request_bytes may be: refused as it is read.
+    let huge = json!({ "prompt": "x".repeat(INFER_BODY_LIMIT + 1) }).to_string();
     let (s, _) = api
         .checked(
             "POST",
@@ -572,9 +573,10 @@ async fn infer_answers_match_the_spec_and_are_scoped() {
         )
         .await;
     assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
-    // Within the API's cap but above what is forwarded to a guest.
-    let big = json!({ "prompt": "x".repeat(crate::tenant::infer::MAX_INFER_BODY) });
-    let (s, _) = api
+    // Over alice's own limit (the default, 1 MiB, as at the front door): 413 naming it.
+    let limit = crate::domain::spec::DEFAULT_MAX_REQUEST_BYTES as usize;
+    let big = json!({ "prompt": "x".repeat(limit) });
+    let (s, e) = api
         .checked(
             "POST",
             "/v1/tenants/alice/infer",
@@ -583,7 +585,63 @@ async fn infer_answers_match_the_spec_and_are_scoped() {
             Some(big.to_string()),
         )
         .await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(e["error"]["code"], "body_too_large");
+    let message = e["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("max_request_bytes is {limit}")),
+        "{e}"
+    );
+    assert!(!message.contains("xxxx"), "the body is never quoted: {e}");
+    // Far over the 16 KiB this route once cut requests at, within the limit: it goes on
+    // to the guest (which here runs no agent, the 400 below).
+    let long = json!({ "prompt": "x".repeat(256 * 1024) });
+    let (s, e) = api
+        .checked(
+            "POST",
+            "/v1/tenants/alice/infer",
+            t,
+            Some(&alice),
+            Some(long.to_string()),
+        )
+        .await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("does not run a guest image"),
+        "{e}"
+    );
+    // A tenant with a smaller quota is held to it.
+    let small = json!({"name": "small", "vcpus": 1, "memory_mib": 64,
+        "image": {"name": "hello"}, "quotas": {"max_request_bytes": 4096}});
+    let (_, created) = api
+        .checked(
+            "POST",
+            "/v1/tenants",
+            "/v1/tenants",
+            a,
+            Some(small.to_string()),
+        )
+        .await;
+    api.idle().await;
+    let small_token = created["token"].as_str().unwrap().to_string();
+    let five_k = json!({ "prompt": "x".repeat(5000) }).to_string();
+    let (s, e) = api
+        .checked(
+            "POST",
+            "/v1/tenants/small/infer",
+            t,
+            Some(&small_token),
+            Some(five_k),
+        )
+        .await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("is 4096"),
+        "{e}"
+    );
     // The idle test guest runs no agent: a 400 that says so.
     let (s, e) = api
         .checked("POST", "/v1/tenants/alice/infer", t, Some(&alice), body)

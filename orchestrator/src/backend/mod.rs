@@ -13,6 +13,7 @@
 //! drivers say to their programs is written once in tenantvm-vmm-api.
 
 pub mod control;
+pub mod disk_stats;
 pub mod qemu;
 pub mod report_dir;
 pub mod runner;
@@ -28,6 +29,7 @@ use tenantvm_vmm_api::{ExitReport, ExitStatus, VmUuid};
 
 use crate::jail::{CgroupHandle, ExitRecord, JailError};
 
+pub use disk_stats::DiskCounters;
 pub use qemu::QemuBackend;
 pub use runner::RuntimeConfig;
 pub use socket::PeerSocketError;
@@ -443,6 +445,15 @@ pub trait VmBackend: Send + Sync {
     /// wrote none (killed by SIGKILL). The report comes from a process the tenant may
     /// control: it is size-capped and parsed strictly.
     fn exit_report(&self, _vm: &RunningVm) -> Result<Option<ExitReport>, BackendError> {
+        Ok(None)
+    }
+    /// The disk counters of a running VM (all its disks together), asked of its VMM
+    /// within `timeout`; `None` when the VMM has no disk or reports no counters.
+    fn disk_counters(
+        &self,
+        _vm: &RunningVm,
+        _timeout: Duration,
+    ) -> Result<Option<DiskCounters>, BackendError> {
         Ok(None)
     }
     /// Where the host reaches the guest agent's channel of `vm` (every VM gets one; a

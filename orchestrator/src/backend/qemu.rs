@@ -325,6 +325,19 @@ impl VmmDriver for Qemu {
     fn needs_vsock_cid(&self) -> bool {
         self.transport == AgentTransport::VhostVsock
     }
+
+    fn disk_counters(
+        &self,
+        vm: &RunningVm,
+        timeout: Duration,
+    ) -> Result<Option<super::DiskCounters>, BackendError> {
+        let stats = Self::qmp(&vm.api_sock, vm.uid, timeout)
+            .and_then(|mut c| execute(&mut c, "query-blockstats"))?;
+        super::disk_stats::from_qmp(&stats).map_err(|e| BackendError::Control {
+            path: vm.api_sock.clone(),
+            message: format!("query-blockstats: {}", crate::logs::sanitize(&e)),
+        })
+    }
 }
 
 #[cfg(test)]

@@ -86,6 +86,14 @@ pub trait VmmDriver: Send + Sync {
     fn exit_report(&self, _vm: &RunningVm) -> Result<Option<ExitReport>, BackendError> {
         Ok(None)
     }
+    /// The running VM's disk counters ([`VmBackend::disk_counters`]); none by default.
+    fn disk_counters(
+        &self,
+        _vm: &RunningVm,
+        _timeout: Duration,
+    ) -> Result<Option<super::DiskCounters>, BackendError> {
+        Ok(None)
+    }
 }
 
 /// One step of a graceful stop.
@@ -278,6 +286,18 @@ impl<D: VmmDriver> VmBackend for Runner<D> {
 
     fn needs_vsock_cid(&self) -> bool {
         self.driver.needs_vsock_cid()
+    }
+
+    fn disk_counters(
+        &self,
+        vm: &RunningVm,
+        timeout: Duration,
+    ) -> Result<Option<super::DiskCounters>, BackendError> {
+        // Only the process launched is asked (a reused pid is not the tenant's VMM).
+        match process_status(vm)? {
+            ProcessStatus::Alive => self.driver.disk_counters(vm, timeout),
+            ProcessStatus::Exited(_) | ProcessStatus::Gone => Ok(None),
+        }
     }
 
     fn exit_report(&self, vm: &RunningVm) -> Result<Option<ExitReport>, BackendError> {

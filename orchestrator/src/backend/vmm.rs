@@ -325,6 +325,25 @@ impl VmmDriver for Vmm {
     fn exit_report(&self, vm: &RunningVm) -> Result<Option<ExitReport>, BackendError> {
         Self::read_exit_report(&vm.tenant_dir)
     }
+
+    fn disk_counters(
+        &self,
+        vm: &RunningVm,
+        timeout: Duration,
+    ) -> Result<Option<super::DiskCounters>, BackendError> {
+        match Self::request(vm, VmCommand::Metrics, timeout)? {
+            VmResponse::Metrics { devices, .. } => {
+                super::disk_stats::from_vmm(&devices).map_err(|e| BackendError::Control {
+                    path: vm.api_sock.clone(),
+                    message: format!("metrics: {}", crate::logs::sanitize(&e)),
+                })
+            }
+            other => Err(BackendError::Control {
+                path: vm.api_sock.clone(),
+                message: format!("metrics answered with {other:?}"),
+            }),
+        }
+    }
 }
 
 #[cfg(test)]

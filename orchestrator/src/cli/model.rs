@@ -154,7 +154,7 @@ async fn push(
         .header("authorization", format!("Bearer {token}"))
         .header("content-length", size)
         .header("x-model-sha256", &sha256)
-        .body(ChannelBody(rx))
+        .body(ChannelBody::new(rx))
         .map_err(|e| ClientError::Http(e.to_string()))?;
     let resp = sender.send_request(req).await.map_err(|e| {
         CliFailure::from(ClientError::Http(format!(

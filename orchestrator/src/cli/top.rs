@@ -45,6 +45,20 @@ pub struct Row {
     pub cpu_s: f64,
     /// The VM's memory.
     pub memory_bytes: f64,
+    /// Bytes the VM's disks read, if its VMM reports them.
+    pub disk_read_bytes: Option<f64>,
+    /// Bytes the VM's disks wrote, if its VMM reports them.
+    pub disk_write_bytes: Option<f64>,
+    /// Disk requests (read, write, flush), if its VMM reports them.
+    pub disk_ops: Option<f64>,
+    /// GPU memory in use in the slice, if the GPU backend reads it.
+    pub gpu_used_bytes: Option<f64>,
+    /// The slice's GPU memory.
+    pub gpu_total_bytes: Option<f64>,
+    /// The slice's utilisation, percent, if known.
+    pub gpu_percent: Option<f64>,
+    /// Whether the GPU figures come from a simulated host.
+    pub gpu_simulated: bool,
 }
 
 impl Row {
@@ -103,6 +117,25 @@ pub fn parse(text: &str) -> BTreeMap<String, Row> {
             "tenantvm_frontdoor_request_seconds_count" => row.total.1 += value,
             "tenantvm_vm_cpu_seconds" => row.cpu_s = value,
             "tenantvm_vm_memory_bytes" => row.memory_bytes = value,
+            "tenantvm_vm_disk_bytes" => match label(labels, "op") {
+                Some("read") => row.disk_read_bytes = Some(value),
+                Some("write") => row.disk_write_bytes = Some(value),
+                _ => {}
+            },
+            "tenantvm_vm_disk_operations" => {
+                *row.disk_ops.get_or_insert(0.0) += value;
+            }
+            "tenantvm_gpu_memory_used_bytes"
+            | "tenantvm_gpu_memory_bytes"
+            | "tenantvm_gpu_utilization_percent" => {
+                row.gpu_simulated = label(labels, "source") == Some("simulated");
+                let field = match name {
+                    "tenantvm_gpu_memory_used_bytes" => &mut row.gpu_used_bytes,
+                    "tenantvm_gpu_memory_bytes" => &mut row.gpu_total_bytes,
+                    _ => &mut row.gpu_percent,
+                };
+                *field = Some(value);
+            }
             _ => {}
         }
     }
@@ -113,11 +146,29 @@ fn ms(v: Option<f64>) -> String {
     v.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into())
 }
 
+fn mib(v: Option<f64>) -> String {
+    v.map(|v| format!("{:.1}", v / (1024.0 * 1024.0)))
+        .unwrap_or_else(|| "-".into())
+}
+
+/// `used/total` MiB of the slice, `*` after it when the host is simulated.
+fn gpu_memory(r: &Row) -> String {
+    match (r.gpu_used_bytes, r.gpu_total_bytes) {
+        (Some(u), Some(t)) => format!(
+            "{:.0}/{:.0}{}",
+            u / (1024.0 * 1024.0),
+            t / (1024.0 * 1024.0),
+            if r.gpu_simulated { "*" } else { "" }
+        ),
+        _ => "-".into(),
+    }
+}
+
 /// Writes the table.
 pub fn print(out: &mut dyn Write, rows: &BTreeMap<String, Row>) -> std::io::Result<()> {
     writeln!(
         out,
-        "{:<20} {:>8} {:>6} {:>7} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8}",
+        "{:<20} {:>8} {:>6} {:>7} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9} {:>8} {:>14} {:>5}",
         "TENANT",
         "REQS",
         "ERRS",
@@ -128,7 +179,12 @@ pub fn print(out: &mut dyn Write, rows: &BTreeMap<String, Row>) -> std::io::Resu
         "TTFB_MS",
         "TOTAL_MS",
         "CPU_S",
-        "MEM_MIB"
+        "MEM_MIB",
+        "DISK_RD_MIB",
+        "DISK_WR_MIB",
+        "DISK_OPS",
+        "GPU_MEM_MIB",
+        "GPU_%"
     )?;
     if rows.is_empty() {
         writeln!(out, "no tenant has metrics yet")?;
@@ -136,7 +192,7 @@ pub fn print(out: &mut dyn Write, rows: &BTreeMap<String, Row>) -> std::io::Resu
     for (tenant, r) in rows {
         writeln!(
             out,
-            "{:<20} {:>8} {:>6} {:>7} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8.1} {:>8.1}",
+            "{:<20} {:>8} {:>6} {:>7} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8.1} {:>8.1} {:>11} {:>11} {:>8} {:>14} {:>5}",
             tenant,
             r.requests,
             r.errors,
@@ -147,7 +203,20 @@ pub fn print(out: &mut dyn Write, rows: &BTreeMap<String, Row>) -> std::io::Resu
             ms(r.first_byte_ms()),
             ms(r.total_ms()),
             r.cpu_s,
-            r.memory_bytes / (1024.0 * 1024.0)
+            r.memory_bytes / (1024.0 * 1024.0),
+            mib(r.disk_read_bytes),
+            mib(r.disk_write_bytes),
+            r.disk_ops.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
+            gpu_memory(r),
+            r.gpu_percent
+                .map(|v| v.to_string())
+                .unwrap_or_else(|| "-".into()),
+        )?;
+    }
+    if rows.values().any(|r| r.gpu_simulated) {
+        writeln!(
+            out,
+            "* simulated GPU host (--gpu-backend sim:FILE): not measured"
         )?;
     }
     Ok(())
@@ -215,5 +284,68 @@ mod tests {
         let text = String::from_utf8(text).unwrap();
         assert!(text.lines().nth(1).unwrap().starts_with("alice"), "{text}");
         assert!(parse("garbage\n# HELP x\nx{tenant=\"a\"} nan-ish\n").is_empty());
+        // No disk or GPU figures: shown as absent.
+        let line = text.lines().nth(1).unwrap();
+        let last: Vec<&str> = line.split_whitespace().rev().take(5).collect();
+        assert_eq!(last, ["-"; 5], "{text}");
+        assert!(!text.contains("simulated"), "{text}");
+    }
+
+    #[test]
+    fn disk_and_gpu_columns_show_the_vmm_and_gpu_figures() {
+        use tenantvm_gpu::backend::{SliceUsage, UsageSource};
+        let m = crate::metrics::Metrics::default();
+        m.sample_disk(
+            "alice",
+            Some(crate::backend::DiskCounters {
+                read_bytes: 3 << 20,
+                write_bytes: 1 << 19,
+                read_ops: 10,
+                write_ops: 4,
+                flush_ops: 1,
+            }),
+        );
+        m.sample_gpu(
+            "alice",
+            Some(SliceUsage {
+                memory_used_bytes: 512 << 20,
+                memory_total_bytes: 10 << 30,
+                utilization_percent: Some(42),
+                source: UsageSource::Simulated,
+            }),
+        );
+        m.sample_gpu(
+            "bob",
+            Some(SliceUsage {
+                memory_used_bytes: 1 << 20,
+                memory_total_bytes: 2 << 20,
+                utilization_percent: None,
+                source: UsageSource::Nvml,
+            }),
+        );
+        let rows = parse(&m.render(None));
+        let a = &rows["alice"];
+        assert_eq!(a.disk_read_bytes, Some(3_145_728.0));
+        assert_eq!(a.disk_ops, Some(15.0));
+        assert_eq!(a.gpu_percent, Some(42.0));
+        assert!(a.gpu_simulated);
+        let b = &rows["bob"];
+        assert_eq!(
+            (b.disk_ops, b.gpu_percent, b.gpu_simulated),
+            (None, None, false)
+        );
+        let mut text = Vec::new();
+        print(&mut text, &rows).unwrap();
+        let text = String::from_utf8(text).unwrap();
+        let alice = text.lines().find(|l| l.starts_with("alice")).unwrap();
+        for cell in ["3.0", "0.5", "15", "512/10240*", "42"] {
+            assert!(
+                alice.split_whitespace().any(|c| c == cell),
+                "{cell}: {text}"
+            );
+        }
+        let bob = text.lines().find(|l| l.starts_with("bob")).unwrap();
+        assert!(bob.split_whitespace().any(|c| c == "1/2"), "{text}");
+        assert!(text.contains("* simulated GPU host"), "{text}");
     }
 }

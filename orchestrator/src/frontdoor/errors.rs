@@ -191,6 +191,7 @@ impl From<InferError> for OpenAiError {
                 "invalid_request",
                 m,
             ),
+            InferError::TooLarge { limit, .. } => OpenAiError::too_large(limit),
             InferError::NotServing(_) => {
                 let mut e = OpenAiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,

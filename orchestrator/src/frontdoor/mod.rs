@@ -477,16 +477,10 @@ async fn tenant_metrics(svc: TenantService, record: crate::store::TenantRecord) 
     }
 }
 
-/// Reads the VM's cgroup of `record` into the metrics, if it has a VM.
+/// Reads what `record`'s VM and GPU slice report into the metrics
+/// ([`crate::metrics::sample`]).
 pub(crate) fn sample_vm(svc: &TenantService, record: &crate::store::TenantRecord) {
-    svc.metrics().claim(record.name.as_str(), record.id);
-    let ctx = svc.ctx();
-    if let Ok(t) = crate::tenant::context::Tenant::load(&ctx, record) {
-        if let Some(vm) = &t.vm {
-            svc.metrics()
-                .sample_cgroup(record.name.as_str(), &vm.cgroup);
-        }
-    }
+    crate::metrics::sample::sample_tenant(svc, record);
 }
 
 /// Runs the forwarded request on a thread of its own (one of `workers`) and returns the response as soon as
@@ -585,7 +579,7 @@ async fn forward(
                 "the payload answered with status {status}"
             )))
         })?;
-    let mut resp = Response::new(ChannelBody(body_rx).boxed());
+    let mut resp = Response::new(ChannelBody::new(body_rx).boxed());
     *resp.status_mut() = status;
     let content_type = headers
         .iter()
@@ -647,23 +641,43 @@ impl UsageScanner {
             }
             return;
         }
-        for &b in piece {
-            if b == b'\n' {
-                if !self.overflow {
-                    if let Some(json) = self.buf.strip_prefix(b"data: ") {
-                        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(json) {
-                            self.found = usage_of(&v).or(self.found);
-                        }
+        let mut rest = piece;
+        loop {
+            let (part, ends) = match rest.iter().position(|&b| b == b'\n') {
+                Some(i) => (&rest[..i], Some(i)),
+                None => (rest, None),
+            };
+            if !self.overflow {
+                if self.buf.len() + part.len() > USAGE_SCAN_BYTES {
+                    self.overflow = true;
+                    self.buf.clear();
+                } else {
+                    self.buf.extend_from_slice(part);
+                }
+            }
+            let Some(i) = ends else {
+                return;
+            };
+            self.end_line();
+            rest = &rest[i + 1..];
+        }
+    }
+
+    /// A whole event line is in: only one that names `"usage"` is parsed (every token's
+    /// event would otherwise be parsed as JSON, a share of the front door's time per
+    /// token in a profile).
+    fn end_line(&mut self) {
+        if !self.overflow {
+            if let Some(json) = self.buf.strip_prefix(b"data: ") {
+                if json.windows(7).any(|w| w == b"\"usage\"") {
+                    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(json) {
+                        self.found = usage_of(&v).or(self.found);
                     }
                 }
-                self.buf.clear();
-                self.overflow = false;
-            } else if self.buf.len() < USAGE_SCAN_BYTES {
-                self.buf.push(b);
-            } else {
-                self.overflow = true;
             }
         }
+        self.buf.clear();
+        self.overflow = false;
     }
 
     fn finish(&mut self) -> Option<(u64, u64)> {
@@ -708,6 +722,23 @@ mod usage_tests {
         let mut s = UsageScanner::new(&headers("application/json"));
         s.push(&vec![b' '; super::USAGE_SCAN_BYTES + 1]);
         s.push(br#"{"usage": {"prompt_tokens": 2, "completion_tokens": 3}}"#);
+        assert_eq!(s.finish(), None);
+    }
+
+    #[test]
+    fn usage_split_inside_its_name_or_behind_an_oversized_line_is_still_found() {
+        let mut s = UsageScanner::new(&headers("text/event-stream"));
+        let mut stream = b"data: ".to_vec();
+        stream.extend(vec![b'x'; super::USAGE_SCAN_BYTES]);
+        stream.extend_from_slice(b"\ndata: {\"text\":\"hi\"}\n\ndata: {\"us");
+        s.push(&stream);
+        s.push(b"age\":{\"prompt_tokens\":4,\"completion_tokens\":5}}\n\ndata: [DONE]\n\n");
+        assert_eq!(s.finish(), Some((4, 5)));
+        // Token events without usage leave the count as it was.
+        let mut s = UsageScanner::new(&headers("text/event-stream"));
+        for _ in 0..3 {
+            s.push(b"data: {\"choices\":[{\"text\":\" usage\"}]}\n\n");
+        }
         assert_eq!(s.finish(), None);
     }
 }

@@ -12,10 +12,18 @@
 //! | `tenantvm_frontdoor_first_byte_seconds{tenant}` (time to the first piece of the answer: the first token of a stream) | histogram |
 //! | `tenantvm_frontdoor_request_seconds{tenant}` (to the answer's end) | histogram |
 //! | `tenantvm_vm_cpu_seconds{tenant}`, `tenantvm_vm_memory_bytes{tenant}` (the VM's cgroup, read at scrape) | gauge |
+//! | `tenantvm_vm_disk_bytes{tenant,op}` (`read`, `write`), `tenantvm_vm_disk_operations{tenant,op}` (`read`, `write`, `flush`): the VMM's own counters, all disks, since the VMM started, read at scrape | gauge |
+//! | `tenantvm_gpu_memory_used_bytes{tenant,source}`, `tenantvm_gpu_memory_bytes{tenant,source}`, `tenantvm_gpu_utilization_percent{tenant,source}` (the tenant's GPU slice; `source` is `nvml` or `simulated`) | gauge |
+//!
+//! A figure that cannot be read (a VMM that does not answer or reports no disk, a GPU
+//! backend that does not measure, NVML's utilisation of a MIG instance) is absent, never
+//! zero.
 //!
 //! Who sees what: [`Metrics::render`] with `Some(tenant)` keeps only that tenant's samples
 //! (what its key or token gets: `GET /metrics` at the front door, `GET /v1/metrics` on the
 //! API), with `None` everything (the admin).
+
+pub mod sample;
 
 use std::path::Path;
 use std::sync::atomic::AtomicU64;
@@ -28,6 +36,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use tenantvm_gpu::backend::{SliceUsage, UsageSource};
+
+use crate::backend::DiskCounters;
 use crate::jail::CgroupHandle;
 
 /// The content type of [`Metrics::render`]'s text.
@@ -56,6 +67,23 @@ struct KindLabels {
     tenant: String,
     kind: String,
 }
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabels {
+    tenant: String,
+    op: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SourceLabels {
+    tenant: String,
+    source: String,
+}
+
+/// Every `op` label the disk series use.
+const DISK_OPS: [&str; 3] = ["read", "write", "flush"];
+/// Every `source` label the GPU series use.
+const GPU_SOURCES: [UsageSource; 2] = [UsageSource::Nvml, UsageSource::Simulated];
 
 type Histograms = Family<TenantLabel, Histogram, fn() -> Histogram>;
 
@@ -112,6 +140,11 @@ pub struct Metrics {
     total: Histograms,
     cpu: Family<TenantLabel, Gauge<f64, AtomicU64>>,
     memory: Family<TenantLabel, Gauge>,
+    disk_bytes: Family<OpLabels, Gauge>,
+    disk_ops: Family<OpLabels, Gauge>,
+    gpu_used: Family<SourceLabels, Gauge>,
+    gpu_total: Family<SourceLabels, Gauge>,
+    gpu_busy: Family<SourceLabels, Gauge>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -131,6 +164,11 @@ impl Default for Metrics {
         let total: Histograms = Family::new_with_constructor(latency_histogram);
         let cpu = Family::<TenantLabel, Gauge<f64, AtomicU64>>::default();
         let memory = Family::<TenantLabel, Gauge>::default();
+        let disk_bytes = Family::<OpLabels, Gauge>::default();
+        let disk_ops = Family::<OpLabels, Gauge>::default();
+        let gpu_used = Family::<SourceLabels, Gauge>::default();
+        let gpu_total = Family::<SourceLabels, Gauge>::default();
+        let gpu_busy = Family::<SourceLabels, Gauge>::default();
         registry.register(
             "tenantvm_frontdoor_requests",
             "Front door requests by route and status",
@@ -171,6 +209,31 @@ impl Default for Metrics {
             "Memory of the tenant's VM (its cgroup)",
             memory.clone(),
         );
+        registry.register(
+            "tenantvm_vm_disk_bytes",
+            "Bytes the VM's disks read and wrote since its VMM started (the VMM's counters)",
+            disk_bytes.clone(),
+        );
+        registry.register(
+            "tenantvm_vm_disk_operations",
+            "Requests the VM's disks completed since its VMM started (the VMM's counters)",
+            disk_ops.clone(),
+        );
+        registry.register(
+            "tenantvm_gpu_memory_used_bytes",
+            "GPU memory in use in the tenant's slice (source: nvml, or simulated)",
+            gpu_used.clone(),
+        );
+        registry.register(
+            "tenantvm_gpu_memory_bytes",
+            "GPU memory of the tenant's slice (source: nvml, or simulated)",
+            gpu_total.clone(),
+        );
+        registry.register(
+            "tenantvm_gpu_utilization_percent",
+            "Share of time the slice's engines were busy (source: nvml, or simulated)",
+            gpu_busy.clone(),
+        );
         Metrics {
             owners: Default::default(),
             registry,
@@ -182,8 +245,31 @@ impl Default for Metrics {
             total,
             cpu,
             memory,
+            disk_bytes,
+            disk_ops,
+            gpu_used,
+            gpu_total,
+            gpu_busy,
         }
     }
+}
+
+fn op(name: &str, op: &str) -> OpLabels {
+    OpLabels {
+        tenant: name.to_string(),
+        op: op.to_string(),
+    }
+}
+
+fn source(name: &str, source: UsageSource) -> SourceLabels {
+    SourceLabels {
+        tenant: name.to_string(),
+        source: source.label().to_string(),
+    }
+}
+
+fn gauge_value(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
 }
 
 fn tenant(name: &str) -> TenantLabel {
@@ -235,6 +321,64 @@ impl Metrics {
             self.total.remove(&label);
             self.cpu.remove(&label);
             self.memory.remove(&label);
+            self.forget_disk(tenant_name);
+            self.forget_gpu(tenant_name);
+        }
+    }
+
+    fn forget_disk(&self, tenant_name: &str) {
+        for o in DISK_OPS {
+            self.disk_bytes.remove(&op(tenant_name, o));
+            self.disk_ops.remove(&op(tenant_name, o));
+        }
+    }
+
+    fn forget_gpu(&self, tenant_name: &str) {
+        for s in GPU_SOURCES {
+            let l = source(tenant_name, s);
+            self.gpu_used.remove(&l);
+            self.gpu_total.remove(&l);
+            self.gpu_busy.remove(&l);
+        }
+    }
+
+    /// Sets the disk series from the VMM's counters; `None` (no VM, no disk, a VMM that did
+    /// not answer) removes them, so no stale figure is shown.
+    pub fn sample_disk(&self, tenant_name: &str, counters: Option<DiskCounters>) {
+        let Some(c) = counters else {
+            self.forget_disk(tenant_name);
+            return;
+        };
+        for (o, bytes, ops) in [
+            ("read", Some(c.read_bytes), c.read_ops),
+            ("write", Some(c.write_bytes), c.write_ops),
+            ("flush", None, c.flush_ops),
+        ] {
+            let l = op(tenant_name, o);
+            if let Some(b) = bytes {
+                self.disk_bytes.get_or_create(&l).set(gauge_value(b));
+            }
+            self.disk_ops.get_or_create(&l).set(gauge_value(ops));
+        }
+    }
+
+    /// Sets the GPU series from the slice's usage, labelled with where it came from;
+    /// `None` (no slice, or a backend that cannot read it) removes them. A utilisation the
+    /// backend cannot tell is left out.
+    pub fn sample_gpu(&self, tenant_name: &str, usage: Option<SliceUsage>) {
+        self.forget_gpu(tenant_name);
+        let Some(u) = usage else {
+            return;
+        };
+        let l = source(tenant_name, u.source);
+        self.gpu_used
+            .get_or_create(&l)
+            .set(gauge_value(u.memory_used_bytes));
+        self.gpu_total
+            .get_or_create(&l)
+            .set(gauge_value(u.memory_total_bytes));
+        if let Some(p) = u.utilization_percent {
+            self.gpu_busy.get_or_create(&l).set(i64::from(p));
         }
     }
 
@@ -456,5 +600,71 @@ mod tests {
             text.contains("tenantvm_vm_cpu_seconds{tenant=\"carol\"} 1.5"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn disk_and_gpu_series_are_the_tenants_own_and_absent_when_unknown() {
+        let m = Metrics::default();
+        let disk = DiskCounters {
+            read_bytes: 4096,
+            write_bytes: 512,
+            read_ops: 8,
+            write_ops: 1,
+            flush_ops: 2,
+        };
+        m.sample_disk("alice", Some(disk));
+        m.sample_gpu(
+            "alice",
+            Some(SliceUsage {
+                memory_used_bytes: 1 << 30,
+                memory_total_bytes: 10 << 30,
+                utilization_percent: Some(37),
+                source: UsageSource::Simulated,
+            }),
+        );
+        m.sample_gpu(
+            "bob",
+            Some(SliceUsage {
+                memory_used_bytes: 5,
+                memory_total_bytes: 10,
+                utilization_percent: None,
+                source: UsageSource::Nvml,
+            }),
+        );
+        let alice = m.render(Some("alice"));
+        for line in [
+            "tenantvm_vm_disk_bytes{tenant=\"alice\",op=\"read\"} 4096",
+            "tenantvm_vm_disk_bytes{tenant=\"alice\",op=\"write\"} 512",
+            "tenantvm_vm_disk_operations{tenant=\"alice\",op=\"read\"} 8",
+            "tenantvm_vm_disk_operations{tenant=\"alice\",op=\"write\"} 1",
+            "tenantvm_vm_disk_operations{tenant=\"alice\",op=\"flush\"} 2",
+            "tenantvm_gpu_memory_used_bytes{tenant=\"alice\",source=\"simulated\"} 1073741824",
+            "tenantvm_gpu_memory_bytes{tenant=\"alice\",source=\"simulated\"} 10737418240",
+            "tenantvm_gpu_utilization_percent{tenant=\"alice\",source=\"simulated\"} 37",
+        ] {
+            assert!(alice.contains(line), "{line}\n{alice}");
+        }
+        assert!(
+            !alice.contains("bob") && !alice.contains("source=\"nvml\""),
+            "{alice}"
+        );
+        // No flush bytes: a flush moves none.
+        assert!(!alice.contains("disk_bytes{tenant=\"alice\",op=\"flush\"}"));
+        let bob = m.render(Some("bob"));
+        assert!(!bob.contains("alice"), "{bob}");
+        assert!(bob.contains("tenantvm_gpu_memory_used_bytes{tenant=\"bob\",source=\"nvml\"} 5"));
+        // NVML's MIG instance has no utilisation: absent, not 0.
+        assert!(!bob.contains("tenantvm_gpu_utilization_percent{"), "{bob}");
+        assert!(!bob.contains("tenantvm_vm_disk_bytes{"), "{bob}");
+        // A VMM that stops answering, a slice that goes: the series go, not stale figures.
+        m.sample_disk("alice", None);
+        m.sample_gpu("alice", None);
+        let alice = m.render(Some("alice"));
+        assert!(!alice.contains("tenant=\"alice\""), "{alice}");
+        // A new tenant under the name starts without them.
+        m.sample_disk("bob", Some(disk));
+        m.claim("bob", 1);
+        m.claim("bob", 2);
+        assert!(!m.render(Some("bob")).contains("tenant=\"bob\""));
     }
 }

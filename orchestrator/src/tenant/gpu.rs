@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use tenantvm_gpu::backend::{self as gpu_backend, BackendSpec, GpuBackend, GpuInfo};
+use tenantvm_gpu::backend::{self as gpu_backend, BackendSpec, GpuBackend, GpuInfo, SliceUsage};
 use tenantvm_gpu::host::Sysfs;
 use tenantvm_gpu::mig::MigProfile;
 use tenantvm_gpu::plan::place::{place_on_host, Held};
@@ -233,6 +233,28 @@ impl GpuPlanner for BackendPlanner {
 
     fn scrub(&self, placement: &GpuPlacement) -> Result<crate::scrub::ScrubOutcome, GpuPlanError> {
         crate::tenant::gpu_scrub::scrub(self.backend.as_ref(), placement)
+    }
+
+    fn usage(&self, placement: &GpuPlacement) -> Result<Option<SliceUsage>, GpuPlanError> {
+        let gpus = self.backend.gpus().map_err(plan_err)?;
+        let info = find_gpu(&gpus, &placement.gpu)
+            .ok_or_else(|| plan_err(format!("GPU {} is gone", placement.gpu)))?;
+        let gi_id = match self.mig_of(placement)? {
+            None => None,
+            Some((_, profile, start)) => Some(
+                info.instances
+                    .iter()
+                    .find(|i| i.profile_id == profile.id && i.start == start)
+                    .map(|i| i.gi_id)
+                    .ok_or_else(|| {
+                        plan_err(format!(
+                            "GPU {}: no instance {} (not made yet, or already released)",
+                            placement.gpu, placement.label
+                        ))
+                    })?,
+            ),
+        };
+        self.backend.usage(info.index, gi_id).map_err(plan_err)
     }
 
     fn release(&self, placement: &GpuPlacement) -> Result<(), GpuPlanError> {
@@ -487,5 +509,39 @@ mod tests {
             ..Default::default()
         };
         assert!(p.place("m", &bad, &[]).is_err());
+    }
+
+    #[test]
+    fn usage_is_read_for_the_placements_own_instance_and_labelled_simulated() {
+        use tenantvm_gpu::backend::UsageSource;
+        let dir = tempfile::tempdir().unwrap();
+        let p = sim_file(&dir, ONE_H100);
+        let a = p.place("a", &profile("1g.10gb"), &[]).unwrap();
+        let b = p
+            .place("b", &profile("1g.10gb"), std::slice::from_ref(&a))
+            .unwrap();
+        // Not made yet: an error, not somebody else's figures.
+        assert!(p.usage(&a).is_err());
+        p.materialize(&a).unwrap();
+        p.materialize(&b).unwrap();
+        // The simulated host says what b's instance uses; a's says nothing.
+        let path = dir.path().join("host.json");
+        let mut host: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let start_b: u64 = b.label.split_once('@').unwrap().1.parse().unwrap();
+        for i in host["gpus"][0]["instances"].as_array_mut().unwrap() {
+            if i["start"].as_u64() == Some(start_b) {
+                i["usage"] = serde_json::json!({"memory_used_mib": 512, "utilization_percent": 40});
+            }
+        }
+        std::fs::write(&path, host.to_string()).unwrap();
+        let ub = p.usage(&b).unwrap().unwrap();
+        assert_eq!(
+            (ub.memory_used_bytes, ub.utilization_percent, ub.source),
+            (512 << 20, Some(40), UsageSource::Simulated)
+        );
+        let ua = p.usage(&a).unwrap().unwrap();
+        assert_eq!((ua.memory_used_bytes, ua.utilization_percent), (0, Some(0)));
+        assert_eq!(ua.memory_total_bytes, ub.memory_total_bytes);
     }
 }

@@ -197,6 +197,15 @@ pub trait GpuPlanner: Send + Sync {
     fn restore_mig_off(&self, _gpu: &str) -> Result<MigRestore, GpuPlanError> {
         Ok(MigRestore::AlreadyOff)
     }
+
+    /// Memory and utilisation of the slice `placement` names, as the GPU backend reads them
+    /// (for the tenant's metrics); None from a planner without a backend that measures.
+    fn usage(
+        &self,
+        _placement: &GpuPlacement,
+    ) -> Result<Option<tenantvm_gpu::backend::SliceUsage>, GpuPlanError> {
+        Ok(None)
+    }
 }
 
 /// The planner of a daemon started with `--gpu-backend none`: every GPU request is refused.

@@ -14,8 +14,6 @@ use crate::tenant::admission::{Admission, Permit, Refused};
 use crate::tenant::context::{StepCtx, StepError, Tenant};
 use crate::tenant::steps::guest;
 
-/// Largest completion request forwarded to a guest (the API's own cap is larger).
-pub const MAX_INFER_BODY: usize = 16 * 1024;
 /// How long one inference may take in the guest.
 pub const INFER_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -28,6 +26,14 @@ pub enum InferError {
     /// The request itself is refused.
     #[error("Bad request: {0}")]
     BadRequest(String),
+    /// The request is larger than the tenant's `quotas.max_request_bytes`.
+    #[error("The request is {bytes} bytes; the tenant's quotas.max_request_bytes is {limit}")]
+    TooLarge {
+        /// The request's size (its JSON, as forwarded).
+        bytes: usize,
+        /// The tenant's limit.
+        limit: u32,
+    },
     /// The tenant is not running.
     #[error("Tenant {0:?} is not running; start it (`tenantvm start {0}`) and retry")]
     NotServing(String),
@@ -76,6 +82,16 @@ pub fn admit(ctx: &StepCtx<'_>, record: TenantRecord) -> Result<AdmittedInfer, I
     })
 }
 
+/// Refuses a request larger than the tenant's `quotas.max_request_bytes`: the front door's
+/// limit, held on the API's `infer` route too.
+pub fn check_size(record: &TenantRecord, bytes: usize) -> Result<(), InferError> {
+    let limit = record.spec.quotas.max_request_bytes;
+    if u64::try_from(bytes).unwrap_or(u64::MAX) > u64::from(limit) {
+        return Err(InferError::TooLarge { bytes, limit });
+    }
+    Ok(())
+}
+
 /// Forwards an admitted completion request to the tenant's payload (blocks until the guest
 /// answers or its deadline passes).
 pub fn forward(
@@ -88,6 +104,13 @@ pub fn forward(
         permit: _permit,
     } = admitted;
     let record = &record;
+    if !body.is_object() {
+        return Err(InferError::BadRequest(
+            "send a JSON object such as {\"prompt\": \"...\", \"max_tokens\": 16}".into(),
+        ));
+    }
+    let body = body.to_string();
+    check_size(record, body.len())?;
     let t = Tenant::load(ctx, record).map_err(|e| match e {
         StepError::Store(e) => InferError::Store(e),
         other => InferError::Unavailable(other.to_string()),
@@ -100,18 +123,6 @@ pub fn forward(
     }
     if record.state != LifecycleState::Running {
         return Err(InferError::NotServing(t.name.to_string()));
-    }
-    if !body.is_object() {
-        return Err(InferError::BadRequest(
-            "send a JSON object such as {\"prompt\": \"...\", \"max_tokens\": 16}".into(),
-        ));
-    }
-    let body = body.to_string();
-    if body.len() > MAX_INFER_BODY {
-        return Err(InferError::BadRequest(format!(
-            "the completion request is {} bytes; at most {MAX_INFER_BODY} are forwarded",
-            body.len()
-        )));
     }
     let vm =
         t.vm.as_ref()
@@ -254,7 +265,8 @@ pub fn forward_http(
     };
     let unavailable = |e: AgentClientError| InferError::Unavailable(e.to_string());
     let streams = guest::agent_endpoint(ctx.backend, vm).connection_per_request();
-    let mut agent = guest::connect(ctx.backend, vm, guest::CONNECT_TIMEOUT).map_err(unavailable)?;
+    let mut agent =
+        guest::connect_pipelined(ctx.backend, vm, guest::CONNECT_TIMEOUT).map_err(unavailable)?;
     if streams {
         let (head, body) = agent
             .infer_stream(http, STREAM_IDLE_TIMEOUT, Instant::now() + STREAM_TIMEOUT)

@@ -74,6 +74,14 @@ pub enum TenantServiceError {
     /// A request parameter is out of range.
     #[error("Bad request: {0}")]
     BadRequest(String),
+    /// A request body is larger than the tenant's `quotas.max_request_bytes`.
+    #[error("The request is {bytes} bytes; the tenant's quotas.max_request_bytes is {limit}: send a smaller one, or raise the quota")]
+    TooLarge {
+        /// The body's size.
+        bytes: usize,
+        /// The tenant's limit.
+        limit: u32,
+    },
     /// A re-scrub of a quarantined GPU slice was refused or could not run.
     #[error(transparent)]
     Rescrub(#[from] crate::tenant::departure::RescrubError),
@@ -509,7 +517,7 @@ impl TenantService {
         // Fail fast on what can be checked before anything is recorded. What runs in the
         // guest is decided here, once, and stored with the tenant.
         let guest = crate::tenant::image::guest_kind(&self.config, &spec);
-        crate::tenant::image::check_create(&self.config, &spec, guest)
+        crate::tenant::image::check_create(&self.config, &spec, guest, self.backend.kind())
             .map_err(|e| TenantServiceError::Image(e.to_string()))?;
         if spec.gpu.wants_gpu() {
             // A request this host could never meet (an unknown profile or model, a share of
@@ -803,6 +811,7 @@ impl From<InferError> for TenantServiceError {
         match e {
             InferError::Quota(r) => TenantServiceError::QuotaExceeded(r),
             InferError::BadRequest(m) => TenantServiceError::BadRequest(m),
+            InferError::TooLarge { bytes, limit } => TenantServiceError::TooLarge { bytes, limit },
             InferError::NotServing(n) => TenantServiceError::NotServing(n),
             InferError::Unavailable(m) => TenantServiceError::AgentUnavailable(m),
             InferError::Store(e) => TenantServiceError::Store(e),

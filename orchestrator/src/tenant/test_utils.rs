@@ -76,6 +76,8 @@ pub struct FakeHostState {
     pub foreign_cids: BTreeSet<u32>,
     /// The vsock CID each launch was given: (tenant, cid).
     pub launched_cids: Vec<(String, Option<u32>)>,
+    /// The disk counters each tenant's fake VMM reports (none: it reports none).
+    pub disk_counters: BTreeMap<String, crate::backend::DiskCounters>,
 }
 
 /// A fake host shared by [`FakeBackend`] and the fake jail cleaner.
@@ -189,6 +191,19 @@ impl VmBackend for FakeBackend {
     fn kill(&self, vm: &RunningVm) -> Result<(), BackendError> {
         self.0.state().processes.remove(&vm.pid);
         Ok(())
+    }
+
+    /// What the test set in [`FakeHostState::disk_counters`], while the fake process runs.
+    fn disk_counters(
+        &self,
+        vm: &RunningVm,
+        _timeout: Duration,
+    ) -> Result<Option<crate::backend::DiskCounters>, BackendError> {
+        let h = self.0.state();
+        if !h.processes.contains_key(&vm.pid) {
+            return Ok(None);
+        }
+        Ok(h.disk_counters.get(&vm.tenant).copied())
     }
 
     /// The fake host runs no guest: nothing listens there unless a test binds it.

@@ -7,6 +7,7 @@
 #   for the pushed model's marker (none; a plaintext copy as positive control), stop, start,
 #   both models again, destroy with its receipt checked
 # limit: 600
+# sets: ci
 . "$NH_LIB"
 need_kvm
 need_modules vhost_vsock dm_crypt loop

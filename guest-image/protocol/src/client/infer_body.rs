@@ -90,8 +90,47 @@ impl InferBody {
     }
 }
 
+impl InferBody {
+    /// The next data frame if it is already buffered whole (no read from the socket);
+    /// None when it is not, or when what is buffered is not a valid data frame (the next
+    /// [`io::Read::read`] then reports that).
+    fn buffered_frame(&mut self) -> Option<Vec<u8>> {
+        let header = self.client.decoder.peek_header().ok()??;
+        if header.len > MAX_DATA_LEN {
+            return None;
+        }
+        self.client
+            .decoder
+            .next_frame()
+            .ok()?
+            .map(|body| body.to_vec())
+    }
+}
+
 impl io::Read for InferBody {
+    /// The bytes of the next data frame, waiting for it if none is here; then, while
+    /// `out` has room, those of the frames already buffered whole behind it (pieces that
+    /// queued up while the reader was busy go on together).
     fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        let mut n = self.read_one(out)?;
+        while n > 0 && n < out.len() && !self.ended && self.pos >= self.frame.len() {
+            let Some(frame) = self.buffered_frame() else {
+                break;
+            };
+            self.ended = frame.is_empty();
+            self.frame = frame;
+            self.pos = 0;
+            let more = (out.len() - n).min(self.frame.len());
+            out[n..n + more].copy_from_slice(&self.frame[..more]);
+            self.pos = more;
+            n += more;
+        }
+        Ok(n)
+    }
+}
+
+impl InferBody {
+    fn read_one(&mut self, out: &mut [u8]) -> io::Result<usize> {
         while !self.ended && self.pos >= self.frame.len() {
             let frame = match self.next_frame() {
                 Ok(f) => f,

@@ -5,6 +5,9 @@
 
 pub mod nvml;
 pub mod sim;
+mod usage;
+
+pub use usage::{SliceUsage, UsageSource};
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -212,6 +215,11 @@ pub trait GpuBackend: Send + Sync {
     }
     /// Destroys the compute instances of a GPU instance, then the GPU instance.
     fn destroy_instance(&self, gpu: u32, gi_id: u32) -> Result<(), BackendError>;
+    /// Memory and utilisation of GPU `gpu` whole (`gi_id` None) or of its GPU instance
+    /// `gi_id`; None from a backend that does not measure them (the default).
+    fn usage(&self, _gpu: u32, _gi_id: Option<u32>) -> Result<Option<SliceUsage>, BackendError> {
+        Ok(None)
+    }
 }
 
 /// Which backend to use (`--gpu-backend`).

@@ -11,7 +11,7 @@ use std::mem::MaybeUninit;
 use nvml_wrapper::Nvml;
 use nvml_wrapper_sys::bindings as sys;
 
-use super::{BackendError, GpuBackend, GpuInfo, GpuInstance};
+use super::{BackendError, GpuBackend, GpuInfo, GpuInstance, SliceUsage, UsageSource};
 use crate::host::{vgpu_support, PciAddress, Sysfs};
 use crate::mig::{self, ReportedProfile, VgpuSupport};
 
@@ -444,6 +444,58 @@ impl GpuBackend for NvmlBackend {
         // SAFETY: `gi` is a live GPU instance handle with no compute instances left.
         let code = unsafe { lib.nvmlGpuInstanceDestroy(gi) };
         check("nvmlGpuInstanceDestroy", gpu, code)
+    }
+
+    /// A whole GPU: its memory and utilisation (`nvmlDeviceGetMemoryInfo_v2`,
+    /// `nvmlDeviceGetUtilizationRates`). A GPU instance: the memory of its MIG device
+    /// (found by GPU-instance id); NVML gives no utilisation for a MIG device, so none. A GPU
+    /// bound to vfio-pci for a VM is invisible to NVML: an error, and the caller reports
+    /// nothing.
+    fn usage(&self, gpu: u32, gi_id: Option<u32>) -> Result<Option<SliceUsage>, BackendError> {
+        let dev = self
+            .nvml
+            .device_by_index(gpu)
+            .map_err(|e| wrapper_error("nvmlDeviceGetHandleByIndex", gpu, e))?;
+        let Some(gi_id) = gi_id else {
+            let memory = dev
+                .memory_info()
+                .map_err(|e| wrapper_error("nvmlDeviceGetMemoryInfo", gpu, e))?;
+            let busy = dev.utilization_rates().ok().map(|u| u.gpu);
+            return Ok(Some(SliceUsage {
+                memory_used_bytes: memory.used,
+                memory_total_bytes: memory.total,
+                utilization_percent: busy,
+                source: UsageSource::Nvml,
+            }));
+        };
+        let max = dev
+            .mig_device_count()
+            .map_err(|e| wrapper_error("nvmlDeviceGetMaxMigDeviceCount", gpu, e))?;
+        for i in 0..max {
+            let Ok(mig) = dev.mig_device_by_index(i) else {
+                continue;
+            };
+            let mut id = 0u32;
+            // SAFETY: `mig` is a live MIG device handle from NVML; `id` is an out-integer.
+            let code = unsafe {
+                self.nvml
+                    .lib()
+                    .nvmlDeviceGetGpuInstanceId(mig.handle(), &mut id)
+            };
+            if code != sys::nvmlReturn_enum_NVML_SUCCESS || id != gi_id {
+                continue;
+            }
+            let memory = mig
+                .memory_info()
+                .map_err(|e| wrapper_error("nvmlDeviceGetMemoryInfo", gpu, e))?;
+            return Ok(Some(SliceUsage {
+                memory_used_bytes: memory.used,
+                memory_total_bytes: memory.total,
+                utilization_percent: None,
+                source: UsageSource::Nvml,
+            }));
+        }
+        Err(BackendError::NoSuchInstance { gpu, gi: gi_id })
     }
 }
 

@@ -59,14 +59,26 @@ pub fn connect(
 ) -> Result<AgentClient, AgentClientError> {
     let endpoint = agent_endpoint(backend, vm);
     let client = AgentClient::connect_checked(&endpoint, vm.uid, timeout)?;
-    if let AgentEndpoint::Vsock { cid, .. } = endpoint {
+    vsock_peer_alive(backend, vm, &endpoint)?;
+    Ok(client)
+}
+
+/// Over AF_VSOCK there are no peer credentials: the connection is the tenant's only while
+/// the VM the CID was given to still runs, which is checked after connecting (a CID is
+/// handed to another VM only after this one ends).
+fn vsock_peer_alive(
+    backend: &dyn VmBackend,
+    vm: &RunningVm,
+    endpoint: &AgentEndpoint,
+) -> Result<(), AgentClientError> {
+    if let AgentEndpoint::Vsock { cid, .. } = *endpoint {
         match backend.ended(vm) {
             Ok(None) => {}
             Ok(Some(_)) => return Err(vsock_peer_gone(cid, "the tenant's VM has ended")),
             Err(e) => return Err(vsock_peer_gone(cid, &e.to_string())),
         }
     }
-    Ok(client)
+    Ok(())
 }
 
 /// The error for a vsock connection whose CID is no longer proven to be the tenant's VM.
@@ -77,6 +89,21 @@ fn vsock_peer_gone(cid: u32, why: &str) -> AgentClientError {
             "{why}; the CID may belong to another VM now, so the connection was dropped unused"
         )),
     }
+}
+
+/// [`connect`] for one request sent at once: over hybrid vsock the request follows the
+/// `CONNECT` line without waiting for its `OK`, which is read (and checked, within
+/// `timeout`) before the answer ([`AgentClient::connect_checked_pipelined`]): one round
+/// trip to the guest less before the answer's first byte.
+pub fn connect_pipelined(
+    backend: &dyn VmBackend,
+    vm: &RunningVm,
+    timeout: Duration,
+) -> Result<AgentClient, AgentClientError> {
+    let endpoint = agent_endpoint(backend, vm);
+    let client = AgentClient::connect_checked_pipelined(&endpoint, vm.uid, timeout)?;
+    vsock_peer_alive(backend, vm, &endpoint)?;
+    Ok(client)
 }
 
 /// The VM of an agent step, or `None` for a tenant whose guest runs no agent.

@@ -99,7 +99,7 @@ pub fn launch(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepR
         .map_err(|e| StepError::failed(error_chain(&e)))?;
     let uid = t.uid()?;
     let (devices, uuid) = crate::tenant::steps::device::for_launch(ctx, t)?;
-    let boot = crate::tenant::image::boot_files(cfg, &t.spec, t.guest)
+    let boot = crate::tenant::image::boot_files(cfg, &t.spec, t.guest, ctx.backend.kind())
         .map_err(|e| StepError::failed(format!("guest image: {e}")))?;
     let spec = VmSpec {
         vsock_cid: None,

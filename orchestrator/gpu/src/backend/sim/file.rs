@@ -69,6 +69,22 @@ pub struct SimGpu {
     /// Existing GPU instances.
     #[serde(default)]
     pub instances: Vec<SimInstance>,
+    /// What the GPU, given whole, is said to use (none: nothing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<SimUsage>,
+}
+
+/// What a simulated GPU or instance is said to use: set by hand or by a test in the file,
+/// reported as [`crate::backend::UsageSource::Simulated`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimUsage {
+    /// Memory in use, MiB (at most the slice's memory).
+    #[serde(default)]
+    pub memory_used_mib: u64,
+    /// Engines busy, percent (0-100).
+    #[serde(default)]
+    pub utilization_percent: u32,
 }
 
 fn yes() -> bool {
@@ -98,6 +114,9 @@ pub struct SimInstance {
     /// The VF whose vGPU runs on it (set by the fake kernel when a type is written).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vgpu_vf: Option<String>,
+    /// What the instance is said to use (none: nothing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<SimUsage>,
 }
 
 fn parse_driver_major(v: &str) -> Option<u32> {
@@ -179,6 +198,21 @@ impl SimHost {
                     "GPU {} has instances but MIG is off or it is assigned whole",
                     g.index
                 ));
+            }
+            let usages = g.usage.iter().map(|u| (u, "the GPU".to_string())).chain(
+                g.instances.iter().filter_map(|i| {
+                    i.usage
+                        .as_ref()
+                        .map(|u| (u, format!("instance {}", i.gi_id)))
+                }),
+            );
+            for (u, what) in usages {
+                if u.utilization_percent > 100 {
+                    return Err(format!(
+                        "GPU {} {what}: utilization_percent {} is over 100",
+                        g.index, u.utilization_percent
+                    ));
+                }
             }
             let mut ids = std::collections::HashSet::new();
             if let Some(i) = g.instances.iter().find(|i| !ids.insert(i.gi_id)) {

@@ -25,9 +25,9 @@ use std::io::Write as _;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
-pub use file::{SimGpu, SimHost, SimInstance, SimVgpu};
+pub use file::{SimGpu, SimHost, SimInstance, SimUsage, SimVgpu};
 
-use super::{BackendError, GpuBackend, GpuInfo, GpuInstance};
+use super::{BackendError, GpuBackend, GpuInfo, GpuInstance, SliceUsage, UsageSource};
 use crate::mig::{GpuModel, PlacementError};
 
 /// The simulated backend.
@@ -339,6 +339,7 @@ impl GpuBackend for SimBackend {
                 in_use: false,
                 compute_instance: false,
                 vgpu_vf: None,
+                usage: None,
             });
             let gi = GpuInstance {
                 gi_id,
@@ -391,6 +392,40 @@ impl GpuBackend for SimBackend {
             }
             g.instances.remove(pos);
             Ok(((), Save::Yes))
+        })
+    }
+
+    /// What the file says the GPU or instance uses (nothing when it says nothing), capped
+    /// at the slice's memory, labelled [`UsageSource::Simulated`].
+    fn usage(&self, gpu: u32, gi_id: Option<u32>) -> Result<Option<SliceUsage>, BackendError> {
+        self.with_host(|h| {
+            let g = h.gpu_mut(gpu)?;
+            let model = model_of(g)?;
+            let (total_mib, said) = match gi_id {
+                None => (model.memory_mib, g.usage),
+                Some(gi) => {
+                    let i = g
+                        .instances
+                        .iter()
+                        .find(|i| i.gi_id == gi)
+                        .ok_or(BackendError::NoSuchInstance { gpu, gi })?;
+                    let p = model
+                        .profile(&i.profile)
+                        .map_err(|e| BackendError::SimFile {
+                            path: String::new(),
+                            detail: e.to_string(),
+                        })?;
+                    (p.memory_mib, i.usage)
+                }
+            };
+            let said = said.unwrap_or_default();
+            let usage = SliceUsage {
+                memory_used_bytes: said.memory_used_mib.min(total_mib) << 20,
+                memory_total_bytes: total_mib << 20,
+                utilization_percent: Some(said.utilization_percent),
+                source: UsageSource::Simulated,
+            };
+            Ok((Some(usage), Save::No))
         })
     }
 }

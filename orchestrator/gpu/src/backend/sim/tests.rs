@@ -101,3 +101,59 @@ fn invalid_files_are_refused_with_the_reason() {
     let e = SimBackend::open(&dir.path().join("missing.json")).unwrap_err();
     assert!(e.to_string().contains("cannot read"), "{e}");
 }
+
+#[test]
+fn usage_is_what_the_file_says_labelled_simulated() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = host_file(
+        dir.path(),
+        r#"{"gpus": [
+    {"index": 0, "model": "h100-80gb", "pci_address": "0000:18:00.0", "mig_enabled": true,
+     "instances": [{"gi_id": 1, "profile": "3g.40gb", "start": 0,
+                    "usage": {"memory_used_mib": 1024, "utilization_percent": 37}},
+                   {"gi_id": 2, "profile": "1g.10gb", "start": 6}]},
+    {"index": 1, "model": "h100-80gb", "pci_address": "0000:2a:00.0",
+     "usage": {"memory_used_mib": 999999, "utilization_percent": 5}}]}"#,
+    );
+    let b = SimBackend::open(&path).unwrap();
+    let u = b.usage(0, Some(1)).unwrap().unwrap();
+    assert_eq!(u.memory_used_bytes, 1024 << 20);
+    let h100 = crate::mig::model_by_key("h100-80gb").unwrap();
+    assert_eq!(
+        u.memory_total_bytes,
+        h100.profile("3g.40gb").unwrap().memory_mib << 20
+    );
+    assert_eq!(u.utilization_percent, Some(37));
+    assert_eq!(u.source, UsageSource::Simulated);
+    // An instance the file says nothing about uses nothing.
+    let idle = b.usage(0, Some(2)).unwrap().unwrap();
+    assert_eq!(
+        (idle.memory_used_bytes, idle.utilization_percent),
+        (0, Some(0))
+    );
+    // A whole GPU: never more than its memory.
+    let whole = b.usage(1, None).unwrap().unwrap();
+    assert_eq!(whole.memory_used_bytes, whole.memory_total_bytes);
+    assert_eq!(whole.utilization_percent, Some(5));
+    // No such instance, no such GPU.
+    assert!(matches!(
+        b.usage(0, Some(9)),
+        Err(BackendError::NoSuchInstance { gpu: 0, gi: 9 })
+    ));
+    assert!(b.usage(7, None).is_err());
+}
+
+#[test]
+fn a_usage_over_100_percent_is_refused_when_the_file_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = host_file(
+        dir.path(),
+        r#"{"gpus": [{"index": 0, "model": "h100-80gb", "pci_address": "0000:18:00.0",
+     "usage": {"utilization_percent": 101}}]}"#,
+    );
+    let e = SimBackend::open(&path)
+        .and_then(|b| b.gpus())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("utilization_percent 101 is over 100"), "{e}");
+}

@@ -1,0 +1,47 @@
+//! Reads what a tenant's VM and GPU slice report into its series, at scrape: the VM's
+//! cgroup (CPU, memory), its VMM's disk counters (control socket or QMP, within
+//! [`VMM_TIMEOUT`]: the VMM runs as the tenant, so a silent one costs its own scrape that
+//! much and no more), and its GPU slice's memory and utilisation from the GPU backend.
+//! What cannot be read is left absent (see [`super::Metrics::sample_disk`]).
+
+use std::time::Duration;
+
+use crate::store::TenantRecord;
+use crate::tenant::service::TenantService;
+
+/// How long a scrape waits for a VMM's counters.
+pub const VMM_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Samples `record`'s VM (if it has one) and GPU slice (if it holds one) into the metrics.
+/// Blocks (files, sockets, the store): call it off the async runtime.
+pub fn sample_tenant(svc: &TenantService, record: &TenantRecord) {
+    let metrics = svc.metrics();
+    let name = record.name.as_str();
+    metrics.claim(name, record.id);
+    let ctx = svc.ctx();
+    let vm = crate::tenant::context::Tenant::load(&ctx, record)
+        .ok()
+        .and_then(|t| t.vm);
+    let disk = vm.as_ref().and_then(|vm| {
+        metrics.sample_cgroup(name, &vm.cgroup);
+        ctx.backend
+            .disk_counters(vm, VMM_TIMEOUT)
+            .map_err(|e| tracing::debug!(tenant = %name, error = %e, "no disk counters"))
+            .ok()
+            .flatten()
+    });
+    metrics.sample_disk(name, disk);
+    let gpu = ctx
+        .store
+        .gpu_placement(record.id)
+        .ok()
+        .flatten()
+        .and_then(|placement| {
+            ctx.gpu
+                .usage(&placement)
+                .map_err(|e| tracing::debug!(tenant = %name, error = %e, "no GPU usage"))
+                .ok()
+                .flatten()
+        });
+    metrics.sample_gpu(name, gpu);
+}
