@@ -1,7 +1,9 @@
 //! `GET /v1/metrics`: the per-tenant metrics in the Prometheus text format
 //! ([`crate::metrics`]). The admin's token reads every tenant's series, a tenant's token its
 //! own only (a tenant's clients read the same with an inference key at the front door's
-//! `GET /metrics`). The VMs' cgroups are sampled first, on the request's own thread.
+//! `GET /metrics`). The VMs are sampled first, off the async runtime: all tenants at once for the admin
+//! ([`crate::metrics::sample::sample_tenants`]), so one silent VMM costs the scrape at most
+//! its deadline.
 
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -24,9 +26,8 @@ pub(super) async fn metrics(
         let store_error = |e| ApiError::from(TenantServiceError::Store(e));
         match caller {
             Caller::Admin => {
-                for t in svc.store().list_tenants(false).map_err(store_error)? {
-                    crate::frontdoor::sample_vm(&svc, &t);
-                }
+                let tenants = svc.store().list_tenants(false).map_err(store_error)?;
+                crate::metrics::sample::sample_tenants(&svc, &tenants);
                 Ok(svc.metrics().render(None))
             }
             Caller::Tenant(id) => {

@@ -148,3 +148,56 @@ async fn disk_and_gpu_series_reach_their_own_tenant_only() {
         "{bob}"
     );
 }
+
+/// Three tenants whose VMMs stop answering: the admin's scrape asks all three at once (each
+/// waits out its own deadline side by side), so silent VMMs cost the admin one deadline,
+/// not one each; the scrape still answers, without their disk series.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_admin_scrape_asks_silent_vmms_side_by_side() {
+    let h = Harness::new(FaultHook::default());
+    let admin_path = auth::ensure_admin_token(h.svc.store(), h.dir.path())
+        .unwrap()
+        .unwrap();
+    let admin = std::fs::read_to_string(admin_path)
+        .unwrap()
+        .trim()
+        .to_string();
+    let names = ["alice", "bob", "carol"];
+    for name in names {
+        let spec = json!({"name": name, "vcpus": 1, "memory_mib": 64,
+            "image": {"name": "hello"}});
+        let (status, body) = call(&h, "POST", "/v1/tenants", &admin, Some(spec.to_string())).await;
+        assert_eq!(
+            status,
+            StatusCode::ACCEPTED,
+            "{}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    let svc = h.svc.clone();
+    tokio::task::spawn_blocking(move || svc.wait_idle())
+        .await
+        .unwrap();
+    {
+        let mut state = h.host.state();
+        let pids: Vec<i32> = state.processes.keys().copied().collect();
+        assert_eq!(pids.len(), names.len(), "{:?}", state.processes);
+        state.stalled.extend(pids);
+    }
+    let all = metrics(&h, &admin).await;
+    let state = h.host.state();
+    assert_eq!(
+        state.disk_counters_most_waiting,
+        names.len(),
+        "the silent VMMs were asked one after another"
+    );
+    assert_eq!(state.disk_counters_waiting, 0);
+    drop(state);
+    for name in names {
+        assert!(
+            !all.contains(&format!("tenantvm_vm_disk_bytes{{tenant=\"{name}\"")),
+            "a silent VMM's disk series must be absent\n{all}"
+        );
+    }
+    h.host.state().stalled.clear();
+}

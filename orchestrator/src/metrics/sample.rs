@@ -12,6 +12,25 @@ use crate::tenant::service::TenantService;
 /// How long a scrape waits for a VMM's counters.
 pub const VMM_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// Samples every tenant in `records` at once, each on a thread of its own, so a scrape of
+/// all tenants waits for the slowest VMM ([`VMM_TIMEOUT`] at most), not for the sum of the
+/// silent ones: a tenant whose VMM stops answering cannot slow the admin's view of the
+/// others. Blocks: call it off the async runtime.
+pub fn sample_tenants(svc: &TenantService, records: &[TenantRecord]) {
+    std::thread::scope(|scope| {
+        for record in records {
+            let spawned = std::thread::Builder::new()
+                .name("tenantvm-sample".into())
+                .spawn_scoped(scope, move || sample_tenant(svc, record));
+            if let Err(e) = spawned {
+                // No thread to spare: this tenant is sampled here, in turn.
+                tracing::debug!(tenant = %record.name, error = %e, "sampling in turn");
+                sample_tenant(svc, record);
+            }
+        }
+    });
+}
+
 /// Samples `record`'s VM (if it has one) and GPU slice (if it holds one) into the metrics.
 /// Blocks (files, sockets, the store): call it off the async runtime.
 pub fn sample_tenant(svc: &TenantService, record: &TenantRecord) {

@@ -3,7 +3,7 @@
 //! orchestrator/tests/ use the real VMM and cgroups instead.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -78,6 +78,10 @@ pub struct FakeHostState {
     pub launched_cids: Vec<(String, Option<u32>)>,
     /// The disk counters each tenant's fake VMM reports (none: it reports none).
     pub disk_counters: BTreeMap<String, crate::backend::DiskCounters>,
+    /// `disk_counters` calls now waiting on a stalled VMM, and the most seen at once.
+    pub disk_counters_waiting: usize,
+    /// The most `disk_counters` calls seen waiting on stalled VMMs at once.
+    pub disk_counters_most_waiting: usize,
 }
 
 /// A fake host shared by [`FakeBackend`] and the fake jail cleaner.
@@ -194,11 +198,31 @@ impl VmBackend for FakeBackend {
     }
 
     /// What the test set in [`FakeHostState::disk_counters`], while the fake process runs.
+    /// A stalled process answers nothing: the call waits out `timeout` (or until the
+    /// process is no longer stalled) and fails, counted in
+    /// [`FakeHostState::disk_counters_most_waiting`].
     fn disk_counters(
         &self,
         vm: &RunningVm,
-        _timeout: Duration,
+        timeout: Duration,
     ) -> Result<Option<crate::backend::DiskCounters>, BackendError> {
+        if self.0.state().stalled.contains(&vm.pid) {
+            {
+                let mut h = self.0.state();
+                h.disk_counters_waiting += 1;
+                h.disk_counters_most_waiting =
+                    h.disk_counters_most_waiting.max(h.disk_counters_waiting);
+            }
+            let until = std::time::Instant::now() + timeout;
+            while self.0.state().stalled.contains(&vm.pid) && std::time::Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            self.0.state().disk_counters_waiting -= 1;
+            return Err(BackendError::Control {
+                path: PathBuf::from("fake-control.sock"),
+                message: format!("no answer within {timeout:?}"),
+            });
+        }
         let h = self.0.state();
         if !h.processes.contains_key(&vm.pid) {
             return Ok(None);
