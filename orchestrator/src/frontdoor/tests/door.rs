@@ -1,0 +1,261 @@
+//! A running front door for the tests: a real TLS listener on a TCP port over a harness
+//! whose tenants are served by the fake guests of [`super::guests`], and a minimal HTTP/1.1
+//! client over rustls that speaks to it as an OpenAI client would.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::guests::{serve_guest, Guests};
+use super::peercred;
+use crate::auth::Caller;
+use crate::domain::spec::TenantSpec;
+use crate::tenant::fault::FaultHook;
+use crate::tenant::service::TenantCommand;
+use crate::tenant::test_utils::Harness;
+
+/// A running front door over a harness with tenants `alice` and `bob`, each with a key.
+pub(super) struct Door {
+    _rt: tokio::runtime::Runtime,
+    pub(super) h: Harness,
+    pub(super) addr: SocketAddr,
+    pub(super) client: Arc<rustls::ClientConfig>,
+    pub(super) keys: HashMap<&'static str, String>,
+    pub(super) guests: Arc<Guests>,
+}
+
+pub(super) fn door(quotas: &[(&'static str, &str)]) -> Option<Door> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        tenantvm_skip::record_skip!("needs root to serve agent sockets as tenant uids");
+        return None;
+    }
+    let h = Harness::new(FaultHook::default());
+    h.host.state().agent_vsock = true;
+    let guests = Arc::new(Guests::default());
+    let mut keys = HashMap::new();
+    for (name, q) in quotas {
+        let spec = TenantSpec::from_toml(&format!(
+            "name = \"{name}\"\n[image]\nname = \"hello\"\n[quotas]\n{q}\n"
+        ))
+        .unwrap();
+        h.svc
+            .execute(&Caller::Admin, TenantCommand::Create(spec))
+            .unwrap();
+    }
+    h.svc.wait_idle();
+    for (name, _) in quotas {
+        let t = h.svc.store().tenant(name).unwrap().unwrap();
+        h.svc
+            .store()
+            .set_guest(t.id, crate::domain::GuestKind::Agent)
+            .unwrap();
+        let ctx = h.svc.ctx();
+        let vm = crate::tenant::context::Tenant::load(&ctx, &t)
+            .unwrap()
+            .vm
+            .unwrap();
+        let sock = crate::tenant::steps::guest::agent_endpoint(ctx.backend, &vm)
+            .path()
+            .expect("a socket endpoint")
+            .to_path_buf();
+        std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
+        serve_guest(
+            name.to_string(),
+            peercred::listen_as(&sock, vm.uid).unwrap(),
+            guests.clone(),
+        );
+        let (key, _, _) = crate::frontdoor::keys::create(h.svc.store(), t.id).unwrap();
+        keys.insert(*name, key);
+    }
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let (cert_pem, key_pem) = (h.dir.path().join("cert.pem"), h.dir.path().join("key.pem"));
+    std::fs::write(&cert_pem, cert.cert.pem()).unwrap();
+    std::fs::write(&key_pem, cert.key_pair.serialize_pem()).unwrap();
+    let tls = crate::frontdoor::tls_config(&cert_pem, &key_pem).unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(cert.cert.der().clone()).unwrap();
+    let client = Arc::new(
+        rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth(),
+    );
+    let rt = crate::daemon::runtime().unwrap();
+    let listener = rt
+        .block_on(crate::frontdoor::bind("127.0.0.1:0".parse().unwrap()))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    rt.spawn(crate::frontdoor::serve(
+        listener,
+        tls,
+        h.svc.clone(),
+        std::future::pending(),
+    ));
+    Some(Door {
+        _rt: rt,
+        h,
+        addr,
+        client,
+        keys,
+        guests,
+    })
+}
+
+pub(super) type Tls = rustls::StreamOwned<rustls::ClientConnection, TcpStream>;
+
+/// A response read as far as its head; the body is read with [`Response::body`] or
+/// piece by piece with [`Response::next_chunk`].
+pub(super) struct Response {
+    pub(super) status: u16,
+    headers: Vec<(String, String)>,
+    r: BufReader<Tls>,
+}
+
+impl Response {
+    pub(super) fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The next chunk of a chunked body (None at its end).
+    pub(super) fn next_chunk(&mut self) -> Option<Vec<u8>> {
+        let mut line = String::new();
+        self.r.read_line(&mut line).ok()?;
+        let size = usize::from_str_radix(line.trim(), 16).ok()?;
+        let mut data = vec![0u8; size + 2];
+        self.r.read_exact(&mut data).ok()?;
+        data.truncate(size);
+        (size > 0).then_some(data)
+    }
+
+    pub(super) fn body(mut self) -> Vec<u8> {
+        if let Some(len) = self.header("content-length") {
+            let mut data = vec![0u8; len.parse().unwrap()];
+            self.r.read_exact(&mut data).unwrap();
+            return data;
+        }
+        let mut all = Vec::new();
+        while let Some(c) = self.next_chunk() {
+            all.extend(c);
+        }
+        all
+    }
+
+    pub(super) fn json(self) -> Value {
+        serde_json::from_slice(&self.body()).unwrap()
+    }
+}
+
+impl Door {
+    pub(super) fn connect(&self) -> Tls {
+        let tcp = TcpStream::connect(self.addr).unwrap();
+        tcp.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let conn =
+            rustls::ClientConnection::new(self.client.clone(), "localhost".try_into().unwrap())
+                .unwrap();
+        rustls::StreamOwned::new(conn, tcp)
+    }
+
+    pub(super) fn send(
+        &self,
+        method: &str,
+        path: &str,
+        key: Option<&str>,
+        body: Option<&[u8]>,
+    ) -> Response {
+        let mut s = self.connect();
+        let mut head =
+            format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
+        if let Some(k) = key {
+            head.push_str(&format!("Authorization: Bearer {k}\r\n"));
+        }
+        if let Some(b) = body {
+            head.push_str(&format!(
+                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                b.len()
+            ));
+        }
+        head.push_str("\r\n");
+        s.write_all(head.as_bytes()).unwrap();
+        if let Some(b) = body {
+            s.write_all(b).unwrap();
+        }
+        s.flush().unwrap();
+        let mut r = BufReader::new(s);
+        let mut status_line = String::new();
+        r.read_line(&mut status_line).unwrap();
+        let status: u16 = status_line.split(' ').nth(1).unwrap().parse().unwrap();
+        let mut headers = Vec::new();
+        loop {
+            let mut line = String::new();
+            r.read_line(&mut line).unwrap();
+            let line = line.trim_end();
+            if line.is_empty() {
+                break;
+            }
+            let (n, v) = line.split_once(':').unwrap();
+            headers.push((n.to_string(), v.trim().to_string()));
+        }
+        Response { status, headers, r }
+    }
+
+    pub(super) fn post(&self, path: &str, tenant: &str, body: Value) -> Response {
+        self.send(
+            "POST",
+            path,
+            Some(&self.keys[tenant]),
+            Some(body.to_string().as_bytes()),
+        )
+    }
+}
+
+pub(super) fn error_code(v: &Value) -> &str {
+    v["error"]["code"].as_str().unwrap_or("")
+}
+
+/// A client of a running door from another thread.
+pub(super) struct Detached {
+    addr: SocketAddr,
+    client: Arc<rustls::ClientConfig>,
+    key: String,
+}
+
+impl Door {
+    pub(super) fn detached(
+        (addr, client, key): (SocketAddr, Arc<rustls::ClientConfig>, String),
+    ) -> Detached {
+        Detached { addr, client, key }
+    }
+}
+
+impl Detached {
+    pub(super) fn status_of(&self, path: &str, body: &str) -> u16 {
+        let tcp = TcpStream::connect(self.addr).unwrap();
+        tcp.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let conn =
+            rustls::ClientConnection::new(self.client.clone(), "localhost".try_into().unwrap())
+                .unwrap();
+        let mut s = rustls::StreamOwned::new(conn, tcp);
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            self.key,
+            body.len()
+        )
+        .unwrap();
+        s.flush().unwrap();
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line).unwrap();
+        line.split(' ').nth(1).unwrap().parse().unwrap()
+    }
+}
