@@ -160,7 +160,7 @@ impl VerifyArgs {
         if self.prefix_words < 20 || self.prefix_words > max_words {
             return Err(fail(
                 exit::INVALID,
-                format!("--prefix-words must be between 20 and {max_words} (the gateway forwards at most 16 KiB of prompt)"),
+                format!("--prefix-words must be between 20 and {max_words} (the range the prefix-cache check is calibrated in)"),
             ));
         }
         if self.latency_samples < 2

@@ -37,8 +37,13 @@ pub struct PrefixCacheCheck;
 const PROBE_RATE: u32 = 1000;
 /// Letters of a random word (17,576 distinct words: a fresh prompt never repeats a block).
 const WORD_LETTERS: usize = 3;
-/// Most words a probe prompt may have: the gateway forwards at most 16 KiB of request body,
-/// and a word costs four bytes.
+/// Most words a probe prompt may have. Request size does not set it: the admin infer route
+/// takes a body up to the probe tenant's `quotas.max_request_bytes` (1 MiB by default, which
+/// the probe tenants keep), and a word costs four bytes, so 3,500 words are about 14 KB. The
+/// bound is the range the check has been run and calibrated in (docs/verify.md's live runs
+/// used up to 3,400 words), which also keeps a prompt inside an 8k-token model context on a
+/// real payload (a random three-letter word is one or two tokens). Raising it is a change to
+/// measure, not a size limit to follow.
 pub const MAX_PREFIX_WORDS: usize = 3500;
 /// How long one sample may wait out a rate refusal.
 const PACE_WITHIN: std::time::Duration = std::time::Duration::from_secs(30);
