@@ -4,33 +4,13 @@
 
 mod support;
 
-use std::path::Path;
 use std::process::{Command, Output};
 
+use support::cli::{tenantvm, text};
 use support::daemon::{self, TestDaemon};
-
-fn tenantvm(d: &TestDaemon, token_file: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tenantvm"))
-        .arg("--socket")
-        .arg(d.socket())
-        .arg("--token-file")
-        .arg(token_file)
-        .args(args)
-        .env_remove("TENANTVM_TOKEN")
-        .output()
-        .unwrap()
-}
 
 fn code(o: &Output) -> i32 {
     o.status.code().expect("exited")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 #[test]
@@ -40,7 +20,7 @@ fn cli_commands_work_and_failures_have_distinct_exit_statuses() {
     }
     let mut d = TestDaemon::new();
     d.start(None);
-    let admin = d.state_dir().join("admin.token");
+    let admin = d.admin_token_file();
     let name = daemon::unique("cli");
     let spec = d.dir.path().join("t.toml");
     std::fs::write(

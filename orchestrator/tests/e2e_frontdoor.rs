@@ -6,75 +6,17 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::Path;
-use std::process::{Command, Output};
-use std::sync::Arc;
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::time::Duration;
 
+use support::cli::{tenantvm, text};
 use support::daemon::{self, TestDaemon};
+use support::tls::FrontDoorTls;
 
-fn tenantvm(d: &TestDaemon, token_file: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tenantvm"))
-        .arg("--socket")
-        .arg(d.socket())
-        .arg("--token-file")
-        .arg(token_file)
-        .args(args)
-        .env_remove("TENANTVM_TOKEN")
-        .output()
-        .unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-/// One HTTPS request; the status and the JSON body.
-fn https(
-    addr: SocketAddr,
-    client: &Arc<rustls::ClientConfig>,
-    path: &str,
-    key: Option<&str>,
-) -> (u16, serde_json::Value) {
-    let tcp = TcpStream::connect(addr).unwrap();
-    tcp.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    let conn =
-        rustls::ClientConnection::new(client.clone(), "localhost".try_into().unwrap()).unwrap();
-    let mut s = rustls::StreamOwned::new(conn, tcp);
-    let auth = key
-        .map(|k| format!("Authorization: Bearer {k}\r\n"))
-        .unwrap_or_default();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n{auth}\r\n"
-    )
-    .unwrap();
-    s.flush().unwrap();
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    r.read_line(&mut line).unwrap();
-    let status = line.split(' ').nth(1).unwrap().parse().unwrap();
-    let mut len = 0;
-    loop {
-        let mut h = String::new();
-        r.read_line(&mut h).unwrap();
-        if h.trim().is_empty() {
-            break;
-        }
-        if let Some((n, v)) = h.split_once(':') {
-            if n.eq_ignore_ascii_case("content-length") {
-                len = v.trim().parse().unwrap();
-            }
-        }
-    }
-    let mut body = vec![0u8; len];
-    r.read_exact(&mut body).unwrap();
+/// One HTTPS `GET` with `key`; the status and the JSON body.
+fn get(door: &FrontDoorTls, path: &str, key: Option<&str>) -> (u16, serde_json::Value) {
+    let (status, body) = door.request(path, key, None, Duration::from_secs(30));
     (status, serde_json::from_slice(&body).unwrap())
 }
 
@@ -83,39 +25,12 @@ fn keys_from_the_cli_open_the_tls_front_door_until_revoked_or_departed() {
     if daemon::should_skip("keys_from_the_cli_open_the_tls_front_door_until_revoked_or_departed") {
         return;
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
-    let certs = tempfile::tempdir().unwrap();
-    let (cert_pem, key_pem) = (certs.path().join("c.pem"), certs.path().join("k.pem"));
-    std::fs::write(&cert_pem, cert.cert.pem()).unwrap();
-    std::fs::write(&key_pem, cert.key_pair.serialize_pem()).unwrap();
-    let mut d = TestDaemon::new().with_args(&[
-        "--listen",
-        &addr.to_string(),
-        "--tls-cert",
-        cert_pem.to_str().unwrap(),
-        "--tls-key",
-        key_pem.to_str().unwrap(),
-    ]);
+    let door = FrontDoorTls::new();
+    let addr = door.addr;
+    let mut d = TestDaemon::new().with_front_door(&door);
     d.start(None);
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(cert.cert.der().clone()).unwrap();
-    let client = Arc::new(
-        rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth(),
-    );
 
-    let admin = d.state_dir().join("admin.token");
+    let admin = d.admin_token_file();
     let name = daemon::unique("door");
     let tok = d.dir.path().join("t.token");
     let o = tenantvm(
@@ -151,10 +66,10 @@ fn keys_from_the_cli_open_the_tls_front_door_until_revoked_or_departed() {
 
     // Over TLS: the key passes (the idle guest has no inference server: a clear 400 in
     // OpenAI's shape); no key, and the key as an API token, are refused.
-    let (s, v) = https(addr, &client, "/v1/models", Some(&key));
+    let (s, v) = get(&door, "/v1/models", Some(&key));
     assert_eq!(s, 400, "{v}");
     assert_eq!(v["error"]["type"], "invalid_request_error");
-    let (s, v) = https(addr, &client, "/v1/models", None);
+    let (s, v) = get(&door, "/v1/models", None);
     assert_eq!(
         (s, v["error"]["code"].as_str()),
         (401, Some("invalid_api_key"))
@@ -202,7 +117,7 @@ fn keys_from_the_cli_open_the_tls_front_door_until_revoked_or_departed() {
     // Revoked: refused at once; revoking again, or another tenant's, is "not found" (5).
     let o = tenantvm(&d, &tok, &["key", "revoke", &name, &id]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    assert_eq!(https(addr, &client, "/v1/models", Some(&key)).0, 401);
+    assert_eq!(get(&door, "/v1/models", Some(&key)).0, 401);
     let o = tenantvm(&d, &tok, &["key", "revoke", &name, &id]);
     assert_eq!(o.status.code(), Some(5), "{}", text(&o));
     let o = tenantvm(&d, &admin, &["key", "create", "nobody"]);
@@ -214,10 +129,10 @@ fn keys_from_the_cli_open_the_tls_front_door_until_revoked_or_departed() {
         .unwrap()
         .trim()
         .to_string();
-    assert_eq!(https(addr, &client, "/v1/models", Some(&second)).0, 400);
+    assert_eq!(get(&door, "/v1/models", Some(&second)).0, 400);
     let o = tenantvm(&d, &admin, &["destroy", &name]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    assert_eq!(https(addr, &client, "/v1/models", Some(&second)).0, 401);
+    assert_eq!(get(&door, "/v1/models", Some(&second)).0, 401);
     let o = tenantvm(&d, &admin, &["receipt", "show", &name, "--json"]);
     assert!(
         text(&o).contains("1 inference key(s) revoked, none left live"),

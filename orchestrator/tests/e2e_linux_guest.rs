@@ -17,27 +17,15 @@
 mod departure_common;
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
 use tenantvm_agent_protocol::{AgentClient, AgentEndpoint};
 
 use departure_common::{cli, ok, text};
 use support::daemon::{self, TestDaemon};
+use support::guest_image::{file_contains, have, image_set, image_set_missing, install_image};
 use tenantvm::receipt::{DepartureStep, StepResult};
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn have(tool: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
 
 fn skip_reason() -> Option<String> {
     // SAFETY: geteuid has no preconditions and touches no memory.
@@ -47,74 +35,7 @@ fn skip_reason() -> Option<String> {
     if !have("qemu-system-x86_64") {
         return Some("qemu-system-x86_64 is not installed (run scripts/setup.sh)".into());
     }
-    if std::env::var_os("TENANTVM_GUEST_IMAGE").is_none() {
-        if !repo_root().join(".cache/kernel/vmlinuz").is_file() {
-            return Some(".cache/kernel/vmlinuz is missing (run scripts/setup.sh)".into());
-        }
-        for tool in ["cpio", "depmod", "busybox", "cryptsetup", "mke2fs"] {
-            if !have(tool) {
-                return Some(format!("{tool} is not installed (run scripts/setup.sh)"));
-            }
-        }
-    }
-    if !have("python3") {
-        return Some("python3 is missing (the test daemon writes the idle guest)".into());
-    }
-    None
-}
-
-/// The image set to boot: `TENANTVM_GUEST_IMAGE`, or target/guest-image-test (built if
-/// it is not there or fails its manifest check).
-fn image_set() -> PathBuf {
-    if let Some(dir) = std::env::var_os("TENANTVM_GUEST_IMAGE") {
-        return PathBuf::from(dir);
-    }
-    let out = repo_root().join("target/guest-image-test");
-    if tenantvm_agent_protocol::ImageSet::open(&out).is_ok() {
-        eprintln!("reusing the image set in {}", out.display());
-        return out;
-    }
-    let started = Instant::now();
-    let status = Command::new(repo_root().join("guest-image/build.sh"))
-        .arg(&out)
-        .env("SOURCE_DATE_EPOCH", "1700000000")
-        .status()
-        .expect("running guest-image/build.sh");
-    assert!(status.success(), "guest-image/build.sh failed: {status}");
-    eprintln!("image build took {:.1} s", started.elapsed().as_secs_f64());
-    out
-}
-
-/// Copies the boot files and manifest of `set` to `<image dir>/<name>`.
-fn install_image(set: &Path, image_dir: &Path, name: &str) {
-    let dst = image_dir.join(name);
-    std::fs::create_dir_all(&dst).unwrap();
-    // vmlinuz for QEMU, vmlinux for tenantvm-vmm (TENANTVM_E2E_BACKEND=vmm).
-    for f in [
-        "vmlinuz",
-        "vmlinux",
-        "initramfs.cpio.gz",
-        "cmdline",
-        "manifest.json",
-    ] {
-        std::fs::copy(set.join(f), dst.join(f))
-            .unwrap_or_else(|e| panic!("{}: {e}", set.join(f).display()));
-    }
-}
-
-/// Whether `file` holds `needle` anywhere (grep reads a sparse GiB in a second; a debug
-/// build's byte loop would take minutes).
-fn file_contains(file: &Path, needle: &str) -> bool {
-    let status = Command::new("grep")
-        .args(["-q", "-a", "-F", "--", needle])
-        .arg(file)
-        .status()
-        .expect("running grep");
-    match status.code() {
-        Some(0) => true,
-        Some(1) => false,
-        _ => panic!("grep failed on {}: {status}", file.display()),
-    }
+    image_set_missing()
 }
 
 /// The daemon's log without terminal colour sequences (`ESC [ ... m`).

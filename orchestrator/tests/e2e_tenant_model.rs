@@ -14,26 +14,14 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use support::cli::{must, tenantvm};
 use support::daemon::{self, TestDaemon};
+use support::guest_image::{file_contains, image_set, image_set_missing, install_image};
 
 /// A word only the pushed model's corpus holds.
 const MARKER: &str = "quokkazanzibarmarker";
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn have(tool: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
 
 fn skip_reason() -> Option<String> {
     if std::env::var("TENANTVM_E2E_BACKEND").as_deref() != Ok("vmm") {
@@ -45,77 +33,7 @@ fn skip_reason() -> Option<String> {
     if unsafe { libc::geteuid() } != 0 {
         return Some("needs root (jails set uids, cgroups and namespaces)".into());
     }
-    if std::env::var_os("TENANTVM_GUEST_IMAGE").is_none() {
-        if !repo_root().join(".cache/kernel/vmlinuz").is_file() {
-            return Some(".cache/kernel/vmlinuz is missing (run scripts/setup.sh)".into());
-        }
-        for tool in ["cpio", "depmod", "busybox", "cryptsetup", "mke2fs"] {
-            if !have(tool) {
-                return Some(format!("{tool} is not installed (run scripts/setup.sh)"));
-            }
-        }
-    }
-    if !have("python3") {
-        return Some("python3 is missing (the test daemon writes the idle guest)".into());
-    }
-    None
-}
-
-/// The image set: `TENANTVM_GUEST_IMAGE`, or target/guest-image-test (the directory
-/// e2e_linux_guest builds and reuses; built here when absent or broken).
-fn image_set() -> PathBuf {
-    if let Some(dir) = std::env::var_os("TENANTVM_GUEST_IMAGE") {
-        return PathBuf::from(dir);
-    }
-    let out = repo_root().join("target/guest-image-test");
-    if tenantvm_agent_protocol::ImageSet::open(&out).is_ok() {
-        return out;
-    }
-    let status = Command::new(repo_root().join("guest-image/build.sh"))
-        .arg(&out)
-        .env("SOURCE_DATE_EPOCH", "1700000000")
-        .status()
-        .expect("running guest-image/build.sh");
-    assert!(status.success(), "guest-image/build.sh failed: {status}");
-    out
-}
-
-/// Whether `file` holds `needle` anywhere (grep reads a sparse GiB in a second).
-fn file_contains(file: &Path, needle: &str) -> bool {
-    let status = Command::new("grep")
-        .args(["-q", "-a", "-F", "--", needle])
-        .arg(file)
-        .status()
-        .expect("running grep");
-    match status.code() {
-        Some(0) => true,
-        Some(1) => false,
-        _ => panic!("grep failed on {}: {status}", file.display()),
-    }
-}
-
-fn cli(d: &TestDaemon, token: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tenantvm"))
-        .arg("--socket")
-        .arg(d.socket())
-        .arg("--token-file")
-        .arg(token)
-        .args(args)
-        .env_remove("TENANTVM_TOKEN")
-        .output()
-        .unwrap()
-}
-
-fn must(o: Output, what: &str, d: &TestDaemon) -> Output {
-    assert!(
-        o.status.success(),
-        "{what}: {:?}\n{}{}\n--- daemon ---\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr),
-        d.log()
-    );
-    o
+    image_set_missing()
 }
 
 /// A greedy completion by `model` through the daemon's inference route.
@@ -163,19 +81,9 @@ fn a_pushed_model_changes_the_completions_and_never_reaches_the_host_in_plaintex
         "--stop-grace-s",
         "30",
     ]);
-    let dst = d.dir.path().join("img").join("linux");
-    std::fs::create_dir_all(&dst).unwrap();
-    for f in [
-        "vmlinuz",
-        "vmlinux",
-        "initramfs.cpio.gz",
-        "cmdline",
-        "manifest.json",
-    ] {
-        std::fs::copy(set.join(f), dst.join(f)).unwrap();
-    }
+    install_image(&set, &d.dir.path().join("img"), "linux");
     d.start(None);
-    let admin = d.state_dir().join("admin.token");
+    let admin = d.admin_token_file();
     let name = daemon::unique("mdl");
     let spec = d.dir.path().join("t.toml");
     std::fs::write(
@@ -188,7 +96,7 @@ fn a_pushed_model_changes_the_completions_and_never_reaches_the_host_in_plaintex
     let token_file = d.dir.path().join("t.token");
     let started = Instant::now();
     must(
-        cli(
+        tenantvm(
             &d,
             &admin,
             &[
@@ -230,7 +138,7 @@ fn a_pushed_model_changes_the_completions_and_never_reaches_the_host_in_plaintex
     let file = d.dir.path().join("harbour.json");
     std::fs::write(&file, serde_json::to_vec(&model).unwrap()).unwrap();
     must(
-        cli(
+        tenantvm(
             &d,
             &token_file,
             &[
@@ -246,7 +154,7 @@ fn a_pushed_model_changes_the_completions_and_never_reaches_the_host_in_plaintex
         &d,
     );
     let listed = must(
-        cli(&d, &token_file, &["model", "list", &name, "--json"]),
+        tenantvm(&d, &token_file, &["model", "list", &name, "--json"]),
         "model list",
         &d,
     );
@@ -293,7 +201,7 @@ fn a_pushed_model_changes_the_completions_and_never_reaches_the_host_in_plaintex
 
     // Removed: the name is refused again.
     must(
-        cli(&d, &token_file, &["model", "rm", &name, "harbour"]),
+        tenantvm(&d, &token_file, &["model", "rm", &name, "harbour"]),
         "model rm",
         &d,
     );
@@ -303,7 +211,7 @@ fn a_pushed_model_changes_the_completions_and_never_reaches_the_host_in_plaintex
         std::thread::sleep(Duration::from_millis(500));
     }
     must(
-        cli(&d, &admin, &["destroy", &name, "--timeout-s", "600"]),
+        tenantvm(&d, &admin, &["destroy", &name, "--timeout-s", "600"]),
         "destroy",
         &d,
     );

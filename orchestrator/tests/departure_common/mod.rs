@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use tenantvm::keys::{HostKek, KekSource, KeyStore};
 
@@ -20,41 +20,26 @@ pub fn qemu_missing() -> Option<String> {
         .then(|| format!("{QEMU} is not installed (apt-get install qemu-system-x86)"))
 }
 
-/// Runs `tenantvm` with the admin token (or `token_file`) against the daemon.
-pub fn cli(d: &TestDaemon, token_file: Option<&Path>, args: &[&str]) -> Output {
-    let admin = d.state_dir().join("admin.token");
-    Command::new(env!("CARGO_BIN_EXE_tenantvm"))
-        .arg("--socket")
-        .arg(d.socket())
-        .arg("--token-file")
-        .arg(token_file.unwrap_or(&admin))
-        .args(args)
-        .env_remove("TENANTVM_TOKEN")
-        .env_remove("TENANTVM_AUDIT_LOG")
-        .env_remove("TENANTVM_RECEIPT_PUBKEY")
-        .output()
-        .unwrap()
-}
-
 /// stdout and stderr together.
 pub fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+    crate::support::cli::text(o)
 }
 
 /// Asserts the command succeeded.
 pub fn ok(o: Output, what: &str, d: &TestDaemon) -> Output {
-    assert!(
-        o.status.success(),
-        "{what}: {:?}\n{}\n--- daemon ---\n{}",
-        o.status,
-        text(&o),
-        d.log()
-    );
-    o
+    crate::support::cli::must(o, what, d)
+}
+
+/// Runs `tenantvm` with the admin token (or `token_file`) against the daemon, without the
+/// audit-log and receipt-key variables of the caller's environment.
+pub fn cli(d: &TestDaemon, token_file: Option<&Path>, args: &[&str]) -> Output {
+    let admin = d.admin_token_file();
+    crate::support::cli::command(d, token_file.unwrap_or(&admin))
+        .args(args)
+        .env_remove("TENANTVM_AUDIT_LOG")
+        .env_remove("TENANTVM_RECEIPT_PUBKEY")
+        .output()
+        .unwrap()
 }
 
 /// Writes a spec file and creates the tenant (the idle guest) through the CLI, waiting until

@@ -282,9 +282,14 @@ impl TestDaemon {
         }
     }
 
+    /// The file the daemon wrote the admin token to (for `--token-file`).
+    pub fn admin_token_file(&self) -> PathBuf {
+        self.state_dir().join("admin.token")
+    }
+
     /// The admin token.
     pub fn admin_token(&self) -> String {
-        fs::read_to_string(self.state_dir().join("admin.token"))
+        fs::read_to_string(self.admin_token_file())
             .unwrap()
             .trim()
             .to_string()

@@ -1,5 +1,10 @@
-//! Fixtures shared by the control plane's end-to-end tests.
+//! Fixtures shared by the control plane's end-to-end tests: a live daemon ([`daemon`]), the
+//! `tenantvm` CLI against it ([`cli`]), its TLS front door from the client's side ([`tls`]),
+//! the Linux guest image set ([`guest_image`]) and the OpenAPI checker ([`openapi`]).
 #![allow(dead_code)]
 
+pub mod cli;
 pub mod daemon;
+pub mod guest_image;
 pub mod openapi;
+pub mod tls;
