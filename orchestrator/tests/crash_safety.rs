@@ -181,14 +181,7 @@ async fn create_converges_after_sigkill_at_every_step_boundary() {
             assert_running_converged(&d, &sim, &name, &case);
             let uid = d.admin().status(&name).await.unwrap().uid;
             d.admin().destroy(&name).await.unwrap();
-            let admin = d.admin();
-            let n = name.clone();
-            let gone = daemon::eventually(Duration::from_secs(60), || {
-                let admin = admin.clone();
-                let n = n.clone();
-                async move { admin.status(&n).await.is_err() }
-            })
-            .await;
+            let gone = d.forgets(&name, Duration::from_secs(60)).await;
             assert!(gone, "{case}: destroy after recovery did not finish");
             assert_gone(&d, &sim, &name, uid, &case);
             d.stop();
@@ -210,20 +203,9 @@ async fn destroy_converges_after_sigkill_at_every_step_boundary() {
             let (mut d, sim) = daemon_with_sim();
             d.start(None);
             d.admin().create(&spec(&name)).await.unwrap();
-            let admin = d.admin();
-            let n = name.clone();
-            let running = daemon::eventually(Duration::from_secs(60), || {
-                let admin = admin.clone();
-                let n = n.clone();
-                async move {
-                    admin
-                        .status(&n)
-                        .await
-                        .map(|t| t.state == LifecycleState::Running)
-                        .unwrap_or(false)
-                }
-            })
-            .await;
+            let running = d
+                .reaches(&name, LifecycleState::Running, Duration::from_secs(60))
+                .await;
             assert!(running, "{case}: tenant did not start\n{}", d.log());
             let uid = d.admin().status(&name).await.unwrap().uid;
             d.stop();

@@ -10,6 +10,7 @@ use std::time::Duration;
 use hyper::Method;
 use serde_json::{json, Value};
 use tenantvm::client::Client;
+use tenantvm::domain::lifecycle::LifecycleState;
 
 use support::daemon::{self, eventually, TestDaemon};
 use support::openapi::OpenApi;
@@ -75,18 +76,9 @@ async fn tokens_are_scoped_and_bad_requests_change_nothing() {
     .await;
     assert_eq!(s, 202);
     for n in [&alice, &bob] {
-        let ok = eventually(Duration::from_secs(60), || {
-            let admin = admin.clone();
-            let n = n.clone();
-            async move {
-                admin
-                    .status(&n)
-                    .await
-                    .map(|t| t.state.as_str() == "running")
-                    .unwrap_or(false)
-            }
-        })
-        .await;
+        let ok = d
+            .reaches(n, LifecycleState::Running, Duration::from_secs(60))
+            .await;
         assert!(ok, "{n} did not start:\n{}", d.log());
     }
     let path = format!("/v1/tenants/{alice}");

@@ -32,23 +32,6 @@ fn spec(name: &str) -> TenantSpec {
     .unwrap()
 }
 
-async fn wait_state(d: &TestDaemon, name: &str, want: LifecycleState) {
-    let admin = d.admin();
-    let ok = eventually(Duration::from_secs(60), || {
-        let admin = admin.clone();
-        async move {
-            admin
-                .status(name)
-                .await
-                .map(|t| t.state == want)
-                .unwrap_or(false)
-        }
-    })
-    .await;
-    let t = admin.status(name).await;
-    assert!(ok, "{name} never reached {want}: {t:?}\n{}", d.log());
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_tenants_run_stop_start_and_destroy_under_kvm() {
     if daemon::should_skip("three_tenants_run_stop_start_and_destroy_under_kvm") {
@@ -74,7 +57,7 @@ async fn three_tenants_run_stop_start_and_destroy_under_kvm() {
         assert!(c.token.starts_with("tvm_"));
     }
     for n in &names {
-        wait_state(&d, n, LifecycleState::Running).await;
+        d.wait_state(n, LifecycleState::Running).await;
     }
 
     // list and status.
@@ -131,25 +114,20 @@ async fn three_tenants_run_stop_start_and_destroy_under_kvm() {
     // stop and start the second.
     let second = &names[1];
     admin.stop(second).await.unwrap();
-    wait_state(&d, second, LifecycleState::Stopped).await;
+    d.wait_state(second, LifecycleState::Stopped).await;
     assert!(
         daemon::processes_in_cgroup_of(second).is_empty(),
         "stopped tenant keeps a process"
     );
     admin.start(second).await.unwrap();
-    wait_state(&d, second, LifecycleState::Running).await;
+    d.wait_state(second, LifecycleState::Running).await;
 
     // destroy all; nothing is left.
     for n in &names {
         admin.destroy(n).await.unwrap();
     }
     for n in &names {
-        let ok = eventually(Duration::from_secs(60), || {
-            let admin = admin.clone();
-            let n = n.clone();
-            async move { admin.status(&n).await.is_err() }
-        })
-        .await;
+        let ok = d.forgets(n, Duration::from_secs(60)).await;
         assert!(ok, "{n} not destroyed:\n{}", d.log());
         assert!(daemon::processes_in_cgroup_of(n).is_empty());
         assert!(!daemon::cgroup_exists(n), "cgroup of {n} left behind");
@@ -188,7 +166,7 @@ async fn a_vm_that_ends_behind_the_daemons_back_turns_its_tenant_failed() {
     ))
     .unwrap();
     admin.create(&s).await.unwrap();
-    wait_state(&d, &name, LifecycleState::Running).await;
+    d.wait_state(&name, LifecycleState::Running).await;
     // Stop the VMM through its own control socket, not through the daemon.
     let sock = d
         .state_dir()
@@ -199,7 +177,7 @@ async fn a_vm_that_ends_behind_the_daemons_back_turns_its_tenant_failed() {
     tokio::io::AsyncWriteExt::write_all(&mut stream, b"{\"command\":\"shutdown\"}\n")
         .await
         .unwrap();
-    wait_state(&d, &name, LifecycleState::Failed).await;
+    d.wait_state(&name, LifecycleState::Failed).await;
     let t = admin.status(&name).await.unwrap();
     assert!(
         t.error.as_deref().unwrap_or("").contains("on its own"),
@@ -207,12 +185,7 @@ async fn a_vm_that_ends_behind_the_daemons_back_turns_its_tenant_failed() {
     );
     assert!(t.pid.is_none());
     admin.destroy(&name).await.unwrap();
-    let gone = eventually(Duration::from_secs(30), || {
-        let admin = admin.clone();
-        let name = name.clone();
-        async move { admin.status(&name).await.is_err() }
-    })
-    .await;
+    let gone = d.forgets(&name, Duration::from_secs(30)).await;
     assert!(gone);
     assert!(!daemon::cgroup_exists(&name));
     d.stop();

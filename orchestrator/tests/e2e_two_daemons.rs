@@ -11,7 +11,7 @@ use std::time::Duration;
 use tenantvm::domain::lifecycle::LifecycleState;
 use tenantvm::domain::spec::TenantSpec;
 
-use support::daemon::{self, eventually, TestDaemon};
+use support::daemon::{self, TestDaemon};
 
 fn spec(name: &str) -> TenantSpec {
     TenantSpec::from_toml(&format!(
@@ -25,12 +25,6 @@ async fn running(d: &TestDaemon, name: &str) -> bool {
         .status(name)
         .await
         .is_ok_and(|t| t.state == LifecycleState::Running)
-}
-
-async fn wait_running(d: &TestDaemon, name: &str) {
-    let ok = eventually(Duration::from_secs(60), || running(d, name)).await;
-    let t = d.admin().status(name).await;
-    assert!(ok, "{name} never ran: {t:?}\n{}", d.log());
 }
 
 /// The VMM pid a daemon recorded for `name`, checked to be alive.
@@ -55,24 +49,19 @@ async fn two_daemons_with_same_named_tenants_never_touch_each_other() {
     b.start(None);
     let twin = daemon::unique("twin");
     a.admin().create(&spec(&twin)).await.expect("a creates");
-    wait_running(&a, &twin).await;
+    a.wait_state(&twin, LifecycleState::Running).await;
     b.admin()
         .create(&spec(&twin))
         .await
         .expect("b creates a tenant of the same name");
-    wait_running(&b, &twin).await;
+    b.wait_state(&twin, LifecycleState::Running).await;
     let a_pid = live_pid(&a, &twin).await;
     let b_pid = live_pid(&b, &twin).await;
     assert_ne!(a_pid, b_pid);
 
     // Destroying a's twin leaves b's running, through b's next VM checks too.
     a.admin().destroy(&twin).await.unwrap();
-    let gone = eventually(Duration::from_secs(60), || {
-        let admin = a.admin();
-        let twin = twin.clone();
-        async move { admin.status(&twin).await.is_err() }
-    })
-    .await;
+    let gone = a.forgets(&twin, Duration::from_secs(60)).await;
     assert!(gone, "a's destroy did not finish:\n{}", a.log());
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(running(&b, &twin).await, "b's twin was hurt:\n{}", b.log());
@@ -81,7 +70,7 @@ async fn two_daemons_with_same_named_tenants_never_touch_each_other() {
     // A daemon's start-up sweep of unknown cgroups stays in its own subtree.
     let only_a = daemon::unique("onlya");
     a.admin().create(&spec(&only_a)).await.unwrap();
-    wait_running(&a, &only_a).await;
+    a.wait_state(&only_a, LifecycleState::Running).await;
     let only_a_pid = live_pid(&a, &only_a).await;
     b.stop();
     b.start(None);
@@ -91,18 +80,13 @@ async fn two_daemons_with_same_named_tenants_never_touch_each_other() {
         b.log()
     );
     assert_eq!(live_pid(&a, &only_a).await, only_a_pid);
-    wait_running(&b, &twin).await;
+    b.wait_state(&twin, LifecycleState::Running).await;
     assert_eq!(live_pid(&b, &twin).await, b_pid, "b adopts its own VM");
 
     a.admin().destroy(&only_a).await.unwrap();
     b.admin().destroy(&twin).await.unwrap();
     for (d, n) in [(&a, &only_a), (&b, &twin)] {
-        let gone = eventually(Duration::from_secs(60), || {
-            let admin = d.admin();
-            let n = n.clone();
-            async move { admin.status(&n).await.is_err() }
-        })
-        .await;
+        let gone = d.forgets(n, Duration::from_secs(60)).await;
         assert!(gone, "{n} was not destroyed:\n{}", d.log());
         assert!(!daemon::cgroup_exists(n), "cgroup of {n} left behind");
     }

@@ -7,6 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tenantvm::client::Client;
+use tenantvm::domain::lifecycle::LifecycleState;
 use tenantvm::store::Store;
 
 /// Why the end-to-end tests cannot run here, if they cannot.
@@ -293,6 +294,35 @@ impl TestDaemon {
             .unwrap()
             .trim()
             .to_string()
+    }
+
+    /// Whether tenant `name` is in `want` (as the admin sees it) within `timeout`.
+    pub async fn reaches(&self, name: &str, want: LifecycleState, timeout: Duration) -> bool {
+        let admin = self.admin();
+        eventually(timeout, || {
+            let admin = admin.clone();
+            async move { admin.status(name).await.is_ok_and(|t| t.state == want) }
+        })
+        .await
+    }
+
+    /// Waits up to 60 s for tenant `name` to be in `want`; fails the test otherwise, with the
+    /// tenant's last status and the daemon's log.
+    pub async fn wait_state(&self, name: &str, want: LifecycleState) {
+        let ok = self.reaches(name, want, Duration::from_secs(60)).await;
+        let t = self.admin().status(name).await;
+        assert!(ok, "{name} never reached {want}: {t:?}\n{}", self.log());
+    }
+
+    /// Whether the daemon no longer knows tenant `name` (its destroy finished) within
+    /// `timeout`.
+    pub async fn forgets(&self, name: &str, timeout: Duration) -> bool {
+        let admin = self.admin();
+        eventually(timeout, || {
+            let admin = admin.clone();
+            async move { admin.status(name).await.is_err() }
+        })
+        .await
     }
 
     /// A client with the admin token.
