@@ -18,12 +18,9 @@ use tenantvm_agent_protocol::{
 };
 use tower::ServiceExt;
 
-#[path = "../../tests/support/peercred.rs"]
-mod peercred;
-
 use super::router;
 use crate::tenant::fault::FaultHook;
-use crate::tenant::test_utils::Harness;
+use crate::tenant::test_utils::{fake_agent_socket, Harness};
 
 /// How long a request may take while the other tenant hangs: far below the hang (the
 /// agent client waits 120 s for an inference), far above any honest latency here.
@@ -133,21 +130,7 @@ fn a_tenant_with_its_whole_concurrency_hung_slows_no_one_else() {
         // Both now run a guest image with an agent (as recorded at create for an image set).
         let mut listeners = Vec::new();
         for name in ["hung", "calm"] {
-            let t = svc.store().tenant(name).unwrap().unwrap();
-            svc.store()
-                .set_guest(t.id, crate::domain::GuestKind::Agent)
-                .unwrap();
-            let ctx = svc.ctx();
-            let vm = crate::tenant::context::Tenant::load(&ctx, &t)
-                .unwrap()
-                .vm
-                .unwrap();
-            let sock = crate::tenant::steps::guest::agent_endpoint(ctx.backend, &vm)
-                .path()
-                .expect("a socket endpoint")
-                .to_path_buf();
-            std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
-            listeners.push(peercred::listen_as(&sock, vm.uid).unwrap());
+            listeners.push(fake_agent_socket(&svc, name));
         }
         // hung's agent never accepts: its connections wait in the backlog, unanswered.
         let hung_agent = listeners.remove(0);

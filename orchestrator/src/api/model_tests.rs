@@ -15,17 +15,12 @@ use tenantvm_agent_protocol::{
     ResponseFrame,
 };
 
-// The same helper the API's isolation tests load (a test-only file shared by path).
-#[allow(clippy::duplicate_mod)]
-#[path = "../../tests/support/peercred.rs"]
-mod peercred;
-
 use crate::auth::Caller;
 use crate::cli::{run_with, Cli};
 use crate::domain::spec::TenantSpec;
 use crate::tenant::fault::FaultHook;
 use crate::tenant::service::{CommandOutcome, TenantCommand};
-use crate::tenant::test_utils::Harness;
+use crate::tenant::test_utils::{fake_agent_socket, Harness};
 
 /// The stand-in guest's disk: this many bytes free.
 const FREE_BYTES: u64 = 3 << 20;
@@ -113,25 +108,7 @@ fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure(
     h.svc.wait_idle();
     // alice runs an inference guest (bob's is plain: no models).
     let store_dir = h.dir.path().join("guest-disk/models");
-    let t = h.svc.store().tenant("alice").unwrap().unwrap();
-    h.svc
-        .store()
-        .set_guest(t.id, crate::domain::GuestKind::Agent)
-        .unwrap();
-    let ctx = h.svc.ctx();
-    let vm = crate::tenant::context::Tenant::load(&ctx, &t)
-        .unwrap()
-        .vm
-        .unwrap();
-    let sock = crate::tenant::steps::guest::agent_endpoint(ctx.backend, &vm)
-        .path()
-        .expect("a socket endpoint")
-        .to_path_buf();
-    std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
-    serve_guest(
-        store_dir.clone(),
-        peercred::listen_as(&sock, vm.uid).unwrap(),
-    );
+    serve_guest(store_dir.clone(), fake_agent_socket(&h.svc, "alice"));
 
     let rt = Arc::new(crate::daemon::runtime().unwrap());
     let api_sock = h.dir.path().join("api.sock");

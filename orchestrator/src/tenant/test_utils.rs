@@ -3,6 +3,7 @@
 //! orchestrator/tests/ use the real VMM and cgroups instead.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,6 +19,33 @@ use crate::store::{GpuPlacement, Store};
 use crate::tenant::fault::FaultHook;
 use crate::tenant::host::{GpuPlanError, GpuPlanner, JailCleaner};
 use crate::tenant::service::{ServiceConfig, TenantService};
+
+// The listener as a tenant's uid, shared with the benchmarks by path (a test-only file).
+#[allow(clippy::duplicate_mod)]
+#[path = "../../tests/support/peercred.rs"]
+mod peercred;
+
+/// Records tenant `name` (running on the fake host) as running a guest image with an agent
+/// and listens on the socket where the daemon reaches that agent, as the tenant's uid, which
+/// the daemon's peer check wants (needs root). The test serves the listener as the tenant's
+/// FAKE agent.
+pub fn fake_agent_socket(svc: &TenantService, name: &str) -> UnixListener {
+    let t = svc.store().tenant(name).unwrap().unwrap();
+    svc.store()
+        .set_guest(t.id, crate::domain::GuestKind::Agent)
+        .unwrap();
+    let ctx = svc.ctx();
+    let vm = crate::tenant::context::Tenant::load(&ctx, &t)
+        .unwrap()
+        .vm
+        .unwrap();
+    let sock = crate::tenant::steps::guest::agent_endpoint(ctx.backend, &vm)
+        .path()
+        .expect("a socket endpoint")
+        .to_path_buf();
+    std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
+    peercred::listen_as(&sock, vm.uid).unwrap()
+}
 
 /// A FAKE tree holding one device like the nested host's edu (QEMU's 1234:11e8: no host
 /// driver, no reset method, alone in IOMMU group 5) at 0000:00:03.0.

@@ -11,12 +11,11 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::guests::{serve_guest, Guests};
-use super::peercred;
 use crate::auth::Caller;
 use crate::domain::spec::TenantSpec;
 use crate::tenant::fault::FaultHook;
 use crate::tenant::service::TenantCommand;
-use crate::tenant::test_utils::Harness;
+use crate::tenant::test_utils::{fake_agent_socket, Harness};
 
 /// A running front door over a harness with tenants `alice` and `bob`, each with a key.
 pub(super) struct Door {
@@ -49,26 +48,12 @@ pub(super) fn door(quotas: &[(&'static str, &str)]) -> Option<Door> {
     }
     h.svc.wait_idle();
     for (name, _) in quotas {
-        let t = h.svc.store().tenant(name).unwrap().unwrap();
-        h.svc
-            .store()
-            .set_guest(t.id, crate::domain::GuestKind::Agent)
-            .unwrap();
-        let ctx = h.svc.ctx();
-        let vm = crate::tenant::context::Tenant::load(&ctx, &t)
-            .unwrap()
-            .vm
-            .unwrap();
-        let sock = crate::tenant::steps::guest::agent_endpoint(ctx.backend, &vm)
-            .path()
-            .expect("a socket endpoint")
-            .to_path_buf();
-        std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
         serve_guest(
             name.to_string(),
-            peercred::listen_as(&sock, vm.uid).unwrap(),
+            fake_agent_socket(&h.svc, name),
             guests.clone(),
         );
+        let t = h.svc.store().tenant(name).unwrap().unwrap();
         let (key, _, _) = crate::frontdoor::keys::create(h.svc.store(), t.id).unwrap();
         keys.insert(*name, key);
     }

@@ -7,11 +7,6 @@
 //! its test client). The tests, by topic: [`routes`], [`keys`], [`quotas`], [`hostile`],
 //! [`privacy`], [`tls`].
 
-// The same helper the API's isolation tests load (a test-only file shared by path).
-#[allow(clippy::duplicate_mod)]
-#[path = "../../../tests/support/peercred.rs"]
-mod peercred;
-
 mod door;
 mod guests;
 
