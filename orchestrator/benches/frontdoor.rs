@@ -18,6 +18,11 @@
 mod daemon;
 #[path = "../tests/support/peercred.rs"]
 mod peercred;
+#[path = "../tests/support/tls.rs"]
+#[allow(dead_code)]
+mod tls;
+#[path = "../tests/support/tls_pair.rs"]
+mod tls_pair;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -284,20 +289,6 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() as f64 * p).ceil() as usize).clamp(1, v.len()) - 1]
 }
 
-fn tls_client(cert: &rcgen::CertifiedKey) -> Arc<rustls::ClientConfig> {
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(cert.cert.der().clone()).unwrap();
-    Arc::new(
-        rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth(),
-    )
-}
-
 type Tls = rustls::StreamOwned<rustls::ClientConnection, TcpStream>;
 
 fn tls_connect(addr: SocketAddr, client: &Arc<rustls::ClientConfig>) -> BufReader<Tls> {
@@ -317,25 +308,9 @@ fn main() {
     let per_stream = env_usize("TENANTVM_BENCH_REQUESTS", 10);
     let max_tokens = env_usize("TENANTVM_BENCH_TOKENS", 128);
     let payload = start_payload();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let door: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
-    let certs = tempfile::tempdir().unwrap();
-    let (cert_pem, key_pem) = (certs.path().join("c.pem"), certs.path().join("k.pem"));
-    std::fs::write(&cert_pem, cert.cert.pem()).unwrap();
-    std::fs::write(&key_pem, cert.key_pair.serialize_pem()).unwrap();
-    let mut d = daemon::TestDaemon::new().with_args(&[
-        "--listen",
-        &door.to_string(),
-        "--tls-cert",
-        cert_pem.to_str().unwrap(),
-        "--tls-key",
-        key_pem.to_str().unwrap(),
-    ]);
+    let front = tls::FrontDoorTls::new();
+    let door = front.addr;
+    let mut d = daemon::TestDaemon::new().with_front_door(&front);
     d.start(None);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let admin = d.admin();
@@ -376,7 +351,7 @@ fn main() {
         let made: serde_json::Value = serde_json::from_slice(&body).unwrap();
         keys.push(made["key"].as_str().unwrap().to_string());
     }
-    let client = tls_client(&cert);
+    let client = front.client.clone();
     let body = serde_json::json!({"model": "tenantvm-ngram", "prompt": "the tenant", "max_tokens": max_tokens,
         "temperature": 0, "stream": true})
     .to_string();

@@ -23,5 +23,7 @@ pub mod reconcile;
 pub mod scrub;
 pub mod store;
 pub mod tenant;
+#[cfg(test)]
+mod test_support;
 pub mod untrusted;
 pub mod verify;

@@ -20,11 +20,6 @@ use crate::tenant::fault::FaultHook;
 use crate::tenant::host::{GpuPlanError, GpuPlanner, JailCleaner};
 use crate::tenant::service::{ServiceConfig, TenantService};
 
-// The listener as a tenant's uid, shared with the benchmarks by path (a test-only file).
-#[allow(clippy::duplicate_mod)]
-#[path = "../../tests/support/peercred.rs"]
-mod peercred;
-
 /// Records tenant `name` (running on the fake host) as running a guest image with an agent
 /// and listens on the socket where the daemon reaches that agent, as the tenant's uid, which
 /// the daemon's peer check wants (needs root). The test serves the listener as the tenant's
@@ -44,7 +39,7 @@ pub fn fake_agent_socket(svc: &TenantService, name: &str) -> UnixListener {
         .expect("a socket endpoint")
         .to_path_buf();
     std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
-    peercred::listen_as(&sock, vm.uid).unwrap()
+    crate::test_support::peercred::listen_as(&sock, vm.uid).unwrap()
 }
 
 /// A FAKE tree holding one device like the nested host's edu (QEMU's 1234:11e8: no host

@@ -312,11 +312,8 @@ fn the_front_door_client_reads_a_probes_own_metrics_with_its_key_and_nothing_wit
     let p = probes(&host, "aaaa0006", None);
     let a = p.create("a", |_| {}).unwrap();
     let key = host.inference_key(&a.name, &a.token).unwrap();
-    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
-    let (cert_pem, key_pem) = (d.h.dir.path().join("c.pem"), d.h.dir.path().join("k.pem"));
-    std::fs::write(&cert_pem, cert.cert.pem()).unwrap();
-    std::fs::write(&key_pem, cert.key_pair.serialize_pem()).unwrap();
-    let tls = crate::frontdoor::tls_config(&cert_pem, &key_pem).unwrap();
+    let pair = crate::test_support::tls_pair::TlsPair::write(d.h.dir.path());
+    let tls = crate::frontdoor::tls_config(&pair.cert_pem, &pair.key_pem).unwrap();
     let listener =
         d.rt.block_on(crate::frontdoor::bind("127.0.0.1:0".parse().unwrap()))
             .unwrap();
@@ -332,7 +329,7 @@ fn the_front_door_client_reads_a_probes_own_metrics_with_its_key_and_nothing_wit
         .with_front_door(super::door::FrontDoorTarget {
             addr,
             server_name: "localhost".into(),
-            ca: cert_pem,
+            ca: pair.cert_pem,
         })
         .unwrap();
     let (status, text) = host.front_door(&key, "/metrics", None).unwrap();

@@ -1,5 +1,5 @@
 //! Fixtures shared by the control plane's end-to-end tests: a live daemon ([`daemon`]), the
-//! `tenantvm` CLI against it ([`cli`]), its TLS front door from the client's side ([`tls`]),
+//! `tenantvm` CLI against it ([`cli`]), its TLS front door from the client's side ([`tls`], [`tls_pair`]),
 //! the Linux guest image set ([`guest_image`]) and the OpenAPI checker ([`openapi`]).
 #![allow(dead_code)]
 
@@ -8,3 +8,4 @@ pub mod daemon;
 pub mod guest_image;
 pub mod openapi;
 pub mod tls;
+pub mod tls_pair;

@@ -1,7 +1,7 @@
 //! The TLS front door of a live daemon, from the client's side: a free local port, a
-//! self-signed `localhost` certificate and key written to files for `--tls-cert` and
-//! `--tls-key`, a rustls client that trusts only that certificate, and one HTTP/1.1 request
-//! at a time over it.
+//! self-signed pair ([`super::tls_pair`]) for `--tls-cert` and `--tls-key` with a client
+//! that trusts only it, and one HTTP/1.1 request at a time over it. Needs `mod daemon` and
+//! `mod tls_pair` beside it.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::daemon::TestDaemon;
+use super::tls_pair::TlsPair;
 
 /// A front door's address, certificate pair and a client that trusts it.
 pub struct FrontDoorTls {
@@ -32,27 +33,13 @@ impl FrontDoorTls {
             .local_addr()
             .unwrap()
             .port();
-        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let (cert_pem, key_pem) = (dir.path().join("c.pem"), dir.path().join("k.pem"));
-        std::fs::write(&cert_pem, cert.cert.pem()).unwrap();
-        std::fs::write(&key_pem, cert.key_pair.serialize_pem()).unwrap();
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(cert.cert.der().clone()).unwrap();
-        let client = Arc::new(
-            rustls::ClientConfig::builder_with_provider(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            ))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth(),
-        );
+        let pair = TlsPair::write(dir.path());
         FrontDoorTls {
             addr: ([127, 0, 0, 1], port).into(),
-            cert_pem,
-            key_pem,
-            client,
+            cert_pem: pair.cert_pem,
+            key_pem: pair.key_pem,
+            client: pair.client,
             _dir: dir,
         }
     }

@@ -16,6 +16,7 @@ use crate::domain::spec::TenantSpec;
 use crate::tenant::fault::FaultHook;
 use crate::tenant::service::TenantCommand;
 use crate::tenant::test_utils::{fake_agent_socket, Harness};
+use crate::test_support::tls_pair::TlsPair;
 
 /// A running front door over a harness with tenants `alice` and `bob`, each with a key.
 pub(super) struct Door {
@@ -57,22 +58,8 @@ pub(super) fn door(quotas: &[(&'static str, &str)]) -> Option<Door> {
         let (key, _, _) = crate::frontdoor::keys::create(h.svc.store(), t.id).unwrap();
         keys.insert(*name, key);
     }
-    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
-    let (cert_pem, key_pem) = (h.dir.path().join("cert.pem"), h.dir.path().join("key.pem"));
-    std::fs::write(&cert_pem, cert.cert.pem()).unwrap();
-    std::fs::write(&key_pem, cert.key_pair.serialize_pem()).unwrap();
-    let tls = crate::frontdoor::tls_config(&cert_pem, &key_pem).unwrap();
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(cert.cert.der().clone()).unwrap();
-    let client = Arc::new(
-        rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth(),
-    );
+    let pair = TlsPair::write(h.dir.path());
+    let tls = crate::frontdoor::tls_config(&pair.cert_pem, &pair.key_pem).unwrap();
     let rt = crate::daemon::runtime().unwrap();
     let listener = rt
         .block_on(crate::frontdoor::bind("127.0.0.1:0".parse().unwrap()))
@@ -88,7 +75,7 @@ pub(super) fn door(quotas: &[(&'static str, &str)]) -> Option<Door> {
         _rt: rt,
         h,
         addr,
-        client,
+        client: pair.client,
         keys,
         guests,
     })

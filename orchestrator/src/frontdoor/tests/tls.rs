@@ -3,10 +3,8 @@
 #[test]
 fn a_bad_certificate_or_key_is_a_clear_error_at_start() {
     let dir = tempfile::tempdir().unwrap();
-    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
-    let (good_cert, good_key) = (dir.path().join("c.pem"), dir.path().join("k.pem"));
-    std::fs::write(&good_cert, cert.cert.pem()).unwrap();
-    std::fs::write(&good_key, cert.key_pair.serialize_pem()).unwrap();
+    let pair = crate::test_support::tls_pair::TlsPair::write(dir.path());
+    let (good_cert, good_key) = (pair.cert_pem, pair.key_pem);
     assert!(crate::frontdoor::tls_config(&good_cert, &good_key).is_ok());
     let empty = dir.path().join("empty.pem");
     std::fs::write(&empty, "").unwrap();
