@@ -294,20 +294,7 @@ fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure(
         .execute(&Caller::Admin, TenantCommand::Destroy("alice".into()))
         .unwrap();
     h.svc.wait_idle();
-    let kit = h.svc.departure_kit().unwrap();
-    let receipt = kit
-        .log
-        .entries()
-        .unwrap()
-        .into_iter()
-        .find(|e| e.receipt.tenant == "alice")
-        .unwrap()
-        .receipt;
-    let shred = receipt
-        .steps
-        .iter()
-        .find(|s| s.step == crate::receipt::DepartureStep::CryptoShred)
-        .unwrap();
+    let shred = h.departure_step("alice", crate::receipt::DepartureStep::CryptoShred);
     assert!(
         shred
             .evidence

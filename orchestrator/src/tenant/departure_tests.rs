@@ -30,16 +30,6 @@ fn state(h: &Harness, name: &str) -> Option<LifecycleState> {
     h.svc.store().tenant(name).unwrap().map(|t| t.state)
 }
 
-fn receipts_of(h: &Harness, name: &str) -> Vec<crate::receipt::LogEntry> {
-    let kit = h.svc.departure_kit().unwrap();
-    kit.log
-        .entries()
-        .unwrap()
-        .into_iter()
-        .filter(|e| e.receipt.tenant == name)
-        .collect()
-}
-
 fn log_intact(h: &Harness) -> bool {
     let kit = h.svc.departure_kit().unwrap();
     kit.log
@@ -77,7 +67,7 @@ fn destroy_shreds_the_disk_and_appends_one_complete_receipt() {
         "old key still opens the header"
     );
 
-    let entries = receipts_of(&h, "alice");
+    let entries = h.receipts_of("alice");
     assert_eq!(entries.len(), 1);
     let r = &entries[0].receipt;
     let steps: Vec<_> = r.steps.iter().map(|s| s.step).collect();
@@ -112,7 +102,7 @@ fn tenants_without_disk_or_gpu_get_honest_skips() {
         TenantCommand::Create(spec("bob", "{ kind = \"none\" }", 0)),
     );
     run(&h, TenantCommand::Destroy("bob".into()));
-    let r = &receipts_of(&h, "bob")[0].receipt;
+    let r = &h.receipts_of("bob")[0].receipt;
     for step in [
         DepartureStep::GatewayRouteOff,
         DepartureStep::DeviceReset,
@@ -147,7 +137,7 @@ fn failed_scrub_quarantines_the_slice_until_a_scrub_passes() {
     run(&h, TenantCommand::Destroy("a".into()));
     // The departure still finished (the disk would still be shredded), the slice is out.
     assert_eq!(state(&h, "a"), None);
-    let scrub = receipts_of(&h, "a")[0]
+    let scrub = h.receipts_of("a")[0]
         .receipt
         .steps
         .iter()
@@ -222,7 +212,7 @@ fn a_failed_step_leaves_destroying_and_destroy_again_resumes() {
     std::fs::remove_dir(&log).unwrap();
     run(&h, TenantCommand::Destroy("d".into()));
     assert_eq!(state(&h, "d"), None);
-    let entries = receipts_of(&h, "d");
+    let entries = h.receipts_of("d");
     assert_eq!(entries.len(), 1);
     let shred = entries[0]
         .receipt
@@ -257,7 +247,7 @@ fn a_crash_at_every_destroy_boundary_ends_with_exactly_one_receipt() {
             assert!(!image.exists(), "{case}: image left");
             let kit = h.svc.departure_kit().unwrap();
             assert!(!kit.keys.exists("e").unwrap(), "{case}: key left");
-            let entries = receipts_of(&h, "e");
+            let entries = h.receipts_of("e");
             assert_eq!(entries.len(), 1, "{case}");
             assert_eq!(entries[0].receipt.steps.len(), 7, "{case}");
             assert!(
@@ -272,7 +262,7 @@ fn a_crash_at_every_destroy_boundary_ends_with_exactly_one_receipt() {
 
 /// The receipt line of the VM's stop in `name`'s departure.
 fn stop_line(h: &Harness, name: &str) -> crate::receipt::StepRecord {
-    receipts_of(h, name)[0]
+    h.receipts_of(name)[0]
         .receipt
         .steps
         .iter()

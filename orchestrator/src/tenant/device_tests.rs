@@ -285,14 +285,7 @@ fn a_failed_reset_quarantines_the_card_and_the_receipt_names_the_step() {
     assert_eq!(q.len(), 1, "{q:?}");
     assert!(q[0].reason.starts_with("device-reset: "), "{}", q[0].reason);
     assert_eq!(q[0].gpu, address);
-    let kit = h.svc.departure_kit().unwrap();
-    let entry = kit
-        .log
-        .entries()
-        .unwrap()
-        .into_iter()
-        .find(|e| e.receipt.tenant == "g")
-        .unwrap();
+    let entry = h.receipts_of("g").remove(0);
     let line = |step| {
         entry
             .receipt
@@ -359,16 +352,7 @@ fn a_card_without_reset_or_host_driver_goes_back_unbound_and_the_receipt_says_no
         .unwrap();
     assert!(over.is_empty() || over == "(null)", "{over:?}");
     assert_eq!(host.fake.resets("0000:00:03.0"), 0);
-    let entry = h
-        .svc
-        .departure_kit()
-        .unwrap()
-        .log
-        .entries()
-        .unwrap()
-        .into_iter()
-        .find(|e| e.receipt.tenant == "g")
-        .unwrap();
+    let entry = h.receipts_of("g").remove(0);
     let line = |step| {
         entry
             .receipt

@@ -410,6 +410,36 @@ pub struct Harness {
 }
 
 impl Harness {
+    /// The departure receipts the audit log holds for tenant `name`, oldest first.
+    pub fn receipts_of(&self, name: &str) -> Vec<crate::receipt::LogEntry> {
+        let kit = self.svc.departure_kit().unwrap();
+        kit.log
+            .entries()
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.receipt.tenant == name)
+            .collect()
+    }
+
+    /// Step `step` of tenant `name`'s first departure receipt (the test fails without one).
+    pub fn departure_step(
+        &self,
+        name: &str,
+        step: crate::receipt::DepartureStep,
+    ) -> crate::receipt::StepRecord {
+        let receipt = self
+            .receipts_of(name)
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| panic!("no departure receipt for {name}"))
+            .receipt;
+        receipt
+            .steps
+            .into_iter()
+            .find(|s| s.step == step)
+            .unwrap_or_else(|| panic!("{name}'s receipt has no {step:?} step"))
+    }
+
     /// A fresh harness.
     pub fn new(fault: FaultHook) -> Harness {
         let dir = tempfile::tempdir().unwrap();

@@ -134,21 +134,8 @@ fn keys_are_managed_through_the_api_by_their_tenant_and_revoked_at_departure() {
     h.svc.wait_idle();
     assert!(crate::frontdoor::keys::authenticate(h.svc.store(), Some(&third)).is_err());
     assert_eq!(h.svc.store().live_inference_keys(alice_id).unwrap(), 0);
-    let kit = h.svc.departure_kit().unwrap();
-    let receipt = kit
-        .log
-        .entries()
-        .unwrap()
-        .into_iter()
-        .find(|e| e.receipt.tenant == "alice")
-        .unwrap()
-        .receipt;
-    let route_off = receipt
-        .steps
-        .iter()
-        .find(|s| s.step == crate::receipt::DepartureStep::GatewayRouteOff)
-        .unwrap();
-    let shown = serde_json::to_string(route_off).unwrap();
+    let route_off = h.departure_step("alice", crate::receipt::DepartureStep::GatewayRouteOff);
+    let shown = serde_json::to_string(&route_off).unwrap();
     assert!(
         shown.contains("2 inference key(s) revoked, none left live"),
         "{shown}"
