@@ -29,13 +29,7 @@ fn spec(name: &str) -> TenantSpec {
 
 /// A daemon over a private copy of the simulated GPU host.
 fn daemon_with_sim() -> (TestDaemon, PathBuf) {
-    let d = TestDaemon::new();
-    let sim = d.dir.path().join("gpu-host.json");
-    let fixture =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hosts/sim-mixed.json");
-    std::fs::copy(fixture, &sim).unwrap();
-    let arg = format!("sim:{}", sim.display());
-    (d.with_args(&["--gpu-backend", &arg]), sim)
+    TestDaemon::new().with_sim_gpu_host()
 }
 
 /// MIG instances of our profile on the simulated host.

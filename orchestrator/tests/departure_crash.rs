@@ -7,7 +7,6 @@ mod departure_common;
 mod support;
 
 use std::os::unix::process::ExitStatusExt;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use departure_common::{image, keys, ok, receipts_of, text, verify};
@@ -27,13 +26,8 @@ fn departure_resumes_after_sigkill_at_every_step_boundary() {
     for (i, step) in Op::Destroy.steps().iter().enumerate() {
         for boundary in ["before", "after"] {
             let case = format!("destroy:{}:{boundary}", step.name());
-            let d = TestDaemon::new();
-            let sim = d.dir.path().join("gpu-host.json");
-            let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../tests/fixtures/hosts/sim-mixed.json");
-            std::fs::copy(fixture, &sim).unwrap();
-            let arg = format!("sim:{}", sim.display());
-            let mut d = d.with_args(&["--gpu-backend", &arg, "--backend", "qemu-tcg"]);
+            let (d, _sim) = TestDaemon::new().with_sim_gpu_host();
+            let mut d = d.with_args(&["--backend", "qemu-tcg"]);
             d.start(Some(&case));
             let name = daemon::unique(&format!("dc{i}{}", &boundary[..1]));
             ok(

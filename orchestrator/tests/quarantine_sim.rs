@@ -6,8 +6,6 @@
 mod departure_common;
 mod support;
 
-use std::path::Path;
-
 use departure_common::{cli, create, ok, receipts_of, text};
 use support::daemon::{self, TestDaemon};
 use tenantvm::receipt::{DepartureStep, StepResult};
@@ -21,13 +19,7 @@ fn a_failed_scrub_keeps_the_slice_out_until_a_scrub_passes() {
     if daemon::should_skip("a_failed_scrub_keeps_the_slice_out_until_a_scrub_passes") {
         return;
     }
-    let d = TestDaemon::new();
-    let sim = d.dir.path().join("gpu-host.json");
-    let fixture =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hosts/sim-mixed.json");
-    std::fs::copy(fixture, &sim).unwrap();
-    let arg = format!("sim:{}", sim.display());
-    let mut d = d.with_args(&["--gpu-backend", &arg]);
+    let (mut d, _sim) = TestDaemon::new().with_sim_gpu_host();
     // This test binary is its own process: the variable reaches only its daemons.
     std::env::set_var(SIM_SCRUB_FAIL_ENV, "all");
     d.start(None);

@@ -129,6 +129,20 @@ impl TestDaemon {
         self
     }
 
+    /// Runs with `--gpu-backend sim:` over a private copy of the simulated GPU host
+    /// `tests/fixtures/hosts/sim-mixed.json` (the daemon writes its MIG changes there);
+    /// also returns that copy's path.
+    pub fn with_sim_gpu_host(self) -> (TestDaemon, PathBuf) {
+        let sim = self.dir.path().join("gpu-host.json");
+        fs::copy(
+            repo_root().join("tests/fixtures/hosts/sim-mixed.json"),
+            &sim,
+        )
+        .unwrap();
+        let arg = format!("sim:{}", sim.display());
+        (self.with_args(&["--gpu-backend", &arg]), sim)
+    }
+
     /// The state directory.
     pub fn state_dir(&self) -> PathBuf {
         self.dir.path().join("state")
