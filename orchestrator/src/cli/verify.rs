@@ -160,7 +160,7 @@ impl VerifyArgs {
         if self.prefix_words < 20 || self.prefix_words > max_words {
             return Err(fail(
                 exit::INVALID,
-                format!("--prefix-words must be between 20 and {max_words} (the range the prefix-cache check is calibrated in)"),
+                format!("--prefix-words must be between 20 and {max_words} (a probe prompt must fit the probe tenant's 1 MiB request limit)"),
             ));
         }
         if self.latency_samples < 2
@@ -469,7 +469,7 @@ mod tests {
             vec!["--alpha", "2"],
             vec!["--samples", "1"],
             vec!["--prefix-words", "3"],
-            vec!["--prefix-words", "9000"],
+            vec!["--prefix-words", "240001"],
             vec!["--max-latency-ratio", "0.5"],
         ] {
             let cli = Cli::try_parse_from(

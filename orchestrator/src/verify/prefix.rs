@@ -1,30 +1,35 @@
 //! Check 5: no prefix cache is shared across tenants, tested by timing (Gu et al.'s audit
 //! run across the tenant boundary; docs/verify.md).
 //!
-//! For each sample, in a randomly shuffled order of `--samples` hits and misses: the victim
-//! sends a fresh prompt of random words; then for a *hit* the attacker sends a prompt that
-//! shares the victim's first 95 % and ends freshly, for a *miss* a fresh prompt of the same
-//! length; the attacker's time to its answer (one token) is the sample. A one-sided KS test
-//! asks whether hits are faster ([`super::stats::ks_greater`]).
+//! Samples come in `--samples` pairs of one hit and one miss, back to back, each pair's order
+//! random ([`super::stats::paired_order`]). For each sample the victim sends a fresh prompt
+//! of random words; then for a *hit* the attacker sends a prompt that shares the victim's
+//! first 95 % and ends freshly, for a *miss* a fresh prompt of the same length; the
+//! attacker's time to its answer (one token) is the sample. A one-sided KS test asks whether
+//! hits are faster ([`super::stats::ks_greater`]); the effect is the median of the
+//! within-pair differences (miss minus hit), which cancels the host's load drift.
 //!
 //! The positive control runs first: victim and attacker are the *same* probe tenant, whose
 //! payload has its prefix cache on (`--control-image`), so hits must come out faster. If the
 //! control does not detect the difference the probe lacked power (prompt too short, noise
 //! too high) and the check is inconclusive, never a pass. The test proper has one probe
 //! tenant prime and another probe; it passes only when the control detected the cache, the
-//! test did not (p >= alpha), and the 95 % bootstrap upper bound of the test's median
-//! difference is under a tenth of the control's median difference (equivalence: any
+//! test did not (p >= alpha), and the 95 % bootstrap upper bound of the test's median paired
+//! difference is under a tenth of the control's median paired difference (equivalence: any
 //! cross-tenant effect is small next to what a shared cache gives).
 
 use rand::{Rng, SeedableRng};
 
-use super::stats::{interleave, ks_greater, median_diff_upper_bound, Arm, KsResult};
+use super::stats::{
+    ks_greater, median, median_diff_upper_bound, median_upper_bound, paired_differences,
+    paired_order, Arm, KsResult,
+};
 use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 
 /// Share of the victim's prompt the attacker repeats in a hit.
 pub const PREFIX_FRACTION: f64 = 0.95;
-/// The upper 95 % bound of the test's median difference must stay under this share of the
-/// control's median difference.
+/// The upper 95 % bound of the test's median paired difference must stay under this share of
+/// the control's median paired difference.
 pub const EQUIVALENCE_SHARE: f64 = 0.1;
 /// Bootstrap resamples of the equivalence bound.
 const BOOTSTRAP_RESAMPLES: usize = 2000;
@@ -37,14 +42,20 @@ pub struct PrefixCacheCheck;
 const PROBE_RATE: u32 = 1000;
 /// Letters of a random word (17,576 distinct words: a fresh prompt never repeats a block).
 const WORD_LETTERS: usize = 3;
-/// Most words a probe prompt may have. Request size does not set it: the admin infer route
-/// takes a body up to the probe tenant's `quotas.max_request_bytes` (1 MiB by default, which
-/// the probe tenants keep), and a word costs four bytes, so 3,500 words are about 14 KB. The
-/// bound is the range the check has been run and calibrated in (docs/verify.md's live runs
-/// used up to 3,400 words), which also keeps a prompt inside an 8k-token model context on a
-/// real payload (a random three-letter word is one or two tokens). Raising it is a change to
-/// measure, not a size limit to follow.
-pub const MAX_PREFIX_WORDS: usize = 3500;
+/// Most words a probe prompt may have. The daemon's infer route takes up to the tenant's
+/// `quotas.max_request_bytes` of body, 1 MiB for a probe (the default,
+/// [`crate::domain::spec::DEFAULT_MAX_REQUEST_BYTES`]); a word costs four bytes (three
+/// letters and a space), and 64 KiB are left for the JSON around the prompt.
+pub const MAX_PREFIX_WORDS: usize = 240_000;
+const _: () = assert!(
+    MAX_PREFIX_WORDS * 4 + 64 * 1024 <= crate::domain::spec::DEFAULT_MAX_REQUEST_BYTES as usize,
+    "a probe prompt must fit a probe tenant's request limit"
+);
+/// Least guest memory of the control probe, MiB. Its payload's prefix cache fills its
+/// 64 MiB budget within one run of long prompts, and the cache's heap use is about twice the
+/// bytes it charges itself (one small allocation per cached token): in a 256 MiB guest the
+/// payload died part-way through 80 samples of 20,000 words.
+pub const CONTROL_MEMORY_MIB: u32 = 512;
 /// How long one sample may wait out a rate refusal.
 const PACE_WITHIN: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -55,6 +66,8 @@ pub struct ArmTimes {
     pub hit: Vec<f64>,
     /// Attacker times for fresh prompts.
     pub miss: Vec<f64>,
+    /// Within-pair differences, miss minus hit, ms, one per pair of the order.
+    pub pairs: Vec<f64>,
 }
 
 fn random_words(rng: &mut impl Rng, n: usize) -> Vec<String> {
@@ -67,7 +80,7 @@ fn random_words(rng: &mut impl Rng, n: usize) -> Vec<String> {
         .collect()
 }
 
-/// Runs the procedure in `order` with prompts of `words` random words, drawing them from
+/// Runs the procedure in `order` (pairs, as [`paired_order`] makes them) with prompts of `words` random words, drawing them from
 /// `seed`: `victim` primes, `attacker` is timed (each returns the request's time in ms).
 pub fn measure(
     order: &[Arm],
@@ -80,6 +93,7 @@ pub fn measure(
     let words = words.max(2);
     let keep = ((words as f64) * PREFIX_FRACTION).round() as usize;
     let mut out = ArmTimes::default();
+    let mut times = Vec::with_capacity(order.len());
     for arm in order {
         let primed = random_words(&mut rng, words);
         victim(&primed.join(" "))?;
@@ -92,11 +106,13 @@ pub fn measure(
             Arm::Miss => random_words(&mut rng, words),
         };
         let t = attacker(&probe.join(" "))?;
+        times.push(t);
         match arm {
             Arm::Hit => out.hit.push(t),
             Arm::Miss => out.miss.push(t),
         }
     }
+    out.pairs = paired_differences(order, &times);
     Ok(out)
 }
 
@@ -118,6 +134,14 @@ fn record(out: &mut Outcome, prefix: &str, r: &KsResult) {
     );
 }
 
+/// The median within-pair difference (miss minus hit), ms; `NaN` without pairs.
+fn paired_effect(times: &ArmTimes) -> f64 {
+    if times.pairs.is_empty() {
+        return f64::NAN;
+    }
+    median(&times.pairs)
+}
+
 /// The decision from the control's and the test's results at level `alpha`.
 pub fn decide(control: &ArmTimes, test: &ArmTimes, alpha: f64) -> Outcome {
     let mut out = Outcome::new(Verdict::Inconclusive);
@@ -130,10 +154,13 @@ pub fn decide(control: &ArmTimes, test: &ArmTimes, alpha: f64) -> Outcome {
     };
     record(&mut out, "control", &c);
     record(&mut out, "test", &t);
-    if c.p_value >= alpha || c.median_diff_ms <= 0.0 {
+    let effect = paired_effect(control);
+    out.add("control.paired_median_diff_ms", effect, "ms");
+    out.add("test.paired_median_diff_ms", paired_effect(test), "ms");
+    if c.p_value >= alpha || effect.is_nan() || effect <= 0.0 {
         out.findings.push(format!(
-            "the positive control did not detect its own prefix cache (p = {:.3e}, median difference {:.2} ms): the probe lacks power (longer prompts, more samples, a slower model) or the control payload's cache is off",
-            c.p_value, c.median_diff_ms
+            "the positive control did not detect its own prefix cache (p = {:.3e}, median paired difference {effect:.2} ms): the probe lacks power (longer prompts, more samples, a slower model) or the control payload's cache is off",
+            c.p_value
         ));
         return out;
     }
@@ -147,21 +174,27 @@ pub fn decide(control: &ArmTimes, test: &ArmTimes, alpha: f64) -> Outcome {
         ));
         return out;
     }
-    let bound = c.median_diff_ms * EQUIVALENCE_SHARE;
-    let upper = median_diff_upper_bound(&test.hit, &test.miss, 0.95, BOOTSTRAP_RESAMPLES, 0x5eed);
+    let bound = effect * EQUIVALENCE_SHARE;
+    let upper = median_upper_bound(&test.pairs, 0.95, BOOTSTRAP_RESAMPLES, 0x5eed);
     out.add("test.median_diff_upper95_ms", upper, "ms");
+    // For comparison only: the same bound without pairing (the arms' medians), which host
+    // load drift widens.
+    out.add(
+        "test.unpaired_median_diff_upper95_ms",
+        median_diff_upper_bound(&test.hit, &test.miss, 0.95, BOOTSTRAP_RESAMPLES, 0x5eed),
+        "ms",
+    );
     out.add("equivalence_bound_ms", bound, "ms");
     if upper.is_nan() || upper >= bound {
         out.findings.push(format!(
-            "no significant difference across tenants, but the 95 % upper bound of its median difference, {upper:.2} ms, is not under a tenth of the control's {:.2} ms: rerun with more samples or longer prompts on a quieter host",
-            c.median_diff_ms
+            "no significant difference across tenants, but the 95 % upper bound of its median paired difference, {upper:.2} ms, is not under a tenth of the control's {effect:.2} ms: rerun with more samples or longer prompts (--prefix-words) on a quieter host"
         ));
         return out;
     }
     out.verdict = Verdict::Pass;
     out.findings.push(format!(
-        "the control detected its own cache (p = {:.3e}, {:.2} ms); across tenants p = {:.3}, median difference {:.2} ms, 95 % upper bound {upper:.2} ms < {bound:.2} ms",
-        c.p_value, c.median_diff_ms, t.p_value, t.median_diff_ms
+        "the control detected its own cache (p = {:.3e}, median paired difference {effect:.2} ms); across tenants p = {:.3}, median paired difference {:.2} ms, 95 % upper bound {upper:.2} ms < {bound:.2} ms",
+        c.p_value, t.p_value, paired_effect(test)
     ));
     out
 }
@@ -180,6 +213,7 @@ impl Check for PrefixCacheCheck {
         let control = ctx.probes.create("ctl", |s| {
             s.image.name.clone_from(&control_image);
             s.quotas.requests_per_s = PROBE_RATE;
+            s.memory_mib = s.memory_mib.max(CONTROL_MEMORY_MIB);
         })?;
         let serving = ctx.host.serving(&control.name)?;
         if serving["prefix_cache"]["enabled"].as_bool() != Some(true) {
@@ -195,7 +229,7 @@ impl Check for PrefixCacheCheck {
                 .as_secs_f64()
                 * 1e3)
         };
-        let order = interleave(cfg.samples_per_arm, ctx.seed);
+        let order = paired_order(cfg.samples_per_arm, ctx.seed);
         let c = measure(
             &order,
             cfg.prefix_words,
@@ -210,7 +244,7 @@ impl Check for PrefixCacheCheck {
         let attacker = ctx
             .probes
             .create("attacker", |s| s.quotas.requests_per_s = PROBE_RATE)?;
-        let order = interleave(cfg.samples_per_arm, ctx.seed.rotate_left(17));
+        let order = paired_order(cfg.samples_per_arm, ctx.seed.rotate_left(17));
         let t = measure(
             &order,
             cfg.prefix_words,
@@ -266,7 +300,7 @@ mod tests {
         let n = 60;
         let control = FakeServer::new(if control_cache { 10.0 } else { 100.0 }, 100.0, 30.0, 1);
         let c = measure(
-            &interleave(n, 1),
+            &paired_order(n, 1),
             100,
             2,
             |p| control.send(p),
@@ -276,7 +310,7 @@ mod tests {
         let victim = FakeServer::new(10.0, 100.0, 30.0, 3);
         let attacker = FakeServer::new(10.0, 100.0, 30.0, 4);
         let t = measure(
-            &interleave(n, 5),
+            &paired_order(n, 5),
             100,
             6,
             |p| victim.send(p),
@@ -308,6 +342,46 @@ mod tests {
     }
 
     #[test]
+    fn isolated_tenants_pass_through_host_load_drift() {
+        // Every request is 0.5 ms slower than the one before (load rising on the host):
+        // 240 requests per phase drift by 120 ms. The pairs cancel it.
+        let n = 60;
+        let clock = std::cell::Cell::new(0.0);
+        let drift = |t: f64| {
+            clock.set(clock.get() + 0.5);
+            t + clock.get()
+        };
+        let control = FakeServer::new(10.0, 100.0, 4.0, 1);
+        let c = measure(
+            &paired_order(n, 1),
+            100,
+            2,
+            |p| control.send(p).map(drift),
+            |p| control.send(p).map(drift),
+        )
+        .unwrap();
+        clock.set(0.0);
+        let victim = FakeServer::new(10.0, 100.0, 4.0, 3);
+        let attacker = FakeServer::new(10.0, 100.0, 4.0, 4);
+        let t = measure(
+            &paired_order(n, 5),
+            100,
+            6,
+            |p| victim.send(p).map(drift),
+            |p| attacker.send(p).map(drift),
+        )
+        .unwrap();
+        let o = decide(&c, &t, 1e-3);
+        assert_eq!(o.verdict, Verdict::Pass, "{o:?}");
+        // Unpaired, the drift alone would have kept the bound above a tenth of the control.
+        let unpaired = median_diff_upper_bound(&t.hit, &t.miss, 0.95, 2000, 1);
+        assert!(
+            unpaired > o.value("equivalence_bound_ms").unwrap(),
+            "{unpaired} {o:?}"
+        );
+    }
+
+    #[test]
     fn a_control_that_detects_nothing_is_inconclusive_never_pass() {
         let o = run(false, false);
         assert_eq!(o.verdict, Verdict::Inconclusive, "{o:?}");
@@ -320,13 +394,18 @@ mod tests {
         let control = ArmTimes {
             hit: (0..40).map(|i| 10.0 + f64::from(i % 5)).collect(),
             miss: (0..40).map(|i| 100.0 + f64::from(i % 5)).collect(),
+            pairs: vec![90.0; 40],
         };
         // No shift, but spread over 300 ms with 20 samples: the bound cannot be small.
-        let spread = |k: u32| (0..20).map(|i| f64::from((i * 37 + k) % 300)).collect();
-        let test = ArmTimes {
-            hit: spread(11),
-            miss: spread(5),
+        let spread = |k: u32| {
+            (0..20)
+                .map(|i| f64::from((i * 37 + k) % 300))
+                .collect::<Vec<_>>()
         };
+        let (hit, miss) = (spread(11), spread(5));
+        // Their pairs' differences spread from -150 to +150 ms.
+        let pairs = (0..20).map(|i| f64::from((i * 37) % 300) - 150.0).collect();
+        let test = ArmTimes { hit, miss, pairs };
         let o = decide(&control, &test, 1e-3);
         assert_eq!(o.verdict, Verdict::Inconclusive, "{o:?}");
         assert!(

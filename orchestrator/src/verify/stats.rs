@@ -27,6 +27,61 @@ pub fn interleave(n: usize, seed: u64) -> Vec<Arm> {
     order
 }
 
+/// `n` pairs of one hit and one miss, each pair's order drawn at random from `seed`, the
+/// pairs back to back: `[Hit, Miss, Miss, Hit, ...]`. Both samples of a pair are taken
+/// seconds apart, so the pair's difference cancels whatever drifts more slowly than that
+/// (other work on the host, a guest's page cache warming), and which of the two goes first
+/// is random, so a within-pair order effect cannot pass for a cache. Balanced (`n` of each)
+/// and reproducible like [`interleave`].
+pub fn paired_order(n: usize, seed: u64) -> Vec<Arm> {
+    use rand::Rng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n)
+        .flat_map(|_| {
+            if rng.random::<bool>() {
+                [Arm::Hit, Arm::Miss]
+            } else {
+                [Arm::Miss, Arm::Hit]
+            }
+        })
+        .collect()
+}
+
+/// The within-pair differences (miss minus hit, ms) of times taken in an order that
+/// [`paired_order`] made: `times[i]` belongs to `order[i]`. A chunk of two that is not one
+/// hit and one miss (or a trailing single sample) gives no difference.
+pub fn paired_differences(order: &[Arm], times: &[f64]) -> Vec<f64> {
+    order
+        .chunks_exact(2)
+        .zip(times.chunks_exact(2))
+        .filter_map(|(arms, t)| match (arms[0], arms[1]) {
+            (Arm::Hit, Arm::Miss) => Some(t[1] - t[0]),
+            (Arm::Miss, Arm::Hit) => Some(t[0] - t[1]),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The one-sided upper bootstrap confidence bound, at `level`, of the median of `xs` (e.g.
+/// paired differences): `resamples` resamplings with replacement drawn from `seed`. `NaN`
+/// when `xs` is empty.
+pub fn median_upper_bound(xs: &[f64], level: f64, resamples: usize, seed: u64) -> f64 {
+    if xs.is_empty() || resamples == 0 {
+        return f64::NAN;
+    }
+    use rand::Rng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let medians: Vec<f64> = (0..resamples)
+        .map(|_| {
+            let draw: Vec<f64> = (0..xs.len())
+                .map(|_| xs[rng.random_range(0..xs.len())])
+                .collect();
+            median(&draw)
+        })
+        .collect();
+    quantile(&medians, level)
+}
+
 /// The one-sided two-sample KS test's result and the effect sizes.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct KsResult {
@@ -167,6 +222,67 @@ mod tests {
         // Not blocked: both arms appear in the first and in the last fifty.
         assert!(a[..50].contains(&Arm::Hit) && a[..50].contains(&Arm::Miss));
         assert!(a[450..].contains(&Arm::Hit) && a[450..].contains(&Arm::Miss));
+    }
+
+    #[test]
+    fn pairs_are_balanced_randomly_ordered_and_reproducible() {
+        let a = paired_order(200, 7);
+        assert_eq!(a.len(), 400);
+        assert_eq!(a, paired_order(200, 7));
+        assert_ne!(a, paired_order(200, 8));
+        for pair in a.chunks(2) {
+            assert_ne!(pair[0], pair[1], "a pair is one hit and one miss");
+        }
+        let hit_first = a.chunks(2).filter(|p| p[0] == Arm::Hit).count();
+        assert!((70..=130).contains(&hit_first), "{hit_first}");
+    }
+
+    #[test]
+    fn paired_differences_are_miss_minus_hit_and_skip_malformed_pairs() {
+        let order = [
+            Arm::Hit,
+            Arm::Miss,
+            Arm::Miss,
+            Arm::Hit,
+            Arm::Hit,
+            Arm::Hit,
+            Arm::Miss,
+        ];
+        let times = [10.0, 50.0, 70.0, 20.0, 1.0, 2.0, 3.0];
+        assert_eq!(paired_differences(&order, &times), vec![40.0, 50.0]);
+    }
+
+    #[test]
+    fn pairing_cancels_a_drift_the_unpaired_bound_cannot() {
+        // Host load ramps the times from 100 to 700 ms over the run; no cache anywhere.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let order = paired_order(100, 5);
+        let times: Vec<f64> = order
+            .iter()
+            .enumerate()
+            .map(|(i, _)| 100.0 + 3.0 * i as f64 + rng.random::<f64>() * 10.0)
+            .collect();
+        let pick = |arm: Arm| -> Vec<f64> {
+            order
+                .iter()
+                .zip(&times)
+                .filter(|(a, _)| **a == arm)
+                .map(|(_, t)| *t)
+                .collect()
+        };
+        let unpaired = median_diff_upper_bound(&pick(Arm::Hit), &pick(Arm::Miss), 0.95, 1000, 1);
+        let paired = median_upper_bound(&paired_differences(&order, &times), 0.95, 1000, 1);
+        assert!(unpaired > 50.0, "{unpaired}");
+        assert!(paired < 8.0, "{paired}");
+        // A real speed-up of 40 ms stays visible through the drift.
+        let shifted: Vec<f64> = order
+            .iter()
+            .zip(&times)
+            .map(|(a, t)| if *a == Arm::Hit { t - 40.0 } else { *t })
+            .collect();
+        let d = paired_differences(&order, &shifted);
+        assert!((median(&d) - 40.0).abs() < 8.0, "{}", median(&d));
+        assert!(median_upper_bound(&[], 0.95, 10, 1).is_nan());
     }
 
     #[test]
