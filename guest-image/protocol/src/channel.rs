@@ -31,6 +31,16 @@ use nix::sys::time::TimeVal;
 pub(crate) struct ChannelStream(OwnedFd);
 
 impl ChannelStream {
+    /// A stream over an already connected socket (one end of a mux stream's pair).
+    pub(crate) fn from_fd(fd: OwnedFd) -> Self {
+        Self(fd)
+    }
+
+    /// The socket.
+    pub(crate) fn into_fd(self) -> OwnedFd {
+        self.0
+    }
+
     fn set_timeout(&self, send: bool, left: Duration) -> io::Result<()> {
         let tv = timeval(left);
         if send {

@@ -265,6 +265,7 @@ fn what(req: &Request) -> &'static str {
         Request::Load(_) => "load",
         Request::LoadStatus { .. } => "load-status",
         Request::Shutdown => "shutdown",
+        Request::Mux { .. } => "mux hello",
     }
 }
 
@@ -314,6 +315,31 @@ impl AgentClient {
         timeout: Duration,
     ) -> Result<Self, AgentClientError> {
         Self::open_with(endpoint, Some(expected_uid), timeout, true)
+    }
+
+    /// A client over one stream of a multiplexed channel
+    /// ([`crate::mux::MuxChannel::open_stream`]): the same calls as over a vsock
+    /// connection, each with its deadline.
+    pub fn over_stream(stream: std::os::unix::net::UnixStream) -> Self {
+        Self {
+            stream: ChannelStream::from_fd(std::os::fd::OwnedFd::from(stream)),
+            decoder: FrameDecoder::default(),
+            next_id: first_id(),
+            broken: false,
+            pending_ok: None,
+        }
+    }
+
+    /// The connection's socket, for the mux once the hello was answered. Refused when
+    /// the connection is broken or the agent sent bytes beyond its answer.
+    pub(crate) fn into_channel(self) -> Result<std::os::fd::OwnedFd, AgentClientError> {
+        if self.broken || self.pending_ok.is_some() {
+            return Err(AgentClientError::Broken);
+        }
+        if self.decoder.pending() > 0 {
+            return Err(AgentClientError::Broken);
+        }
+        Ok(self.stream.into_fd())
     }
 
     fn open(

@@ -213,6 +213,18 @@ pub enum Request {
     },
     /// Stop the payload, unmount, close the disk, sync and power off.
     Shutdown,
+    /// Hello at the start of a virtio-serial channel: the host offers to multiplex the
+    /// port ([`crate::mux`]). An agent that knows it answers [`Reply::Mux`] and from the
+    /// next byte on the port carries mux frames until the host disconnects; an older one
+    /// answers `bad-request` and the channel stays one request at a time.
+    Mux {
+        /// Mux version the host speaks ([`crate::mux::MUX_VERSION`]).
+        version: u32,
+        /// Most streams the host will open.
+        max_streams: u32,
+        /// Credit in bytes each side grants per stream at its start.
+        window: u32,
+    },
 }
 
 /// A stored model.
@@ -370,6 +382,15 @@ pub enum Reply {
     Load(LoadReport),
     /// Answer to [`Request::Shutdown`]; the guest powers off after sending it.
     ShuttingDown(ShutdownReport),
+    /// Answer to [`Request::Mux`]: the port carries mux frames from now on.
+    Mux {
+        /// The version agreed (the host's).
+        version: u32,
+        /// Most streams the agent serves at once (at most the host's offer).
+        max_streams: u32,
+        /// The per-stream credit, the host's offer echoed.
+        window: u32,
+    },
 }
 
 /// Machine-readable error kinds.

@@ -2,9 +2,12 @@
 //! request streams over one byte stream, each carrying what a vsock connection would (the
 //! `TVAG` frames of one request), so concurrent requests need not wait for each other.
 //!
-//! **Status: the codec and the per-stream bookkeeping only.** Neither the agent's serial
-//! server nor the orchestrator speaks this yet (docs/guest-image.md, "Multiplexing the
-//! serial port"); it is here with its tests so that both ends can be built on one parser.
+//! The host offers it with a [`Request::Mux`](crate::message::Request::Mux) hello, the first
+//! request on a fresh serial connection ([`negotiate`]); an agent that accepts answers
+//! [`Reply::Mux`](crate::message::Reply::Mux) and both ends then run the [`pump`] loop: the
+//! host's [`MuxChannel`] opens a stream per request, the agent's [`serve_guest`] serves each
+//! as it serves a vsock connection. An agent that does not know the hello refuses it and the
+//! channel stays one request at a time.
 //!
 //! A mux frame is a 16-byte header and a payload:
 //!
@@ -25,8 +28,15 @@
 
 use thiserror::Error;
 
+mod owner;
+mod pump;
 mod streams;
+pub use owner::{accept_offer, negotiate, serve_guest, MuxChannel, MuxChannelError, Negotiated};
+pub use pump::{MuxConfig, PumpEnd};
 pub use streams::{StreamError, StreamTable};
+
+/// The mux version this side speaks (the hello's `version`).
+pub const MUX_VERSION: u32 = 1;
 
 /// The magic of every mux frame.
 pub const MUX_MAGIC: [u8; 4] = *b"TVMX";
