@@ -169,6 +169,14 @@ impl Agent {
                 ),
                 After::Continue,
             ),
+            // Answered by `serve_serial` at the start of a virtio-serial channel only.
+            Request::Mux { .. } => (
+                failure(
+                    ErrorCode::BadRequest,
+                    "mux is offered only as the first request on the virtio-serial port",
+                ),
+                After::Continue,
+            ),
             Request::Shutdown => (
                 Outcome::Ok(Reply::ShuttingDown(self.shutdown())),
                 After::PowerOff,

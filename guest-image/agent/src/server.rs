@@ -23,6 +23,9 @@ use tenantvm_agent_protocol::{
     VIRTIO_SERIAL_PORT_NAME,
 };
 
+use tenantvm_agent_protocol::mux::{accept_offer, serve_guest, MuxConfig, PumpEnd};
+use tenantvm_agent_protocol::Reply;
+
 use crate::agent::{After, Agent};
 
 /// Most connections served at once on a socket channel: each streamed inference request
@@ -57,6 +60,9 @@ pub enum StreamEnd {
     Closed,
     /// Shutdown was answered; power off now.
     PowerOff,
+    /// The host's mux hello was accepted (virtio-serial only): the port carries mux
+    /// frames from the next byte on.
+    Mux(MuxConfig),
 }
 
 fn error_frame(id: u64, code: ErrorCode, message: String) -> ResponseFrame {
@@ -83,7 +89,18 @@ pub(crate) fn send(w: &mut (impl Write + ?Sized), resp: &ResponseFrame) -> bool 
 ///
 /// Reads go straight to the stream, without a userspace buffer, so that the bytes of a
 /// key-bearing frame exist only in the frame's zeroized buffer.
-pub fn serve_stream(agent: &Agent, mut r: impl Read, mut writer: impl Write) -> StreamEnd {
+pub fn serve_stream(agent: &Agent, r: impl Read, writer: impl Write) -> StreamEnd {
+    serve_stream_with(agent, r, writer, false)
+}
+
+/// [`serve_stream`]; with `offer_mux` (the virtio-serial port), a mux hello the agent can
+/// accept is answered and ends the stream with [`StreamEnd::Mux`].
+fn serve_stream_with(
+    agent: &Agent,
+    mut r: impl Read,
+    mut writer: impl Write,
+    offer_mux: bool,
+) -> StreamEnd {
     let mut lost_sync = false;
     loop {
         let frame = if lost_sync {
@@ -135,6 +152,35 @@ pub fn serve_stream(agent: &Agent, mut r: impl Read, mut writer: impl Write) -> 
                 agent.model_push(id, (&name, size, &sha256), &mut r, &mut writer);
                 return StreamEnd::Closed;
             }
+            Ok(RequestFrame {
+                id,
+                request:
+                    Request::Mux {
+                        version,
+                        max_streams,
+                        window,
+                    },
+            }) if offer_mux => match accept_offer(version, max_streams, window, MAX_CONNECTIONS) {
+                Some(cfg) => {
+                    let resp = ResponseFrame {
+                        id,
+                        outcome: Outcome::Ok(Reply::Mux {
+                            version,
+                            max_streams: u32::try_from(cfg.max_streams).unwrap_or(u32::MAX),
+                            window,
+                        }),
+                    };
+                    if !send(&mut writer, &resp) {
+                        return StreamEnd::Closed;
+                    }
+                    return StreamEnd::Mux(cfg);
+                }
+                None => error_frame(
+                    id,
+                    ErrorCode::BadRequest,
+                    format!("mux version {version} with {max_streams} streams and a {window}-byte window is not offered here"),
+                ),
+            },
             Ok(frame) => {
                 let (outcome, after) = agent.handle(frame.request);
                 let resp = ResponseFrame {
@@ -283,10 +329,56 @@ pub fn serve_serial(agent: &Agent, dev: &Path) -> Result<(), ChannelError> {
     agent.set_channel("virtio-serial");
     agent.log(&format!("serving virtio-serial port {}", dev.display()));
     loop {
-        if serve_stream(agent, &port, &port) == StreamEnd::PowerOff {
-            return Ok(());
+        match serve_stream_with(agent, &port, &port, true) {
+            StreamEnd::PowerOff => return Ok(()),
+            StreamEnd::Mux(cfg) => {
+                let chan = port.try_clone().map_err(|source| ChannelError::Setup {
+                    what: "virtio-serial",
+                    source,
+                })?;
+                agent.set_channel("virtio-serial (multiplexed)");
+                let end = serve_muxed(agent, OwnedFd::from(chan), cfg);
+                agent.set_channel("virtio-serial");
+                match end {
+                    Muxed::PowerOff => return Ok(()),
+                    Muxed::Ended(PumpEnd::Closed) => {}
+                    Muxed::Ended(PumpEnd::Failed(why)) => {
+                        agent.log(&format!("mux channel dropped: {why}"));
+                    }
+                }
+            }
+            StreamEnd::Closed => std::thread::sleep(Duration::from_millis(50)),
         }
-        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// How a multiplexed session of the serial port ended.
+enum Muxed {
+    /// A stream answered `shutdown`.
+    PowerOff,
+    /// The host went away or broke the rules: serve the port plainly again.
+    Ended(PumpEnd),
+}
+
+/// Serves the multiplexed port: each stream the host opens is served on its own thread as
+/// a vsock connection is, until the host disconnects or a stream answers `shutdown`.
+fn serve_muxed(agent: &Agent, chan: OwnedFd, cfg: MuxConfig) -> Muxed {
+    let power_off = AtomicBool::new(false);
+    let end = std::thread::scope(|scope| {
+        let power_off = &power_off;
+        serve_guest(chan, cfg, &mut |stream, stop| {
+            scope.spawn(move || {
+                if serve_stream(agent, &stream, &stream) == StreamEnd::PowerOff {
+                    power_off.store(true, Ordering::SeqCst);
+                    stop.stop();
+                }
+            });
+        })
+    });
+    if power_off.load(Ordering::SeqCst) {
+        Muxed::PowerOff
+    } else {
+        Muxed::Ended(end)
     }
 }
 
@@ -367,6 +459,94 @@ mod tests {
             Outcome::Err(f) => f.code,
             other => panic!("expected an error, got {other:?}"),
         }
+    }
+
+    /// The serial port's loop on a socket pair: plain frames, then the mux once the
+    /// hello is accepted (as `serve_serial` does with the port).
+    fn serve_serial_pair(agent: Arc<Agent>) -> (UnixStream, std::thread::JoinHandle<bool>) {
+        let (host, guest) = UnixStream::pair().unwrap();
+        let h = std::thread::spawn(move || loop {
+            match serve_stream_with(&agent, &guest, &guest, true) {
+                StreamEnd::PowerOff => return true,
+                StreamEnd::Closed => return false,
+                StreamEnd::Mux(cfg) => {
+                    let chan = OwnedFd::from(guest.try_clone().unwrap());
+                    if let Muxed::PowerOff = serve_muxed(&agent, chan, cfg) {
+                        return true;
+                    }
+                }
+            }
+        });
+        (host, h)
+    }
+
+    #[test]
+    fn the_serial_port_serves_streams_concurrently_once_mux_is_agreed() {
+        use tenantvm_agent_protocol::mux::{negotiate, MuxConfig, Negotiated};
+        use tenantvm_agent_protocol::AgentClient;
+        let dir = tempfile::tempdir().unwrap();
+        let (host, h) = serve_serial_pair(agent(dir.path()));
+        let t = Duration::from_secs(10);
+        let cfg = MuxConfig {
+            max_streams: 4,
+            ..MuxConfig::default()
+        };
+        let Negotiated::Mux(ch) = negotiate(AgentClient::over_stream(host), cfg, t).unwrap() else {
+            panic!("the agent refused the mux");
+        };
+        // A long poll holds one stream while another is answered: real concurrency.
+        let mut waiting = AgentClient::over_stream(ch.open_stream().unwrap());
+        let long = std::thread::spawn(move || {
+            let started = Instant::now();
+            waiting
+                .call(
+                    &Request::Logs {
+                        after: u64::MAX - 1,
+                        max: 1,
+                        wait_ms: 1500,
+                    },
+                    Duration::from_secs(10),
+                )
+                .unwrap();
+            started.elapsed()
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let started = Instant::now();
+        let mut quick = AgentClient::over_stream(ch.open_stream().unwrap());
+        quick.status(t).unwrap();
+        assert!(started.elapsed() < Duration::from_millis(1000));
+        assert!(long.join().unwrap() >= Duration::from_millis(1400));
+        // A stream still refuses a second hello (it is not the serial port).
+        let mut other = AgentClient::over_stream(ch.open_stream().unwrap());
+        let hello = Request::Mux {
+            version: 1,
+            max_streams: 2,
+            window: 4096,
+        };
+        assert!(other.call(&hello, t).is_err());
+        drop(other);
+        // Shutdown on a stream is answered, then the agent powers off.
+        let mut last = AgentClient::over_stream(ch.open_stream().unwrap());
+        assert!(last.shutdown(t).is_ok());
+        assert!(h.join().unwrap());
+    }
+
+    #[test]
+    fn a_bad_hello_on_the_serial_port_is_refused_and_the_port_stays_plain() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut host, h) = serve_serial_pair(agent(dir.path()));
+        host.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let bad = Request::Mux {
+            version: 99,
+            max_streams: 2,
+            window: 4096,
+        };
+        assert_eq!(error_code(&ask(&mut host, 1, bad)), ErrorCode::BadRequest);
+        let resp = ask(&mut host, 2, Request::Status);
+        assert!(matches!(resp.outcome, Outcome::Ok(Reply::Status(_))));
+        drop(host);
+        assert!(!h.join().unwrap());
     }
 
     #[test]

@@ -31,7 +31,9 @@ use thiserror::Error;
 mod owner;
 mod pump;
 mod streams;
-pub use owner::{accept_offer, negotiate, serve_guest, MuxChannel, MuxChannelError, Negotiated};
+pub use owner::{
+    accept_offer, negotiate, serve_guest, GuestStop, MuxChannel, MuxChannelError, Negotiated,
+};
 pub use pump::{MuxConfig, PumpEnd};
 pub use streams::{StreamError, StreamTable};
 

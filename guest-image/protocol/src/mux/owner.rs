@@ -135,11 +135,39 @@ impl Drop for MuxChannel {
 }
 
 /// The guest's end: carries `chan` until the host closes it (or breaks its rules), handing
-/// each stream the host opens to `serve` (which should not block: start a thread).
-pub fn serve_guest(chan: OwnedFd, cfg: MuxConfig, serve: &mut dyn FnMut(UnixStream)) -> PumpEnd {
+/// each stream the host opens to `serve` (which should not block: start a thread). Its
+/// [`GuestStop`] ends the loop from a stream's thread (after `shutdown` was answered: what
+/// the streams wrote is sent first).
+pub fn serve_guest(
+    chan: OwnedFd,
+    cfg: MuxConfig,
+    serve: &mut dyn FnMut(UnixStream, GuestStop),
+) -> PumpEnd {
     match new_control() {
-        Ok((control, _wake_tx)) => pump::run(chan, cfg, Role::Guest(serve), &control),
+        Ok((control, wake_tx)) => {
+            let stop = GuestStop {
+                control: Arc::clone(&control),
+                wake_tx: Arc::new(wake_tx),
+            };
+            let mut each = |s: UnixStream| serve(s, stop.clone());
+            pump::run(chan, cfg, Role::Guest(&mut each), &control)
+        }
         Err(e) => PumpEnd::Failed(format!("cannot start the mux loop: {e}")),
+    }
+}
+
+/// Ends a [`serve_guest`] loop.
+#[derive(Clone)]
+pub struct GuestStop {
+    control: Arc<Control>,
+    wake_tx: Arc<UnixStream>,
+}
+
+impl GuestStop {
+    /// Asks the loop to send what is pending and end.
+    pub fn stop(&self) {
+        self.control.stop.store(true, Ordering::SeqCst);
+        let _ = (&*self.wake_tx).write(&[1]);
     }
 }
 

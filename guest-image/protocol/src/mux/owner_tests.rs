@@ -64,7 +64,7 @@ fn echo_guest(
 ) -> (UnixStream, std::thread::JoinHandle<PumpEnd>) {
     let (host, guest) = UnixStream::pair().unwrap();
     let t = std::thread::spawn(move || {
-        serve_guest(OwnedFd::from(guest), c, &mut |mut s: UnixStream| {
+        serve_guest(OwnedFd::from(guest), c, &mut |mut s: UnixStream, _stop| {
             let barrier = barrier.clone();
             std::thread::spawn(move || {
                 if let Some(b) = barrier {
@@ -229,7 +229,7 @@ fn fake_agent(answer: Outcome) -> (UnixStream, std::thread::JoinHandle<()>) {
             serve_guest(
                 OwnedFd::from(guest),
                 cfg(2, 4096),
-                &mut |mut s: UnixStream| {
+                &mut |mut s: UnixStream, _stop| {
                     std::thread::spawn(move || {
                         let mut b = Vec::new();
                         let _ = s.read_to_end(&mut b);
@@ -290,4 +290,28 @@ fn the_agent_accepts_only_sound_offers() {
     assert!(accept_offer(MUX_VERSION + 1, 2, 4096, 4).is_none());
     assert!(accept_offer(MUX_VERSION, 0, 4096, 4).is_none());
     assert!(accept_offer(MUX_VERSION, 2, MAX_WINDOW + 1, 4).is_none());
+}
+
+#[test]
+fn a_guest_stop_sends_the_last_answer_first() {
+    let c = cfg(2, 4096);
+    let (host, guest) = UnixStream::pair().unwrap();
+    let t = std::thread::spawn(move || {
+        serve_guest(OwnedFd::from(guest), c, &mut |mut s: UnixStream, stop| {
+            std::thread::spawn(move || {
+                s.write_all(b"powering off").unwrap();
+                stop.stop();
+                // Held open: only the drain can deliver the answer.
+                std::thread::sleep(Duration::from_millis(500));
+            });
+        })
+    });
+    let ch = MuxChannel::start(OwnedFd::from(host), c).unwrap();
+    let mut s = ch.open_stream().unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut got = [0u8; 12];
+    s.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"powering off");
+    assert_eq!(t.join().unwrap(), PumpEnd::Closed);
+    assert_eq!(wait_end(&ch, Duration::from_secs(5)), Some(PumpEnd::Closed));
 }

@@ -199,6 +199,7 @@ impl Pump<'_> {
         let mut buf = vec![0u8; MAX_MUX_DATA + super::MUX_HEADER_LEN];
         loop {
             if self.control.stop.load(Ordering::SeqCst) {
+                self.drain();
                 return Stop::Closed;
             }
             if let Err(stop) = self.open_pending() {
@@ -509,6 +510,38 @@ impl Pump<'_> {
         }
         self.finish_if_done(id);
         Ok(())
+    }
+
+    /// On stop: sends what the streams' users already wrote (within credit) and closes
+    /// them, so a last answer (the agent's to `shutdown`) reaches the peer.
+    fn drain(&mut self) {
+        let ids: Vec<u32> = self.streams.keys().copied().collect();
+        let mut buf = vec![0u8; MAX_MUX_DATA];
+        for id in ids {
+            while let Some(s) = self.streams.get_mut(&id) {
+                if s.local_done || s.credit == 0 {
+                    break;
+                }
+                let want = (s.credit as usize).min(buf.len());
+                let frame = match (&s.local).read(&mut buf[..want]) {
+                    Ok(0) => {
+                        s.local_done = true;
+                        MuxFrame::Close { stream: id }
+                    }
+                    Ok(n) => {
+                        s.credit -= n as u32;
+                        MuxFrame::Data {
+                            stream: id,
+                            bytes: buf[..n].to_vec(),
+                        }
+                    }
+                    Err(_) => break,
+                };
+                if self.send(&frame).is_err() {
+                    return;
+                }
+            }
+        }
     }
 
     fn check_stalls(&mut self) -> Result<(), Stop> {
