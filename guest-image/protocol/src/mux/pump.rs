@@ -70,6 +70,9 @@ pub enum PumpEnd {
     Failed(String),
 }
 
+/// Longest time spent handing streams' users their last bytes once the peer closed.
+const FLUSH_LIMIT: Duration = Duration::from_secs(1);
+
 /// Which end the loop serves.
 pub(crate) enum Role<'a> {
     /// The host: it opens streams ([`Pending`]); a peer's `open` breaks the rules.
@@ -239,7 +242,10 @@ impl Pump<'_> {
             }
             if !chan_ready.is_empty() {
                 match self.chan.read(&mut buf) {
-                    Ok(0) => return Stop::Closed,
+                    Ok(0) => {
+                        self.flush_inbound();
+                        return Stop::Closed;
+                    }
                     Ok(n) => {
                         self.decoder.push(&buf[..n]);
                         if let Err(stop) = self.take_frames() {
@@ -510,6 +516,33 @@ impl Pump<'_> {
         }
         self.finish_if_done(id);
         Ok(())
+    }
+
+    /// The peer closed the channel: hands the streams' users what already arrived, within
+    /// [`FLUSH_LIMIT`] in all (a user that does not read loses the rest).
+    fn flush_inbound(&mut self) {
+        let deadline = Instant::now() + FLUSH_LIMIT;
+        for s in self.streams.values_mut() {
+            while !s.inbound.is_empty() {
+                let (front, _) = s.inbound.as_slices();
+                match (&s.local).write(front) {
+                    Ok(n) => {
+                        s.inbound.drain(..n);
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            return;
+                        }
+                        let mut fds = [PollFd::new(s.local.as_fd(), PollFlags::POLLOUT)];
+                        let wait = PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX);
+                        let _ = poll(&mut fds, wait);
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
+        }
     }
 
     /// On stop: sends what the streams' users already wrote (within credit) and closes
