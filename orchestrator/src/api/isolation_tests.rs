@@ -36,17 +36,24 @@ fn serve_answering_agent(listener: UnixListener) {
                     let Ok(req) = decode_body::<RequestFrame>(&body) else {
                         return;
                     };
-                    let reply = match req.request {
-                        AgentRequest::Infer(_) => Reply::Infer(HttpResponse {
+                    let outcome = match req.request {
+                        AgentRequest::Infer(_) => Outcome::Ok(Reply::Infer(HttpResponse {
                             status: 200,
                             headers: Vec::new(),
                             body: json!({"choices": [{"text": "calm answer"}]}).to_string(),
-                        }),
+                        })),
+                        // An agent from before the mux: the hello is an unknown command.
+                        AgentRequest::Mux { .. } => {
+                            Outcome::Err(tenantvm_agent_protocol::AgentFailure {
+                                code: tenantvm_agent_protocol::ErrorCode::BadRequest,
+                                message: "unknown variant `mux`".into(),
+                            })
+                        }
                         _ => return,
                     };
                     let frame = encode_frame(&ResponseFrame {
                         id: req.id,
-                        outcome: Outcome::Ok(reply),
+                        outcome,
                     })
                     .unwrap();
                     if std::io::Write::write_all(&mut stream, &frame).is_err() {

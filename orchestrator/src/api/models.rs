@@ -131,7 +131,7 @@ pub(super) fn serving(
     }
     let socket =
         t.vm.as_ref()
-            .is_some_and(|vm| guest::agent_endpoint(ctx.backend, vm).connection_per_request());
+            .is_some_and(|vm| guest::streams_per_request(ctx.backend, vm, guest::CONNECT_TIMEOUT));
     Ok((t, socket))
 }
 

@@ -264,7 +264,7 @@ pub fn forward_http(
         body,
     };
     let unavailable = |e: AgentClientError| InferError::Unavailable(e.to_string());
-    let streams = guest::agent_endpoint(ctx.backend, vm).connection_per_request();
+    let streams = guest::streams_per_request(ctx.backend, vm, guest::CONNECT_TIMEOUT);
     let mut agent =
         guest::connect_pipelined(ctx.backend, vm, guest::CONNECT_TIMEOUT).map_err(unavailable)?;
     if streams {

@@ -12,6 +12,7 @@
 //! The spec and the lifecycle state machine are in [`crate::domain`].
 
 pub mod admission;
+pub mod agent_mux;
 pub mod card_lock;
 pub mod config;
 pub mod context;

@@ -102,9 +102,6 @@ impl MuxChannel {
     /// [`crate::AgentClient::over_stream`]). Refused when the channel ended or carries
     /// [`MuxConfig::max_streams`] streams.
     pub fn open_stream(&self) -> Result<UnixStream, MuxChannelError> {
-        if let Some(end) = self.ended() {
-            return Err(MuxChannelError::Ended(end));
-        }
         let (ours, theirs) = UnixStream::pair()?;
         {
             let mut pending = self
@@ -112,6 +109,10 @@ impl MuxChannel {
                 .pending
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
+            // Checked under this lock: an idle loop records its end under it too.
+            if let Some(end) = self.ended() {
+                return Err(MuxChannelError::Ended(end));
+            }
             let open = self.control.live.load(Ordering::SeqCst) + pending.len();
             if open >= self.cfg.max_streams {
                 return Err(MuxChannelError::Busy(open));

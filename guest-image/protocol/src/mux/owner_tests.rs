@@ -18,6 +18,7 @@ fn cfg(max_streams: usize, window: u32) -> MuxConfig {
         window,
         write_timeout: Duration::from_secs(2),
         stall: Duration::from_millis(500),
+        idle: None,
     }
 }
 
@@ -314,4 +315,21 @@ fn a_guest_stop_sends_the_last_answer_first() {
     assert_eq!(&got, b"powering off");
     assert_eq!(t.join().unwrap(), PumpEnd::Closed);
     assert_eq!(wait_end(&ch, Duration::from_secs(5)), Some(PumpEnd::Closed));
+}
+
+#[test]
+fn an_idle_host_channel_ends_by_itself_and_never_after_a_stream_was_asked_for() {
+    let c = MuxConfig {
+        idle: Some(Duration::from_millis(300)),
+        ..cfg(2, 4096)
+    };
+    let (host, _guest) = echo_guest(c, None);
+    let ch = MuxChannel::start(OwnedFd::from(host), c).unwrap();
+    // Busy streams keep it: one held across the idle time.
+    let s = ch.open_stream().unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(ch.ended(), None);
+    drop(s);
+    assert_eq!(wait_end(&ch, Duration::from_secs(5)), Some(PumpEnd::Closed));
+    assert!(matches!(ch.open_stream(), Err(MuxChannelError::Ended(_))));
 }

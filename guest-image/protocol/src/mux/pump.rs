@@ -48,6 +48,9 @@ pub struct MuxConfig {
     pub write_timeout: Duration,
     /// Longest time a stream may wait for credit while it has bytes to send.
     pub stall: Duration,
+    /// The host's loop ends by itself after this long with no stream (so the port is free
+    /// for another client of QEMU's one-client chardev); `None`: never.
+    pub idle: Option<Duration>,
 }
 
 impl Default for MuxConfig {
@@ -57,6 +60,7 @@ impl Default for MuxConfig {
             window: 256 * 1024,
             write_timeout: Duration::from_secs(10),
             stall: Duration::from_secs(30),
+            idle: None,
         }
     }
 }
@@ -200,7 +204,13 @@ pub(crate) fn run<'a>(
 impl Pump<'_> {
     fn run(&mut self) -> Stop {
         let mut buf = vec![0u8; MAX_MUX_DATA + super::MUX_HEADER_LEN];
+        let mut idle_since = Instant::now();
         loop {
+            if !self.streams.is_empty() {
+                idle_since = Instant::now();
+            } else if self.idle_out(idle_since) {
+                return Stop::Closed;
+            }
             if self.control.stop.load(Ordering::SeqCst) {
                 self.drain();
                 return Stop::Closed;
@@ -269,6 +279,27 @@ impl Pump<'_> {
                 return stop;
             }
         }
+    }
+
+    /// Whether the host loop has been idle long enough to end; if so the end is recorded
+    /// under the lock of the pending streams, so no stream is asked for after it.
+    fn idle_out(&self, since: Instant) -> bool {
+        let Some(idle) = self.cfg.idle else {
+            return false;
+        };
+        if since.elapsed() < idle {
+            return false;
+        }
+        let pending = self
+            .control
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if !pending.is_empty() {
+            return false;
+        }
+        *self.control.ended.lock().unwrap_or_else(|p| p.into_inner()) = Some(PumpEnd::Closed);
+        true
     }
 
     /// Writes one frame within the write deadline.

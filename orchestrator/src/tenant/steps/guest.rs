@@ -28,6 +28,7 @@ use tenantvm_agent_protocol::{
 
 use crate::backend::{BackendError, RunningVm, VmBackend, VmState};
 use crate::receipt::StepRecord;
+use crate::tenant::agent_mux;
 use crate::tenant::context::{StepCtx, StepError, Tenant};
 use crate::tenant::steps::{disk, Op};
 
@@ -52,15 +53,53 @@ pub fn agent_endpoint(backend: &dyn VmBackend, vm: &RunningVm) -> AgentEndpoint 
 /// one VM at a time, so the tenant's VM process (which set the CID when it started and
 /// holds it while it lives) must still be alive once the connection is made. Otherwise
 /// the CID may have passed to another VM and the connection is dropped unused.
+///
+/// Over virtio-serial the client is a stream of the VM's multiplexed channel
+/// ([`agent_mux`]), opened and negotiated on first use with the same peer check; with an
+/// agent that has no mux, the plain connection (one request at a time).
 pub fn connect(
     backend: &dyn VmBackend,
     vm: &RunningVm,
     timeout: Duration,
 ) -> Result<AgentClient, AgentClientError> {
     let endpoint = agent_endpoint(backend, vm);
+    if let AgentEndpoint::Serial(socket) = &endpoint {
+        let key = mux_key(socket, vm);
+        return agent_mux::channels().client(
+            &key,
+            || AgentClient::connect_checked(&endpoint, vm.uid, timeout),
+            timeout,
+        );
+    }
     let client = AgentClient::connect_checked(&endpoint, vm.uid, timeout)?;
     vsock_peer_alive(backend, vm, &endpoint)?;
     Ok(client)
+}
+
+fn mux_key(socket: &std::path::Path, vm: &RunningVm) -> agent_mux::ChannelKey {
+    agent_mux::ChannelKey {
+        socket: socket.to_path_buf(),
+        pid: vm.pid,
+        start_time_ticks: vm.start_time_ticks,
+    }
+}
+
+/// Whether each request to `vm`'s agent gets a connection or stream of its own (so it may
+/// take it for a stream: `infer-stream`, `model-push`): vsock always; virtio-serial once
+/// the port is multiplexed (negotiated now, within `timeout`, if it is not yet).
+pub fn streams_per_request(backend: &dyn VmBackend, vm: &RunningVm, timeout: Duration) -> bool {
+    let endpoint = agent_endpoint(backend, vm);
+    match &endpoint {
+        AgentEndpoint::Serial(socket) => {
+            let key = mux_key(socket, vm);
+            if !agent_mux::channels().is_multiplexed(&key) {
+                // Opening a client negotiates; the client itself is not needed.
+                let _ = connect(backend, vm, timeout);
+            }
+            agent_mux::channels().is_multiplexed(&key)
+        }
+        _ => endpoint.connection_per_request(),
+    }
 }
 
 /// Over AF_VSOCK there are no peer credentials: the connection is the tenant's only while
@@ -101,6 +140,9 @@ pub fn connect_pipelined(
     timeout: Duration,
 ) -> Result<AgentClient, AgentClientError> {
     let endpoint = agent_endpoint(backend, vm);
+    if matches!(endpoint, AgentEndpoint::Serial(_)) {
+        return connect(backend, vm, timeout);
+    }
     let client = AgentClient::connect_checked_pipelined(&endpoint, vm.uid, timeout)?;
     vsock_peer_alive(backend, vm, &endpoint)?;
     Ok(client)
@@ -394,8 +436,38 @@ mod tests {
             "{err:?}"
         );
         assert!(err.to_string().contains("refusing to talk to it"), "{err}");
+        // Served by the tenant's uid: the mux hello goes out (an agent without mux refuses
+        // it) and the plain connection is the client.
+        std::thread::spawn(move || {
+            use std::io::Write;
+            // The refused connection above came first and carries nothing.
+            let (mut s, body) = loop {
+                let (mut s, _) = _listener.accept().unwrap();
+                if let Ok(body) = tenantvm_agent_protocol::read_frame(&mut s) {
+                    break (s, body);
+                }
+            };
+            let req: tenantvm_agent_protocol::RequestFrame =
+                tenantvm_agent_protocol::decode_body(&body).unwrap();
+            assert!(matches!(
+                req.request,
+                tenantvm_agent_protocol::Request::Mux { .. }
+            ));
+            let refusal = tenantvm_agent_protocol::ResponseFrame {
+                id: req.id,
+                outcome: tenantvm_agent_protocol::Outcome::Err(
+                    tenantvm_agent_protocol::AgentFailure {
+                        code: tenantvm_agent_protocol::ErrorCode::BadRequest,
+                        message: "unknown variant `mux`".into(),
+                    },
+                ),
+            };
+            s.write_all(&tenantvm_agent_protocol::encode_frame(&refusal).unwrap())
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(500));
+        });
         let ok = RunningVm { uid: me, ..vm };
-        assert!(connect(&backend, &ok, Duration::from_secs(1)).is_ok());
+        assert!(connect(&backend, &ok, Duration::from_secs(5)).is_ok());
     }
 
     #[test]
