@@ -8,8 +8,9 @@
 //! - `GET /v1/tenants/{name}/models`: the stored models;
 //! - `DELETE /v1/tenants/{name}/models/{model}`: removes one.
 //!
-//! Errors: the tenant not running or without an inference guest 409; a push on QEMU's
-//! virtio-serial channel 409 (it needs a connection of its own: tenantvm-vmm's vsock); a
+//! Errors: the tenant not running or without an inference guest 409; a push to an agent
+//! that has no stream of its own for it 409 (QEMU's virtio-serial port with an agent older
+//! than the mux; vsock and a multiplexed port have one); a
 //! bad name or hash 400; size or hash not matching 422; not enough room on the disk 507;
 //! an unknown model 404; the guest not answering 502.
 
@@ -96,7 +97,8 @@ pub(super) fn agent_error(e: AgentClientError) -> ApiError {
 }
 
 /// The running tenant `name` with an agent, if `caller` may see it; and whether its
-/// channel is a socket (a push needs a connection of its own).
+/// agent gives each request a stream of its own (vsock, or a multiplexed serial port: a
+/// push needs one).
 pub(super) fn serving(
     svc: &TenantService,
     caller: &Caller,
@@ -213,7 +215,7 @@ pub(super) async fn push(
             return Err(err(
                 StatusCode::CONFLICT,
                 "invalid_state",
-                "Pushing a model needs a connection of its own to the guest (vsock: tenantvm-vmm, or QEMU on a host with /dev/vhost-vsock); this tenant's QEMU virtio-serial channel has one for everything",
+                "Pushing a model needs a stream of its own to the guest (vsock, or a multiplexed virtio-serial port); this tenant's guest agent predates the mux and its QEMU virtio-serial channel has one for everything: rebuild its guest image",
             ));
         }
         let agent = connect(&svc, &t)?;

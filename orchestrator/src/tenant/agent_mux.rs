@@ -126,3 +126,108 @@ fn stream_client(ch: &MuxChannel) -> Result<AgentClient, AgentClientError> {
         .map(AgentClient::over_stream)
         .map_err(|e| AgentClientError::Io(std::io::Error::other(e.to_string())))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::{UnixListener, UnixStream};
+    use tenantvm_agent_protocol::mux::{accept_offer, serve_guest};
+    use tenantvm_agent_protocol::{
+        decode_body, encode_frame, read_frame, Outcome, Reply, Request, RequestFrame,
+        ResponseFrame,
+    };
+
+    /// A fake mux agent on `listener`: each connection answers the hello, then serves
+    /// `status` on every stream; with `hostile`, the first connection sends garbage
+    /// instead once the hello is answered.
+    fn fake_mux_agent(listener: UnixListener, hostile: bool) {
+        std::thread::spawn(move || {
+            for (n, conn) in listener.incoming().enumerate() {
+                let Ok(mut conn) = conn else { return };
+                let body = read_frame(&mut conn).unwrap();
+                let req: RequestFrame = decode_body(&body).unwrap();
+                let Request::Mux {
+                    version,
+                    max_streams,
+                    window,
+                } = req.request
+                else {
+                    panic!("the first request must be the hello");
+                };
+                let cfg = accept_offer(version, max_streams, window, 8).unwrap();
+                let reply = ResponseFrame {
+                    id: req.id,
+                    outcome: Outcome::Ok(Reply::Mux {
+                        version,
+                        max_streams: cfg.max_streams as u32,
+                        window,
+                    }),
+                };
+                conn.write_all(&encode_frame(&reply).unwrap()).unwrap();
+                if hostile && n == 0 {
+                    let _ = conn.write_all(b"NOT A MUX FRAME AT ALL");
+                    let mut sink = Vec::new();
+                    let _ = conn.read_to_end(&mut sink);
+                    continue;
+                }
+                std::thread::spawn(move || {
+                    serve_guest(OwnedFd::from(conn), cfg, &mut |mut s: UnixStream, _| {
+                        std::thread::spawn(move || {
+                            while let Ok(body) = read_frame(&mut s) {
+                                let req: RequestFrame = decode_body(&body).unwrap();
+                                let resp = ResponseFrame {
+                                    id: req.id,
+                                    outcome: Outcome::Ok(Reply::ModelRemoved),
+                                };
+                                if s.write_all(&encode_frame(&resp).unwrap()).is_err() {
+                                    return;
+                                }
+                            }
+                        });
+                    });
+                });
+            }
+        });
+    }
+
+    fn key(dir: &std::path::Path) -> ChannelKey {
+        ChannelKey {
+            socket: dir.join("agent.sock"),
+            pid: 1,
+            start_time_ticks: 1,
+        }
+    }
+
+    #[test]
+    fn requests_share_one_channel_and_a_broken_channel_is_renegotiated() {
+        let dir = tempfile::tempdir().unwrap();
+        let k = key(dir.path());
+        fake_mux_agent(UnixListener::bind(&k.socket).unwrap(), true);
+        let chans = MuxChannels::default();
+        let t = Duration::from_secs(5);
+        let connect = || {
+            AgentClient::connect(
+                &tenantvm_agent_protocol::AgentEndpoint::Serial(k.socket.clone()),
+                t,
+            )
+        };
+        // The first channel is broken by the guest right after the hello: the request on
+        // it fails, the channel is forgotten, and the next request negotiates anew.
+        let first = chans.client(&k, connect, t).and_then(|mut c| c.call(&Request::Status, t));
+        assert!(first.is_err());
+        let until = std::time::Instant::now() + t;
+        while chans.is_multiplexed(&k) && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(!chans.is_multiplexed(&k));
+        let mut a = chans.client(&k, connect, t).unwrap();
+        assert!(chans.is_multiplexed(&k));
+        // Two clients at once on the one channel (a second connection to the socket
+        // would not be accepted by this fake: it answers one connection at a time).
+        let mut b = chans.client(&k, connect, t).unwrap();
+        a.call(&Request::Status, t).unwrap();
+        b.call(&Request::Status, t).unwrap();
+    }
+}
