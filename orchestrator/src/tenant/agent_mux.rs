@@ -102,22 +102,41 @@ impl MuxChannels {
         match negotiate(connect()?, cfg, timeout)? {
             Negotiated::Mux(ch) => {
                 let ch = Arc::new(ch);
-                self.channels
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(key.clone(), Arc::clone(&ch));
+                {
+                    let mut map = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+                    // Channels of VMs that stopped (their loops ended) are never asked for
+                    // again under their key: drop them here, so the map holds live VMs only.
+                    map.retain(|_, c| c.ended().is_none());
+                    map.insert(key.clone(), Arc::clone(&ch));
+                }
+                self.sweep_gates(key);
                 stream_client(&ch)
             }
             Negotiated::Plain(client) => Ok(client),
         }
     }
 
-    /// Forgets the channels of VMs that are not in `keep` (their loops end).
-    pub fn retain(&self, keep: impl Fn(&ChannelKey) -> bool) {
-        let mut map = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        map.retain(|k, _| keep(k));
+    /// Drops the negotiation gates nobody holds, of VMs without a live channel, except
+    /// `current`'s: one gate per VM would otherwise outlive every VM the daemon ran.
+    fn sweep_gates(&self, current: &ChannelKey) {
+        let live: Vec<ChannelKey> = self
+            .channels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
         let mut gates = self.negotiating.lock().unwrap_or_else(|p| p.into_inner());
-        gates.retain(|k, _| keep(k));
+        gates.retain(|k, g| k == current || live.contains(k) || Arc::strong_count(g) > 1);
+    }
+
+    /// How many VMs have a channel or a negotiation gate on record (for tests).
+    #[cfg(test)]
+    fn records(&self) -> (usize, usize) {
+        (
+            self.channels.lock().unwrap().len(),
+            self.negotiating.lock().unwrap().len(),
+        )
     }
 }
 
@@ -135,8 +154,7 @@ mod tests {
     use std::os::unix::net::{UnixListener, UnixStream};
     use tenantvm_agent_protocol::mux::{accept_offer, serve_guest};
     use tenantvm_agent_protocol::{
-        decode_body, encode_frame, read_frame, Outcome, Reply, Request, RequestFrame,
-        ResponseFrame,
+        decode_body, encode_frame, read_frame, Outcome, Reply, Request, RequestFrame, ResponseFrame,
     };
 
     /// A fake mux agent on `listener`: each connection answers the hello, then serves
@@ -215,7 +233,9 @@ mod tests {
         };
         // The first channel is broken by the guest right after the hello: the request on
         // it fails, the channel is forgotten, and the next request negotiates anew.
-        let first = chans.client(&k, connect, t).and_then(|mut c| c.call(&Request::Status, t));
+        let first = chans
+            .client(&k, connect, t)
+            .and_then(|mut c| c.call(&Request::Status, t));
         assert!(first.is_err());
         let until = std::time::Instant::now() + t;
         while chans.is_multiplexed(&k) && std::time::Instant::now() < until {
@@ -229,5 +249,51 @@ mod tests {
         let mut b = chans.client(&k, connect, t).unwrap();
         a.call(&Request::Status, t).unwrap();
         b.call(&Request::Status, t).unwrap();
+    }
+
+    #[test]
+    fn the_channels_and_gates_of_stopped_vms_are_not_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = key(dir.path());
+        fake_mux_agent(UnixListener::bind(&old.socket).unwrap(), false);
+        let chans = MuxChannels::default();
+        let t = Duration::from_secs(5);
+        let connect = || {
+            AgentClient::connect(
+                &tenantvm_agent_protocol::AgentEndpoint::Serial(old.socket.clone()),
+                t,
+            )
+        };
+        chans
+            .client(&old, connect, t)
+            .unwrap()
+            .call(&Request::Status, t)
+            .unwrap();
+        assert_eq!(chans.records(), (1, 1));
+        // The old VM's channel goes idle and ends; a new VM (same socket, new pid) opens
+        // its own, and the old one's records go.
+        let until = std::time::Instant::now() + IDLE * 5;
+        let open = |k: &ChannelKey| {
+            let map = chans.channels.lock().unwrap();
+            map.get(k).is_some_and(|c| c.ended().is_none())
+        };
+        while open(&old) && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let new = ChannelKey {
+            pid: 2,
+            ..old.clone()
+        };
+        chans
+            .client(&new, connect, t)
+            .unwrap()
+            .call(&Request::Status, t)
+            .unwrap();
+        assert_eq!(
+            chans.records(),
+            (1, 1),
+            "the ended channel and its gate were kept"
+        );
+        assert!(chans.is_multiplexed(&new));
     }
 }
