@@ -532,6 +532,45 @@ mod tests {
     }
 
     #[test]
+    fn a_port_the_mux_gave_back_serves_the_next_client_plainly_at_once() {
+        use tenantvm_agent_protocol::mux::{negotiate, MuxConfig, Negotiated};
+        use tenantvm_agent_protocol::AgentClient;
+        let dir = tempfile::tempdir().unwrap();
+        let (mut port, h) = serve_serial_pair(agent(dir.path()));
+        port.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        // The daemon's channel, on its own descriptor of the port, closes when idle.
+        let cfg = MuxConfig {
+            max_streams: 4,
+            idle: Some(Duration::from_millis(200)),
+            ..MuxConfig::default()
+        };
+        let daemon = AgentClient::over_stream(port.try_clone().unwrap());
+        let t = Duration::from_secs(10);
+        let Negotiated::Mux(ch) = negotiate(daemon, cfg, t).unwrap() else {
+            panic!("the agent refused the mux");
+        };
+        AgentClient::over_stream(ch.open_stream().unwrap())
+            .status(t)
+            .unwrap();
+        let until = Instant::now() + t;
+        while ch.ended().is_none() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        drop(ch);
+        // As QEMU's chardev does, the port passes to the next client with no gap the
+        // guest could see: its plain request must be read as one, not as mux frames.
+        let resp = ask(&mut port, 7, Request::Status);
+        assert_eq!(resp.id, 7);
+        assert!(
+            matches!(resp.outcome, Outcome::Ok(Reply::Status(_))),
+            "{resp:?}"
+        );
+        drop(port);
+        assert!(!h.join().unwrap());
+    }
+
+    #[test]
     fn a_bad_hello_on_the_serial_port_is_refused_and_the_port_stays_plain() {
         let dir = tempfile::tempdir().unwrap();
         let (mut host, h) = serve_serial_pair(agent(dir.path()));

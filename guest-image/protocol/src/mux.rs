@@ -14,17 +14,25 @@
 //! | bytes | field |
 //! |---|---|
 //! | 0..4 | magic `TVMX` |
-//! | 4..8 | stream id, big endian, never 0 |
-//! | 8 | kind: 1 open, 2 data, 3 window, 4 close, 5 reset |
+//! | 4..8 | stream id, big endian, never 0 (always 0 for `end`) |
+//! | 8 | kind: 1 open, 2 data, 3 window, 4 close, 5 reset, 6 end |
 //! | 9 | flags, must be 0 |
 //! | 10..12 | reserved, must be 0 |
 //! | 12..16 | payload length, big endian |
 //!
-//! `open` and `close` carry nothing; `data` 1..=[`MAX_MUX_DATA`] bytes; `window` 4 bytes,
+//! `open`, `close` and `end` carry nothing; `data` 1..=[`MAX_MUX_DATA`] bytes; `window` 4 bytes,
 //! the credit in bytes the receiver grants (big endian, 1..=[`MAX_WINDOW`]); `reset` at
 //! most [`MAX_RESET_REASON`] bytes of UTF-8. Everything the guest sends is hostile: the
 //! decoder checks a header completely before it buffers any payload, so a lying length
 //! costs nothing, and it never holds more than one frame.
+//!
+//! `end` gives the port back. QEMU's chardev takes one client at a time and accepts the
+//! next one the moment the current one closes, so the guest cannot tell from the port
+//! alone that the client that agreed the mux has gone: a plain request from the next
+//! client would be read as mux frames and lost. So the host, before it closes an idle or
+//! stopped channel, sends `end` and waits (briefly) for the guest's `end` in answer; the
+//! guest answers, closes its streams and serves the port plainly again, and only then does
+//! the host close the connection.
 
 use thiserror::Error;
 
@@ -86,6 +94,9 @@ pub enum MuxFrame {
         /// Why, for logs (sanitise before showing: the guest wrote it).
         reason: String,
     },
+    /// The channel ends: the host gives the port back, the guest answers in kind and
+    /// serves it plainly again (stream id 0 on the wire).
+    End,
 }
 
 /// Why bytes are not a valid mux frame. `Channel` errors leave the byte stream without a
@@ -110,6 +121,9 @@ pub enum MuxError {
     /// Stream id 0.
     #[error("mux frame for stream 0")]
     StreamZero,
+    /// An `end` frame naming a stream (it concerns the channel).
+    #[error("mux end frame naming stream {0}")]
+    EndWithStream(u32),
     /// A payload length outside what the kind allows.
     #[error("mux frame of kind {kind} with a {len}-byte payload (allowed: {allowed})")]
     BadLength {
@@ -153,6 +167,7 @@ const DATA: u8 = 2;
 const WINDOW: u8 = 3;
 const CLOSE: u8 = 4;
 const RESET: u8 = 5;
+const END: u8 = 6;
 
 impl MuxFrame {
     /// The frame's stream.
@@ -163,6 +178,7 @@ impl MuxFrame {
             | MuxFrame::Window { stream, .. }
             | MuxFrame::Close { stream }
             | MuxFrame::Reset { stream, .. } => *stream,
+            MuxFrame::End => 0,
         }
     }
 
@@ -176,6 +192,7 @@ impl MuxFrame {
             MuxFrame::Window { credit, .. } => (WINDOW, credit.to_be_bytes().to_vec()),
             MuxFrame::Close { .. } => (CLOSE, Vec::new()),
             MuxFrame::Reset { reason, .. } => (RESET, reason.as_bytes().to_vec()),
+            MuxFrame::End => (END, Vec::new()),
         };
         let mut out = Vec::with_capacity(MUX_HEADER_LEN + payload.len());
         out.extend_from_slice(&MUX_MAGIC);
@@ -217,14 +234,17 @@ fn parse_header(h: &[u8; MUX_HEADER_LEN]) -> Result<(u32, u8, usize), MuxError> 
         return Err(MuxError::Reserved { flags, reserved });
     }
     let len = u32::from_be_bytes([h[12], h[13], h[14], h[15]]);
-    if !(OPEN..=RESET).contains(&kind) {
+    if !(OPEN..=END).contains(&kind) {
         return Err(MuxError::BadKind(kind));
     }
-    if stream == 0 {
+    if kind == END && stream != 0 {
+        return Err(MuxError::EndWithStream(stream));
+    }
+    if stream == 0 && kind != END {
         return Err(MuxError::StreamZero);
     }
     let (ok, allowed) = match kind {
-        OPEN | CLOSE => (len == 0, "0"),
+        OPEN | CLOSE | END => (len == 0, "0"),
         DATA => ((1..=MAX_MUX_DATA as u32).contains(&len), "1 to 65536 bytes"),
         WINDOW => (len == 4, "4"),
         _ => (len as usize <= MAX_RESET_REASON, "at most 256 bytes"),
@@ -298,6 +318,7 @@ impl MuxDecoder {
                 MuxFrame::Window { stream, credit }
             }
             CLOSE => MuxFrame::Close { stream },
+            END => MuxFrame::End,
             _ => MuxFrame::Reset {
                 stream,
                 reason: String::from_utf8(payload).map_err(|_| MuxError::BadReason(stream))?,

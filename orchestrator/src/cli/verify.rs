@@ -33,9 +33,9 @@ pub const INTERRUPTED: u8 = 130;
 ///    3 partition-arithmetic  every sized need fits its slice; the host holds them all
 ///    4 memory-partition      probe cgroups have a memory limit near their guest memory,
 ///                            a process overrunning one is killed, the other still serves
-///    5 prefix-cache          timing test (one-sided KS, randomised interleaving) across
-///                            two probes, after a positive control within one probe whose
-///                            payload has its prefix cache on (--control-image)
+///    5 prefix-cache          timing test (one-sided KS, hit/miss pairs in random order)
+///                            across two probes, after a positive control within one probe
+///                            whose payload has its prefix cache on (--control-image)
 ///    6 batching              each tenant's own server instance and batch scope, read
 ///                            through its agent
 ///    7 visibility            probe tokens refused on each other's logs and receipts; a
@@ -108,7 +108,7 @@ pub struct VerifyArgs {
     /// Most memory a tenant's cgroup may allow above its guest memory, MiB.
     #[arg(long, default_value_t = 512)]
     pub max_overhead_mib: u64,
-    /// Seed of the randomised interleaving (recorded in the report; fresh when absent).
+    /// Seed of the prompts and of each hit/miss pair's order (recorded in the report; fresh when absent).
     #[arg(long)]
     pub seed: Option<u64>,
     /// The daemon's state directory.

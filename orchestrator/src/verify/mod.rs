@@ -291,7 +291,7 @@ pub struct VerifyConfig {
     pub latency_samples: usize,
     /// Largest p99 ratio loaded/idle the noisy-neighbour check accepts (check 8).
     pub max_latency_ratio: f64,
-    /// Seed of the randomised interleaving (a fresh one when absent; recorded in the report).
+    /// Seed of the prompts and of each hit/miss pair's order (a fresh one when absent; recorded in the report).
     pub seed: Option<u64>,
     /// How long to wait for a probe tenant to start or go.
     pub probe_timeout: Duration,

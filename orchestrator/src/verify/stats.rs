@@ -1,10 +1,10 @@
 //! The statistics of the timing check (5), after Gu et al., "Auditing Prompt Caching in
 //! Language Model APIs" (ICML 2025): a one-sided two-sample Kolmogorov-Smirnov test of
-//! "hit" times against "miss" times, samples taken in a randomly shuffled order, and the
-//! effect sizes an operator can read (median difference, fraction of hits faster than the
+//! "hit" times against "miss" times, samples taken in hit/miss pairs whose order is random,
+//! and the effect sizes an operator can read (the median within-pair difference and its
+//! bootstrap bound, the arms' median difference, the fraction of hits faster than the
 //! fastest miss).
 
-use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
@@ -17,22 +17,12 @@ pub enum Arm {
     Miss,
 }
 
-/// `n` samples of each arm in a random order drawn from `seed` (the same seed gives the same
-/// order, so a report can be reproduced).
-pub fn interleave(n: usize, seed: u64) -> Vec<Arm> {
-    let mut order: Vec<Arm> = std::iter::repeat_n(Arm::Hit, n)
-        .chain(std::iter::repeat_n(Arm::Miss, n))
-        .collect();
-    order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
-    order
-}
-
 /// `n` pairs of one hit and one miss, each pair's order drawn at random from `seed`, the
 /// pairs back to back: `[Hit, Miss, Miss, Hit, ...]`. Both samples of a pair are taken
 /// seconds apart, so the pair's difference cancels whatever drifts more slowly than that
 /// (other work on the host, a guest's page cache warming), and which of the two goes first
 /// is random, so a within-pair order effect cannot pass for a cache. Balanced (`n` of each)
-/// and reproducible like [`interleave`].
+/// and reproducible (the same seed gives the same order, so a report can be reproduced).
 pub fn paired_order(n: usize, seed: u64) -> Vec<Arm> {
     use rand::Rng;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -210,18 +200,6 @@ mod tests {
                 (mean + sd * u).max(0.0)
             })
             .collect()
-    }
-
-    #[test]
-    fn interleaving_is_balanced_shuffled_and_reproducible() {
-        let a = interleave(250, 7);
-        assert_eq!(a.len(), 500);
-        assert_eq!(a.iter().filter(|x| **x == Arm::Hit).count(), 250);
-        assert_eq!(a, interleave(250, 7));
-        assert_ne!(a, interleave(250, 8));
-        // Not blocked: both arms appear in the first and in the last fifty.
-        assert!(a[..50].contains(&Arm::Hit) && a[..50].contains(&Arm::Miss));
-        assert!(a[450..].contains(&Arm::Hit) && a[450..].contains(&Arm::Miss));
     }
 
     #[test]

@@ -76,6 +76,9 @@ pub enum PumpEnd {
 
 /// Longest time spent handing streams' users their last bytes once the peer closed.
 const FLUSH_LIMIT: Duration = Duration::from_secs(1);
+/// Longest time the host waits for the guest's `end` in answer to its own before it closes
+/// the channel anyway (a guest that does not answer only risks its own next request).
+const RELEASE_LIMIT: Duration = Duration::from_secs(2);
 
 /// Which end the loop serves.
 pub(crate) enum Role<'a> {
@@ -209,10 +212,12 @@ impl Pump<'_> {
             if !self.streams.is_empty() {
                 idle_since = Instant::now();
             } else if self.idle_out(idle_since) {
+                self.release();
                 return Stop::Closed;
             }
             if self.control.stop.load(Ordering::SeqCst) {
                 self.drain();
+                self.release();
                 return Stop::Closed;
             }
             if let Err(stop) = self.open_pending() {
@@ -449,6 +454,57 @@ impl Pump<'_> {
                 self.table.end(stream);
                 self.streams.remove(&stream);
                 Ok(())
+            }
+            MuxFrame::End => {
+                if let Role::Guest(_) = self.role {
+                    // The host gives the port back: answer, so that it closes only once
+                    // this side reads the port plainly again, and end the loop.
+                    let _ = self.send(&MuxFrame::End);
+                }
+                Err(Stop::Closed)
+            }
+        }
+    }
+
+    /// The host gives the port back before closing it: sends `end` and waits, within
+    /// [`RELEASE_LIMIT`], for the guest's `end` in answer (frames before it are dropped),
+    /// so that the guest serves the port plainly before QEMU's chardev can pass it to
+    /// the next client. Nothing on the guest's side.
+    fn release(&mut self) {
+        if !matches!(self.role, Role::Host) || self.send(&MuxFrame::End).is_err() {
+            return;
+        }
+        let deadline = Instant::now() + RELEASE_LIMIT;
+        let mut buf = vec![0u8; MAX_MUX_DATA + super::MUX_HEADER_LEN];
+        loop {
+            loop {
+                match self.decoder.next_frame() {
+                    Ok(Some(MuxFrame::End)) => return,
+                    Ok(Some(_)) => {}
+                    Ok(None) => break,
+                    Err(e) if e.stream().is_some() => {}
+                    Err(_) => return,
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            let mut fds = [PollFd::new(self.chan.as_fd(), PollFlags::POLLIN)];
+            let wait = PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX);
+            match poll(&mut fds, wait) {
+                Ok(_) | Err(Errno::EINTR) => {}
+                Err(_) => return,
+            }
+            match self.chan.read(&mut buf) {
+                Ok(0) => return,
+                Ok(n) => self.decoder.push(&buf[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) => {}
+                Err(_) => return,
             }
         }
     }

@@ -15,6 +15,7 @@ fn frame() -> impl Strategy<Value = MuxFrame> {
             .prop_map(|(stream, credit)| MuxFrame::Window { stream, credit }),
         stream.clone().prop_map(|stream| MuxFrame::Close { stream }),
         (stream, "[a-z ]{0,64}").prop_map(|(stream, reason)| MuxFrame::Reset { stream, reason }),
+        Just(MuxFrame::End),
     ]
 }
 
@@ -194,4 +195,36 @@ fn the_stream_table_bounds_streams_and_enforces_credit() {
     t.end(2);
     assert!(t.is_empty());
     t.open(3).unwrap();
+}
+
+#[test]
+fn end_is_stream_zero_only_and_carries_nothing() {
+    let bytes = MuxFrame::End.encode();
+    assert_eq!(&bytes[4..8], &[0, 0, 0, 0]);
+    assert_eq!(bytes[8], 6);
+    let mut d = MuxDecoder::default();
+    d.push(&bytes);
+    assert_eq!(d.next_frame().unwrap(), Some(MuxFrame::End));
+    // An end naming a stream, or carrying bytes, loses the channel.
+    let mut named = bytes.clone();
+    named[7] = 3;
+    let mut d = MuxDecoder::default();
+    d.push(&named);
+    assert_eq!(d.next_frame(), Err(MuxError::EndWithStream(3)));
+    assert_eq!(d.next_frame(), Err(MuxError::Failed));
+    let mut long = bytes;
+    long[15] = 1;
+    long.push(0);
+    let mut d = MuxDecoder::default();
+    d.push(&long);
+    assert!(matches!(
+        d.next_frame(),
+        Err(MuxError::BadLength { kind: 6, .. })
+    ));
+    // Other kinds still refuse stream 0.
+    let mut d = MuxDecoder::default();
+    let mut open0 = MuxFrame::Open { stream: 1 }.encode();
+    open0[7] = 0;
+    d.push(&open0);
+    assert_eq!(d.next_frame(), Err(MuxError::StreamZero));
 }
