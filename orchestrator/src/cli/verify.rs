@@ -134,15 +134,30 @@ pub struct VerifyArgs {
     /// Ledger of probe tenants created (default: <state-dir>/verify/probes).
     #[arg(long, value_name = "FILE")]
     pub ledger: Option<PathBuf>,
-    /// The audit log the signed entry is appended to.
-    #[arg(long, env = "TENANTVM_AUDIT_LOG", default_value = crate::receipt::DEFAULT_LOG)]
-    pub audit_log: PathBuf,
-    /// The host's receipt signing key.
-    #[arg(long, default_value = crate::receipt::DEFAULT_SIGNING_KEY)]
-    pub signing_key: PathBuf,
+    /// The audit log the signed entry is appended to (default:
+    /// <state-dir>/audit/receipts.jsonl, where the daemon keeps it).
+    #[arg(long, env = "TENANTVM_AUDIT_LOG")]
+    pub audit_log: Option<PathBuf>,
+    /// The host's receipt signing key (default: <state-dir>/audit/receipt-signing.key).
+    #[arg(long)]
+    pub signing_key: Option<PathBuf>,
 }
 
 impl VerifyArgs {
+    /// The audit log and signing key: as given, else the daemon's, under `--state-dir`
+    /// (`audit/receipts.jsonl`, `audit/receipt-signing.key`, as tenantvmd lays them out).
+    fn audit_paths(&self) -> (PathBuf, PathBuf) {
+        let audit = self.state_dir.join("audit");
+        (
+            self.audit_log
+                .clone()
+                .unwrap_or_else(|| audit.join("receipts.jsonl")),
+            self.signing_key
+                .clone()
+                .unwrap_or_else(|| audit.join("receipt-signing.key")),
+        )
+    }
+
     fn config(&self) -> Result<VerifyConfig, CliFailure> {
         if !(self.alpha > 0.0 && self.alpha < 1.0) {
             return Err(fail(
@@ -402,17 +417,17 @@ pub(super) async fn run(
             )
         })?;
     }
-    let entry =
-        verify::audit::record(&report, &args.audit_log, &args.signing_key).map_err(|e| {
-            fail(
-                exit::OTHER,
-                format!("the report was not recorded in the audit log: {e}"),
-            )
-        })?;
+    let (audit_log, signing_key) = args.audit_paths();
+    let entry = verify::audit::record(&report, &audit_log, &signing_key).map_err(|e| {
+        fail(
+            exit::OTHER,
+            format!("the report was not recorded in the audit log: {e}"),
+        )
+    })?;
     writeln!(
         err,
         "verify: report appended to {} as entry #{} (signed, key {})",
-        args.audit_log.display(),
+        audit_log.display(),
         entry.seq,
         entry.key_id
     )?;
@@ -487,5 +502,30 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    #[test]
+    fn the_audit_log_and_signing_key_follow_the_state_dir_unless_given() {
+        let parse = |extra: &[&str]| {
+            let cli = Cli::try_parse_from(
+                ["tenantvm", "verify", "--state-dir", "/srv/tvm"]
+                    .into_iter()
+                    .chain(extra.iter().copied()),
+            )
+            .unwrap();
+            let Command::Verify(a) = cli.command else {
+                panic!()
+            };
+            a.audit_paths()
+        };
+        let (log, key) = parse(&[]);
+        assert_eq!(log, std::path::Path::new("/srv/tvm/audit/receipts.jsonl"));
+        assert_eq!(
+            key,
+            std::path::Path::new("/srv/tvm/audit/receipt-signing.key")
+        );
+        let (log, key) = parse(&["--audit-log", "/a/log", "--signing-key", "/a/key"]);
+        assert_eq!(log, std::path::Path::new("/a/log"));
+        assert_eq!(key, std::path::Path::new("/a/key"));
     }
 }
