@@ -218,6 +218,14 @@ mod tests {
         }
     }
 
+    /// A plain connection to `k`'s socket, as the daemon's peer-checked connect makes one.
+    fn plain_connect(k: &ChannelKey, t: Duration) -> Result<AgentClient, AgentClientError> {
+        AgentClient::connect(
+            &tenantvm_agent_protocol::AgentEndpoint::Serial(k.socket.clone()),
+            t,
+        )
+    }
+
     #[test]
     fn requests_share_one_channel_and_a_broken_channel_is_renegotiated() {
         let dir = tempfile::tempdir().unwrap();
@@ -225,12 +233,7 @@ mod tests {
         fake_mux_agent(UnixListener::bind(&k.socket).unwrap(), true);
         let chans = MuxChannels::default();
         let t = Duration::from_secs(5);
-        let connect = || {
-            AgentClient::connect(
-                &tenantvm_agent_protocol::AgentEndpoint::Serial(k.socket.clone()),
-                t,
-            )
-        };
+        let connect = || plain_connect(&k, t);
         // The first channel is broken by the guest right after the hello: the request on
         // it fails, the channel is forgotten, and the next request negotiates anew.
         let first = chans
@@ -258,12 +261,7 @@ mod tests {
         fake_mux_agent(UnixListener::bind(&old.socket).unwrap(), false);
         let chans = MuxChannels::default();
         let t = Duration::from_secs(5);
-        let connect = || {
-            AgentClient::connect(
-                &tenantvm_agent_protocol::AgentEndpoint::Serial(old.socket.clone()),
-                t,
-            )
-        };
+        let connect = || plain_connect(&old, t);
         chans
             .client(&old, connect, t)
             .unwrap()
