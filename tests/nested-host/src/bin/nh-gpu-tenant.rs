@@ -472,13 +472,63 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// The steps of a fresh daemon's first operation (the create) and how long each took, ms,
+/// read from its store: where a device's cost goes.
+fn create_step_times(state: &Path) -> Result<Vec<(String, f64)>, String> {
+    let store = tenantvm::store::Store::open(&state.join("state.db"))
+        .map_err(|e| format!("opening {}: {e}", state.display()))?;
+    let steps = store.steps(1).map_err(|e| format!("reading the steps: {e}"))?;
+    if steps.is_empty() {
+        return Err("the daemon recorded no steps for its first operation".into());
+    }
+    Ok(steps
+        .into_iter()
+        .filter_map(|s| {
+            let ms = s.finished_ms? - s.started_ms;
+            Some((s.step, ms as f64))
+        })
+        .collect())
+}
+
+/// Per step, the median of each arm's times (ms) and the difference, as NOTE lines; steps
+/// in the order the edu arm ran them.
+fn note_step_split(plain: &[Vec<(String, f64)>], with_edu: &[Vec<(String, f64)>]) {
+    let arm = |runs: &[Vec<(String, f64)>], step: &str| {
+        let mut v: Vec<f64> = runs
+            .iter()
+            .filter_map(|r| r.iter().find(|(n, _)| n == step).map(|(_, ms)| *ms))
+            .collect();
+        if v.is_empty() {
+            None
+        } else {
+            Some(median(&mut v))
+        }
+    };
+    let Some(order) = with_edu.first() else {
+        return;
+    };
+    for (step, _) in order {
+        let e = arm(with_edu, step).unwrap_or(0.0);
+        let p = arm(plain, step);
+        note(&format!(
+            "create step {step}: median {e:.0} ms with edu, {} without ({:+.0} ms)",
+            p.map_or("not run".to_string(), |p| format!("{p:.0} ms")),
+            e - p.unwrap_or(0.0)
+        ));
+    }
+}
+
 /// The benchmark (see the module documentation).
 fn bench(edu: &str, rounds: usize) -> Result<(), String> {
     let setup = setup(edu)?;
     let work = setup.work.clone();
     let (mut plain, mut with_edu) = (Vec::new(), Vec::new());
+    let (mut plain_steps, mut edu_steps) = (Vec::new(), Vec::new());
     for round in 0..rounds {
-        for (spec, times) in [("plain.toml", &mut plain), ("tenant.toml", &mut with_edu)] {
+        for (spec, times, steps) in [
+            ("plain.toml", &mut plain, &mut plain_steps),
+            ("tenant.toml", &mut with_edu, &mut edu_steps),
+        ] {
             let state = work.join(format!("bench-{round}-{spec}"));
             let d = setup.daemon(&state, &format!("daemon-bench-{round}-{spec}.log"), None)?;
             let cli = setup.cli(&state);
@@ -500,6 +550,7 @@ fn bench(edu: &str, rounds: usize) -> Result<(), String> {
                 return Err(format!("{spec}: running with edu on {bound:?}"));
             }
             times.push(secs);
+            steps.push(create_step_times(&state)?);
             destroy(&cli, &d)?;
             check_given_back(edu, "after a benchmark round")?;
             drop(d);
@@ -526,6 +577,7 @@ fn bench(edu: &str, rounds: usize) -> Result<(), String> {
         e / p,
         e - p
     ));
+    note_step_split(&plain_steps, &edu_steps);
     Ok(())
 }
 
