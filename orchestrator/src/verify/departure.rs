@@ -1,12 +1,15 @@
-//! Check 10: a departure leaves nothing behind. A probe tenant with a disk (and a request
-//! through its payload, so it has logs and disk contents) is destroyed; afterwards no file,
+//! Check 10: a departure leaves nothing behind. A probe tenant with a disk (a request
+//! through its payload, so it has logs and disk contents, and a pushed model, tenant data
+//! the crypto-shred must cover) is destroyed; afterwards no file,
 //! key, log, cgroup or process of its uid may remain, and its receipt must be in the audit
 //! log with every step ended `ok` or `skipped` and every effect `verified`, honestly
 //! `simulated`, or not applicable (a step that failed, or a host-side step that ran
 //! `unverified`, fails the check). The route-off and agent-shutdown steps may be
 //! `unverified`: they rest on what the guest reports, and the host-side steps after them
 //! (reset, scrub, release, crypto-shred, log removal) are what must be verified; they are
-//! counted as guest-reported.
+//! counted as guest-reported. When the model was pushed, the receipt must say that the
+//! shredded disk held it (the crypto-shred step's `tenant_data` evidence); a push the host
+//! refuses is reported, not judged.
 //!
 //! Not yet done: VF vGPU types and MIG instances of a GPU slice (the probe has no GPU until
 //! GPU attach lands; the receipt's GPU steps are judged as they are recorded).
@@ -16,6 +19,22 @@ use crate::receipt::{Assurance, DepartureStep, LogEntry, StepResult};
 
 /// Check 10.
 pub struct DepartureCheck;
+
+/// Name of the model check 10 pushes to its probe.
+const DEPART_MODEL: &str = "tvm-verify-depart";
+
+/// Whether the last receipt's crypto-shred step says the disk held the tenant's pushed
+/// models (its `tenant_data` evidence names them).
+pub fn receipt_covers_models(receipts: &[LogEntry]) -> bool {
+    receipts.last().is_some_and(|e| {
+        e.receipt.steps.iter().any(|s| {
+            s.step == DepartureStep::CryptoShred
+                && s.evidence
+                    .get("tenant_data")
+                    .is_some_and(|d| d.contains("model"))
+        })
+    })
+}
 
 /// Judges what is left of a departed tenant and its receipts.
 pub fn judge_departure(
@@ -110,6 +129,8 @@ impl Check for DepartureCheck {
         let _ = ctx
             .host
             .complete(&p.name, &p.token, "a departing tenant", 4);
+        let model = super::at_rest::marker_model(&super::at_rest::new_marker("depart"));
+        let pushed = ctx.host.push_model(&p.name, &p.token, DEPART_MODEL, &model);
         let uid = ctx.host.tenant(&name)?.and_then(|t| t.uid);
         // A departure that does not complete is a failed departure: judge what it left.
         let destroyed = p.destroy_now();
@@ -117,6 +138,21 @@ impl Check for DepartureCheck {
         let leftovers = ctx.host.leftovers(&name, uid)?;
         let receipts = ctx.host.receipts(&name)?;
         let mut out = judge_departure(&name, still, &leftovers, &receipts);
+        out.add("model_pushed", f64::from(u8::from(pushed.is_ok())), "bool");
+        match pushed {
+            Ok(()) if receipt_covers_models(&receipts) => out.findings.push(format!(
+                "{name}: its pushed model was on the shredded disk, as the receipt says"
+            )),
+            Ok(()) => {
+                out.verdict = Verdict::Fail;
+                out.findings.push(format!(
+                    "{name}: a model was pushed, but the receipt's crypto-shred step does not say the disk held it"
+                ));
+            }
+            Err(e) => out.findings.push(format!(
+                "{name}: no model pushed ({e}): its departure was judged without one"
+            )),
+        }
         if let Err(e) = destroyed {
             out.verdict = Verdict::Fail;
             out.findings

@@ -57,6 +57,8 @@ pub struct Broken {
     /// A guest touching more than its RAM gets its VMM killed by its own cgroup (the VMM
     /// overhead allowance is too small): the tenant fails, its neighbours do not notice.
     pub vmm_killed_by_overrun: bool,
+    /// Receipts say nothing of the pushed models the shredded disk held.
+    pub receipt_silent_on_models: bool,
 }
 
 #[derive(Debug)]
@@ -263,7 +265,15 @@ impl VerifyHost for FakeVerifyHost {
         } else {
             st.keys.remove(name);
             st.files.retain(|p, _| !p.starts_with(&format!("{name}/")));
-            steps.push(step(DepartureStep::CryptoShred, Assurance::Verified));
+            let mut shred = step(DepartureStep::CryptoShred, Assurance::Verified);
+            if !self.broken.receipt_silent_on_models {
+                // As the daemon's crypto-shred step says it for tenants with an agent.
+                shred.evidence.insert(
+                    "tenant_data".into(),
+                    "the disk held the tenant's data, its pushed models included".into(),
+                );
+            }
+            steps.push(shred);
         }
         steps.push(step(DepartureStep::GpuScrub, Assurance::Simulated));
         let seq = st.receipts.len() as u64;

@@ -594,6 +594,28 @@ fn check_10_a_departure_with_the_shred_step_disabled_fails() {
 }
 
 #[test]
+fn check_10_pushes_a_model_and_fails_a_receipt_silent_on_it() {
+    let (v, r) = verdict(Broken::default(), CheckId::Departure);
+    assert_eq!(v, Verdict::Pass, "{r:#?}");
+    assert_eq!(r.outcome.value("model_pushed"), Some(1.0));
+    let (v, r) = verdict(
+        Broken {
+            receipt_silent_on_models: true,
+            ..Broken::default()
+        },
+        CheckId::Departure,
+    );
+    assert_eq!(v, Verdict::Fail, "{r:#?}");
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("does not say the disk held it")),
+        "{r:#?}"
+    );
+}
+
+#[test]
 fn checks_needing_probes_are_inconclusive_without_a_probe_image() {
     let host = FakeVerifyHost::new(Broken::default());
     let cfg = VerifyConfig::default();
