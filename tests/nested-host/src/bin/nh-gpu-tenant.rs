@@ -477,7 +477,9 @@ fn median(v: &mut [f64]) -> f64 {
 fn create_step_times(state: &Path) -> Result<Vec<(String, f64)>, String> {
     let store = tenantvm::store::Store::open(&state.join("state.db"))
         .map_err(|e| format!("opening {}: {e}", state.display()))?;
-    let steps = store.steps(1).map_err(|e| format!("reading the steps: {e}"))?;
+    let steps = store
+        .steps(1)
+        .map_err(|e| format!("reading the steps: {e}"))?;
     if steps.is_empty() {
         return Err("the daemon recorded no steps for its first operation".into());
     }
