@@ -328,26 +328,73 @@ pub fn serve_serial(agent: &Agent, dev: &Path) -> Result<(), ChannelError> {
         })?;
     agent.set_channel("virtio-serial");
     agent.log(&format!("serving virtio-serial port {}", dev.display()));
+    let mut carry = Vec::new();
     loop {
-        match serve_stream_with(agent, &port, &port, true) {
-            StreamEnd::PowerOff => return Ok(()),
-            StreamEnd::Mux(cfg) => {
-                let chan = port.try_clone().map_err(|source| ChannelError::Setup {
+        match serve_port_once(agent, &port, &mut carry) {
+            PortEnd::PowerOff => return Ok(()),
+            PortEnd::Closed => std::thread::sleep(Duration::from_millis(50)),
+            PortEnd::Served => {}
+            PortEnd::Setup(source) => {
+                return Err(ChannelError::Setup {
                     what: "virtio-serial",
                     source,
-                })?;
-                agent.set_channel("virtio-serial (multiplexed)");
-                let end = serve_muxed(agent, OwnedFd::from(chan), cfg);
-                agent.set_channel("virtio-serial");
-                match end {
-                    Muxed::PowerOff => return Ok(()),
-                    Muxed::Ended(PumpEnd::Closed) => {}
-                    Muxed::Ended(PumpEnd::Failed(why)) => {
-                        agent.log(&format!("mux channel dropped: {why}"));
-                    }
+                })
+            }
+        }
+    }
+}
+
+/// How one turn of the serial port's loop ended.
+enum PortEnd {
+    /// Shutdown was answered.
+    PowerOff,
+    /// The host is not connected (end of file): wait and read again.
+    Closed,
+    /// A mux session ended; the port is plain again.
+    Served,
+    /// The port could not be cloned for the mux loop.
+    Setup(std::io::Error),
+}
+
+/// One turn of the serial port's loop: plain requests until the host disconnects or a mux
+/// hello is accepted, then the mux session. `carry` holds bytes a mux session handed back
+/// (a plain request that arrived where a mux frame was due: the daemon that agreed the mux
+/// went without an `end`, a new one speaks plainly); they are read before the port's.
+fn serve_port_once<P: AsFd>(agent: &Agent, port: &P, carry: &mut Vec<u8>) -> PortEnd
+where
+    for<'a> &'a P: Read + Write,
+{
+    let end = if carry.is_empty() {
+        serve_stream_with(agent, port, port, true)
+    } else {
+        let first = std::io::Cursor::new(std::mem::take(carry));
+        serve_stream_with(agent, first.chain(port), port, true)
+    };
+    match end {
+        StreamEnd::PowerOff => PortEnd::PowerOff,
+        StreamEnd::Closed => PortEnd::Closed,
+        StreamEnd::Mux(cfg) => {
+            let chan = match port.as_fd().try_clone_to_owned() {
+                Ok(c) => c,
+                Err(e) => return PortEnd::Setup(e),
+            };
+            agent.set_channel("virtio-serial (multiplexed)");
+            let end = serve_muxed(agent, chan, cfg);
+            agent.set_channel("virtio-serial");
+            match end {
+                Muxed::PowerOff => return PortEnd::PowerOff,
+                Muxed::Ended(PumpEnd::Closed) => {}
+                Muxed::Ended(PumpEnd::Plain(bytes)) => {
+                    agent.log(
+                        "mux channel left without an end; a plain request followed: serving it plainly",
+                    );
+                    *carry = bytes;
+                }
+                Muxed::Ended(PumpEnd::Failed(why)) => {
+                    agent.log(&format!("mux channel dropped: {why}"));
                 }
             }
-            StreamEnd::Closed => std::thread::sleep(Duration::from_millis(50)),
+            PortEnd::Served
         }
     }
 }
@@ -465,15 +512,14 @@ mod tests {
     /// hello is accepted (as `serve_serial` does with the port).
     fn serve_serial_pair(agent: Arc<Agent>) -> (UnixStream, std::thread::JoinHandle<bool>) {
         let (host, guest) = UnixStream::pair().unwrap();
-        let h = std::thread::spawn(move || loop {
-            match serve_stream_with(&agent, &guest, &guest, true) {
-                StreamEnd::PowerOff => return true,
-                StreamEnd::Closed => return false,
-                StreamEnd::Mux(cfg) => {
-                    let chan = OwnedFd::from(guest.try_clone().unwrap());
-                    if let Muxed::PowerOff = serve_muxed(&agent, chan, cfg) {
-                        return true;
-                    }
+        let h = std::thread::spawn(move || {
+            let mut carry = Vec::new();
+            loop {
+                match serve_port_once(&agent, &guest, &mut carry) {
+                    PortEnd::PowerOff => return true,
+                    PortEnd::Closed => return false,
+                    PortEnd::Served => {}
+                    PortEnd::Setup(e) => panic!("{e}"),
                 }
             }
         });
@@ -565,6 +611,41 @@ mod tests {
         assert!(
             matches!(resp.outcome, Outcome::Ok(Reply::Status(_))),
             "{resp:?}"
+        );
+        drop(port);
+        assert!(!h.join().unwrap());
+    }
+
+    #[test]
+    fn after_a_daemon_that_left_without_an_end_the_next_one_is_served_plainly() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut port, h) = serve_serial_pair(agent(dir.path()));
+        port.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let hello = || Request::Mux {
+            version: 1,
+            max_streams: 4,
+            window: 64 * 1024,
+        };
+        // A daemon agrees the mux and is killed: no end, no mux frame ever sent.
+        let agreed = ask(&mut port, 1, hello());
+        assert!(
+            matches!(agreed.outcome, Outcome::Ok(Reply::Mux { .. })),
+            "{agreed:?}"
+        );
+        // The next daemon offers the mux afresh, plainly: answered.
+        let again = ask(&mut port, 2, hello());
+        assert_eq!(again.id, 2);
+        assert!(
+            matches!(again.outcome, Outcome::Ok(Reply::Mux { .. })),
+            "{again:?}"
+        );
+        // That one is killed too; a direct tool asks plainly: answered.
+        let status = ask(&mut port, 3, Request::Status);
+        assert_eq!(status.id, 3);
+        assert!(
+            matches!(status.outcome, Outcome::Ok(Reply::Status(_))),
+            "{status:?}"
         );
         drop(port);
         assert!(!h.join().unwrap());

@@ -264,6 +264,9 @@ pub struct MuxDecoder {
     buf: Vec<u8>,
     /// Set after a channel-level error: everything after it is refused.
     failed: bool,
+    /// After a bad magic: the bytes from where the frame should have started (what
+    /// [`MuxDecoder::take_unframed`] hands back).
+    unframed: Vec<u8>,
 }
 
 impl MuxDecoder {
@@ -277,6 +280,15 @@ impl MuxDecoder {
     /// Bytes held and not yet decoded.
     pub fn buffered(&self) -> usize {
         self.buf.len()
+    }
+
+    /// After a [`MuxError::BadMagic`]: the bytes received from where the bad frame should
+    /// have started (at most one read's worth plus one frame), taken once. The guest uses
+    /// them when they are the start of a plain request: the host's end of the port changed
+    /// hands without an `end` (a daemon killed while it held the channel), and the new
+    /// client speaks plainly.
+    pub fn take_unframed(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.unframed)
     }
 
     /// The next whole frame, `Ok(None)` if more bytes are needed. After a channel-level
@@ -295,7 +307,10 @@ impl MuxDecoder {
             Ok(h) => h,
             Err(e) => {
                 self.failed = true;
-                self.buf = Vec::new();
+                let buf = std::mem::take(&mut self.buf);
+                if matches!(e, MuxError::BadMagic(_)) {
+                    self.unframed = buf;
+                }
                 return Err(e);
             }
         };

@@ -70,6 +70,10 @@ impl Default for MuxConfig {
 pub enum PumpEnd {
     /// Asked to stop, or the peer closed the channel.
     Closed,
+    /// (Guest only.) A plain agent request arrived where a mux frame was due: the host's
+    /// end of the port changed hands without an `end` (a daemon killed while it held the
+    /// channel). The bytes received from that request on, to be read before the port's.
+    Plain(Vec<u8>),
     /// The peer broke the channel's rules or stopped taking bytes; drop it, reconnect.
     Failed(String),
 }
@@ -149,6 +153,7 @@ struct Pump<'a> {
 /// What a failed step means.
 enum Stop {
     Closed,
+    Plain(Vec<u8>),
     Failed(String),
 }
 
@@ -188,6 +193,7 @@ pub(crate) fn run<'a>(
             };
             let end = match pump.run() {
                 Stop::Closed => PumpEnd::Closed,
+                Stop::Plain(bytes) => PumpEnd::Plain(bytes),
                 Stop::Failed(why) => PumpEnd::Failed(why),
             };
             if let Some(flags) = before {
@@ -388,7 +394,7 @@ impl Pump<'_> {
                         self.reset(id, &e.to_string())?;
                         continue;
                     }
-                    None => return Err(failed(e)),
+                    None => return Err(self.channel_error(e)),
                 },
             };
             self.on_frame(frame)?;
@@ -464,6 +470,19 @@ impl Pump<'_> {
                 Err(Stop::Closed)
             }
         }
+    }
+
+    /// How a channel-level decode error ends the loop. On the guest, a plain agent frame
+    /// where a mux frame was due means a new client holds the host's end of the port (the
+    /// one that agreed the mux went without an `end`): its bytes are handed back to be
+    /// served plainly. Anything else, and anything on the host, fails the channel.
+    fn channel_error(&mut self, e: MuxError) -> Stop {
+        if let (Role::Guest(_), MuxError::BadMagic(magic)) = (&self.role, &e) {
+            if *magic == crate::frame::MAGIC {
+                return Stop::Plain(self.decoder.take_unframed());
+            }
+        }
+        failed(e)
     }
 
     /// The host gives the port back before closing it: sends `end` and waits, within
