@@ -4,7 +4,10 @@
 //! and the loop goes on; a channel-level one ends it).
 //!
 //! Input layout: byte 0 gives how many chunk sizes follow (0..=7); those bytes are the
-//! sizes, used in turn (0 pushes nothing); the rest is the channel's byte stream.
+//! sizes, used in turn (0 pushes nothing, 1..=127 that many bytes, 128..=255 that many
+//! KiB above 127, as the pump's reads of up to 64 KiB); the rest is the channel's byte
+//! stream. Without sizes the whole stream is one push. Whole data frames need inputs over
+//! 64 KiB: run with `-max_len=140000` now and then.
 //!
 //! Checks: nothing panics; after a channel-level error every later call fails and nothing
 //! is held; the decoder never holds more than one frame beyond the last push; every frame
@@ -30,6 +33,14 @@ fn check_round_trip(frame: &MuxFrame, consumed: &[u8]) {
     assert_eq!(frame.validate(), Ok(()));
 }
 
+/// The push size a size byte stands for.
+fn chunk_len(s: u8) -> usize {
+    match s {
+        0..=127 => usize::from(s),
+        _ => usize::from(s - 127) * 1024,
+    }
+}
+
 fuzz_target!(|data: &[u8]| {
     let Some((&n, rest)) = data.split_first() else {
         return;
@@ -50,7 +61,7 @@ fuzz_target!(|data: &[u8]| {
                 empty_pushes += 1;
                 0
             }
-            Some(&s) if s > 0 => usize::from(s),
+            Some(&s) if s > 0 => chunk_len(s),
             _ => stream.len() - offset,
         };
         turn += 1;
