@@ -10,7 +10,7 @@
 //! 64 KiB: run with `-max_len=140000` now and then.
 //!
 //! Checks: nothing panics; after a channel-level error every later call fails and nothing
-//! is held; the decoder never holds more than one frame beyond the last push; every frame
+//! is held, and only a bad magic hands back its bytes (`take_unframed`, once); the decoder never holds more than one frame beyond the last push; every frame
 //! consumes exactly its bytes, which are what `MuxFrame::encode` gives for it, and that
 //! encoding decodes back to an equal frame.
 #![no_main]
@@ -111,6 +111,16 @@ fuzz_target!(|data: &[u8]| {
                         assert_ne!(e, MuxError::Failed, "Failed before any channel-level error");
                         channel_failed = true;
                         assert_eq!(dec.buffered(), 0);
+                        // After a bad magic the bytes from the failed frame on are handed
+                        // back once (the guest serves them plainly when they are TVAG);
+                        // after any other error, nothing.
+                        let unframed = dec.take_unframed();
+                        if matches!(e, MuxError::BadMagic(_)) {
+                            assert_eq!(unframed, &pushed[start..]);
+                        } else {
+                            assert!(unframed.is_empty());
+                        }
+                        assert!(dec.take_unframed().is_empty());
                         break;
                     }
                 },
