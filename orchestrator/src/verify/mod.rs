@@ -308,7 +308,7 @@ impl Default for VerifyConfig {
             samples_per_arm: 250,
             prefix_words: 3000,
             alpha: 1e-3,
-            latency_samples: 40,
+            latency_samples: 200,
             max_latency_ratio: 3.0,
             seed: None,
             probe_timeout: Duration::from_secs(180),
