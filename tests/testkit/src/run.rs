@@ -339,14 +339,28 @@ impl RunOutcome {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::PermissionsExt;
     use std::path::Path;
 
     /// Writes an executable shell script standing in for the VMM (tests of the runner only).
+    ///
+    /// A child shell writes it, not a descriptor of this process: another test thread that
+    /// forks while this process holds the script open for writing passes that descriptor to
+    /// its child until the child execs, and exec'ing the script meanwhile fails with
+    /// ETXTBSY ("Text file busy", seen in CI).
     fn fake_vmm(dir: &Path, body: &str) -> PathBuf {
         let path = dir.join("fake-vmm");
-        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let mut sh = Command::new("sh")
+            .args(["-c", "cat > \"$1\" && chmod 755 \"$1\"", "sh"])
+            .arg(&path)
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap();
+        sh.stdin
+            .take()
+            .unwrap()
+            .write_all(format!("#!/bin/sh\n{body}\n").as_bytes())
+            .unwrap();
+        assert!(sh.wait().unwrap().success());
         path
     }
 
