@@ -17,6 +17,7 @@ pub mod cpio;
 pub mod inputs;
 pub mod outer;
 pub mod real;
+pub mod scenario;
 pub mod stock;
 pub mod stock_vfio;
 pub mod vm;

@@ -39,8 +39,9 @@
 //! and the ratio as NOTE lines.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Output, Stdio};
+use std::process::{Command, ExitCode, Output, Stdio};
 use std::time::{Duration, Instant};
+use tenantvm_nested_host::scenario::{env_path, note, Daemon};
 
 /// Deadline of one CLI command that waits for the guest (create, destroy).
 const LIFECYCLE_TIMEOUT_S: u64 = 300;
@@ -50,74 +51,6 @@ const GUEST_REPORT_TIMEOUT: Duration = Duration::from_secs(120);
 const NAME: &str = "nh-gpu";
 /// Written to NH_WORK, with the reason, when the crash check cannot run.
 const CRASH_SKIPPED: &str = "crash-check-skipped";
-
-fn env_path(key: &str) -> Result<PathBuf, String> {
-    std::env::var_os(key)
-        .map(PathBuf::from)
-        .ok_or_else(|| format!("{key} is not set (run through scripts/nested-host.sh)"))
-}
-
-fn note(figure: &str) {
-    use std::io::Write;
-    println!("{figure}");
-    if let Ok(notes) = std::env::var("NH_NOTES") {
-        let _ = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(notes)
-            .and_then(|mut f| writeln!(f, "{figure}"));
-    }
-}
-
-/// The daemon, stopped when dropped (the scenario's session is killed on a timeout too).
-struct Daemon {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Daemon {
-    fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(40)..].join("\n")
-    }
-
-    /// Waits for the daemon to end on its own (the crash hook), up to `limit`.
-    fn wait_exit(&mut self, limit: Duration) -> Result<std::process::ExitStatus, String> {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Ok(Some(st)) = self.child.try_wait() {
-                return Ok(st);
-            }
-            if Instant::now() > deadline {
-                return Err(format!(
-                    "tenantvmd did not die at its crash point:\n{}",
-                    self.log_tail()
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if let Ok(Some(_)) = self.child.try_wait() {
-            return;
-        }
-        // SAFETY: kill(2) on our own child's pid; no memory is touched.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// What every daemon of this scenario shares.
 struct Setup {

@@ -16,8 +16,6 @@
 //! prompt nor the model's text in plaintext. With --ready-only it stops after `status` (the
 //! benchmark's boot-to-ready figure).
 
-use std::io::Write;
-use std::path::PathBuf;
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
@@ -25,29 +23,13 @@ use tenantvm::disk::{create_image, KeyslotCost};
 use tenantvm::keys::DiskKey;
 use tenantvm_agent_protocol::{AgentClient, AgentEndpoint};
 use tenantvm_agent_protocol::{DiskKey as AgentDiskKey, DiskState, HttpRequest};
+use tenantvm_nested_host::scenario::{env_path, note};
 use tenantvm_nested_host::vm::SerialVm;
 
 const READY_TIMEOUT: Duration = Duration::from_secs(420);
 const STEP_TIMEOUT: Duration = Duration::from_secs(300);
 const DISK_BYTES: u64 = 64 << 20;
 const MEMORY_MIB: u32 = 1024;
-
-fn env_path(key: &str) -> Result<PathBuf, String> {
-    std::env::var_os(key)
-        .map(PathBuf::from)
-        .ok_or_else(|| format!("{key} is not set (run through scripts/nested-host.sh)"))
-}
-
-fn note(figure: &str) {
-    println!("{figure}");
-    if let Ok(notes) = std::env::var("NH_NOTES") {
-        let _ = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(notes)
-            .and_then(|mut f| writeln!(f, "{figure}"));
-    }
-}
 
 /// Whether `needle` occurs in `haystack` (glibc's memmem: a naive scan of a whole disk
 /// image takes minutes in a debug build under emulation).

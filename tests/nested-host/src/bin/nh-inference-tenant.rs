@@ -28,9 +28,10 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Output, Stdio};
+use std::process::{Command, ExitCode, Output, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tenantvm_nested_host::scenario::{env_path, note, Daemon};
 
 /// Deadline of one CLI command that waits for the guest (create, start, stop, destroy).
 const LIFECYCLE_TIMEOUT_S: u64 = 600;
@@ -38,53 +39,6 @@ const LIFECYCLE_TIMEOUT_S: u64 = 600;
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
 /// The marker word only the pushed model's corpus holds.
 const MARKER: &str = "quokkazanzibarmarker";
-
-fn env_path(key: &str) -> Result<PathBuf, String> {
-    std::env::var_os(key)
-        .map(PathBuf::from)
-        .ok_or_else(|| format!("{key} is not set (run through scripts/nested-host.sh)"))
-}
-
-fn note(figure: &str) {
-    println!("{figure}");
-    if let Ok(notes) = std::env::var("NH_NOTES") {
-        let _ = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(notes)
-            .and_then(|mut f| writeln!(f, "{figure}"));
-    }
-}
-
-/// The daemon, killed when dropped (the scenario's session is killed on a timeout too).
-struct Daemon {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Daemon {
-    fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(40)..].join("\n")
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child's pid; no memory is touched.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 struct Cli {
     bin: PathBuf,

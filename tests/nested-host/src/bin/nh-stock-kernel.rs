@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
+use tenantvm_nested_host::scenario::env_path;
 use tenantvm_nested_host::stock::{self, GUEST_PORT, HOST_PORT, PATTERN_SECTOR};
 use tenantvm_nested_host::stock_vfio;
 use tenantvm_nested_host::vm::SerialVm;
@@ -42,12 +43,6 @@ struct Env {
     kernel_dir: PathBuf,
     work: PathBuf,
     initramfs: PathBuf,
-}
-
-fn env_path(key: &str) -> Result<PathBuf, String> {
-    std::env::var_os(key)
-        .map(PathBuf::from)
-        .ok_or_else(|| format!("{key} is not set (run through scripts/nested-host.sh)"))
 }
 
 fn setup() -> Result<Env, String> {
