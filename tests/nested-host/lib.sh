@@ -44,6 +44,18 @@ need_modules() {
     done
 }
 
+# cgroup v2 mounted with the controllers tenantvmd puts each tenant under (memory, cpu,
+# pids, io); a controller the kernel lacks is a step line, not a failure.
+need_tenant_cgroups() {
+    if [ ! -e /sys/fs/cgroup/cgroup.controllers ]; then
+        mkdir -p /sys/fs/cgroup
+        mount -t cgroup2 cgroup2 /sys/fs/cgroup || fail "cannot mount cgroup2"
+    fi
+    for c in cpu memory pids io; do
+        echo "+$c" >/sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || step "controller $c not enabled"
+    done
+}
+
 # The PCI addresses (0000:00:03.0 ...) of devices with vendor $1 and device $2 (hex, no 0x).
 pci_devices() {
     for d in /sys/bus/pci/devices/*; do
@@ -56,6 +68,15 @@ pci_devices() {
 iommu_group() {
     g="$(readlink "/sys/bus/pci/devices/$1/iommu_group" 2>/dev/null)" || return 0
     echo "${g##*/}"
+}
+
+# Sets $edu to the first QEMU edu device (1234:11e8) behind an IOMMU, with vfio's modules
+# loaded; skips where there is none (it exists on the nested host only).
+need_edu() {
+    edu="$(pci_devices 1234 11e8 | sed -n 1p)"
+    [ -n "$edu" ] || skip "no edu device (1234:11e8): QEMU's edu exists on the nested host only"
+    [ -n "$(iommu_group "$edu")" ] || skip "no IOMMU (intel_iommu=on) for $edu"
+    need_modules vfio_pci vfio_iommu_type1
 }
 
 # Binds PCI device $1 to vfio-pci (driver_override, then drivers_probe).

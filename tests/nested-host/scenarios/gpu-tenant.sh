@@ -12,18 +12,9 @@
 # sets: ci
 . "$NH_LIB"
 need_kvm
-edu="$(pci_devices 1234 11e8 | sed -n 1p)"
-[ -n "$edu" ] || skip "no edu device (1234:11e8): QEMU's edu exists on the nested host only"
-[ -n "$(iommu_group "$edu")" ] || skip "no IOMMU (intel_iommu=on) for $edu"
-need_modules vfio_pci vfio_iommu_type1
+need_edu
 # tenantvmd puts each tenant in a cgroup of its own (memory, cpu, pids).
-if [ ! -e /sys/fs/cgroup/cgroup.controllers ]; then
-    mkdir -p /sys/fs/cgroup
-    mount -t cgroup2 cgroup2 /sys/fs/cgroup || fail "cannot mount cgroup2"
-fi
-for c in cpu memory pids io; do
-    echo "+$c" >/sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || step "controller $c not enabled"
-done
+need_tenant_cgroups
 # edu starts on no driver, as the outer guest boots it; left so whatever happens.
 unbind_vfio "$edu"
 trap 'unbind_vfio "$edu"' EXIT

@@ -12,13 +12,7 @@
 need_kvm
 need_modules vhost_vsock dm_crypt loop
 # tenantvmd puts each tenant in a cgroup of its own (memory, cpu, pids).
-if [ ! -e /sys/fs/cgroup/cgroup.controllers ]; then
-    mkdir -p /sys/fs/cgroup
-    mount -t cgroup2 cgroup2 /sys/fs/cgroup || fail "cannot mount cgroup2"
-fi
-for c in cpu memory pids io; do
-    echo "+$c" >/sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || step "controller $c not enabled"
-done
+need_tenant_cgroups
 # The front door listens on 127.0.0.1: the outer guest's init leaves loopback down.
 ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up || fail "cannot bring up loopback"
 run_or_fail "$NH_BIN/nh-inference-tenant"
