@@ -31,6 +31,7 @@ pub mod memory;
 pub mod noisy;
 pub mod prefix;
 pub mod probe;
+mod procs;
 pub mod report;
 pub mod scan;
 pub mod stats;
