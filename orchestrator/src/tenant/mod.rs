@@ -2,7 +2,8 @@
 //! destroy.
 //!
 //! Layering (each module uses only those below it):
-//! - [`service`]: commands from the API, authorisation, busy guards, worker threads;
+//! - [`service`]: commands from the API, authorisation, busy guards, worker threads (its
+//!   errors in [`service_error`]);
 //! - [`runner`]: runs an operation's steps, records each, persists receipt records;
 //! - [`steps`]: the flat table of steps, by concern (`vm`, `gpu`, `disk`, `guest`,
 //!   `departure`), each given only a [`context::StepCtx`] and a [`context::Tenant`];
@@ -28,6 +29,7 @@ pub mod infer;
 pub mod logs;
 pub mod runner;
 pub mod service;
+pub mod service_error;
 pub mod steps;
 pub mod view;
 
