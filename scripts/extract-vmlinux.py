@@ -17,8 +17,13 @@ def decompress(data: bytes) -> bytes:
     if data[:6] == b"\xfd7zXZ\x00":
         return lzma.LZMADecompressor(format=lzma.FORMAT_XZ).decompress(data)
     if data[:4] == b"\x28\xb5\x2f\xfd":
+        # The kernel's build appends the uncompressed size (4 bytes, little endian) after
+        # the zstd frame; zstd reads those bytes as a truncated second frame and fails.
         import subprocess
-        return subprocess.run(["zstd", "-dc"], input=data, check=True, capture_output=True).stdout
+        run = subprocess.run(["zstd", "-dc"], input=data[:-4], capture_output=True)
+        if run.returncode != 0:
+            raise SystemExit(f"zstd -dc failed: {run.stderr.decode(errors='replace').strip()}")
+        return run.stdout
     if data[:2] == b"\x1f\x8b":
         return gzip.decompress(data)
     raise SystemExit(f"unknown payload compression (magic {data[:6].hex()})")
