@@ -80,7 +80,7 @@ pub enum AgentTransportArg {
 /// tenantvmd: the tenantvm daemon.
 ///
 /// On first start it creates the state directory (mode 0700) and an admin token in
-/// <state-dir>/admin.token (mode 0600), which the `tenantvm` CLI reads. On every start it
+/// `<state-dir>/admin.token` (mode 0600), which the `tenantvm` CLI reads. On every start it
 /// serves the API (docs/api/openapi.yaml) on --socket and, meanwhile, recovers: finishes or
 /// rolls back operations a crash interrupted, adopts VMs that still run, and releases leaked
 /// cgroups, files, uids and GPU reservations (`tenantvm status` shows tenants not yet
@@ -110,7 +110,7 @@ pub struct DaemonArgs {
     /// addresses (the nested test host passes QEMU's edu through as a whole card this way).
     #[arg(long, value_name = "ROOT")]
     pub gpu_sysfs_root: Option<PathBuf>,
-    /// Directory of named guest images: <dir>/<name>/kernel (+ initramfs, cmdline).
+    /// Directory of named guest images: `<dir>/<name>/kernel` (+ initramfs, cmdline).
     #[arg(long)]
     pub image_dir: Option<PathBuf>,
     /// The tenantvm-vmm binary (default: next to tenantvmd).

@@ -3,7 +3,7 @@
 //! inference, shut down. Synchronous (std only).
 //!
 //! The socket and everything behind it belong to the tenant, so every connect, read and
-//! write has a deadline ([`crate::channel`]): a VMM that stops accepting, a guest that
+//! write has a deadline (`crate::channel`): a VMM that stops accepting, a guest that
 //! stops reading, or one that sends nothing makes the call fail with a timeout instead of
 //! holding the caller's thread. [`AgentClient::connect_checked`] also refuses a socket not
 //! served by the expected uid (`SO_PEERCRED`), so a socket swapped for another tenant's

@@ -4,7 +4,7 @@
 //!
 //! The host offers it with a [`Request::Mux`](crate::message::Request::Mux) hello, the first
 //! request on a fresh serial connection ([`negotiate`]); an agent that accepts answers
-//! [`Reply::Mux`](crate::message::Reply::Mux) and both ends then run the [`pump`] loop: the
+//! [`Reply::Mux`](crate::message::Reply::Mux) and both ends then run the `pump` loop: the
 //! host's [`MuxChannel`] opens a stream per request, the agent's [`serve_guest`] serves each
 //! as it serves a vsock connection. An agent that does not know the hello refuses it and the
 //! channel stays one request at a time.

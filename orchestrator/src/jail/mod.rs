@@ -79,8 +79,9 @@ pub enum JailError {
     },
 }
 
-/// Checks a tenant name with [`TenantName`]'s rule (names reach paths and cgroups); for the
-/// `&str` names this module receives from callers and from directory listings.
+/// Checks a tenant name with [`TenantName`](crate::domain::TenantName)'s rule (names reach
+/// paths and cgroups); for the `&str` names this module receives from callers and from
+/// directory listings.
 pub fn validate_tenant_name(name: &str) -> Result<(), JailError> {
     crate::domain::TenantName::check(name).map_err(|e| JailError::InvalidTenantName(e.0))
 }

@@ -88,7 +88,7 @@ pub struct JailPlan {
     pub mount_proc: bool,
     /// The program to run, as a path inside the jail.
     pub program: PathBuf,
-    /// Its arguments (without argv[0]).
+    /// Its arguments (without `argv[0]`).
     pub args: Vec<String>,
     /// Its whole environment.
     pub env: Vec<(String, String)>,

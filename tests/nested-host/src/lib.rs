@@ -57,7 +57,7 @@ pub fn harness_dir() -> PathBuf {
 /// Runs whose files are kept in target/nested-host/runs.
 const RUNS_KEPT: usize = 5;
 
-/// Where a run's files go: target/nested-host/runs/<pid>. Older runs beyond the last few
+/// Where a run's files go: `target/nested-host/runs/<pid>`. Older runs beyond the last few
 /// are removed.
 pub fn default_work_dir() -> PathBuf {
     let runs = repo_root().join("target/nested-host/runs");

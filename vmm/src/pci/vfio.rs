@@ -687,7 +687,7 @@ impl PciPlatform {
     }
 }
 
-/// Advertises `phys_bits` physical address bits in CPUID leaf 0x8000_0008 (EAX[7:0]), so
+/// Advertises `phys_bits` physical address bits in CPUID leaf 0x8000_0008 (`EAX[7:0]`), so
 /// the guest's view matches the PCI windows.
 pub fn set_cpuid_phys_bits(cpuid: &mut kvm_bindings::CpuId, phys_bits: u8) {
     for e in cpuid.as_mut_slice() {

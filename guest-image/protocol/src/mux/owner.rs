@@ -32,7 +32,7 @@ pub enum MuxChannelError {
 }
 
 /// The host's owner of one multiplexed channel: one thread reads the channel and carries
-/// every stream (see [`super::pump`]). Dropping it stops the thread and closes the channel.
+/// every stream (see `super::pump`). Dropping it stops the thread and closes the channel.
 pub struct MuxChannel {
     control: Arc<Control>,
     wake_tx: UnixStream,

@@ -4,7 +4,7 @@
 //! `flock` on a lock file in the temporary directory; the file is replaced atomically), so
 //! separate commands see one host.
 //!
-//! It enforces the hardware's rules through the same [`Layout`] the planner uses: overlap and
+//! It enforces the hardware's rules through the same [`Layout`](crate::mig::layout::Layout) the planner uses: overlap and
 //! maximum count give `InsufficientResources`, a disallowed start gives `InvalidPlacement`,
 //! destroying an instance in use or switching MIG mode with instances gives `InUse`. With a
 //! linked fake sysfs tree ([`crate::host::fake`]) it is also the driver behind the tree's

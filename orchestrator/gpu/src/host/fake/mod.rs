@@ -1,6 +1,6 @@
 //! FAKE host trees for tests and demos: builds a sysfs/proc/dev tree under a directory from
 //! a JSON description (tests/fixtures/hosts/*.sysfs.json) and emulates the kernel's reactions
-//! to the writes tenantvm makes ([`kernel`]): unbind, `drivers_probe` honouring
+//! to the writes tenantvm makes (`kernel`): unbind, `drivers_probe` honouring
 //! `driver_override`, function reset, `sriov_numvfs`, VF vGPU types, mdev create/remove.
 //! Never used against a real host: [`Sysfs::new`] has no emulation.
 //!

@@ -1,7 +1,7 @@
 //! The virtio-blk queue worker, run by the device event loop.
 //!
 //! Per notification it takes at most one queue's worth of chains, refuses a head offered
-//! twice in that batch, parses each chain with [`request::parse`](super::request::parse),
+//! twice in that batch, parses each chain with [`request::parse`],
 //! asks the rate limiter, does the I/O, writes the status byte and returns the chain.
 //! A corrupt queue marks the device as needing reset and stops the worker.
 
