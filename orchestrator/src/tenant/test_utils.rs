@@ -499,6 +499,11 @@ impl Harness {
         let mut cfg = ServiceConfig::new(root.join("state"));
         cfg.image_dir = Some(root.join("images"));
         cfg.boot_timeout = boot_timeout;
+        // Uids of this test process only: a real daemon on the same machine starts at
+        // 200000, and checks that attribute host processes by uid (verify's departure
+        // check) must not see its processes as this harness's leftovers.
+        cfg.uid_first = 1_000_000 + (std::process::id() % 50_000) * 1024;
+        cfg.uid_count = 1024;
         cfg.departure.kek = crate::keys::KekSource::File(root.join("host-kek"));
         cfg.departure.keyslot_cost = crate::disk::KeyslotCost::TEST;
         // A fake host, roomy enough for every test's tenants.
