@@ -6,9 +6,6 @@
 //! parser over canned output (running the fake scripts is the agent crate's test: its reaper
 //! must not run in this process), or as an agent older than `gpu-info`.
 
-#[path = "../../tests/support/openapi.rs"]
-mod openapi;
-
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -198,7 +195,7 @@ fn gpu_info_shows_the_guest_beside_the_assignment_and_flags_mismatches() {
     let (code, out, err) = cli(&g, &["gpu-info", "g", "--json"]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    openapi::OpenApi::load()
+    super::tests::openapi::OpenApi::load()
         .check_response("GET", "/v1/tenants/{name}/gpu", 200, &v)
         .unwrap();
     assert_eq!(v["assigned"]["vendor"], 0x1234);
