@@ -72,7 +72,9 @@ say "building tenantvm-agent and tenantvm-ngram (release, static)"
 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+crt-static --remap-path-prefix=$root=/src" \
     cargo build --quiet --release --locked --target "$target" \
     --manifest-path "$root/Cargo.toml" -p tenantvm-agent -p tenantvm-ngram
-bin="$root/target/$target/release"
+# Where cargo put them: CARGO_TARGET_DIR when set (else a stale or missing binary would be
+# installed from $root/target).
+bin="${CARGO_TARGET_DIR:-$root/target}/$target/release"
 
 mkdir -p "$out"
 stage="$out/initramfs.root"

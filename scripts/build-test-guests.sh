@@ -17,7 +17,8 @@ if ! rustup target list --installed 2>/dev/null | grep -qx x86_64-unknown-none; 
     exit 1
 fi
 
-(cd "$root/tests/guests" && cargo build --release --quiet)
+# Their own target dir also when CARGO_TARGET_DIR is set (the ELF is read from it below).
+(cd "$root/tests/guests" && cargo build --release --quiet --target-dir "$root/tests/guests/target")
 
 elf="$root/tests/guests/target/x86_64-unknown-none/release/tvm-testguest"
 pack="$root/tests/guests/pack.py"

@@ -8,6 +8,10 @@
 #        TENANTVM_TEST_MIG_CREATE=1 also create/destroy a 1g MIG instance (MIG must be on)
 #        TENANTVM_TEST_VFIO_GPU     PCI address: bind to vfio-pci, reset, rebind (idle GPU)
 #        TENANTVM_TEST_VGPU         NVML index: the MIG-backed vGPU route (vGPU manager)
+#        TENANTVM_TEST_GPU_IMAGE    image set with the NVIDIA guest driver and nvidia-smi: a
+#                                   tenant gets a slice and nvidia-smi in its guest must see
+#                                   exactly that slice's memory (tenantvm gpu-info)
+#        TENANTVM_TEST_GPU_SLICE    that tenant's request: whole (default) or a MIG profile
 #        SCRUB_MAX_BYTES            bytes the scrub benchmark zeroes (default: all it can get)
 #        CARGO                      (default cargo)
 set -uo pipefail
@@ -66,6 +70,7 @@ run_test "database vs NVML profiles" -p tenantvm-gpu --lib live_gpu_profiles_mat
 run_test "plan on the live host" -p tenantvm-gpu --test plan live_host_planning
 run_test "gpu hardware tests" -p tenantvm-gpu --test hardware
 run_test "scrub zeroes residue" -p tenantvm --lib scrub_zeroes_residue
+run_test "guest sees its slice (gpu-info)" -p tenantvm --test e2e_gpu_info nvidia_smi_in_the_guest_sees_exactly_its_slice
 
 # The scrub benchmark: zeroing bandwidth as a fraction of the device's memory bandwidth
 # (goal: at least half).

@@ -173,6 +173,19 @@ impl Client {
             .await
     }
 
+    /// `GET /v1/tenants/{name}/gpu`: the guest's view of its GPU beside the assignment.
+    pub async fn gpu_info(
+        &self,
+        name: &str,
+    ) -> Result<crate::api::gpu_info::GpuInfoView, ClientError> {
+        self.call(
+            Method::GET,
+            &format!("/v1/tenants/{}/gpu", encode(name)),
+            None,
+        )
+        .await
+    }
+
     /// `POST /v1/tenants/{name}/stop`.
     pub async fn stop(&self, name: &str) -> Result<TenantView, ClientError> {
         self.call(

@@ -62,6 +62,8 @@ pub struct Agent {
     payload_conns: crate::payload_pool::PayloadPool,
     /// The bounded test loads (`load`, `load-status`).
     loads: crate::load::Loads,
+    /// Reads the guest's devices (`gpu-info`).
+    gpu: crate::gpu::GpuProbe,
 }
 
 fn failure(code: ErrorCode, message: impl Into<String>) -> Outcome {
@@ -87,6 +89,7 @@ impl Agent {
         Self {
             payload_conns: crate::payload_pool::PayloadPool::new(payload_addr),
             loads: crate::load::Loads::default(),
+            gpu: crate::gpu::GpuProbe::guest(&cfg.payload.env),
             cfg,
             reaper,
             logs,
@@ -99,6 +102,11 @@ impl Agent {
                 shutting_down: false,
             }),
         }
+    }
+
+    /// Replaces the device probe (tests point it at a fake sysfs tree and `nvidia-smi`).
+    pub fn set_gpu_probe(&mut self, probe: crate::gpu::GpuProbe) {
+        self.gpu = probe;
     }
 
     /// Records which channel serves requests (reported by `status`).
@@ -159,6 +167,10 @@ impl Agent {
             Request::Load(spec) => (self.start_load(spec), After::Continue),
             Request::LoadStatus { kind } => (
                 Outcome::Ok(Reply::Load(self.loads.report(kind))),
+                After::Continue,
+            ),
+            Request::GpuInfo => (
+                Outcome::Ok(Reply::GpuInfo(self.gpu.report(&self.reaper))),
                 After::Continue,
             ),
             // Answered by `infer_stream` / `model_push` on the connection itself (server.rs).
@@ -658,5 +670,33 @@ mod tests {
         assert_eq!(s.disk, DiskState::Locked);
         assert_eq!(s.payload, PayloadState::NotStarted);
         assert_eq!(s.protocol, PROTOCOL_VERSION);
+    }
+
+    #[test]
+    fn gpu_info_answers_from_the_probe_and_the_payload_env_reaches_nvidia_smi() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut payload_env = std::collections::BTreeMap::new();
+        payload_env.insert("LD_LIBRARY_PATH".to_string(), "/payload/lib".to_string());
+        payload_env.insert("SECRET".to_string(), "not passed".to_string());
+        let real = crate::gpu::GpuProbe::guest(&payload_env);
+        assert_eq!(real.sys_root, std::path::Path::new("/sys"));
+        assert!(real
+            .env
+            .contains(&("LD_LIBRARY_PATH".to_string(), "/payload/lib".to_string())));
+        assert!(real.env.iter().all(|(k, _)| k != "SECRET"));
+        let mut a = agent(dir.path());
+        a.set_gpu_probe(crate::gpu::GpuProbe {
+            sys_root: dir.path().to_path_buf(),
+            nvidia_smi: vec![dir.path().join("no-nvidia-smi")],
+            ..real
+        });
+        let Outcome::Ok(Reply::GpuInfo(info)) = a.handle(Request::GpuInfo).0 else {
+            panic!("gpu-info failed")
+        };
+        assert!(info.pci.is_empty());
+        assert!(matches!(
+            info.nvidia_smi,
+            tenantvm_agent_protocol::NvidiaSmi::Absent { .. }
+        ));
     }
 }

@@ -207,6 +207,21 @@ pub enum AgentClientError {
         /// The request.
         what: &'static str,
     },
+    /// The agent does not know the request: an older agent, which answers `bad-request`
+    /// to a command it cannot decode.
+    #[error("The agent does not support {what} (an older guest image); rebuild the image with this version's agent")]
+    Unsupported {
+        /// The request.
+        what: &'static str,
+    },
+    /// The reply decoded but broke the protocol's caps (a hostile or broken guest).
+    #[error("The agent's answer to {what} was refused: {reason}")]
+    RefusedReply {
+        /// The request.
+        what: &'static str,
+        /// Which cap it broke.
+        reason: String,
+    },
     /// The payload did not become ready in time.
     #[error(
         "The payload was not ready within {timeout:?}; last state {last:?}; check the agent's logs"
@@ -266,6 +281,7 @@ fn what(req: &Request) -> &'static str {
         Request::Load(_) => "load",
         Request::LoadStatus { .. } => "load-status",
         Request::Shutdown => "shutdown",
+        Request::GpuInfo => "gpu-info",
         Request::Mux { .. } => "mux hello",
     }
 }

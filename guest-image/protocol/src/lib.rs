@@ -5,6 +5,7 @@
 //! - [`message`]: the requests and replies, the disk key, the channel's port names;
 //! - [`client`]: the host's synchronous client, with a deadline on every connect, read
 //!   and write and an optional peer-uid check (`SO_PEERCRED`);
+//! - [`gpu`]: the guest's view of its devices (`gpu-info`) and the caps on it;
 //! - [`load`]: the bounded test loads `tenantvm verify` asks a guest to run;
 //! - [`image`]: opening a guest image set and verifying it against its manifest.
 //!
@@ -16,6 +17,7 @@
 mod channel;
 pub mod client;
 pub mod frame;
+pub mod gpu;
 pub mod image;
 pub mod load;
 pub mod message;
@@ -26,6 +28,10 @@ pub use frame::{
     decode_body, encode_data, encode_frame, parse_header, read_frame, resync, skip_body,
     FrameDecoder, FrameError, FrameHeader, HEADER_LEN, MAGIC, MAX_BODY_LEN, MAX_DATA_LEN,
     PROTOCOL_VERSION,
+};
+pub use gpu::{
+    GpuInfoError, GpuInfoReply, NvidiaSmi, PciFunction, SmiGpu, MAX_GPU_ROWS, MAX_PCI_DEVICES,
+    NVIDIA_SMI_DEADLINE_SECS, NVIDIA_SMI_QUERY,
 };
 pub use image::{ImageSet, ImageSetError, SetKernel};
 pub use load::{

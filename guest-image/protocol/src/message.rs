@@ -8,6 +8,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use thiserror::Error;
 use zeroize::{Zeroize, Zeroizing};
 
+use crate::gpu::GpuInfoReply;
 use crate::load::{LoadKind, LoadReport, LoadSpec};
 
 /// The vsock port the agent listens on.
@@ -213,6 +214,12 @@ pub enum Request {
     },
     /// Stop the payload, unmount, close the disk, sync and power off.
     Shutdown,
+    /// Report the guest's devices ([`crate::gpu`]): its PCI functions and, where the image
+    /// has `nvidia-smi`, the GPUs the driver sees; answered [`Reply::GpuInfo`]. No
+    /// arguments: the agent runs a fixed query with a deadline. An agent older than this
+    /// request answers `bad-request` (unknown variant), which the host reads as "not
+    /// supported".
+    GpuInfo,
     /// Hello at the start of a virtio-serial channel: the host offers to multiplex the
     /// port ([`crate::mux`]). An agent that knows it answers [`Reply::Mux`] and from the
     /// next byte on the port carries mux frames until the host disconnects; an older one
@@ -382,6 +389,8 @@ pub enum Reply {
     Load(LoadReport),
     /// Answer to [`Request::Shutdown`]; the guest powers off after sending it.
     ShuttingDown(ShutdownReport),
+    /// Answer to [`Request::GpuInfo`].
+    GpuInfo(GpuInfoReply),
     /// Answer to [`Request::Mux`]: the port carries mux frames from now on.
     Mux {
         /// The version agreed (the host's).

@@ -7,6 +7,7 @@
 //! request's own under the budget of whoever it waits for (the target tenant's admission
 //! gate for inference, the caller's lane otherwise); the health check does no blocking work.
 
+pub mod gpu_info;
 pub mod keys;
 pub mod lanes;
 pub mod load;
@@ -457,6 +458,7 @@ pub fn router(svc: TenantService) -> Router {
             axum::routing::delete(keys::revoke),
         )
         .route("/v1/tenants/{name}/models", get(models::list))
+        .route("/v1/tenants/{name}/gpu", get(gpu_info::get))
         .route("/v1/tenants/{name}/load", post(load::start))
         .route("/v1/tenants/{name}/load/{kind}", get(load::status))
         .route(
@@ -475,6 +477,8 @@ pub fn router(svc: TenantService) -> Router {
         .with_state(state)
 }
 
+#[cfg(test)]
+mod gpu_info_tests;
 #[cfg(test)]
 mod isolation_tests;
 #[cfg(test)]

@@ -104,6 +104,17 @@ pub(super) fn serving(
     caller: &Caller,
     name: &str,
 ) -> Result<(Tenant, bool), ApiError> {
+    serving_for(svc, caller, name, "it has no models")
+}
+
+/// [`serving`], saying `without_agent` (e.g. "it has no models") when the tenant runs no
+/// guest image with an agent.
+pub(super) fn serving_for(
+    svc: &TenantService,
+    caller: &Caller,
+    name: &str,
+    without_agent: &str,
+) -> Result<(Tenant, bool), ApiError> {
     let not_found = || ApiError::from(TenantServiceError::NotFound(name.to_string()));
     if TenantName::check(name).is_err() {
         return Err(not_found());
@@ -120,7 +131,7 @@ pub(super) fn serving(
             StatusCode::CONFLICT,
             "invalid_state",
             format!(
-                "Tenant {name:?} runs no guest image with an inference server: it has no models"
+                "Tenant {name:?} runs no guest image with an inference server: {without_agent}"
             ),
         ));
     }

@@ -2,7 +2,7 @@
 //! response checked against docs/api/openapi.yaml.
 
 #[path = "../../tests/support/openapi.rs"]
-mod openapi;
+pub(super) mod openapi;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};

@@ -1,6 +1,7 @@
 //! The `tenantvm` command line: a thin client of tenantvmd's API (see [`crate::client`]).
 //! The binary only parses arguments and calls [`run`].
 
+mod gpu_info;
 mod key;
 mod model;
 mod output;
@@ -52,6 +53,8 @@ pub mod exit {
     pub const QUOTA: u8 = 13;
     /// The tenant's disk has no room for it (507, `model push`).
     pub const NO_SPACE: u8 = 15;
+    /// `gpu-info`: the guest's view of its GPU does not match what it was given.
+    pub const GPU_MISMATCH: u8 = 16;
     /// Whoever read the output went away (`tenantvm ... | head`): the command stopped
     /// quietly, with the status of a command killed by SIGPIPE (128 + 13).
     pub const BROKEN_PIPE: u8 = 141;
@@ -81,6 +84,7 @@ const DEFAULT_TOKEN_FILE: &str = "/var/lib/tenantvm/admin.token";
 /// 8 operation failed, 9 daemon error, 10 forbidden, 11 plan does not fit,
 /// 12 host check failed, 13 over the tenant's request rate or concurrency (retry later),
 /// 14 `verify`: a check failed or was inconclusive, 15 no room on the tenant's disk (`model push`),
+/// 16 `gpu-info`: the guest's view of its GPU does not match its assignment,
 /// 141 the reader of the output went away (`| head`), quietly.
 #[derive(Debug, Parser)]
 #[command(name = "tenantvm", version, verbatim_doc_comment)]
@@ -147,6 +151,8 @@ pub enum Command {
     Top(top::TopArgs),
     // Its help is VerifyArgs' own (a man page: the checks, probes, report, exit statuses).
     Verify(verify::VerifyArgs),
+    // Its help is GpuInfoArgs' own (what is compared, the tolerance, exit statuses).
+    GpuInfo(gpu_info::GpuInfoArgs),
     /// Inspect this host.
     Host {
         /// What to do.
@@ -694,6 +700,7 @@ async fn run_inner(cli: Cli, out: &mut dyn Write, err: &mut dyn Write) -> Result
         }
         Command::Key(k) => key::run(&client, k, out, err).await,
         Command::Top(a) => top::run(&client, a, out).await,
+        Command::GpuInfo(a) => gpu_info::run(&client, a, out).await,
         Command::Model(m) => model::run(&client, &token, m, out).await,
         Command::Stop(a) => op(&client, a, "stop", out, err).await,
         Command::Start(a) => op(&client, a, "start", out, err).await,

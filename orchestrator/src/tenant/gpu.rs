@@ -235,6 +235,14 @@ impl GpuPlanner for BackendPlanner {
         crate::tenant::gpu_scrub::scrub(self.backend.as_ref(), placement)
     }
 
+    fn describe(
+        &self,
+        placement: &GpuPlacement,
+        record: Option<&DeviceRecord>,
+    ) -> Result<crate::tenant::gpu_info::AssignedGpu, GpuPlanError> {
+        self.describe_slice(placement, record)
+    }
+
     fn usage(&self, placement: &GpuPlacement) -> Result<Option<SliceUsage>, GpuPlanError> {
         let gpus = self.backend.gpus().map_err(plan_err)?;
         let info = find_gpu(&gpus, &placement.gpu)

@@ -25,6 +25,7 @@ use crate::backend::PassthroughDevice;
 use crate::receipt::{Assurance, StepResult};
 use crate::store::GpuPlacement;
 use crate::tenant::gpu::{find_gpu, BackendPlanner};
+use crate::tenant::gpu_info::{AssignedGpu, NVIDIA_VENDOR};
 use crate::tenant::host::{DeviceResetOutcome, GpuPlanError};
 
 /// What the host did (or will do) to hand a tenant's share to its VM: stored before the step
@@ -427,4 +428,55 @@ pub enum MigRestore {
     AlreadyOff,
     /// MIG stays on, and why (instances the daemon did not make remain).
     LeftOn(String),
+}
+
+impl BackendPlanner {
+    /// What `placement` is, for `tenantvm gpu-info`: [`AssignedGpu::basic`] plus the
+    /// card's name, the slice's memory and profile (the database's NVML figure for a MIG
+    /// profile, the backend's total for a whole card), the devices handed over, and the ids
+    /// the guest should see (whole: the host device's own, read from sysfs; vGPU: NVIDIA's
+    /// vendor id only).
+    pub(crate) fn describe_slice(
+        &self,
+        placement: &GpuPlacement,
+        record: Option<&DeviceRecord>,
+    ) -> Result<AssignedGpu, GpuPlanError> {
+        let mut a = AssignedGpu::basic(placement, record);
+        let info = self.gpu_info(&placement.gpu)?;
+        a.model = Some(info.name.clone());
+        if placement.label == "whole" {
+            a.memory_mib = Some(info.memory_mib).filter(|m| *m > 0);
+        } else {
+            let (profile, _) = mig_label(&info, placement)?;
+            a.mig_profile = Some(profile.name.to_string());
+            a.memory_mib = Some(profile.memory_mib);
+        }
+        let Some(record) = record.filter(|r| r.attaches()) else {
+            return Ok(a);
+        };
+        a.host_devices = match self.device_list(record) {
+            Ok(devices) => devices
+                .iter()
+                .map(|d| match d {
+                    PassthroughDevice::Pci { address, .. } => address.clone(),
+                    PassthroughDevice::Mdev { uuid, .. } => uuid.clone(),
+                })
+                .collect(),
+            Err(_) => vec![info.pci_address.clone()],
+        };
+        match record {
+            DeviceRecord::Whole { .. } => {
+                if let (Some(sysfs), Ok(addr)) = (self.sysfs(), pci(&info.pci_address)) {
+                    let id = |attr: &str| {
+                        let text = sysfs.read(&sysfs.device_dir(&addr).join(attr)).ok()?;
+                        u16::from_str_radix(text.trim_start_matches("0x"), 16).ok()
+                    };
+                    a.vendor = id("vendor");
+                    a.device = id("device").filter(|_| a.vendor.is_some());
+                }
+            }
+            _ => a.vendor = Some(NVIDIA_VENDOR),
+        }
+        Ok(a)
+    }
 }

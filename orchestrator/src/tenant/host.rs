@@ -198,6 +198,19 @@ pub trait GpuPlanner: Send + Sync {
         Ok(MigRestore::AlreadyOff)
     }
 
+    /// What `placement` is, for `tenantvm gpu-info` (its card, memory, profile, the devices
+    /// handed over and the ids the guest should see). The default knows only what the
+    /// ledger and the device record say.
+    fn describe(
+        &self,
+        placement: &GpuPlacement,
+        record: Option<&DeviceRecord>,
+    ) -> Result<crate::tenant::gpu_info::AssignedGpu, GpuPlanError> {
+        Ok(crate::tenant::gpu_info::AssignedGpu::basic(
+            placement, record,
+        ))
+    }
+
     /// Memory and utilisation of the slice `placement` names, as the GPU backend reads them
     /// (for the tenant's metrics); None from a planner without a backend that measures.
     fn usage(

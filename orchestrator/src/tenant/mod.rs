@@ -8,7 +8,8 @@
 //! - [`steps`]: the flat table of steps, by concern (`vm`, `gpu`, `disk`, `guest`,
 //!   `departure`), each given only a [`context::StepCtx`] and a [`context::Tenant`];
 //! - [`context`], [`config`], [`image`], [`infer`], [`departure`], [`admission`], [`host`],
-//!   [`gpu`], [`gpu_scrub`], [`logs`], [`view`]: what steps and the service share.
+//!   [`gpu`], [`gpu_scrub`], [`gpu_info`], [`logs`], [`view`]: what steps and the service
+//!   share.
 //!
 //! The spec and the lifecycle state machine are in [`crate::domain`].
 
@@ -22,6 +23,7 @@ pub mod departure;
 pub mod fault;
 pub mod gpu;
 pub mod gpu_device;
+pub mod gpu_info;
 pub mod gpu_scrub;
 pub mod host;
 pub mod image;

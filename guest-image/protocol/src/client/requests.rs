@@ -289,6 +289,34 @@ impl AgentClient {
         }
     }
 
+    /// The guest's devices as it sees them ([`Request::GpuInfo`]): its PCI functions and
+    /// `nvidia-smi`'s GPUs, checked against [`crate::gpu`]'s caps before they are returned.
+    /// An agent older than the request answers `bad-request`, returned as
+    /// [`AgentClientError::Unsupported`]. `timeout` should leave the agent its
+    /// [`crate::gpu::NVIDIA_SMI_DEADLINE_SECS`] and some.
+    pub fn gpu_info(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<crate::gpu::GpuInfoReply, AgentClientError> {
+        let what = "gpu-info";
+        match self.call(&Request::GpuInfo, timeout) {
+            Ok(Reply::GpuInfo(reply)) => {
+                reply.check().map_err(|e| AgentClientError::RefusedReply {
+                    what,
+                    reason: e.to_string(),
+                })?;
+                Ok(reply)
+            }
+            Ok(_) => Err(AgentClientError::UnexpectedReply { what }),
+            Err(AgentClientError::Agent { failure, .. })
+                if failure.code == crate::message::ErrorCode::BadRequest =>
+            {
+                Err(AgentClientError::Unsupported { what })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Asks for a clean shutdown; the guest powers off after answering.
     pub fn shutdown(&mut self, timeout: Duration) -> Result<ShutdownReport, AgentClientError> {
         match self.call(&Request::Shutdown, timeout)? {
@@ -297,3 +325,7 @@ impl AgentClient {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "gpu_info_tests.rs"]
+mod gpu_info_tests;
