@@ -6,10 +6,12 @@
 //! channel. The channel's framing and messages, and the host-side client, live in the
 //! `tenantvm-agent-protocol` crate that the orchestrator shares. [`http1`] is shared by
 //! the agent's forwarder and the CI payload server. [`models`] stores the tenant's own
-//! models on its disk. [`load`] runs the bounded test loads of `tenantvm verify`.
+//! models on its disk. [`load`] runs the bounded test loads of `tenantvm verify` ([`cuda`]
+//! loads the CUDA driver for its GPU memory load).
 
 pub mod agent;
 pub mod config;
+pub mod cuda;
 pub mod disk;
 pub mod http1;
 pub mod init;

@@ -29,7 +29,7 @@ pub use frame::{
 };
 pub use image::{ImageSet, ImageSetError, SetKernel};
 pub use load::{
-    LoadKind, LoadReport, LoadSpec, LoadSpecError, LoadState, MAX_LOAD_DISK_MIB,
+    LoadKind, LoadReport, LoadSpec, LoadSpecError, LoadState, MAX_LOAD_DISK_MIB, MAX_LOAD_GPU_MIB,
     MAX_LOAD_MEMORY_MIB, MAX_LOAD_SECONDS, MAX_LOAD_THREADS,
 };
 pub use message::{

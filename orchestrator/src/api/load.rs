@@ -71,7 +71,7 @@ pub(super) async fn start(
         ApiError::new(
             StatusCode::BAD_REQUEST,
             "bad_request",
-            format!("Send a load as JSON: {{\"kind\": \"memory|cpu|disk\", \"amount\": N, \"seconds\": S}} ({e})"),
+            format!("Send a load as JSON: {{\"kind\": \"memory|cpu|disk|gpu-memory\", \"amount\": N, \"seconds\": S}} ({e})"),
         )
     })?;
     spec.check()
