@@ -43,6 +43,9 @@ pub struct LivePaths {
     pub cgroup_root: PathBuf,
     /// `nvml` or `sim:FILE`; none: the host's GPUs are not looked at.
     pub gpu_backend: Option<String>,
+    /// The root the host's sysfs is mounted under (`/`), where check 10 reads VF vGPU
+    /// types and vfio-pci bindings.
+    pub gpu_sysfs_root: PathBuf,
     /// More files or directories the plaintext scan reads (the daemon's log file).
     pub scan_extra: Vec<PathBuf>,
     /// The daemon's key-encryption key (`tenantvmd --kek-file`; a systemd credential
@@ -620,6 +623,23 @@ impl VerifyHost for LiveHost {
             super::cross_key::CrossKeyError::Refused(_) => HostError::Unsupported(e.to_string()),
             _ => HostError::Failed(e.to_string()),
         })
+    }
+
+    fn gpu_snapshot(&self) -> Result<super::gpu_departure::GpuSnapshot, HostError> {
+        let quarantined = self
+            .rt
+            .block_on(self.admin.quarantine())
+            .map_err(from_client)?
+            .slices
+            .iter()
+            .map(crate::api::types::QuarantinedSliceView::id)
+            .collect();
+        super::live_gpu::snapshot(
+            self.paths.gpu_backend.as_deref(),
+            &self.paths.state_dir,
+            &self.paths.gpu_sysfs_root,
+            quarantined,
+        )
     }
 
     fn scan_finds(&self, content: &[u8], marker: &[u8]) -> Result<bool, HostError> {
