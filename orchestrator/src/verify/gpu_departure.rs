@@ -92,7 +92,8 @@ pub fn judge_gpu_departure(
         seen_types as f64,
         "count",
     );
-    for n in during.not_seen.iter().chain(&after.not_seen) {
+    let not_seen: BTreeSet<&String> = during.not_seen.iter().chain(&after.not_seen).collect();
+    for n in not_seen {
         out.findings.push(format!("not looked at: {n}"));
     }
     let blind = seen_reserved == 0;

@@ -59,6 +59,9 @@ pub struct LiveHost {
     rt: tokio::runtime::Handle,
     paths: LivePaths,
     door: Option<super::door::FrontDoorClient>,
+    /// The daemon's store, where check 10 reads GPU reservations (default
+    /// `<state-dir>/state.db`, where tenantvmd keeps it).
+    store_db: PathBuf,
 }
 
 /// Deadline of one front-door request.
@@ -91,9 +94,16 @@ impl LiveHost {
         LiveHost {
             admin: Client::new(paths.socket.clone(), token),
             rt,
+            store_db: paths.state_dir.join("state.db"),
             paths,
             door: None,
         }
+    }
+
+    /// The same host, reading the daemon's store at `db` (a test harness keeps it apart).
+    pub fn with_store_db(mut self, db: PathBuf) -> LiveHost {
+        self.store_db = db;
+        self
     }
 
     /// The same host, with the front door reached at `target` (checks 7 and 9 read a
@@ -636,7 +646,7 @@ impl VerifyHost for LiveHost {
             .collect();
         super::live_gpu::snapshot(
             self.paths.gpu_backend.as_deref(),
-            &self.paths.state_dir,
+            &self.store_db,
             &self.paths.gpu_sysfs_root,
             quarantined,
         )

@@ -1,6 +1,6 @@
 //! The live host's GPU state for check 10 ([`GpuSnapshot`]), read only: MIG instances from
 //! the GPU backend the operator names (`--gpu-backend`), reservations from the daemon's
-//! store (`<state-dir>/state.db`, opened read-only), and, under the sysfs root
+//! store (`<state-dir>/state.db`, opened read-only, never migrated), and, under the sysfs root
 //! (`--gpu-sysfs-root`), each GPU's driver binding and its VFs' `nvidia/current_vgpu_type`
 //! and bindings. The quarantine list comes from the daemon's API (the caller passes it).
 
@@ -15,11 +15,11 @@ use super::host::HostError;
 const VFIO: &str = "vfio-pci";
 
 /// Reads the GPU state: `backend` (`nvml`, `sim:FILE`; none: no GPUs looked at), the
-/// store under `state_dir`, the sysfs under `sysfs_root`; `quarantined` as the daemon
+/// store `store_db`, the sysfs under `sysfs_root`; `quarantined` as the daemon
 /// lists them (`<gpu>/<label>`).
 pub fn snapshot(
     backend: Option<&str>,
-    state_dir: &Path,
+    store_db: &Path,
     sysfs_root: &Path,
     quarantined: Vec<String>,
 ) -> Result<GpuSnapshot, HostError> {
@@ -27,7 +27,7 @@ pub fn snapshot(
         quarantined: quarantined.into_iter().collect(),
         ..GpuSnapshot::default()
     };
-    s.reservations = reservations(&state_dir.join("state.db"))?;
+    s.reservations = reservations(store_db)?;
     let Some(arg) = backend else {
         s.not_seen
             .push("no --gpu-backend: MIG instances, VFs and bindings not looked at".into());
