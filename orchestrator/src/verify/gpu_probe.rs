@@ -54,8 +54,15 @@ pub enum GpuPlan {
 
 /// The smallest slice to ask for on a host with `gpus`, where `tenants` hold theirs: the
 /// smallest MIG profile (by memory) of the MIG-capable GPUs; else a whole non-MIG GPU no
-/// tenant holds.
+/// tenant holds. No GPUs while tenants hold slices means the operator named no backend:
+/// that cannot be judged, and says so.
 pub fn choose_slice(gpus: &[GpuView], tenants: &[TenantView]) -> GpuPlan {
+    if gpus.is_empty() && tenants.iter().any(|t| t.gpu.is_some()) {
+        return GpuPlan::NoSlice(
+            "tenants hold GPU slices, but no GPU backend (--gpu-backend nvml or sim:FILE) names the host's GPUs: the GPU half could not run"
+                .into(),
+        );
+    }
     if gpus.is_empty() {
         return GpuPlan::NotRun(
             "no GPU on this host (or no --gpu-backend given): the GPU half is not applicable"

@@ -88,9 +88,11 @@ fn the_smallest_slice_is_asked_for_and_a_full_host_says_so() {
         label: "whole".into(),
     });
     assert!(matches!(
-        choose_slice(&[gpu("2", "l40s")], &[holder]),
+        choose_slice(&[gpu("2", "l40s")], std::slice::from_ref(&holder)),
         GpuPlan::NoSlice(_)
     ));
+    // GPU tenants but no backend named: not silently "no GPU".
+    assert!(matches!(choose_slice(&[], &[holder]), GpuPlan::NoSlice(_)));
     assert!(matches!(choose_slice(&[], &[]), GpuPlan::NotRun(_)));
     assert_eq!("off".parse::<GpuProbes>(), Ok(GpuProbes::Off));
     assert!("sometimes".parse::<GpuProbes>().is_err());
