@@ -495,6 +495,18 @@ mod tests {
         let cfg = a.config().unwrap();
         assert_eq!(cfg.samples_per_arm, 50);
         assert_eq!(cfg.probe_image.as_deref(), Some("ngram"));
+        use crate::verify::gpu_probe::GpuProbes;
+        assert_eq!(
+            cfg.gpu_probes,
+            GpuProbes::Auto,
+            "GPU probes default to auto"
+        );
+        let cli = Cli::try_parse_from(["tenantvm", "verify", "--gpu-probes", "off"]).unwrap();
+        let Command::Verify(a) = cli.command else {
+            panic!()
+        };
+        assert_eq!(a.config().unwrap().gpu_probes, GpuProbes::Off);
+        assert!(Cli::try_parse_from(["tenantvm", "verify", "--gpu-probes", "sometimes"]).is_err());
         for bad in [
             vec!["--alpha", "2"],
             vec!["--samples", "1"],
