@@ -308,3 +308,101 @@ fn check_4_gpu_half_fails_past_the_slice_and_is_inconclusive_without_cuda_or_a_s
     });
     assert_eq!(r.outcome.verdict, Verdict::Inconclusive, "{r:#?}");
 }
+
+/// A receipt with `steps`, as the audit log holds it.
+fn receipt(steps: Vec<crate::receipt::StepRecord>) -> Vec<crate::receipt::LogEntry> {
+    vec![crate::receipt::LogEntry {
+        seq: 0,
+        prev_hash: String::new(),
+        appended_at: String::new(),
+        key_id: String::new(),
+        receipt: crate::receipt::Receipt {
+            version: crate::receipt::RECEIPT_VERSION,
+            departure_id: "p-1".into(),
+            tenant: "p".into(),
+            started_at: String::new(),
+            finished_at: String::new(),
+            steps,
+            verification: None,
+        },
+        signature: String::new(),
+    }]
+}
+
+fn gpu_step(
+    step: crate::receipt::DepartureStep,
+    result: crate::receipt::StepResult,
+    assurance: crate::receipt::Assurance,
+) -> crate::receipt::StepRecord {
+    crate::receipt::StepRecord::new(
+        step,
+        "test",
+        result,
+        assurance,
+        "2026-01-01T00:00:00Z".into(),
+        "2026-01-01T00:00:01Z".into(),
+    )
+}
+
+#[test]
+fn a_missing_gpu_step_and_a_quarantine_the_daemon_does_not_list_fail() {
+    use super::gpu_departure::{judge_gpu_departure, GpuSnapshot};
+    use crate::receipt::{Assurance, DepartureStep, StepResult};
+    let slice = GpuSlice {
+        gpu: "0000:18:00.0".into(),
+        slots: vec![0],
+        label: "1g.10gb@0".into(),
+    };
+    let before = GpuSnapshot::default();
+    let mut during = GpuSnapshot::default();
+    during.reservations.insert("0000:18:00.0/1g.10gb@0".into());
+    let after = GpuSnapshot::default();
+    let ok = |s| gpu_step(s, StepResult::Ok, Assurance::Verified);
+    let judge = |steps| {
+        let mut out = Outcome::new(Verdict::Pass);
+        judge_gpu_departure(
+            &mut out,
+            "p",
+            &slice,
+            &before,
+            &during,
+            &after,
+            &receipt(steps),
+        );
+        out
+    };
+    // All three verified: pass, as the control for the two below.
+    let out = judge(vec![
+        ok(DepartureStep::DeviceReset),
+        ok(DepartureStep::GpuScrub),
+        ok(DepartureStep::GpuRelease),
+    ]);
+    assert_eq!(out.verdict, Verdict::Pass, "{out:#?}");
+    assert_eq!(out.value("gpu_receipt_steps_verified"), Some(3.0));
+    // No GpuRelease step.
+    let out = judge(vec![
+        ok(DepartureStep::DeviceReset),
+        ok(DepartureStep::GpuScrub),
+    ]);
+    assert_eq!(out.verdict, Verdict::Fail, "{out:#?}");
+    assert!(out
+        .findings
+        .iter()
+        .any(|f| f.contains("no GpuRelease step")));
+    // The scrub says it quarantined the slice; the daemon does not list it.
+    let out = judge(vec![
+        ok(DepartureStep::DeviceReset),
+        gpu_step(
+            DepartureStep::GpuScrub,
+            StepResult::Failed,
+            Assurance::Unverified,
+        )
+        .with_evidence("quarantined", true),
+        ok(DepartureStep::GpuRelease),
+    ]);
+    assert_eq!(out.verdict, Verdict::Fail, "{out:#?}");
+    assert!(out
+        .findings
+        .iter()
+        .any(|f| f.contains("does not list it as quarantined")));
+}
