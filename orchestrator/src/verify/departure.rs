@@ -134,8 +134,15 @@ impl Check for DepartureCheck {
 
     fn run(&self, ctx: &Ctx<'_>) -> Result<Outcome, HostError> {
         let mut gpu = gpu_probe::plan(ctx)?;
+        // The GPU state before the probe; unreadable, the departure is judged without a GPU.
         let before = match &gpu {
-            GpuPlan::Ask(_) => Some(ctx.host.gpu_snapshot()?),
+            GpuPlan::Ask(_) => match ctx.host.gpu_snapshot() {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    gpu = GpuPlan::NoSlice(format!("the host's GPU state could not be read: {e}"));
+                    None
+                }
+            },
             _ => None,
         };
         let p = gpu_probe::create_with_slice(ctx.probes, "depart", &mut gpu, |s| s.disk_gib = 1)?;
