@@ -1,9 +1,11 @@
 /* A FAKE CUDA driver for the agent's GPU memory load tests: no GPU, no memory taken.
  * It hands out made-up device addresses and counts bytes against a limit read from
- * FAKE_CUDA_MEMORY_MIB (default 1000) at cuCtxCreate, answering CUDA_ERROR_OUT_OF_MEMORY
- * (2) past it, as a MIG slice's driver does. fake_cuda_outstanding() and
- * fake_cuda_contexts() let a test see that everything was freed and destroyed.
- * Test-only: never part of an image. */
+ * FAKE_CUDA_MEMORY_MIB at cuCtxCreate (else FAKE_DEFAULT_MIB, 1000 unless built with
+ * -DFAKE_DEFAULT_MIB=N: the agent's load worker runs with an empty environment),
+ * answering CUDA_ERROR_OUT_OF_MEMORY (2) past it, as a MIG slice's driver does.
+ * fake_cuda_outstanding() and fake_cuda_contexts() let a test see that everything was
+ * freed and destroyed. Test-only: never in a tenant's image (make-fake-cuda-image.sh
+ * builds a test image with it, for check 4's GPU half without a GPU). */
 #include <stddef.h>
 #include <stdlib.h>
 
@@ -17,6 +19,9 @@ static unsigned long long next_ptr = 0x100000000ull;
 static int contexts;
 static int ctx_token;
 
+#ifndef FAKE_DEFAULT_MIB
+#define FAKE_DEFAULT_MIB 1000
+#endif
 #define MAX_ALLOCS 4096
 static CUdeviceptr ptrs[MAX_ALLOCS];
 static size_t sizes[MAX_ALLOCS];
@@ -30,7 +35,7 @@ CUresult cuDeviceGet(CUdevice *d, int ordinal) {
 CUresult cuCtxCreate_v2(void **ctx, unsigned flags, CUdevice d) {
     (void)flags; (void)d;
     const char *mib = getenv("FAKE_CUDA_MEMORY_MIB");
-    limit_bytes = (unsigned long long)(mib ? strtoull(mib, NULL, 10) : 1000) << 20;
+    limit_bytes = (unsigned long long)(mib ? strtoull(mib, NULL, 10) : FAKE_DEFAULT_MIB) << 20;
     contexts++;
     *ctx = &ctx_token;
     return 0;
