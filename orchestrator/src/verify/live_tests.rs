@@ -31,13 +31,17 @@ impl Daemon {
     /// MIG changes to the file the verifier reads), with `fault` armed; also the backend
     /// argument for the verifier.
     fn start_sim_gpu(fault: FaultHook) -> (Daemon, String) {
-        let h = Harness::new(FaultHook::default());
-        let path = h.dir.path().join("sim-host.json");
-        std::fs::write(
-            &path,
+        Self::start_sim(
+            fault,
             r#"{"gpus":[{"index":0,"model":"h100-80gb","pci_address":"0000:18:00.0","mig_enabled":true,"iommu_group":30}]}"#,
         )
-        .unwrap();
+    }
+
+    /// A daemon over the SIMULATED host described by `host_json`.
+    fn start_sim(fault: FaultHook, host_json: &str) -> (Daemon, String) {
+        let h = Harness::new(FaultHook::default());
+        let path = h.dir.path().join("sim-host.json");
+        std::fs::write(&path, host_json).unwrap();
         let backend =
             tenantvm_gpu::backend::open(&tenantvm_gpu::backend::BackendSpec::Sim(path.clone()))
                 .unwrap();
@@ -266,6 +270,61 @@ fn the_departure_checks_gpu_half_passes_on_the_simulated_gpu_host_and_sees_a_lef
             .findings
             .iter()
             .any(|f| f.contains("left behind: GPU reservation 0000:18:00.0/")),
+        "{r:#?}"
+    );
+}
+
+#[test]
+fn a_whole_non_mig_card_is_given_back_and_one_left_reserved_is_seen() {
+    let cfg = VerifyConfig {
+        probe_image: Some("hello".into()),
+        ..VerifyConfig::default()
+    };
+    let l40s = r#"{"gpus":[{"index":0,"model":"l40s","pci_address":"0000:41:00.0","mig_enabled":false,"iommu_group":22}]}"#;
+    let (d, backend) = Daemon::start_sim(FaultHook::default(), l40s);
+    let host = d.host_with_gpus(Some(backend));
+    let p = probes(&host, "aaaa0008", None);
+    let r = run_checks(&host, &p, &cfg, 1, &[CheckId::Departure]).remove(0);
+    assert_eq!(r.outcome.verdict, Verdict::Pass, "{r:#?}");
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("held GPU slice 0000:41:00.0/whole")),
+        "{r:#?}"
+    );
+    // A simulated card has no sysfs device: its binding is not seen, and the report says so.
+    assert_eq!(
+        r.outcome.value("gpu_seen_while_running_vfio_bound"),
+        Some(0.0),
+        "{r:#?}"
+    );
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.starts_with("not looked at: GPU 0000:41:00.0")),
+        "{r:#?}"
+    );
+
+    // The departure stopped before the card is given back to its host driver.
+    let (d, backend) = Daemon::start_sim(
+        FaultHook::fail_at(
+            "destroy",
+            "rebind-gpu",
+            crate::tenant::fault::Boundary::Before,
+        ),
+        l40s,
+    );
+    let host = d.host_with_gpus(Some(backend));
+    let p = probes_waiting(&host, "aaaa0009", None, Duration::from_secs(2));
+    let r = run_checks(&host, &p, &cfg, 1, &[CheckId::Departure]).remove(0);
+    assert_eq!(r.outcome.verdict, Verdict::Fail, "{r:#?}");
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("left behind: GPU reservation 0000:41:00.0/whole")),
         "{r:#?}"
     );
 }
