@@ -121,6 +121,10 @@ copy_with_libs "$(command -v mke2fs)" sbin/mke2fs
 # glibc loads libgcc_s for thread cancellation (libargon2 runs threads).
 gcc_s="$(readlink -f /lib/x86_64-linux-gnu/libgcc_s.so.1)"
 install -m 0644 "$gcc_s" "$stage/lib/x86_64-linux-gnu/libgcc_s.so.1"
+# The agent is static: a library it dlopens (the CUDA driver, for the gpu-memory load) needs
+# libc.so.6, whose own ld-linux-x86-64.so.2 a static program's loader looks for in the
+# library directories, never /lib64 (found by the load failing in a guest); Debian's layout.
+ln -s /lib64/ld-linux-x86-64.so.2 "$stage/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2"
 install -m 0644 /etc/mke2fs.conf "$stage/etc/mke2fs.conf"
 # As root, prove the copied binaries find every library inside the image.
 if [ "$(id -u)" -eq 0 ]; then

@@ -6,11 +6,13 @@
 //! channel. The channel's framing and messages, and the host-side client, live in the
 //! `tenantvm-agent-protocol` crate that the orchestrator shares. [`http1`] is shared by
 //! the agent's forwarder and the CI payload server. [`models`] stores the tenant's own
-//! models on its disk. [`load`] runs the bounded test loads of `tenantvm verify`. [`gpu`] reports
-//! the guest's devices (`gpu-info`).
+//! models on its disk. [`load`] runs the bounded test loads of `tenantvm verify` ([`cuda`]
+//! loads the CUDA driver for its GPU memory load). [`gpu`] reports the guest's devices
+//! (`gpu-info`).
 
 pub mod agent;
 pub mod config;
+pub mod cuda;
 pub mod disk;
 pub mod gpu;
 pub mod http1;

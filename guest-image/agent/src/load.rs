@@ -6,7 +6,9 @@
 //!
 //! The worker makes itself the OOM killer's first choice (`oom_score_adj` 1000). A memory
 //! load touches every page of what it allocates, so the memory is really taken; a CPU load
-//! spins threads; a disk load rewrites and fsyncs one file on the data disk and removes it.
+//! spins threads; a disk load rewrites and fsyncs one file on the data disk and removes it;
+//! a GPU memory load allocates device memory through the CUDA driver ([`crate::cuda`])
+//! until the driver says out of memory, holds it, and frees it.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
@@ -303,8 +305,13 @@ pub fn classify(code: i32, stopped_by_agent: bool) -> LoadState {
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     /// Bad arguments.
-    #[error("usage: tenantvm-agent load-worker memory|cpu|disk AMOUNT SECONDS DIR ({0})")]
+    #[error(
+        "usage: tenantvm-agent load-worker memory|cpu|disk|gpu-memory AMOUNT SECONDS DIR ({0})"
+    )]
     Usage(String),
+    /// The CUDA driver is absent or failed (GPU memory load).
+    #[error("{0}")]
+    Cuda(#[from] crate::cuda::CudaError),
     /// An I/O error (disk load).
     #[error("{what}: {source}")]
     Io {
@@ -346,7 +353,25 @@ pub fn run_worker(args: &[String]) -> Result<(), WorkerError> {
         LoadKind::Memory => memory(&mut out, spec.amount, wall),
         LoadKind::Cpu => cpu(&mut out, spec.amount, wall),
         LoadKind::Disk => disk(&mut out, Path::new(dir), spec.amount, wall),
+        LoadKind::GpuMemory => gpu_memory(&mut out, crate::cuda::CUDA_LIBRARY, spec.amount, wall),
     }
+}
+
+/// The GPU memory load: device 0 of `library`'s driver, filled up to `mib` MiB or until out
+/// of memory; progress in MiB allocated; held for `hold`, then freed.
+pub fn gpu_memory(
+    out: &mut impl Write,
+    library: &str,
+    mib: u32,
+    hold: Duration,
+) -> Result<(), WorkerError> {
+    let cuda = crate::cuda::Cuda::open(library)?;
+    let mut ctx = cuda.context(0)?;
+    let held = crate::cuda::fill(&mut ctx, u64::from(mib) << 20, |b| progress(out, b >> 20))?;
+    progress(out, held >> 20);
+    std::thread::sleep(hold);
+    ctx.free_all();
+    Ok(())
 }
 
 fn memory(out: &mut impl Write, mib: u32, hold: Duration) -> Result<(), WorkerError> {

@@ -35,7 +35,7 @@ pub use gpu::{
 };
 pub use image::{ImageSet, ImageSetError, SetKernel};
 pub use load::{
-    LoadKind, LoadReport, LoadSpec, LoadSpecError, LoadState, MAX_LOAD_DISK_MIB,
+    LoadKind, LoadReport, LoadSpec, LoadSpecError, LoadState, MAX_LOAD_DISK_MIB, MAX_LOAD_GPU_MIB,
     MAX_LOAD_MEMORY_MIB, MAX_LOAD_SECONDS, MAX_LOAD_THREADS,
 };
 pub use message::{

@@ -32,7 +32,8 @@ pub const INTERRUPTED: u8 = 130;
 ///    2 mig-sku               every GPU tenants share is a MIG-capable SKU (--gpu-backend)
 ///    3 partition-arithmetic  every sized need fits its slice; the host holds them all
 ///    4 memory-partition      probe cgroups have a memory limit near their guest memory,
-///                            a process overrunning one is killed, the other still serves
+///                            a process overrunning one is killed, the other still serves;
+///                            with GPU probes, GPU memory allocation stops at the slice
 ///    5 prefix-cache          timing test (one-sided KS, hit/miss pairs in random order)
 ///                            across two probes, after a positive control within one probe
 ///                            whose payload has its prefix cache on (--control-image)
@@ -43,7 +44,9 @@ pub const INTERRUPTED: u8 = 130;
 ///    8 noisy-neighbour       CPU quotas present and binding; victim p50/p99 idle vs.
 ///                            neighbour loaded
 ///    9 weights-at-rest       LUKS2 disks, per-tenant sealed keys, no plaintext marker
-///   10 departure             nothing of a destroyed probe remains; its receipt verifies
+///   10 departure             nothing of a destroyed probe remains (with GPU probes: no MIG
+///                            instance, reservation, VF type or vfio binding); its receipt
+///                            verifies
 ///
 /// Each check ends pass, fail or inconclusive, with its evidence as numbers. An
 /// inconclusive check (the host could not be asked, a control did not detect) is never a
@@ -126,6 +129,14 @@ pub struct VerifyArgs {
     /// they are inconclusive when tenants hold GPU shares).
     #[arg(long)]
     pub gpu_backend: Option<String>,
+    /// Whether checks 4 and 10 give their probes the smallest GPU slice the host can give
+    /// (`auto`: when --gpu-backend shows GPUs; `off`: never, their GPU halves not run).
+    #[arg(long, value_name = "auto|off", default_value = "auto")]
+    pub gpu_probes: crate::verify::gpu_probe::GpuProbes,
+    /// The root the host's sysfs is mounted under, where check 10 reads VF vGPU types and
+    /// vfio-pci bindings (the daemon's --gpu-sysfs-root).
+    #[arg(long, value_name = "DIR", default_value = "/")]
+    pub gpu_sysfs_root: PathBuf,
     /// More files or directories the plaintext marker scan reads (the daemon's log file).
     #[arg(long, value_name = "PATH")]
     pub scan: Vec<PathBuf>,
@@ -201,6 +212,7 @@ impl VerifyArgs {
             max_latency_ratio: self.max_latency_ratio,
             seed: self.seed,
             probe_timeout: Duration::from_secs(self.probe_timeout_s),
+            gpu_probes: self.gpu_probes,
         })
     }
 }
@@ -229,6 +241,7 @@ fn run_blocking(
             state_dir: args.state_dir.clone(),
             cgroup_root: args.cgroup_root.clone(),
             gpu_backend: args.gpu_backend.clone(),
+            gpu_sysfs_root: args.gpu_sysfs_root.clone(),
             scan_extra: args.scan.clone(),
             kek_file: args.kek_file.clone(),
         },
@@ -314,6 +327,7 @@ async fn interrupted_cleanup(args: &VerifyArgs, socket: PathBuf, token: String) 
                 state_dir: args.state_dir.clone(),
                 cgroup_root: args.cgroup_root.clone(),
                 gpu_backend: None,
+                gpu_sysfs_root: args.gpu_sysfs_root.clone(),
                 scan_extra: Vec::new(),
                 kek_file: args.kek_file.clone(),
             },
@@ -481,6 +495,18 @@ mod tests {
         let cfg = a.config().unwrap();
         assert_eq!(cfg.samples_per_arm, 50);
         assert_eq!(cfg.probe_image.as_deref(), Some("ngram"));
+        use crate::verify::gpu_probe::GpuProbes;
+        assert_eq!(
+            cfg.gpu_probes,
+            GpuProbes::Auto,
+            "GPU probes default to auto"
+        );
+        let cli = Cli::try_parse_from(["tenantvm", "verify", "--gpu-probes", "off"]).unwrap();
+        let Command::Verify(a) = cli.command else {
+            panic!()
+        };
+        assert_eq!(a.config().unwrap().gpu_probes, GpuProbes::Off);
+        assert!(Cli::try_parse_from(["tenantvm", "verify", "--gpu-probes", "sometimes"]).is_err());
         for bad in [
             vec!["--alpha", "2"],
             vec!["--samples", "1"],

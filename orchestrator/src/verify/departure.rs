@@ -11,10 +11,15 @@
 //! shredded disk held it (the crypto-shred step's `tenant_data` evidence); a push the host
 //! refuses is reported, not judged.
 //!
-//! Not yet done: VF vGPU types and MIG instances of a GPU slice (the probe has no GPU until
-//! GPU attach lands; the receipt's GPU steps are judged as they are recorded).
+//! With GPU probes (`--gpu-probes auto` on a host whose GPU backend shows GPUs) the probe
+//! also holds the smallest slice the host can give, and [`super::gpu_departure`] judges
+//! what that slice left: MIG instances, reservations, VF vGPU types, vfio-pci bindings,
+//! the receipt's GPU steps and a quarantine the receipt declares. A GPU step that failed
+//! and quarantined its slice is an honest outcome, judged there against the daemon's
+//! quarantine list.
 
-use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
+use super::gpu_probe::{self, GpuPlan};
+use super::{gpu_departure, Check, CheckId, Ctx, HostError, Outcome, Verdict};
 use crate::receipt::{Assurance, DepartureStep, LogEntry, StepResult};
 
 /// Check 10.
@@ -66,6 +71,11 @@ pub fn judge_departure(
     for s in &r.steps {
         let step = format!("{:?}", s.step);
         match (s.result, s.assurance) {
+            // A GPU step that failed and quarantined its slice said so honestly; the GPU half
+            // (gpu_departure) checks the quarantine against the daemon's list.
+            (StepResult::Failed, _)
+                if super::gpu_departure::GPU_STEPS.contains(&s.step)
+                    && s.evidence.get("quarantined").is_some_and(|v| v == "true") => {}
             (StepResult::Failed, _) => {
                 out.verdict = Verdict::Fail;
                 out.findings.push(format!(
@@ -123,7 +133,19 @@ impl Check for DepartureCheck {
     }
 
     fn run(&self, ctx: &Ctx<'_>) -> Result<Outcome, HostError> {
-        let p = ctx.probes.create("depart", |s| s.disk_gib = 1)?;
+        let mut gpu = gpu_probe::plan(ctx)?;
+        // The GPU state before the probe; unreadable, the departure is judged without a GPU.
+        let before = match &gpu {
+            GpuPlan::Ask(_) => match ctx.host.gpu_snapshot() {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    gpu = GpuPlan::NoSlice(format!("the host's GPU state could not be read: {e}"));
+                    None
+                }
+            },
+            _ => None,
+        };
+        let p = gpu_probe::create_with_slice(ctx.probes, "depart", &mut gpu, |s| s.disk_gib = 1)?;
         let name = p.name.clone();
         // Give it logs and disk contents to leave behind.
         let _ = ctx
@@ -131,7 +153,14 @@ impl Check for DepartureCheck {
             .complete(&p.name, &p.token, "a departing tenant", 4);
         let model = super::at_rest::marker_model(&super::at_rest::new_marker("depart"));
         let pushed = ctx.host.push_model(&p.name, &p.token, DEPART_MODEL, &model);
-        let uid = ctx.host.tenant(&name)?.and_then(|t| t.uid);
+        let view = ctx.host.tenant(&name)?;
+        let uid = view.as_ref().and_then(|t| t.uid);
+        let slice = view.and_then(|t| t.gpu);
+        // The GPU view while the probe runs: the positive control of its leftovers.
+        let during = match (&before, &slice) {
+            (Some(_), Some(_)) => Some(ctx.host.gpu_snapshot()?),
+            _ => None,
+        };
         // A departure that does not complete is a failed departure: judge what it left.
         let destroyed = p.destroy_now();
         let still = ctx.host.tenant(&name)?.is_some();
@@ -158,10 +187,31 @@ impl Check for DepartureCheck {
             out.findings
                 .insert(0, format!("{name}: the departure did not complete: {e}"));
         }
-        out.findings.push(
-            "no GPU slice: VF types and MIG instances are judged only as the receipt records them"
-                .into(),
-        );
+        out.add("gpu_probe", f64::from(u8::from(slice.is_some())), "bool");
+        match (gpu, before, during, slice) {
+            (GpuPlan::Ask(_), Some(before), Some(during), Some(slice)) => {
+                let after = ctx.host.gpu_snapshot()?;
+                gpu_departure::judge_gpu_departure(
+                    &mut out, &name, &slice, &before, &during, &after, &receipts,
+                );
+            }
+            (GpuPlan::Ask(req), ..) => {
+                if out.verdict == Verdict::Pass {
+                    out.verdict = Verdict::Inconclusive;
+                }
+                out.findings.push(format!(
+                    "{name}: asked for {} but the daemon shows no GPU slice for it: the GPU half was not judged",
+                    gpu_probe::describe(&req)
+                ));
+            }
+            (GpuPlan::NoSlice(why), ..) => {
+                if out.verdict == Verdict::Pass {
+                    out.verdict = Verdict::Inconclusive;
+                }
+                out.findings.push(format!("GPU half inconclusive: {why}"));
+            }
+            (GpuPlan::NotRun(why), ..) => out.findings.push(why),
+        }
         Ok(out)
     }
 }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use tenantvm_agent_protocol::{LoadKind, LoadReport, LoadSpec, LoadState};
 
+use super::gpu_departure::GpuSnapshot;
 use super::host::{CpuOverrun, GpuView, HostError, Overrun, VerifyHost};
 use crate::api::types::{GpuSlice, LogStream, TenantView};
 use crate::backend::ResourceLimits;
@@ -59,6 +60,31 @@ pub struct Broken {
     pub vmm_killed_by_overrun: bool,
     /// Receipts say nothing of the pushed models the shredded disk held.
     pub receipt_silent_on_models: bool,
+    /// The GPU backend keeps a departed tenant's MIG instance (destroy-gpu-instance
+    /// skipped).
+    pub gpu_instance_left: bool,
+    /// A departed tenant's VF keeps its vGPU type (`current_vgpu_type` not cleared).
+    pub vf_type_left: bool,
+    /// A departed tenant's device stays bound to vfio-pci (no rebind to its host driver).
+    pub vfio_left_bound: bool,
+    /// The store keeps a departed tenant's GPU reservation.
+    pub reservation_left: bool,
+    /// The receipt's GPU scrub step is recorded as skipped although a slice was held.
+    pub gpu_scrub_skipped: bool,
+    /// The scrub does not verify: the slice is quarantined (the receipt says so, the daemon
+    /// lists it, its device stays bound): an honest outcome.
+    pub gpu_quarantined: bool,
+    /// The slice is quarantined but the receipt does not say so.
+    pub quarantine_unrecorded: bool,
+    /// The host's GPU view shows nothing, not even a running tenant's slice (what check
+    /// 10's GPU control is for).
+    pub gpu_view_blind: bool,
+    /// A guest allocates GPU memory past its slice (the slice does not bound it).
+    pub gpu_memory_unbounded: bool,
+    /// The probe image has no CUDA driver.
+    pub no_cuda_in_guest: bool,
+    /// No GPU slice is free: GPU requests are refused (409).
+    pub gpu_full: bool,
 }
 
 #[derive(Debug)]
@@ -66,6 +92,17 @@ struct FakeTenant {
     view: TenantView,
     token: String,
     disk: Option<Vec<u8>>,
+}
+
+/// What a slice put into the fake host's GPU state: its MIG instance, reservation, VF type
+/// and vfio binding (each `None` where it has none).
+#[derive(Debug, Default, Clone)]
+struct SliceItems {
+    instance: Option<String>,
+    reservation: String,
+    vf_type: Option<String>,
+    bound: String,
+    id: String,
 }
 
 #[derive(Debug, Default)]
@@ -89,6 +126,10 @@ struct State {
     requests: BTreeMap<String, u64>,
     /// In-guest loads: (tenant, kind) -> spec and start.
     loads: BTreeMap<(String, &'static str), (LoadSpec, Instant)>,
+    /// The GPU state (check 10's snapshot).
+    gpu: GpuSnapshot,
+    /// What each tenant's slice put there.
+    slices: BTreeMap<String, SliceItems>,
 }
 
 /// The fake host.
@@ -144,6 +185,130 @@ impl FakeVerifyHost {
                 disk: None,
             },
         );
+    }
+
+    /// Places a GPU request as the daemon would: a MIG profile on the first GPU that has
+    /// it (its instance, a VF with a vGPU type, bound to vfio-pci), or a whole non-MIG GPU
+    /// no tenant holds (bound to vfio-pci).
+    fn place(
+        &self,
+        st: &mut State,
+        name: &str,
+        req: &crate::domain::spec::GpuRequest,
+    ) -> Result<GpuSlice, HostError> {
+        let n = st.slices.len() as u32;
+        let none_free = || HostError::Api {
+            status: 409,
+            message: "no GPU slice free for this request".into(),
+        };
+        let (gpu, label, items) = match &req.profile {
+            Some(profile) => {
+                let (g, p) = self
+                    .gpus
+                    .iter()
+                    .find_map(|g| g.model.profile(profile).ok().map(|p| (g, p)))
+                    .ok_or_else(none_free)?;
+                let label = format!("{}@{n}", p.name);
+                let vf = format!("{}.{}", &g.pci_address[..g.pci_address.len() - 2], n + 4);
+                let items = SliceItems {
+                    instance: Some(format!(
+                        "{} gi {} profile {} @{n}",
+                        g.pci_address,
+                        n + 1,
+                        p.id
+                    )),
+                    reservation: format!("{}/{label}", g.pci_address),
+                    vf_type: Some(format!("{vf} current_vgpu_type 557")),
+                    bound: vf,
+                    id: format!("{}/{label}", g.pci_address),
+                };
+                (g.pci_address.clone(), label, items)
+            }
+            None => {
+                let held: BTreeSet<&str> = st
+                    .tenants
+                    .values()
+                    .filter_map(|t| t.view.gpu.as_ref().map(|s| s.gpu.as_str()))
+                    .collect();
+                let g = self
+                    .gpus
+                    .iter()
+                    .find(|g| !g.model.has_mig() && !held.contains(g.pci_address.as_str()))
+                    .ok_or_else(none_free)?;
+                let items = SliceItems {
+                    instance: None,
+                    reservation: format!("{}/whole", g.pci_address),
+                    vf_type: None,
+                    bound: g.pci_address.clone(),
+                    id: format!("{}/whole", g.pci_address),
+                };
+                (g.pci_address.clone(), "whole".to_string(), items)
+            }
+        };
+        let gs = &mut st.gpu;
+        gs.instances.extend(items.instance.clone());
+        gs.reservations.insert(items.reservation.clone());
+        gs.vf_types.extend(items.vf_type.clone());
+        gs.vfio_bound.insert(items.bound.clone());
+        st.slices.insert(name.to_string(), items);
+        Ok(GpuSlice {
+            gpu,
+            slots: vec![n],
+            label,
+        })
+    }
+
+    /// A departure's GPU steps on the fake: each undone unless [`Broken`] says otherwise,
+    /// and recorded in the receipt.
+    fn release_slice(&self, st: &mut State, items: &SliceItems, steps: &mut Vec<StepRecord>) {
+        let b = self.broken;
+        let gs = &mut st.gpu;
+        if !b.gpu_instance_left {
+            if let Some(i) = &items.instance {
+                gs.instances.remove(i);
+            }
+        }
+        if !b.vf_type_left {
+            if let Some(t) = &items.vf_type {
+                gs.vf_types.remove(t);
+            }
+        }
+        if !b.reservation_left {
+            gs.reservations.remove(&items.reservation);
+        }
+        let quarantined = b.gpu_quarantined || b.quarantine_unrecorded;
+        if !b.vfio_left_bound && !quarantined {
+            gs.vfio_bound.remove(&items.bound);
+        }
+        if quarantined {
+            gs.quarantined.insert(items.id.clone());
+        }
+        steps.push(step(DepartureStep::DeviceReset, Assurance::Simulated));
+        let scrub = if b.gpu_scrub_skipped {
+            StepRecord::new(
+                DepartureStep::GpuScrub,
+                "fake",
+                StepResult::Skipped,
+                Assurance::NotApplicable,
+                "2026-01-01T00:00:00Z".into(),
+                "2026-01-01T00:00:01Z".into(),
+            )
+        } else if b.gpu_quarantined {
+            StepRecord::new(
+                DepartureStep::GpuScrub,
+                "fake",
+                StepResult::Failed,
+                Assurance::Unverified,
+                "2026-01-01T00:00:00Z".into(),
+                "2026-01-01T00:00:01Z".into(),
+            )
+            .with_evidence("quarantined", true)
+            .failed("fake: residue found after the scrub")
+        } else {
+            step(DepartureStep::GpuScrub, Assurance::Simulated)
+        };
+        steps.push(scrub);
+        steps.push(step(DepartureStep::GpuRelease, Assurance::Simulated));
     }
 
     fn instance(&self, name: &str) -> String {
@@ -211,6 +376,17 @@ impl VerifyHost for FakeVerifyHost {
                 message: "name taken".into(),
             });
         }
+        let slice = if spec.gpu.wants_gpu() {
+            if self.broken.gpu_full {
+                return Err(HostError::Api {
+                    status: 409,
+                    message: "no GPU slice free for this request".into(),
+                });
+            }
+            Some(self.place(&mut st, &name, &spec.gpu)?)
+        } else {
+            None
+        };
         st.next_uid += 1;
         let uid = 50_000 + st.next_uid;
         let token = format!("token-{name}");
@@ -228,10 +404,12 @@ impl VerifyHost for FakeVerifyHost {
             key.extend((0..crate::keys::WRAPPED_BYTES - 8).map(|i| (i as u8) ^ (uid as u8)));
             st.keys.insert(name.clone(), key);
         }
+        let mut view = view_of(spec, uid);
+        view.gpu = slice;
         st.tenants.insert(
             name.clone(),
             FakeTenant {
-                view: view_of(spec, uid),
+                view,
                 token: token.clone(),
                 disk,
             },
@@ -275,7 +453,10 @@ impl VerifyHost for FakeVerifyHost {
             }
             steps.push(shred);
         }
-        steps.push(step(DepartureStep::GpuScrub, Assurance::Simulated));
+        match st.slices.remove(name) {
+            Some(items) => self.release_slice(&mut st, &items, &mut steps),
+            None => steps.push(step(DepartureStep::GpuScrub, Assurance::Simulated)),
+        }
         let seq = st.receipts.len() as u64;
         st.receipts.push(LogEntry {
             seq,
@@ -632,6 +813,27 @@ impl VerifyHost for FakeVerifyHost {
                 r.exit_code = Some(0);
                 r.progress = u64::from(spec.amount);
             }
+            LoadKind::GpuMemory if self.broken.no_cuda_in_guest => {
+                r.state = LoadState::Failed;
+                r.exit_code = Some(1);
+                r.error = Some("no CUDA driver in the guest: cannot load libcuda.so.1: libcuda.so.1: cannot open shared object file: No such file or directory".into());
+            }
+            LoadKind::GpuMemory => {
+                let slice_mib = t
+                    .view
+                    .gpu
+                    .as_ref()
+                    .and_then(|s| super::gpu_probe::slice_memory_mib(&self.gpus, s))
+                    .unwrap_or(0);
+                r.state = LoadState::Finished;
+                r.exit_code = Some(0);
+                // The driver's own context takes a little of the slice.
+                r.progress = if self.broken.gpu_memory_unbounded {
+                    u64::from(spec.amount)
+                } else {
+                    slice_mib.saturating_sub(400)
+                };
+            }
             LoadKind::Memory => {
                 r.state = LoadState::Killed;
                 r.exit_code = Some(137);
@@ -668,6 +870,13 @@ impl VerifyHost for FakeVerifyHost {
         let found = self.files_holding(marker);
         self.st().files.remove(SCRATCH);
         Ok(found?.iter().any(|p| p == SCRATCH))
+    }
+
+    fn gpu_snapshot(&self) -> Result<GpuSnapshot, HostError> {
+        if self.broken.gpu_view_blind {
+            return Ok(GpuSnapshot::default());
+        }
+        Ok(self.st().gpu.clone())
     }
 
     fn receipts_with(&self, tenant: &str, token: &str) -> Result<usize, HostError> {

@@ -43,6 +43,9 @@ pub struct LivePaths {
     pub cgroup_root: PathBuf,
     /// `nvml` or `sim:FILE`; none: the host's GPUs are not looked at.
     pub gpu_backend: Option<String>,
+    /// The root the host's sysfs is mounted under (`/`), where check 10 reads VF vGPU
+    /// types and vfio-pci bindings.
+    pub gpu_sysfs_root: PathBuf,
     /// More files or directories the plaintext scan reads (the daemon's log file).
     pub scan_extra: Vec<PathBuf>,
     /// The daemon's key-encryption key (`tenantvmd --kek-file`; a systemd credential
@@ -56,6 +59,9 @@ pub struct LiveHost {
     rt: tokio::runtime::Handle,
     paths: LivePaths,
     door: Option<super::door::FrontDoorClient>,
+    /// The daemon's store, where check 10 reads GPU reservations (default
+    /// `<state-dir>/state.db`, where tenantvmd keeps it).
+    store_db: PathBuf,
 }
 
 /// Deadline of one front-door request.
@@ -88,9 +94,16 @@ impl LiveHost {
         LiveHost {
             admin: Client::new(paths.socket.clone(), token),
             rt,
+            store_db: paths.state_dir.join("state.db"),
             paths,
             door: None,
         }
+    }
+
+    /// The same host, reading the daemon's store at `db` (a test harness keeps it apart).
+    pub fn with_store_db(mut self, db: PathBuf) -> LiveHost {
+        self.store_db = db;
+        self
     }
 
     /// The same host, with the front door reached at `target` (checks 7 and 9 read a
@@ -620,6 +633,23 @@ impl VerifyHost for LiveHost {
             super::cross_key::CrossKeyError::Refused(_) => HostError::Unsupported(e.to_string()),
             _ => HostError::Failed(e.to_string()),
         })
+    }
+
+    fn gpu_snapshot(&self) -> Result<super::gpu_departure::GpuSnapshot, HostError> {
+        let quarantined = self
+            .rt
+            .block_on(self.admin.quarantine())
+            .map_err(from_client)?
+            .slices
+            .iter()
+            .map(crate::api::types::QuarantinedSliceView::id)
+            .collect();
+        super::live_gpu::snapshot(
+            self.paths.gpu_backend.as_deref(),
+            &self.store_db,
+            &self.paths.gpu_sysfs_root,
+            quarantined,
+        )
     }
 
     fn scan_finds(&self, content: &[u8], marker: &[u8]) -> Result<bool, HostError> {

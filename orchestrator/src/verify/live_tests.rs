@@ -24,7 +24,35 @@ struct Daemon {
 
 impl Daemon {
     fn start(fault: FaultHook) -> Daemon {
-        let h = Harness::new(fault);
+        Self::start_with(Harness::new(fault))
+    }
+
+    /// A daemon over a SIMULATED host of one empty H100 with MIG on (the planner writes its
+    /// MIG changes to the file the verifier reads), with `fault` armed; also the backend
+    /// argument for the verifier.
+    fn start_sim_gpu(fault: FaultHook) -> (Daemon, String) {
+        Self::start_sim(
+            fault,
+            r#"{"gpus":[{"index":0,"model":"h100-80gb","pci_address":"0000:18:00.0","mig_enabled":true,"iommu_group":30}]}"#,
+        )
+    }
+
+    /// A daemon over the SIMULATED host described by `host_json`.
+    fn start_sim(fault: FaultHook, host_json: &str) -> (Daemon, String) {
+        let h = Harness::new(FaultHook::default());
+        let path = h.dir.path().join("sim-host.json");
+        std::fs::write(&path, host_json).unwrap();
+        let backend =
+            tenantvm_gpu::backend::open(&tenantvm_gpu::backend::BackendSpec::Sim(path.clone()))
+                .unwrap();
+        let mut h = h.with_planner(std::sync::Arc::new(
+            crate::tenant::gpu::BackendPlanner::new(backend),
+        ));
+        h.restart(fault);
+        (Self::start_with(h), format!("sim:{}", path.display()))
+    }
+
+    fn start_with(h: Harness) -> Daemon {
         let path = crate::auth::ensure_admin_token(h.svc.store(), h.dir.path())
             .unwrap()
             .unwrap();
@@ -58,6 +86,11 @@ impl Daemon {
     }
 
     fn host(&self) -> LiveHost {
+        self.host_with_gpus(None)
+    }
+
+    /// The live host reading the GPUs of `backend` (`sim:FILE`) and the harness's store.
+    fn host_with_gpus(&self, backend: Option<String>) -> LiveHost {
         LiveHost::new(
             &self.admin,
             self.rt.handle().clone(),
@@ -65,11 +98,13 @@ impl Daemon {
                 socket: self.socket.clone(),
                 state_dir: self.state_dir(),
                 cgroup_root: self.cgroups.path().to_path_buf(),
-                gpu_backend: None,
+                gpu_backend: backend,
+                gpu_sysfs_root: std::path::PathBuf::from("/nonexistent/sysfs"),
                 scan_extra: Vec::new(),
                 kek_file: std::path::PathBuf::from("/nonexistent/tenantvm-kek"),
             },
         )
+        .with_store_db(self.h.dir.path().join("state.db"))
     }
 
     /// Writes a v2 cgroup for `tenant` in the daemon's subtree, as the jail would.
@@ -190,6 +225,111 @@ fn the_departure_check_passes_on_a_daemon_that_shreds_and_fails_when_shred_never
 }
 
 #[test]
+fn the_departure_checks_gpu_half_passes_on_the_simulated_gpu_host_and_sees_a_left_instance() {
+    let (d, backend) = Daemon::start_sim_gpu(FaultHook::default());
+    let host = d.host_with_gpus(Some(backend));
+    let p = probes(&host, "aaaa0006", None);
+    let cfg = VerifyConfig {
+        probe_image: Some("hello".into()),
+        ..VerifyConfig::default()
+    };
+    let r = run_checks(&host, &p, &cfg, 1, &[CheckId::Departure]).remove(0);
+    assert_eq!(r.outcome.verdict, Verdict::Pass, "{r:#?}");
+    assert_eq!(r.outcome.value("gpu_probe"), Some(1.0), "{r:#?}");
+    assert_eq!(
+        r.outcome.value("gpu_seen_while_running_reservations"),
+        Some(1.0),
+        "{r:#?}"
+    );
+    assert_eq!(
+        r.outcome.value("gpu_seen_while_running_instances"),
+        Some(1.0),
+        "{r:#?}"
+    );
+    assert_eq!(r.outcome.value("gpu_left_mig_instances"), Some(0.0));
+
+    // The test-only hook stops every departure before its MIG instance is destroyed.
+    let (d, backend) = Daemon::start_sim_gpu(FaultHook::fail_at(
+        "destroy",
+        "destroy-gpu-instance",
+        crate::tenant::fault::Boundary::Before,
+    ));
+    let host = d.host_with_gpus(Some(backend));
+    let p = probes_waiting(&host, "aaaa0007", None, Duration::from_secs(2));
+    let r = run_checks(&host, &p, &cfg, 1, &[CheckId::Departure]).remove(0);
+    assert_eq!(r.outcome.verdict, Verdict::Fail, "{r:#?}");
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("left behind: MIG instance 0000:18:00.0")),
+        "{r:#?}"
+    );
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("left behind: GPU reservation 0000:18:00.0/")),
+        "{r:#?}"
+    );
+}
+
+#[test]
+fn a_whole_non_mig_card_is_given_back_and_one_left_reserved_is_seen() {
+    let cfg = VerifyConfig {
+        probe_image: Some("hello".into()),
+        ..VerifyConfig::default()
+    };
+    let l40s = r#"{"gpus":[{"index":0,"model":"l40s","pci_address":"0000:41:00.0","mig_enabled":false,"iommu_group":22}]}"#;
+    let (d, backend) = Daemon::start_sim(FaultHook::default(), l40s);
+    let host = d.host_with_gpus(Some(backend));
+    let p = probes(&host, "aaaa0008", None);
+    let r = run_checks(&host, &p, &cfg, 1, &[CheckId::Departure]).remove(0);
+    assert_eq!(r.outcome.verdict, Verdict::Pass, "{r:#?}");
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("held GPU slice 0000:41:00.0/whole")),
+        "{r:#?}"
+    );
+    // A simulated card has no sysfs device: its binding is not seen, and the report says so.
+    assert_eq!(
+        r.outcome.value("gpu_seen_while_running_vfio_bound"),
+        Some(0.0),
+        "{r:#?}"
+    );
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.starts_with("not looked at: GPU 0000:41:00.0")),
+        "{r:#?}"
+    );
+
+    // The departure stopped before the card is given back to its host driver.
+    let (d, backend) = Daemon::start_sim(
+        FaultHook::fail_at(
+            "destroy",
+            "rebind-gpu",
+            crate::tenant::fault::Boundary::Before,
+        ),
+        l40s,
+    );
+    let host = d.host_with_gpus(Some(backend));
+    let p = probes_waiting(&host, "aaaa0009", None, Duration::from_secs(2));
+    let r = run_checks(&host, &p, &cfg, 1, &[CheckId::Departure]).remove(0);
+    assert_eq!(r.outcome.verdict, Verdict::Fail, "{r:#?}");
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("left behind: GPU reservation 0000:41:00.0/whole")),
+        "{r:#?}"
+    );
+}
+
+#[test]
 fn the_gpus_come_from_the_named_backend_with_the_planners_models() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -205,6 +345,7 @@ fn the_gpus_come_from_the_named_backend_with_the_planners_models() {
                 state_dir: PathBuf::from("/nonexistent"),
                 cgroup_root: PathBuf::from("/nonexistent"),
                 gpu_backend: backend,
+                gpu_sysfs_root: PathBuf::from("/nonexistent"),
                 scan_extra: Vec::new(),
                 kek_file: std::path::PathBuf::from("/nonexistent/tenantvm-kek"),
             },

@@ -12,7 +12,10 @@
 //! process that finishes shows the limit is not enforced); and the second probe must still
 //! run and answer a completion.
 //!
-//! Not yet done: GPU memory against a MIG slice (needs GPU attach).
+//! With GPU probes (`--gpu-probes auto`, a host whose GPU backend shows GPUs) the first
+//! probe holds the smallest slice the host can give, and before the overruns its guest
+//! allocates GPU memory until the driver refuses ([`super::gpu_memory`]): the allocation
+//! must stop at its slice, and the second probe keep its latency.
 
 use std::time::Duration;
 
@@ -92,7 +95,8 @@ impl Check for MemoryPartitionCheck {
     }
 
     fn run(&self, ctx: &Ctx<'_>) -> Result<Outcome, HostError> {
-        let a = ctx.probes.create("mem", |_| {})?;
+        let mut gpu = super::gpu_probe::plan(ctx)?;
+        let a = super::gpu_probe::create_with_slice(ctx.probes, "mem", &mut gpu, |_| {})?;
         let b = ctx.probes.create("mem", |_| {})?;
         let mut out = Outcome::new(Verdict::Pass);
         for p in [&a, &b] {
@@ -105,6 +109,8 @@ impl Check for MemoryPartitionCheck {
                 ctx.config.max_overhead_mib,
             );
         }
+        // GPU memory first: it leaves A's VM running (the overruns below may not).
+        super::gpu_memory::gpu_half(ctx, &gpu, &a, &b, || neighbour_ms(ctx, &b), &mut out)?;
         // From inside A's guest first (a host-side overrun could still take A's VMM).
         guest_overrun(ctx, &a, &b, &mut out)?;
         // Exceed A's limit inside A's cgroup: the kernel must stop it there.
@@ -181,8 +187,6 @@ impl Check for MemoryPartitionCheck {
                 ));
             }
         }
-        out.findings
-            .push("GPU memory against a MIG slice is not checked (no GPU attached)".into());
         Ok(out)
     }
 }

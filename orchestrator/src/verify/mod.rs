@@ -15,7 +15,9 @@
 //!
 //! One file per check family: [`threat`] (1), [`gpu`] (2, 3), [`memory`] (4), [`prefix`]
 //! (5, with the statistics in [`stats`]), [`batching`] (6), [`visibility`] (7), [`noisy`]
-//! (8), [`at_rest`] (9), [`departure`] (10).
+//! (8), [`at_rest`] (9), [`departure`] (10). Probes with a GPU slice (checks 4 and 10):
+//! [`gpu_probe`]; check 4's GPU half: [`gpu_memory`]; what a departed slice leaves:
+//! [`gpu_departure`].
 
 pub mod at_rest;
 pub mod audit;
@@ -24,9 +26,13 @@ pub mod cross_key;
 pub mod departure;
 pub mod door;
 pub mod gpu;
+pub mod gpu_departure;
+pub mod gpu_memory;
+pub mod gpu_probe;
 pub mod guest_load;
 pub mod host;
 pub mod live;
+mod live_gpu;
 pub mod memory;
 pub mod noisy;
 pub mod prefix;
@@ -40,6 +46,8 @@ pub mod visibility;
 
 #[cfg(test)]
 pub(crate) mod fake;
+#[cfg(test)]
+mod gpu_tests;
 #[cfg(test)]
 mod live_tests;
 #[cfg(test)]
@@ -296,6 +304,8 @@ pub struct VerifyConfig {
     pub seed: Option<u64>,
     /// How long to wait for a probe tenant to start or go.
     pub probe_timeout: Duration,
+    /// Whether checks 4 and 10 give their probes a GPU slice (`--gpu-probes`).
+    pub gpu_probes: gpu_probe::GpuProbes,
 }
 
 impl Default for VerifyConfig {
@@ -313,6 +323,7 @@ impl Default for VerifyConfig {
             max_latency_ratio: 3.0,
             seed: None,
             probe_timeout: Duration::from_secs(180),
+            gpu_probes: gpu_probe::GpuProbes::Auto,
         }
     }
 }
