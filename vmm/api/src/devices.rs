@@ -404,7 +404,10 @@ mod tests {
     fn iommu_mode_defaults_to_auto_and_parses_each_value() {
         let p = "/sys/bus/pci/devices/0000:41:00.0";
         assert_eq!(
-            format!("vfio,path={p}").parse::<PassthroughConfig>().unwrap().iommu,
+            format!("vfio,path={p}")
+                .parse::<PassthroughConfig>()
+                .unwrap()
+                .iommu,
             VfioIommuMode::Auto
         );
         for mode in [
