@@ -342,6 +342,10 @@ pub struct DeviceReport {
     pub reset_at_attach: ResetOutcome,
     /// The reset after the guest stopped.
     pub reset_at_detach: ResetOutcome,
+    /// The kernel interface the device was opened through (`legacy` or `iommufd`), once
+    /// it was opened; absent for the model GPU and for a device never opened.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interface: Option<VfioIommuMode>,
 }
 
 /// The file `tenantvm-vmm --exit-report FILE` writes (atomically: a temporary file renamed
@@ -482,6 +486,7 @@ mod tests {
                     method: Some("flr".into()),
                 },
                 reset_at_detach: ResetOutcome::Unsupported,
+                interface: Some(VfioIommuMode::Iommufd),
             }],
         };
         let json = serde_json::to_string(&report).unwrap();
@@ -489,5 +494,13 @@ mod tests {
         assert!(report.devices[0].reset_at_attach.cleared());
         assert!(!report.devices[0].reset_at_detach.cleared());
         assert!(serde_json::from_str::<ExitReport>(r#"{"status":0,"extra":1}"#).is_err());
+        assert!(json.contains(r#""interface":"iommufd""#), "{json}");
+        // Reports written before the field existed still read.
+        let old: DeviceReport = serde_json::from_str(
+            r#"{"path":"/x","reset_at_attach":{"outcome":"not_attempted"},
+                "reset_at_detach":{"outcome":"not_attempted"}}"#,
+        )
+        .unwrap();
+        assert_eq!(old.interface, None);
     }
 }

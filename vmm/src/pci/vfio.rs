@@ -229,6 +229,7 @@ impl Passthrough {
                 },
                 reset_at_attach: ResetOutcome::NotAttempted,
                 reset_at_detach: ResetOutcome::NotAttempted,
+                interface: None,
             }));
             first
         };
@@ -239,6 +240,14 @@ impl Passthrough {
                     // sysfs first: its errors say what to do about this device.
                     vfio::inspect(path)?;
                     let device = Arc::new(this.open_kernel(path, *iommu, dev_dir)?);
+                    let interface = if device.iommufd_devid().is_some() {
+                        VfioIommuMode::Iommufd
+                    } else {
+                        VfioIommuMode::Legacy
+                    };
+                    if let Some(r) = lock(&this.reports).get_mut(report) {
+                        r.interface = Some(interface);
+                    }
                     (path.clone(), device.clone(), Some(device), None)
                 }
                 DeviceSource::Model => {

@@ -251,7 +251,7 @@ fn no_thread_may_issue_iommufd_ioctls() {
     ] {
         for request in tenantvm_devices::pci::vfio::IOMMUFD_IOCTLS {
             assert_eq!(
-                in_child(&extra, kind, || ioctl(request as u64)),
+                in_child(&extra, kind, || ioctl(request)),
                 EXIT_SECCOMP,
                 "{kind:?} may issue {request:#x}"
             );
