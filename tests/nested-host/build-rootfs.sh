@@ -62,6 +62,8 @@ while IFS='=' read -r key value; do
 done <"$inputs"
 
 kdir="${TENANTVM_KERNEL_DIR:-$root/.cache/kernel}"
+# Absolute: the kernel's files keep their host paths in the root (NH_KERNEL_DIR).
+[ -d "$kdir" ] && kdir="$(cd "$kdir" && pwd)"
 cache="${NH_CACHE:-$root/.cache/nested-host}"
 for tool in busybox cryptsetup mke2fs debugfs dumpe2fs depmod modinfo cpio ldd strip sha256sum; do
     command -v "$tool" >/dev/null || die "$tool is missing: run scripts/setup.sh"
