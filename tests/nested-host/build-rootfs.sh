@@ -320,6 +320,8 @@ else
         s1mods+=("${closure[@]}")
     done
     for p in "${s1mods[@]}"; do install -D -m 0644 "$kmods/$p" "$s1$mdir/$p"; done
+    # (The folder exists even when every first-stage module is built in.)
+    mkdir -p "$s1$mdir"
     cp "$kmods"/modules.builtin "$kmods"/modules.builtin.modinfo "$kmods"/modules.order "$s1$mdir/"
     depmod -b "$s1" "$kver"
     cp -a "$stage/init" "$s1/init"
