@@ -17,8 +17,8 @@ trap 'unbind_vfio "$edu"' EXIT
 bind_vfio "$edu"
 sys="/sys/bus/pci/devices/$edu"
 cdev="$(ls "$sys/vfio-dev" 2>/dev/null | grep -m 1 '^vfio[0-9]')"
-[ -n "$cdev" ] || skip "kernel $(uname -r) has iommufd but no VFIO cdev for $edu ($sys/vfio-dev; CONFIG_VFIO_DEVICE_CDEV): $build_hint"
-[ -c "/dev/vfio/devices/$cdev" ] || fail "sysfs names cdev $cdev for $edu but /dev/vfio/devices/$cdev is not a character device"
+[ -n "$cdev" ] || fail "edu $edu bound to vfio-pci has no $sys/vfio-dev/vfioN"
+[ -c "/dev/vfio/devices/$cdev" ] || skip "kernel $(uname -r) has iommufd but no VFIO cdev /dev/vfio/devices/$cdev (CONFIG_VFIO_DEVICE_CDEV): $build_hint"
 step "kernel $(uname -r): /dev/iommu, edu $edu (group $(iommu_group "$edu")) with cdev /dev/vfio/devices/$cdev"
 
 vmm="$NH_BIN/tenantvm-vmm"

@@ -13,6 +13,8 @@
 //! device's cdev to the KVM VFIO pseudo-device (`KVM_DEV_VFIO_FILE_ADD`, the attribute
 //! groups use).
 //!
+//! sysfs has shown `vfio-dev/vfioN` since Linux 6.1 even without the cdev; the node under
+//! `/dev/vfio/devices` exists only with `CONFIG_VFIO_DEVICE_CDEV`, so both are checked.
 //! Debian's kernels are built without iommufd (`# CONFIG_IOMMUFD is not set`); the nested
 //! test host's scenario `vfio-iommufd` runs this path on a kernel built with
 //! `scripts/build-iommufd-kernel.sh` (docs/testing.md).
@@ -158,8 +160,8 @@ pub fn select_interface(
             };
             let Some(name) = cdev_name(sysfs_device) else {
                 return Err(unavailable(format!(
-                    "sysfs shows no VFIO cdev for it ({}/vfio-dev/vfioN is absent: the kernel \
-                     lacks CONFIG_VFIO_DEVICE_CDEV, or the device is not bound to a VFIO driver)",
+                    "sysfs shows no VFIO device for it ({}/vfio-dev/vfioN is absent: a kernel \
+                     before 6.1, or the device is not bound to a VFIO driver)",
                     sysfs_device.display()
                 )));
             };
@@ -174,7 +176,8 @@ pub fn select_interface(
             let device = dev_root.join("vfio/devices").join(&name);
             if !device.exists() {
                 return Err(unavailable(format!(
-                    "{} is missing (give the VMM the device's cdev)",
+                    "{} is missing (the kernel lacks CONFIG_VFIO_DEVICE_CDEV, or the VMM was \
+                     not given the node)",
                     device.display()
                 )));
             }
@@ -432,9 +435,14 @@ mod tests {
         );
         // Each missing piece: auto falls back, iommufd says which piece and the way out.
         for (cdev, iommu, node, says) in [
-            (false, true, true, "CONFIG_VFIO_DEVICE_CDEV"),
+            (false, true, true, "vfio-dev/vfioN is absent"),
             (true, false, true, "CONFIG_IOMMUFD"),
-            (true, true, false, "vfio/devices/vfio0 is missing"),
+            (
+                true,
+                true,
+                false,
+                "vfio/devices/vfio0 is missing (the kernel lacks CONFIG_VFIO_DEVICE_CDEV",
+            ),
         ] {
             let (sys, dev) = fake_tree(cdev, iommu, node);
             assert_eq!(
