@@ -62,6 +62,8 @@ while IFS='=' read -r key value; do
 done <"$inputs"
 
 kdir="${TENANTVM_KERNEL_DIR:-$root/.cache/kernel}"
+# Absolute: the kernel's files keep their host paths in the root (NH_KERNEL_DIR).
+[ -d "$kdir" ] && kdir="$(cd "$kdir" && pwd)"
 cache="${NH_CACHE:-$root/.cache/nested-host}"
 for tool in busybox cryptsetup mke2fs debugfs dumpe2fs depmod modinfo cpio ldd strip sha256sum; do
     command -v "$tool" >/dev/null || die "$tool is missing: run scripts/setup.sh"
@@ -131,6 +133,7 @@ while read -r p; do
     path_of[${n//-/_}]="$p"
 done < <(cd "$kmods" && find kernel -name '*.ko' | sort)
 builtin="$(sed 's/-/_/g' "$kmods/modules.builtin")"
+merged="vfio_virqfd"
 closure=()
 resolve() {
     local n="${1//-/_}" p d
@@ -139,6 +142,9 @@ resolve() {
     p="${path_of[$n]:-}"
     if [ -z "$p" ]; then
         grep -q "/${n}.ko\$" <<<"$builtin" && return 0
+        # Merged into another module in later kernels (vfio_virqfd into vfio in Linux 6.2,
+        # e.g. scripts/build-iommufd-kernel.sh's 6.12): nothing to load.
+        case " $merged " in *" $n "*) return 0 ;; esac
         die "kernel module $n is neither in $kmods nor built in: run scripts/setup.sh"
     fi
     for d in $(modinfo -F depends "$kmods/$p" | tr ',' ' '); do resolve "$d"; done
@@ -314,6 +320,8 @@ else
         s1mods+=("${closure[@]}")
     done
     for p in "${s1mods[@]}"; do install -D -m 0644 "$kmods/$p" "$s1$mdir/$p"; done
+    # (The folder exists even when every first-stage module is built in.)
+    mkdir -p "$s1$mdir"
     cp "$kmods"/modules.builtin "$kmods"/modules.builtin.modinfo "$kmods"/modules.order "$s1$mdir/"
     depmod -b "$s1" "$kver"
     cp -a "$stage/init" "$s1/init"

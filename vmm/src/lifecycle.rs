@@ -123,8 +123,9 @@ pub fn run(config: &VmConfig) -> Result<ExitReason, StartError> {
     run_reporting(config, Arc::default(), false)
 }
 
-/// Where kernel VFIO's device files are.
-const VFIO_DEV_DIR: &str = "/dev/vfio";
+/// Where kernel VFIO's device files are: `vfio/` (container, groups, `devices/` cdevs) and
+/// `iommu` (iommufd).
+const DEV_DIR: &str = "/dev";
 
 /// The passed-through devices of `config`, in slot order.
 fn device_sources(config: &VmConfig) -> Vec<DeviceSource> {
@@ -183,7 +184,7 @@ pub fn run_reporting(
         .last()
         .map_or(0, |(start, len)| start + len);
     // Devices first: they are reset and probed, and their BARs size the 64-bit window.
-    let mut passthrough = Passthrough::open(&sources, Path::new(VFIO_DEV_DIR), reports)?;
+    let mut passthrough = Passthrough::open(&sources, Path::new(DEV_DIR), reports)?;
     let phys_bits = guest_phys_bits();
     let windows = if passthrough.is_empty() {
         PciWindows::new(ram_end, phys_bits, MMIO64_DEFAULT_SIZE).map_err(PciSetupError::from)?

@@ -99,6 +99,7 @@ mod tests {
                 method: Some("flr".into()),
             },
             reset_at_detach: ResetOutcome::Unsupported,
+            interface: None,
         });
         reporter.finish(6).unwrap();
         let back: ExitReport =

@@ -88,6 +88,9 @@ pub struct FilterExtras {
     /// set their interrupts (VFIO_DEVICE_SET_IRQS) and move BAR memory slots
     /// (KVM_SET_USER_MEMORY_REGION); the main thread turns interrupts off and resets the
     /// devices at detach (VFIO_DEVICE_SET_IRQS, VFIO_DEVICE_RESET and the hot reset pair).
+    /// The same holds for devices opened through iommufd and their cdev: opening
+    /// `/dev/iommu` and `/dev/vfio/devices/vfioN`, the IOAS map and the bind and attach all
+    /// happen during set-up, before any filter, so no thread is given an iommufd ioctl.
     pub vfio: bool,
     /// An exit report: the main thread renames it into place as the VMM ends.
     pub exit_report: bool,

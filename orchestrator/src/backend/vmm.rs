@@ -589,6 +589,7 @@ mod tests {
                     method: Some("flr".into()),
                 },
                 reset_at_detach: tenantvm_vmm_api::ResetOutcome::HotReset,
+                interface: Some(tenantvm_vmm_api::VfioIommuMode::Legacy),
             }],
         };
         fs::write(&file, serde_json::to_string(&report).unwrap()).unwrap();

@@ -5,7 +5,8 @@
 #   records edu's missing reset as unsupported; the guest brings nvme up and gets its
 #   Identify completion by MSI-X, and nvme's FLR at attach and detach is recorded; a device
 #   left on no VFIO driver is refused with status 22; NVIDIA's GPUDirect clique on edu is
-#   refused with status 2; the stock kernel with a busybox initramfs lists edu with its
+#   refused with status 2; iommu=iommufd on a kernel without iommufd is refused with status
+#   24; the stock kernel with a busybox initramfs lists edu with its
 #   host ids (1234:11e8)
 # limit: 300
 # sets: ci
@@ -43,6 +44,18 @@ rc=$?
 [ "$rc" = 2 ] && grep -q "0x1234" "$NH_WORK/clique.err" ||
     fail "gpudirect_clique on edu exited $rc: $(cat "$NH_WORK/clique.err")"
 step "gpudirect_clique on edu refused: $(cat "$NH_WORK/clique.err")"
+
+# iommu=iommufd on a kernel without iommufd (Debian's) is refused with status 24, saying what
+# is missing and that iommu=legacy is the way out (vfio-iommufd runs the path where it exists).
+if [ ! -e /dev/iommu ]; then
+    "$vmm" --kernel "$guest" --serial none \
+        --device "vfio,path=/sys/bus/pci/devices/$edu1,iommu=iommufd" \
+        2>"$NH_WORK/iommufd.err" && fail "iommu=iommufd was accepted without /dev/iommu"
+    rc=$?
+    [ "$rc" = 24 ] && grep -q "iommu=legacy" "$NH_WORK/iommufd.err" ||
+        fail "iommu=iommufd without iommufd exited $rc: $(cat "$NH_WORK/iommufd.err")"
+    step "iommu=iommufd refused without iommufd: $(cat "$NH_WORK/iommufd.err")"
+fi
 
 run_edu() { # NAME DEVICE
     timeout 120 "$vmm" --kernel "$guest" --memory-mib 128 --serial "file:$NH_WORK/$1.log" \

@@ -19,7 +19,8 @@ pub const PCI_DEVICES_DIR: &str = "/sys/bus/pci/devices";
 /// to its own driver).
 ///
 /// On the command line: `--device vfio,path=/sys/bus/pci/devices/0000:41:00.0`, with
-/// `,gpudirect_clique=N` for NVIDIA's GPUDirect clique capability. Build one with
+/// `,gpudirect_clique=N` for NVIDIA's GPUDirect clique capability and
+/// `,iommu=auto|legacy|iommufd` for the kernel interface ([`VfioIommuMode`]). Build one with
 /// [`PassthroughConfig::new`] so that options added later keep their defaults.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -36,6 +37,63 @@ pub struct PassthroughConfig {
         deserialize_with = "clique_in_range"
     )]
     pub gpudirect_clique: Option<u8>,
+    /// Which kernel VFIO interface opens the device (`auto` by default; written only
+    /// when not `auto`, so older readers still take the file).
+    #[serde(default, skip_serializing_if = "VfioIommuMode::is_auto")]
+    pub iommu: VfioIommuMode,
+}
+
+/// Which kernel VFIO interface opens a passed-through device and maps guest RAM for its
+/// DMA.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VfioIommuMode {
+    /// iommufd when the kernel offers it for the device (a `vfio-dev/vfioN` cdev in sysfs
+    /// and an openable `/dev/iommu`), the legacy container/group interface otherwise.
+    #[default]
+    Auto,
+    /// The legacy interface: `/dev/vfio/vfio` (container) and `/dev/vfio/<group>`.
+    Legacy,
+    /// iommufd: `/dev/iommu` and the device's `/dev/vfio/devices/vfioN`; refused at start
+    /// with the reason when the kernel does not offer it.
+    Iommufd,
+}
+
+impl VfioIommuMode {
+    /// Whether this is the default, [`VfioIommuMode::Auto`].
+    pub fn is_auto(&self) -> bool {
+        *self == VfioIommuMode::Auto
+    }
+
+    /// The option's value as `--device` spells it.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            VfioIommuMode::Auto => "auto",
+            VfioIommuMode::Legacy => "legacy",
+            VfioIommuMode::Iommufd => "iommufd",
+        }
+    }
+}
+
+impl fmt::Display for VfioIommuMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for VfioIommuMode {
+    type Err = DeviceParseError;
+
+    fn from_str(s: &str) -> Result<Self, DeviceParseError> {
+        match s {
+            "auto" => Ok(VfioIommuMode::Auto),
+            "legacy" => Ok(VfioIommuMode::Legacy),
+            "iommufd" => Ok(VfioIommuMode::Iommufd),
+            _ => Err(DeviceParseError(format!(
+                "iommu={s:?} is not an interface; use auto, legacy or iommufd"
+            ))),
+        }
+    }
 }
 
 /// The largest GPUDirect clique id (it is 4 bits in the capability).
@@ -58,6 +116,7 @@ impl PassthroughConfig {
         Self {
             path: path.into(),
             gpudirect_clique: None,
+            iommu: VfioIommuMode::Auto,
         }
     }
 
@@ -98,10 +157,11 @@ impl std::error::Error for DeviceParseError {}
 impl FromStr for PassthroughConfig {
     type Err = DeviceParseError;
 
-    /// Parses `vfio,path=/sys/bus/pci/devices/DDDD:BB:DD.F[,gpudirect_clique=N]`.
+    /// Parses
+    /// `vfio,path=/sys/bus/pci/devices/DDDD:BB:DD.F[,gpudirect_clique=N][,iommu=MODE]`.
     fn from_str(s: &str) -> Result<Self, DeviceParseError> {
-        let usage =
-            "use --device vfio,path=/sys/bus/pci/devices/DDDD:BB:DD.F[,gpudirect_clique=0-15]";
+        let usage = "use --device vfio,path=/sys/bus/pci/devices/DDDD:BB:DD.F\
+                     [,gpudirect_clique=0-15][,iommu=auto|legacy|iommufd]";
         let mut parts = s.split(',');
         match parts.next() {
             Some("vfio") => {}
@@ -114,6 +174,7 @@ impl FromStr for PassthroughConfig {
         }
         let mut path = None;
         let mut clique = None;
+        let mut iommu = None;
         for part in parts {
             match part.split_once('=') {
                 Some(("path", value)) if path.is_none() => path = Some(PathBuf::from(value)),
@@ -133,6 +194,16 @@ impl FromStr for PassthroughConfig {
                         )))
                     }
                 },
+                Some(("iommu", _)) if iommu.is_some() => {
+                    return Err(DeviceParseError(format!("iommu given twice; {usage}")))
+                }
+                Some(("iommu", value)) => {
+                    iommu = Some(
+                        value
+                            .parse::<VfioIommuMode>()
+                            .map_err(|e| DeviceParseError(format!("{e}; {usage}")))?,
+                    )
+                }
                 _ => {
                     return Err(DeviceParseError(format!(
                         "Unknown device option {part:?}; {usage}"
@@ -143,6 +214,7 @@ impl FromStr for PassthroughConfig {
         let config = PassthroughConfig {
             path: path.ok_or_else(|| DeviceParseError(format!("No path; {usage}")))?,
             gpudirect_clique: clique,
+            iommu: iommu.unwrap_or_default(),
         };
         if config.address().is_none() {
             return Err(DeviceParseError(format!(
@@ -270,6 +342,10 @@ pub struct DeviceReport {
     pub reset_at_attach: ResetOutcome,
     /// The reset after the guest stopped.
     pub reset_at_detach: ResetOutcome,
+    /// The kernel interface the device was opened through (`legacy` or `iommufd`), once
+    /// it was opened; absent for the model GPU and for a device never opened.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interface: Option<VfioIommuMode>,
 }
 
 /// The file `tenantvm-vmm --exit-report FILE` writes (atomically: a temporary file renamed
@@ -317,12 +393,48 @@ mod tests {
             "vfio,path=/sys/bus/pci/devices/0000:41:00.0,gpudirect_clique=",
             "vfio,path=/sys/bus/pci/devices/0000:41:00.0,gpudirect_clique=1,gpudirect_clique=2",
             "vfio,gpudirect_clique=1",
+            "vfio,path=/sys/bus/pci/devices/0000:41:00.0,iommu=",
+            "vfio,path=/sys/bus/pci/devices/0000:41:00.0,iommu=IOMMUFD",
+            "vfio,path=/sys/bus/pci/devices/0000:41:00.0,iommu=legacy,iommu=iommufd",
         ] {
             assert!(
                 bad.parse::<PassthroughConfig>().is_err(),
                 "{bad:?} accepted"
             );
         }
+    }
+
+    #[test]
+    fn iommu_mode_defaults_to_auto_and_parses_each_value() {
+        let p = "/sys/bus/pci/devices/0000:41:00.0";
+        assert_eq!(
+            format!("vfio,path={p}")
+                .parse::<PassthroughConfig>()
+                .unwrap()
+                .iommu,
+            VfioIommuMode::Auto
+        );
+        for mode in [
+            VfioIommuMode::Auto,
+            VfioIommuMode::Legacy,
+            VfioIommuMode::Iommufd,
+        ] {
+            let c: PassthroughConfig = format!("vfio,iommu={mode},path={p}").parse().unwrap();
+            assert_eq!(c.iommu, mode);
+        }
+        let err = format!("vfio,path={p},iommu=off")
+            .parse::<PassthroughConfig>()
+            .unwrap_err();
+        assert!(err.to_string().contains("auto, legacy or iommufd"), "{err}");
+        // The config file: absent means auto, auto is not written, others round-trip.
+        let json = format!(r#"{{"path":"{p}","iommu":"iommufd"}}"#);
+        let c: PassthroughConfig = serde_json::from_str(&json).unwrap();
+        assert_eq!(c.iommu, VfioIommuMode::Iommufd);
+        assert_eq!(serde_json::to_string(&c).unwrap(), json);
+        assert!(serde_json::from_str::<PassthroughConfig>(&format!(
+            r#"{{"path":"{p}","iommu":"off"}}"#
+        ))
+        .is_err());
     }
 
     #[test]
@@ -374,6 +486,7 @@ mod tests {
                     method: Some("flr".into()),
                 },
                 reset_at_detach: ResetOutcome::Unsupported,
+                interface: Some(VfioIommuMode::Iommufd),
             }],
         };
         let json = serde_json::to_string(&report).unwrap();
@@ -381,5 +494,13 @@ mod tests {
         assert!(report.devices[0].reset_at_attach.cleared());
         assert!(!report.devices[0].reset_at_detach.cleared());
         assert!(serde_json::from_str::<ExitReport>(r#"{"status":0,"extra":1}"#).is_err());
+        assert!(json.contains(r#""interface":"iommufd""#), "{json}");
+        // Reports written before the field existed still read.
+        let old: DeviceReport = serde_json::from_str(
+            r#"{"path":"/x","reset_at_attach":{"outcome":"not_attempted"},
+                "reset_at_detach":{"outcome":"not_attempted"}}"#,
+        )
+        .unwrap();
+        assert_eq!(old.interface, None);
     }
 }

@@ -27,7 +27,8 @@ pub use config::{
 };
 pub use control::{parse_request, VmCommand, VmResponse, VmState, MAX_LINE_BYTES};
 pub use devices::{
-    DeviceReport, ExitReport, PassthroughConfig, ResetOutcome, VmUuid, MAX_PASSTHROUGH_DEVICES,
+    DeviceReport, ExitReport, PassthroughConfig, ResetOutcome, VfioIommuMode, VmUuid,
+    MAX_PASSTHROUGH_DEVICES,
 };
 pub use exit::ExitStatus;
 pub use qemu::{QemuAccel, QemuCommand, SerialPort, VhostVsock, MAX_GUEST_CID, MIN_GUEST_CID};

@@ -3,8 +3,15 @@
 //! as KVM memory slots (moved when the guest moves a BAR), MSI/MSI-X through irqfds the
 //! device signals directly (no VMM wake-up per interrupt), guest RAM mapped once for DMA
 //! (IOVA = guest physical address), and reset at detach into the exit report.
+//!
+//! Kernel devices are opened through iommufd and their cdev where the kernel offers it and
+//! the device's `iommu` option allows it (`auto`, the default), through the legacy
+//! container and group otherwise. A VM has at most one container and one iommufd (one
+//! IOAS), shared by its devices of each kind; guest RAM is mapped once into each that
+//! exists, and each group file or device cdev file is added to the KVM VFIO device.
 
 use std::collections::HashMap;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -15,9 +22,10 @@ use kvm_bindings::{
 };
 use kvm_ioctls::DeviceFd;
 use tenantvm_devices::pci::vfio::{
-    self, irq_vectors, DeviceProbe, GpuDirectCap, GpuDirectError, KernelVfioDevice, MappedArea,
-    MappingError, ShadowError, SysfsError, VfioBackend, VfioBackendError, VfioContainer,
-    VfioDeviceError, VfioKernelError, VfioPciDevice,
+    self, irq_vectors, DeviceProbe, GpuDirectCap, GpuDirectError, Iommufd, IommufdError,
+    KernelVfioDevice, MappedArea, MappingError, ShadowError, SysfsError, VfioBackend,
+    VfioBackendError, VfioContainer, VfioDeviceError, VfioInterface, VfioIommuMode,
+    VfioKernelError, VfioPciDevice,
 };
 use tenantvm_devices::pci::{
     BarAllocatorError, BarKind, BarMove, MsiInterruptSink, MsiMessage, MsiSinkError, PciBarWindow,
@@ -132,7 +140,10 @@ impl PassthroughError {
             PassthroughError::Sysfs(e) => sysfs(e),
             PassthroughError::Kernel(VfioKernelError::Sysfs(e)) => sysfs(e),
             PassthroughError::Kernel(VfioKernelError::GroupNotViable(_)) => ExitStatus::VfioGroup,
-            PassthroughError::Kernel(VfioKernelError::DmaMemlock { .. }) => ExitStatus::VfioDmaMap,
+            PassthroughError::Kernel(VfioKernelError::DmaMemlock { .. })
+            | PassthroughError::Kernel(VfioKernelError::Iommufd(IommufdError::DmaMemlock {
+                ..
+            })) => ExitStatus::VfioDmaMap,
             PassthroughError::Kernel(_) | PassthroughError::Probe { .. } => {
                 ExitStatus::VfioUnavailable
             }
@@ -176,6 +187,7 @@ struct Attached {
 /// resets the devices and records it.
 pub struct Passthrough {
     container: Option<Arc<VfioContainer>>,
+    iommufd: Option<Arc<Iommufd>>,
     opened: Vec<Opened>,
     attached: Vec<Attached>,
     /// Reset at attach but refused at probing: still reset at detach.
@@ -189,16 +201,18 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Passthrough {
-    /// Opens every device (checking sysfs, the group and /dev/vfio), resets it, and
-    /// probes its BARs. `reports` gets one entry per configured device, in order, up front
+    /// Opens every device (checking sysfs, then through iommufd or the group, with
+    /// `dev_dir`, normally `/dev`, holding `iommu` and `vfio/`), resets it, and probes its
+    /// BARs. `reports` gets one entry per configured device, in order, up front
     /// (`not_attempted`), filled in as each reset happens.
     pub fn open(
         sources: &[DeviceSource],
-        vfio_dev_dir: &Path,
+        dev_dir: &Path,
         reports: Arc<Mutex<Vec<DeviceReport>>>,
     ) -> Result<Self, PassthroughError> {
         let mut this = Self {
             container: None,
+            iommufd: None,
             opened: Vec::new(),
             attached: Vec::new(),
             unprobed: Vec::new(),
@@ -215,24 +229,25 @@ impl Passthrough {
                 },
                 reset_at_attach: ResetOutcome::NotAttempted,
                 reset_at_detach: ResetOutcome::NotAttempted,
+                interface: None,
             }));
             first
         };
         for (report, source) in (first..).zip(sources) {
             let (path, backend, kernel, model): (PathBuf, Arc<dyn VfioBackend>, _, _) = match source
             {
-                DeviceSource::Kernel(PassthroughConfig { path, .. }) => {
+                DeviceSource::Kernel(PassthroughConfig { path, iommu, .. }) => {
                     // sysfs first: its errors say what to do about this device.
                     vfio::inspect(path)?;
-                    let container = match &this.container {
-                        Some(c) => c.clone(),
-                        None => {
-                            let c = VfioContainer::open(vfio_dev_dir)?;
-                            this.container = Some(c.clone());
-                            c
-                        }
+                    let device = Arc::new(this.open_kernel(path, *iommu, dev_dir)?);
+                    let interface = if device.iommufd_devid().is_some() {
+                        VfioIommuMode::Iommufd
+                    } else {
+                        VfioIommuMode::Legacy
                     };
-                    let device = Arc::new(KernelVfioDevice::open(container, path)?);
+                    if let Some(r) = lock(&this.reports).get_mut(report) {
+                        r.interface = Some(interface);
+                    }
                     (path.clone(), device.clone(), Some(device), None)
                 }
                 DeviceSource::Model => {
@@ -277,6 +292,46 @@ impl Passthrough {
             });
         }
         Ok(this)
+    }
+
+    /// Opens a kernel device through the interface `mode` and the kernel choose: the
+    /// VM's iommufd (opened with the first such device) and the device's cdev, or the VM's
+    /// container (likewise) and the device's group. Under `auto`, a `/dev/iommu` that
+    /// exists but does not open (a jail that did not give it) means the legacy path.
+    fn open_kernel(
+        &mut self,
+        path: &Path,
+        mode: VfioIommuMode,
+        dev_dir: &Path,
+    ) -> Result<KernelVfioDevice, PassthroughError> {
+        let interface =
+            vfio::select_interface(mode, path, dev_dir).map_err(VfioKernelError::from)?;
+        if let VfioInterface::Cdev { iommu, device } = interface {
+            let iommufd = match &self.iommufd {
+                Some(fd) => Some(fd.clone()),
+                None => match Iommufd::open(&iommu) {
+                    Ok(fd) => {
+                        let fd = Arc::new(fd);
+                        self.iommufd = Some(fd.clone());
+                        Some(fd)
+                    }
+                    Err(IommufdError::Open { .. }) if mode == VfioIommuMode::Auto => None,
+                    Err(e) => return Err(VfioKernelError::from(e).into()),
+                },
+            };
+            if let Some(iommufd) = iommufd {
+                return Ok(KernelVfioDevice::open_cdev(iommufd, &device, path)?);
+            }
+        }
+        let container = match &self.container {
+            Some(c) => c.clone(),
+            None => {
+                let c = VfioContainer::open(&dev_dir.join("vfio"))?;
+                self.container = Some(c.clone());
+                c
+            }
+        };
+        Ok(KernelVfioDevice::open(container, path)?)
     }
 
     /// Whether any device is configured.
@@ -513,8 +568,35 @@ impl PciPlatform {
     /// for DMA (kernel devices: once, into the VM's container, the group registered with
     /// the KVM VFIO device; the model GPU writes guest RAM through vm-memory).
     pub fn add_passthrough(&mut self, pt: &mut Passthrough) -> Result<(), PassthroughError> {
+        // What the KVM VFIO device is given: each group file, and each cdev-opened device's
+        // own file (`KVM_DEV_VFIO_FILE_ADD` takes either).
+        let mut kvm_files: Vec<i32> = Vec::new();
         if let Some(container) = pt.container.clone() {
-            self.map_dma(&container)?;
+            self.map_dma(|iova, size, host| {
+                // SAFETY: the guest memory mapping lives as long as the VM (and the
+                // container, which `Passthrough` drops first); the VMM touches guest RAM
+                // only through vm-memory's volatile accessors, never through Rust
+                // references.
+                unsafe { container.map_dma(iova, size, host) }.map_err(PassthroughError::Kernel)
+            })?;
+            kvm_files.extend(container.groups().iter().map(|g| g.fd().as_raw_fd()));
+        }
+        if let Some(iommufd) = pt.iommufd.clone() {
+            self.map_dma(|iova, size, host| {
+                // SAFETY: as for the container: guest memory outlives the iommufd (dropped
+                // with `Passthrough`) and is never referenced, only volatile-accessed.
+                unsafe { iommufd.map_dma(iova, size, host) }
+                    .map_err(|e| PassthroughError::Kernel(e.into()))
+            })?;
+            kvm_files.extend(
+                pt.opened
+                    .iter()
+                    .filter_map(|o| o.kernel.as_ref())
+                    .filter(|k| k.group().is_none())
+                    .map(|k| k.kvm_file().as_raw_fd()),
+            );
+        }
+        if !kvm_files.is_empty() {
             let mut create = kvm_create_device {
                 type_: kvm_device_type_KVM_DEV_TYPE_VFIO,
                 fd: 0,
@@ -526,8 +608,7 @@ impl PciPlatform {
                     source,
                 }
             })?;
-            for group in container.groups() {
-                let fd = std::os::fd::AsRawFd::as_raw_fd(&group.fd());
+            for fd in kvm_files {
                 let attr = kvm_device_attr {
                     group: KVM_DEV_VFIO_FILE,
                     attr: u64::from(KVM_DEV_VFIO_FILE_ADD),
@@ -537,7 +618,7 @@ impl PciPlatform {
                 kvm_vfio
                     .set_device_attr(&attr)
                     .map_err(|source| PassthroughError::Kvm {
-                        what: "add a VFIO group to the KVM VFIO device",
+                        what: "add a VFIO group or device file to the KVM VFIO device",
                         source,
                     })?;
             }
@@ -550,7 +631,12 @@ impl PciPlatform {
         Ok(())
     }
 
-    fn map_dma(&self, container: &VfioContainer) -> Result<(), PassthroughError> {
+    /// Maps every guest RAM region for DMA with `map(iova, size, host_addr)`, IOVA = guest
+    /// physical address.
+    fn map_dma(
+        &self,
+        mut map: impl FnMut(u64, u64, u64) -> Result<(), PassthroughError>,
+    ) -> Result<(), PassthroughError> {
         for region in self.mem.iter() {
             let host = region
                 .get_host_address(vm_memory::MemoryRegionAddress(0))
@@ -558,10 +644,7 @@ impl PciPlatform {
                     path: "guest RAM".into(),
                     reason: e.to_string(),
                 })?;
-            // SAFETY: the guest memory mapping lives as long as the VM (and the container,
-            // which `Passthrough` drops first); the VMM touches guest RAM only through
-            // vm-memory's volatile accessors, never through Rust references.
-            unsafe { container.map_dma(region.start_addr().0, region.len(), host as u64)? };
+            map(region.start_addr().0, region.len(), host as u64)?;
         }
         Ok(())
     }
@@ -747,6 +830,20 @@ mod tests {
             (
                 PassthroughError::Kernel(VfioKernelError::DmaMemlock { iova: 0, size: 1 }),
                 ExitStatus::VfioDmaMap,
+            ),
+            (
+                PassthroughError::Kernel(VfioKernelError::Iommufd(IommufdError::DmaMemlock {
+                    iova: 0,
+                    size: 1,
+                })),
+                ExitStatus::VfioDmaMap,
+            ),
+            (
+                PassthroughError::Kernel(VfioKernelError::Iommufd(IommufdError::Unavailable {
+                    device: p.clone(),
+                    reason: "no cdev".into(),
+                })),
+                ExitStatus::VfioUnavailable,
             ),
         ];
         for (err, status) in cases {

@@ -226,3 +226,35 @@ fn vfio_and_exit_report_extras_open_exactly_their_calls() {
     assert_eq!(in_child(&extra, ThreadKind::Main, rename), 0);
     assert_eq!(KVM_SET_USER_MEMORY_REGION, 0x4020_ae46);
 }
+
+#[test]
+fn no_thread_may_issue_iommufd_ioctls() {
+    // The iommufd path (IOAS alloc and map, bind, attach) runs while the VM is set up,
+    // before any filter is installed; at run time a cdev-opened device needs only the
+    // VFIO device ioctls the legacy path uses (the same numbers). So no filter, even with
+    // passthrough, lets a thread change the DMA address space.
+    let extra = Filters::build_for(
+        SeccompMode::On,
+        FilterExtras {
+            vfio: true,
+            exit_report: true,
+        },
+    )
+    .unwrap()
+    .unwrap();
+    for kind in [
+        ThreadKind::Main,
+        ThreadKind::Vcpu,
+        ThreadKind::Device,
+        ThreadKind::SerialInput,
+        ThreadKind::SerialOutput,
+    ] {
+        for request in tenantvm_devices::pci::vfio::IOMMUFD_IOCTLS {
+            assert_eq!(
+                in_child(&extra, kind, || ioctl(request)),
+                EXIT_SECCOMP,
+                "{kind:?} may issue {request:#x}"
+            );
+        }
+    }
+}

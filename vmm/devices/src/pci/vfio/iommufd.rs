@@ -4,17 +4,26 @@
 //! bound to the iommufd and attached to the IOAS, instead of through a group and a
 //! container.
 //!
-//! This file has the pieces: which interface a device offers ([`choose_interface`]), the
-//! iommufd ([`Iommufd`]: IOAS allocation, DMA map and unmap) and the device's bind and
-//! attach ([`bind_and_attach`]), with struct layouts from `<linux/iommufd.h>` and
-//! `<linux/vfio.h>`. NOT WIRED IN: the kernel backend (`kernel.rs`) still opens every device
-//! through the legacy container/group path, which kernels with the cdev also keep offering
-//! (`CONFIG_VFIO_GROUP`). The nested test host's 6.1 kernel has no VFIO cdev, so nothing
-//! here has run against a kernel; the unit tests cover the selection and the encodings.
+//! This file has the pieces: which interface opens a device ([`select_interface`], from the
+//! configured [`VfioIommuMode`] and what the kernel offers), the iommufd ([`Iommufd`]: IOAS
+//! allocation, DMA map and unmap) and the device's bind and attach ([`bind_and_attach`]),
+//! with struct layouts from `<linux/iommufd.h>` and `<linux/vfio.h>`. The kernel backend
+//! (`kernel.rs`, `KernelVfioDevice::open_cdev`) uses them; the VMM keeps one [`Iommufd`] per
+//! VM, maps all guest RAM into its IOAS once (IOVA = guest physical address) and adds each
+//! device's cdev to the KVM VFIO pseudo-device (`KVM_DEV_VFIO_FILE_ADD`, the attribute
+//! groups use).
+//!
+//! sysfs has shown `vfio-dev/vfioN` since Linux 6.1 even without the cdev; the node under
+//! `/dev/vfio/devices` exists only with `CONFIG_VFIO_DEVICE_CDEV`, so both are checked.
+//! Debian's kernels are built without iommufd (`# CONFIG_IOMMUFD is not set`); the nested
+//! test host's scenario `vfio-iommufd` runs this path on a kernel built with
+//! `scripts/build-iommufd-kernel.sh` (docs/testing.md).
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
+
+pub use tenantvm_vmm_api::VfioIommuMode;
 
 /// `_IO(';', nr)`: iommufd's and VFIO's ioctls share the type and carry no size.
 const fn io(nr: u32) -> libc::c_ulong {
@@ -31,7 +40,9 @@ pub const IOMMU_IOAS_UNMAP: libc::c_ulong = io(0x86);
 pub const VFIO_DEVICE_BIND_IOMMUFD: libc::c_ulong = io(100 + 18);
 /// VFIO_DEVICE_ATTACH_IOMMUFD_PT (VFIO_BASE 100 + 19).
 pub const VFIO_DEVICE_ATTACH_IOMMUFD_PT: libc::c_ulong = io(100 + 19);
-/// The ioctls of this path a seccomp filter would have to allow.
+/// The ioctls of this path. All of them are issued while the VM is set up, before any
+/// thread installs its seccomp filter, so no filter allows them: a device thread or vCPU
+/// that asked for one would be stopped.
 pub const IOMMUFD_IOCTLS: [libc::c_ulong; 5] = [
     IOMMU_IOAS_ALLOC,
     IOMMU_IOAS_MAP,
@@ -77,6 +88,14 @@ pub enum IommufdError {
         /// Bytes.
         size: u64,
     },
+    /// `iommu=iommufd` was asked for a device the kernel does not offer it for.
+    #[error("{device} cannot be opened through iommufd (iommu=iommufd): {reason}; use iommu=auto or iommu=legacy for the container/group interface")]
+    Unavailable {
+        /// The device's sysfs directory.
+        device: PathBuf,
+        /// What is missing, and the fix.
+        reason: String,
+    },
     /// An ioctl failed.
     #[error("{op} failed: {source}")]
     Ioctl {
@@ -119,6 +138,51 @@ pub fn choose_interface(sysfs_device: &Path, dev_root: &Path) -> VfioInterface {
     match cdev {
         Some(device) if iommu.exists() && device.exists() => VfioInterface::Cdev { iommu, device },
         _ => VfioInterface::Legacy,
+    }
+}
+
+/// The interface to open the device at `sysfs_device` with under `mode`, given the device
+/// folder `dev_root` (normally `/dev`): `legacy` always takes the container/group path,
+/// `auto` takes the cdev when the kernel offers it ([`choose_interface`]), `iommufd` takes
+/// the cdev or says what is missing.
+pub fn select_interface(
+    mode: VfioIommuMode,
+    sysfs_device: &Path,
+    dev_root: &Path,
+) -> Result<VfioInterface, IommufdError> {
+    match mode {
+        VfioIommuMode::Legacy => Ok(VfioInterface::Legacy),
+        VfioIommuMode::Auto => Ok(choose_interface(sysfs_device, dev_root)),
+        VfioIommuMode::Iommufd => {
+            let unavailable = |reason: String| IommufdError::Unavailable {
+                device: sysfs_device.to_path_buf(),
+                reason,
+            };
+            let Some(name) = cdev_name(sysfs_device) else {
+                return Err(unavailable(format!(
+                    "sysfs shows no VFIO device for it ({}/vfio-dev/vfioN is absent: a kernel \
+                     before 6.1, or the device is not bound to a VFIO driver)",
+                    sysfs_device.display()
+                )));
+            };
+            let iommu = dev_root.join("iommu");
+            if !iommu.exists() {
+                return Err(unavailable(format!(
+                    "{} is missing (the kernel lacks CONFIG_IOMMUFD, or the iommufd module is \
+                     not loaded: modprobe iommufd; in a jail, give the VMM that node)",
+                    iommu.display()
+                )));
+            }
+            let device = dev_root.join("vfio/devices").join(&name);
+            if !device.exists() {
+                return Err(unavailable(format!(
+                    "{} is missing (the kernel lacks CONFIG_VFIO_DEVICE_CDEV, or the VMM was \
+                     not given the node)",
+                    device.display()
+                )));
+            }
+            Ok(VfioInterface::Cdev { iommu, device })
+        }
     }
 }
 
@@ -331,6 +395,66 @@ mod tests {
         std::fs::create_dir_all(odd.path().join("vfio-dev/vfio")).unwrap();
         std::fs::create_dir_all(odd.path().join("vfio-dev/vfiox")).unwrap();
         assert_eq!(cdev_name(odd.path()), None);
+    }
+
+    /// A fake sysfs device directory and a fake `/dev` (plain files and folders; nothing
+    /// here opens them).
+    fn fake_tree(cdev: bool, iommu: bool, node: bool) -> (tempfile::TempDir, tempfile::TempDir) {
+        let sys = tempfile::tempdir().unwrap();
+        let dev = tempfile::tempdir().unwrap();
+        if cdev {
+            std::fs::create_dir_all(sys.path().join("vfio-dev/vfio0")).unwrap();
+        }
+        if iommu {
+            std::fs::write(dev.path().join("iommu"), b"").unwrap();
+        }
+        if node {
+            std::fs::create_dir_all(dev.path().join("vfio/devices")).unwrap();
+            std::fs::write(dev.path().join("vfio/devices/vfio0"), b"").unwrap();
+        }
+        (sys, dev)
+    }
+
+    #[test]
+    fn each_mode_selects_as_documented_on_a_fake_tree() {
+        use VfioIommuMode::{Auto, Iommufd as Fd, Legacy};
+        // Everything present: auto and iommufd take the cdev, legacy does not.
+        let (sys, dev) = fake_tree(true, true, true);
+        let cdev = VfioInterface::Cdev {
+            iommu: dev.path().join("iommu"),
+            device: dev.path().join("vfio/devices/vfio0"),
+        };
+        assert_eq!(
+            select_interface(Auto, sys.path(), dev.path()).unwrap(),
+            cdev
+        );
+        assert_eq!(select_interface(Fd, sys.path(), dev.path()).unwrap(), cdev);
+        assert_eq!(
+            select_interface(Legacy, sys.path(), dev.path()).unwrap(),
+            VfioInterface::Legacy
+        );
+        // Each missing piece: auto falls back, iommufd says which piece and the way out.
+        for (cdev, iommu, node, says) in [
+            (false, true, true, "vfio-dev/vfioN is absent"),
+            (true, false, true, "CONFIG_IOMMUFD"),
+            (
+                true,
+                true,
+                false,
+                "vfio/devices/vfio0 is missing (the kernel lacks CONFIG_VFIO_DEVICE_CDEV",
+            ),
+        ] {
+            let (sys, dev) = fake_tree(cdev, iommu, node);
+            assert_eq!(
+                select_interface(Auto, sys.path(), dev.path()).unwrap(),
+                VfioInterface::Legacy
+            );
+            let err = select_interface(Fd, sys.path(), dev.path()).unwrap_err();
+            assert!(matches!(err, IommufdError::Unavailable { .. }), "{err}");
+            let text = err.to_string();
+            assert!(text.contains(says), "{text}");
+            assert!(text.contains("iommu=legacy"), "{text}");
+        }
     }
 
     #[test]

@@ -1,5 +1,11 @@
-//! The kernel backend: a device bound to a VFIO driver, through the legacy VFIO
-//! container/group interface (`/dev/vfio/vfio`, `/dev/vfio/<group>`).
+//! The kernel backend: a device bound to a VFIO driver, opened through the legacy VFIO
+//! container/group interface (`/dev/vfio/vfio`, `/dev/vfio/<group>`:
+//! [`KernelVfioDevice::open`]) or through iommufd and the device's cdev (`/dev/iommu`,
+//! `/dev/vfio/devices/vfioN`: [`KernelVfioDevice::open_cdev`], pieces in `iommufd.rs`).
+//! Once open, both are the same device file and the same [`VfioBackend`]; they differ in
+//! how guest RAM is mapped for DMA (the container or the iommufd's IOAS), in what the KVM
+//! VFIO pseudo-device is given (the group file or the device file), and in the hot reset's
+//! proof of ownership (group fds, or none: the iommufd vouches).
 //!
 //! The ioctls are issued here rather than through vfio-ioctls' `VfioContainer` and
 //! `VfioDevice`, for three things those do not give: the group file descriptors (a hot
@@ -23,6 +29,7 @@ use super::backend::{
     IrqIndex, IrqInfo, MmapSource, RegionInfo, VfioBackend, VfioBackendError, REGION_FLAG_READ,
     REGION_FLAG_WRITE,
 };
+use super::iommufd::{bind_and_attach, Iommufd, IommufdError};
 use super::region_caps::{parse_region_caps, RegionCapError, REGION_INFO_SIZE};
 use super::sysfs::{inspect, SysfsDevice, SysfsError};
 
@@ -81,6 +88,9 @@ const VFIO_IRQ_SET_DATA_EVENTFD: u32 = 1 << 2;
 const VFIO_IRQ_SET_ACTION_UNMASK: u32 = 1 << 4;
 const VFIO_IRQ_SET_ACTION_TRIGGER: u32 = 1 << 5;
 const VFIO_DMA_MAP_FLAG_READ_WRITE: u32 = 0b11;
+/// `VFIO_PCI_HOT_RESET_FLAG_DEV_ID_OWNED`: (cdev) every device a hot reset affects is owned
+/// through the calling device's iommufd.
+const VFIO_PCI_HOT_RESET_FLAG_DEV_ID_OWNED: u32 = 1 << 1;
 /// Largest region info (with capabilities) accepted from the kernel.
 const MAX_REGION_INFO: u32 = 64 * 1024;
 /// Most devices a hot reset may report as affected.
@@ -137,6 +147,9 @@ pub enum VfioKernelError {
         /// Bytes.
         size: u64,
     },
+    /// The iommufd path failed.
+    #[error(transparent)]
+    Iommufd(#[from] IommufdError),
     /// Another ioctl failed.
     #[error("{op} failed: {source}")]
     Ioctl {
@@ -314,12 +327,27 @@ struct Region {
     offset: u64,
 }
 
-/// A device bound to a VFIO driver, opened through its group.
+/// How a device was opened, and what keeps its DMA address space alive.
+#[derive(Debug)]
+enum Access {
+    /// Through its group, attached to the VM's container.
+    Group {
+        group: Arc<VfioGroup>,
+        _container: Arc<VfioContainer>,
+    },
+    /// Through its cdev, bound to the VM's iommufd and attached to its IOAS.
+    Cdev {
+        _iommufd: Arc<Iommufd>,
+        /// The iommufd's id for the device (`out_devid` of the bind).
+        devid: u32,
+    },
+}
+
+/// A device bound to a VFIO driver, opened through its group or its cdev.
 #[derive(Debug)]
 pub struct KernelVfioDevice {
     file: File,
-    group: Arc<VfioGroup>,
-    _container: Arc<VfioContainer>,
+    access: Access,
     flags: u32,
     regions: Vec<Option<Region>>,
     irqs: [Option<IrqInfo>; 3],
@@ -424,6 +452,37 @@ impl KernelVfioDevice {
         }
         // SAFETY: the kernel returned a new descriptor that nothing else owns.
         let file = unsafe { File::from_raw_fd(fd) };
+        let access = Access::Group {
+            group,
+            _container: container,
+        };
+        Self::with_file(file, access, path, sysfs)
+    }
+
+    /// Opens the device at sysfs `path` (checked with [`inspect`]) through its cdev
+    /// `cdev` (`/dev/vfio/devices/vfioN`), binds it to `iommufd` and attaches it to the
+    /// iommufd's IOAS, and reads its regions and interrupts.
+    pub fn open_cdev(
+        iommufd: Arc<Iommufd>,
+        cdev: &Path,
+        path: &Path,
+    ) -> Result<Self, VfioKernelError> {
+        let sysfs = inspect(path)?;
+        let (file, devid) = bind_and_attach(cdev, &iommufd)?;
+        let access = Access::Cdev {
+            _iommufd: iommufd,
+            devid,
+        };
+        Self::with_file(file, access, path, sysfs)
+    }
+
+    fn with_file(
+        file: File,
+        access: Access,
+        path: &Path,
+        sysfs: SysfsDevice,
+    ) -> Result<Self, VfioKernelError> {
+        let fd = file.as_raw_fd();
         let mut info = [24u32, 0, 0, 0, 0, 0];
         // SAFETY: `info` is a struct vfio_device_info the kernel fills.
         if unsafe { libc::ioctl(fd, VFIO_DEVICE_GET_INFO, info.as_mut_ptr()) } < 0 {
@@ -443,8 +502,7 @@ impl KernelVfioDevice {
         ];
         Ok(Self {
             file,
-            group,
-            _container: container,
+            access,
             flags,
             regions,
             irqs,
@@ -452,9 +510,29 @@ impl KernelVfioDevice {
         })
     }
 
-    /// The device's group.
-    pub fn group(&self) -> &Arc<VfioGroup> {
-        &self.group
+    /// The device's group, when it was opened through it (not through its cdev).
+    pub fn group(&self) -> Option<&Arc<VfioGroup>> {
+        match &self.access {
+            Access::Group { group, .. } => Some(group),
+            Access::Cdev { .. } => None,
+        }
+    }
+
+    /// The iommufd's id for the device, when it was opened through its cdev.
+    pub fn iommufd_devid(&self) -> Option<u32> {
+        match &self.access {
+            Access::Cdev { devid, .. } => Some(*devid),
+            Access::Group { .. } => None,
+        }
+    }
+
+    /// The file the KVM VFIO pseudo-device is given for this device
+    /// (`KVM_DEV_VFIO_FILE_ADD`): the group file, or the device's cdev file.
+    pub fn kvm_file(&self) -> BorrowedFd<'_> {
+        match &self.access {
+            Access::Group { group, .. } => group.fd(),
+            Access::Cdev { .. } => self.file.as_fd(),
+        }
     }
 
     /// What sysfs said about the device.
@@ -508,7 +586,11 @@ impl KernelVfioDevice {
     }
 
     /// A secondary bus reset of the device's slot or bus: allowed only when every device
-    /// it affects is in this device's group (the only group fd the VMM can present).
+    /// it affects is this VM's. Through a group, that is every affected device in this
+    /// device's group (the only group fd the VMM can present); through the cdev, the
+    /// kernel says so itself (`VFIO_PCI_HOT_RESET_FLAG_DEV_ID_OWNED`: each affected device
+    /// is bound to this device's iommufd or shares an IOMMU group with one that is), and
+    /// the reset is asked for with no group fds.
     fn hot_reset(&self) -> Result<(), String> {
         let fd = self.file.as_raw_fd();
         // struct vfio_pci_hot_reset_info: argsz, flags, count, then 8-byte entries.
@@ -530,19 +612,33 @@ impl KernelVfioDevice {
                 std::io::Error::last_os_error()
             ));
         }
-        let affected = info[2].min(count) as usize;
-        if let Some(other) = (0..affected)
-            .map(|i| info[3 + 2 * i])
-            .find(|&g| g != self.group.id)
-        {
-            return Err(format!(
-                "a bus reset would also reset IOMMU group {other}, which this VM does not own"
-            ));
-        }
-        let group_fd = self.group.file.as_raw_fd();
-        // struct vfio_pci_hot_reset: argsz, flags, count, then the group fds.
-        let reset = [16u32, 0, 1, group_fd as u32];
-        // SAFETY: `reset` is a complete vfio_pci_hot_reset with one group fd.
+        let reset: Vec<u32> = match &self.access {
+            Access::Group { group, .. } => {
+                let affected = info[2].min(count) as usize;
+                if let Some(other) = (0..affected)
+                    .map(|i| info[3 + 2 * i])
+                    .find(|&g| g != group.id)
+                {
+                    return Err(format!(
+                        "a bus reset would also reset IOMMU group {other}, which this VM does \
+                         not own"
+                    ));
+                }
+                // struct vfio_pci_hot_reset: argsz, flags, count, then the group fds.
+                vec![16, 0, 1, group.file.as_raw_fd() as u32]
+            }
+            Access::Cdev { .. } => {
+                if !hot_reset_owned(info[1]) {
+                    return Err("a bus reset would also reset a device this VM's iommufd \
+                                does not own"
+                        .into());
+                }
+                // struct vfio_pci_hot_reset with an empty group fd array.
+                vec![12, 0, 0]
+            }
+        };
+        // SAFETY: `reset` is a complete vfio_pci_hot_reset (argsz covers it) the kernel
+        // only reads.
         if unsafe { libc::ioctl(fd, VFIO_DEVICE_PCI_HOT_RESET, reset.as_ptr()) } < 0 {
             return Err(format!(
                 "VFIO_DEVICE_PCI_HOT_RESET: {}",
@@ -551,6 +647,12 @@ impl KernelVfioDevice {
         }
         Ok(())
     }
+}
+
+/// Whether a cdev-opened device's hot reset info `flags` say every affected device is
+/// owned through its iommufd.
+fn hot_reset_owned(flags: u32) -> bool {
+    flags & VFIO_PCI_HOT_RESET_FLAG_DEV_ID_OWNED != 0
 }
 
 impl VfioBackend for KernelVfioDevice {
@@ -705,6 +807,13 @@ mod tests {
         let err = VfioContainer::open(dir.path()).unwrap_err();
         assert!(matches!(err, VfioKernelError::NoVfio(_)));
         assert!(err.to_string().contains("modprobe vfio-pci"), "{err}");
+    }
+
+    #[test]
+    fn cdev_hot_reset_needs_the_kernels_ownership_flag() {
+        // VFIO_PCI_HOT_RESET_FLAG_DEV_ID alone (devids reported, one not owned): refused.
+        assert!(!hot_reset_owned(1));
+        assert!(hot_reset_owned(0b11));
     }
 
     #[test]

@@ -12,8 +12,11 @@
 //! - `gpudirect`: NVIDIA's GPUDirect clique capability (emulated, optional);
 //! - `device`: the [`VfioPciDevice`] on the PCI root;
 //! - `sysfs`: what sysfs says (driver, IOMMU group, group viability);
-//! - `kernel`: the kernel backend (VFIO container/group ioctls);
-//! - `iommufd`: the iommufd/cdev interface's pieces (not wired into `kernel` yet).
+//! - `kernel`: the kernel backend (a device opened through the VFIO container/group
+//!   interface or through iommufd and its cdev);
+//! - `iommufd`: the iommufd/cdev interface: which interface opens a device (the
+//!   `iommu=auto|legacy|iommufd` option and what the kernel offers), the IOAS, bind and
+//!   attach.
 //!
 //! The device is hostile input too: everything read from it (capability chains, region
 //! capabilities, sparse areas, BAR sizes) is checked before use.
@@ -42,8 +45,8 @@ pub use gpudirect::{
     GpuDirectCap, GpuDirectError, GPUDIRECT_CAP_OFFSET, MAX_CLIQUE, NVIDIA_VENDOR_ID,
 };
 pub use iommufd::{
-    bind_and_attach, cdev_name, choose_interface, Iommufd, IommufdError, VfioInterface,
-    IOMMUFD_IOCTLS,
+    bind_and_attach, cdev_name, choose_interface, select_interface, Iommufd, IommufdError,
+    VfioInterface, VfioIommuMode, IOMMUFD_IOCTLS,
 };
 pub use kernel::{
     KernelVfioDevice, VfioContainer, VfioGroup, VfioKernelError,
