@@ -162,6 +162,9 @@ resolve() {
 }
 for m in "${modules[@]}"; do resolve "$m"; done
 mdir="$stage/lib/modules/$kver"
+# (made here too: a kernel with every module built in, like the nested host's iommufd
+# kernel, leaves the closure empty)
+install -d -m 0755 "$mdir"
 for p in "${closure[@]}"; do install -D -m 0644 "$kmods/$p" "$mdir/$p"; done
 install -m 0644 "$kmods/modules.builtin" "$kmods/modules.builtin.modinfo" "$kmods/modules.order" "$mdir/"
 depmod -b "$stage" "$kver"
