@@ -183,15 +183,25 @@ pub fn run_reporting(
     let ram_end = boot::layout::ram_ranges(mem_size)
         .last()
         .map_or(0, |(start, len)| start + len);
-    // Devices first: they are reset and probed, and their BARs size the 64-bit window.
-    let mut passthrough = Passthrough::open(&sources, Path::new(DEV_DIR), reports)?;
+    let mem = create_guest_memory(mem_size)?;
+    let vm = Arc::new(Vm::new(&mem)?);
+    if config.vcpus > vm.max_vcpus() {
+        return Err(VstateError::TooManyVcpus {
+            requested: config.vcpus,
+            max: vm.max_vcpus(),
+        }
+        .into());
+    }
+    // Then the devices, with the VM already there (each group or cdev goes to its KVM VFIO
+    // device before the device is opened): they are reset and probed, and their BARs size
+    // the 64-bit window the boot tables describe.
+    let mut passthrough = Passthrough::open(&sources, Path::new(DEV_DIR), reports, vm.fd())?;
     let phys_bits = guest_phys_bits();
     let windows = if passthrough.is_empty() {
         PciWindows::new(ram_end, phys_bits, MMIO64_DEFAULT_SIZE).map_err(PciSetupError::from)?
     } else {
         passthrough.windows(ram_end, phys_bits)?
     };
-    let mem = create_guest_memory(mem_size)?;
     let entry = boot::load(
         &mem,
         &BootConfig {
@@ -205,14 +215,6 @@ pub fn run_reporting(
         },
     )?;
 
-    let vm = Arc::new(Vm::new(&mem)?);
-    if config.vcpus > vm.max_vcpus() {
-        return Err(VstateError::TooManyVcpus {
-            requested: config.vcpus,
-            max: vm.max_vcpus(),
-        }
-        .into());
-    }
     let exit = Arc::new(ExitState::new().map_err(StartError::Host)?);
     let mut buses = Buses::default();
     let serial = attach_legacy_devices(

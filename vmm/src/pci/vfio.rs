@@ -11,7 +11,7 @@
 //! exists, and each group file or device cdev file is added to the KVM VFIO device.
 
 use std::collections::HashMap;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -20,10 +20,10 @@ use kvm_bindings::{
     kvm_create_device, kvm_device_attr, kvm_device_type_KVM_DEV_TYPE_VFIO,
     kvm_userspace_memory_region, KVM_DEV_VFIO_FILE, KVM_DEV_VFIO_FILE_ADD,
 };
-use kvm_ioctls::DeviceFd;
+use kvm_ioctls::{DeviceFd, VmFd};
 use tenantvm_devices::pci::vfio::{
     self, irq_vectors, DeviceProbe, GpuDirectCap, GpuDirectError, Iommufd, IommufdError,
-    KernelVfioDevice, MappedArea, MappingError, ShadowError, SysfsError, VfioBackend,
+    KernelVfioDevice, KvmVfioFiles, MappedArea, MappingError, ShadowError, SysfsError, VfioBackend,
     VfioBackendError, VfioContainer, VfioDeviceError, VfioInterface, VfioIommuMode,
     VfioKernelError, VfioPciDevice,
 };
@@ -193,22 +193,61 @@ pub struct Passthrough {
     /// Reset at attach but refused at probing: still reset at detach.
     unprobed: Vec<(usize, Arc<dyn VfioBackend>)>,
     reports: Arc<Mutex<Vec<DeviceReport>>>,
-    kvm_vfio: Option<DeviceFd>,
+    /// The VM's KVM VFIO device (with the first kernel device).
+    kvm_vfio: Option<KvmVfioDevice>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// The VM's KVM VFIO pseudo-device: group and cdev files are added to it before their
+/// devices are opened or bound (the kernel hands a device the VM's KVM at that moment).
+struct KvmVfioDevice(DeviceFd);
+
+impl KvmVfioDevice {
+    fn create(vm: &VmFd) -> Result<Self, PassthroughError> {
+        let mut create = kvm_create_device {
+            type_: kvm_device_type_KVM_DEV_TYPE_VFIO,
+            fd: 0,
+            flags: 0,
+        };
+        vm.create_device(&mut create)
+            .map(Self)
+            .map_err(|source| PassthroughError::Kvm {
+                what: "create the KVM VFIO device",
+                source,
+            })
+    }
+}
+
+impl KvmVfioFiles for KvmVfioDevice {
+    fn add(&self, file: BorrowedFd<'_>) -> std::io::Result<()> {
+        let fd: i32 = file.as_raw_fd();
+        let attr = kvm_device_attr {
+            group: KVM_DEV_VFIO_FILE,
+            attr: u64::from(KVM_DEV_VFIO_FILE_ADD),
+            addr: &fd as *const i32 as u64,
+            flags: 0,
+        };
+        self.0
+            .set_device_attr(&attr)
+            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))
+    }
+}
+
 impl Passthrough {
     /// Opens every device (checking sysfs, then through iommufd or the group, with
     /// `dev_dir`, normally `/dev`, holding `iommu` and `vfio/`), resets it, and probes its
-    /// BARs. `reports` gets one entry per configured device, in order, up front
-    /// (`not_attempted`), filled in as each reset happens.
+    /// BARs. Each group or cdev file goes to the KVM VFIO device of `vm` (created with the
+    /// first kernel device) before its device is opened or bound, as vendor drivers that
+    /// need the VM at open (NVIDIA's vGPU) require. `reports` gets one entry per configured
+    /// device, in order, up front (`not_attempted`), filled in as each reset happens.
     pub fn open(
         sources: &[DeviceSource],
         dev_dir: &Path,
         reports: Arc<Mutex<Vec<DeviceReport>>>,
+        vm: &VmFd,
     ) -> Result<Self, PassthroughError> {
         let mut this = Self {
             container: None,
@@ -239,7 +278,7 @@ impl Passthrough {
                 DeviceSource::Kernel(PassthroughConfig { path, iommu, .. }) => {
                     // sysfs first: its errors say what to do about this device.
                     vfio::inspect(path)?;
-                    let device = Arc::new(this.open_kernel(path, *iommu, dev_dir)?);
+                    let device = Arc::new(this.open_kernel(path, *iommu, dev_dir, vm)?);
                     let interface = if device.iommufd_devid().is_some() {
                         VfioIommuMode::Iommufd
                     } else {
@@ -303,7 +342,12 @@ impl Passthrough {
         path: &Path,
         mode: VfioIommuMode,
         dev_dir: &Path,
+        vm: &VmFd,
     ) -> Result<KernelVfioDevice, PassthroughError> {
+        if self.kvm_vfio.is_none() {
+            self.kvm_vfio = Some(KvmVfioDevice::create(vm)?);
+        }
+        let kvm = self.kvm_vfio.as_ref().map(|k| k as &dyn KvmVfioFiles);
         let interface =
             vfio::select_interface(mode, path, dev_dir).map_err(VfioKernelError::from)?;
         if let VfioInterface::Cdev { iommu, device } = interface {
@@ -320,7 +364,7 @@ impl Passthrough {
                 },
             };
             if let Some(iommufd) = iommufd {
-                return Ok(KernelVfioDevice::open_cdev(iommufd, &device, path)?);
+                return Ok(KernelVfioDevice::open_cdev(iommufd, &device, path, kvm)?);
             }
         }
         let container = match &self.container {
@@ -331,7 +375,7 @@ impl Passthrough {
                 c
             }
         };
-        Ok(KernelVfioDevice::open(container, path)?)
+        Ok(KernelVfioDevice::open(container, path, kvm)?)
     }
 
     /// Whether any device is configured.
@@ -565,12 +609,12 @@ impl MsiInterruptSink for VfioMsiSink {
 impl PciPlatform {
     /// Puts every opened device of `pt` on the PCI root: BARs placed, trapped ranges on
     /// the MMIO bus, mmappable areas as KVM slots, MSI through irqfds, and guest RAM mapped
-    /// for DMA (kernel devices: once, into the VM's container, the group registered with
-    /// the KVM VFIO device; the model GPU writes guest RAM through vm-memory).
+    /// for DMA (kernel devices: once, into the VM's container or iommufd; the model GPU
+    /// writes guest RAM through vm-memory).
     pub fn add_passthrough(&mut self, pt: &mut Passthrough) -> Result<(), PassthroughError> {
-        // What the KVM VFIO device is given: each group file, and each cdev-opened device's
-        // own file (`KVM_DEV_VFIO_FILE_ADD` takes either).
-        let mut kvm_files: Vec<i32> = Vec::new();
+        // Each group and cdev file went to the KVM VFIO device when its device was opened
+        // (`Passthrough::open`); guest RAM is mapped for DMA here, once per container and
+        // per iommufd.
         if let Some(container) = pt.container.clone() {
             self.map_dma(|iova, size, host| {
                 // SAFETY: the guest memory mapping lives as long as the VM (and the
@@ -579,7 +623,6 @@ impl PciPlatform {
                 // references.
                 unsafe { container.map_dma(iova, size, host) }.map_err(PassthroughError::Kernel)
             })?;
-            kvm_files.extend(container.groups().iter().map(|g| g.fd().as_raw_fd()));
         }
         if let Some(iommufd) = pt.iommufd.clone() {
             self.map_dma(|iova, size, host| {
@@ -588,41 +631,6 @@ impl PciPlatform {
                 unsafe { iommufd.map_dma(iova, size, host) }
                     .map_err(|e| PassthroughError::Kernel(e.into()))
             })?;
-            kvm_files.extend(
-                pt.opened
-                    .iter()
-                    .filter_map(|o| o.kernel.as_ref())
-                    .filter(|k| k.group().is_none())
-                    .map(|k| k.kvm_file().as_raw_fd()),
-            );
-        }
-        if !kvm_files.is_empty() {
-            let mut create = kvm_create_device {
-                type_: kvm_device_type_KVM_DEV_TYPE_VFIO,
-                fd: 0,
-                flags: 0,
-            };
-            let kvm_vfio = self.vm.fd().create_device(&mut create).map_err(|source| {
-                PassthroughError::Kvm {
-                    what: "create the KVM VFIO device",
-                    source,
-                }
-            })?;
-            for fd in kvm_files {
-                let attr = kvm_device_attr {
-                    group: KVM_DEV_VFIO_FILE,
-                    attr: u64::from(KVM_DEV_VFIO_FILE_ADD),
-                    addr: &fd as *const i32 as u64,
-                    flags: 0,
-                };
-                kvm_vfio
-                    .set_device_attr(&attr)
-                    .map_err(|source| PassthroughError::Kvm {
-                        what: "add a VFIO group or device file to the KVM VFIO device",
-                        source,
-                    })?;
-            }
-            pt.kvm_vfio = Some(kvm_vfio);
         }
         for (index, opened) in std::mem::take(&mut pt.opened).into_iter().enumerate() {
             let attached = self.attach_one(index, opened)?;

@@ -10,7 +10,7 @@
 //! with struct layouts from `<linux/iommufd.h>` and `<linux/vfio.h>`. The kernel backend
 //! (`kernel.rs`, `KernelVfioDevice::open_cdev`) uses them; the VMM keeps one [`Iommufd`] per
 //! VM, maps all guest RAM into its IOAS once (IOVA = guest physical address) and adds each
-//! device's cdev to the KVM VFIO pseudo-device (`KVM_DEV_VFIO_FILE_ADD`, the attribute
+//! device's cdev to the KVM VFIO pseudo-device before binding it (`KVM_DEV_VFIO_FILE_ADD`, the attribute
 //! groups use).
 //!
 //! sysfs has shown `vfio-dev/vfioN` since Linux 6.1 even without the cdev; the node under
@@ -20,8 +20,10 @@
 //! `scripts/build-iommufd-kernel.sh` (docs/testing.md).
 
 use std::fs::File;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
+
+use super::kvm_files::KvmVfioFiles;
 
 pub use tenantvm_vmm_api::VfioIommuMode;
 
@@ -95,6 +97,15 @@ pub enum IommufdError {
         device: PathBuf,
         /// What is missing, and the fix.
         reason: String,
+    },
+    /// The VM's KVM VFIO device refused the device's cdev file.
+    #[error("Adding {path} to the VM's KVM VFIO device (KVM_DEV_VFIO_FILE_ADD) failed: {source}")]
+    KvmFile {
+        /// The cdev.
+        path: PathBuf,
+        /// What KVM answered.
+        #[source]
+        source: std::io::Error,
     },
     /// An ioctl failed.
     #[error("{op} failed: {source}")]
@@ -290,9 +301,14 @@ impl Iommufd {
     }
 }
 
-/// Opens the device cdev at `path`, binds it to `iommufd` and attaches it to its IOAS;
-/// returns the device file (then used like a group's device fd) and the device id.
-pub fn bind_and_attach(path: &Path, iommufd: &Iommufd) -> Result<(File, u32), IommufdError> {
+/// Opens the device cdev at `path`, hands it to `kvm` (the VM's KVM VFIO device: the
+/// kernel takes the device's KVM at bind), binds it to `iommufd` and attaches it to its
+/// IOAS; returns the device file (then used like a group's device fd) and the device id.
+pub fn bind_and_attach(
+    path: &Path,
+    iommufd: &Iommufd,
+    kvm: Option<&dyn KvmVfioFiles>,
+) -> Result<(File, u32), IommufdError> {
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -301,6 +317,14 @@ pub fn bind_and_attach(path: &Path, iommufd: &Iommufd) -> Result<(File, u32), Io
             path: path.to_path_buf(),
             source,
         })?;
+    // The kernel takes the device's KVM at bind: the file goes to the VM first.
+    if let Some(kvm) = kvm {
+        kvm.add(file.as_fd())
+            .map_err(|source| IommufdError::KvmFile {
+                path: path.to_path_buf(),
+                source,
+            })?;
+    }
     let mut bind = bind_arg(iommufd.fd());
     // SAFETY: `bind` is a struct vfio_device_bind_iommufd the kernel fills (out_devid).
     if unsafe {
@@ -332,6 +356,63 @@ pub fn bind_and_attach(path: &Path, iommufd: &Iommufd) -> Result<(File, u32), Io
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::cell::RefCell;
+    use std::os::fd::BorrowedFd;
+
+    /// A fake KVM VFIO device that records what it is given (fd numbers) and can refuse.
+    #[derive(Default)]
+    struct RecordingKvm {
+        added: RefCell<Vec<RawFd>>,
+        refuse: bool,
+    }
+
+    impl KvmVfioFiles for RecordingKvm {
+        fn add(&self, file: BorrowedFd<'_>) -> std::io::Result<()> {
+            self.added.borrow_mut().push(file.as_raw_fd());
+            if self.refuse {
+                return Err(std::io::Error::from_raw_os_error(libc::EBADF));
+            }
+            Ok(())
+        }
+    }
+
+    fn fake_iommufd() -> Iommufd {
+        Iommufd {
+            file: File::open("/dev/null").unwrap(),
+            ioas: 1,
+        }
+    }
+
+    #[test]
+    fn the_cdev_goes_to_kvm_before_it_is_bound() {
+        // /dev/null stands in for the cdev: it opens read-write, and the bind ioctl then
+        // fails (ENOTTY). The KVM VFIO device must have been given the file by then.
+        let kvm = RecordingKvm::default();
+        let err = bind_and_attach(Path::new("/dev/null"), &fake_iommufd(), Some(&kvm)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                IommufdError::Ioctl {
+                    op: "VFIO_DEVICE_BIND_IOMMUFD",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(kvm.added.borrow().len(), 1);
+    }
+
+    #[test]
+    fn a_cdev_kvm_refuses_is_never_bound() {
+        let kvm = RecordingKvm {
+            refuse: true,
+            ..Default::default()
+        };
+        let err = bind_and_attach(Path::new("/dev/null"), &fake_iommufd(), Some(&kvm)).unwrap_err();
+        assert!(matches!(err, IommufdError::KvmFile { .. }), "{err}");
+        assert!(err.to_string().contains("KVM_DEV_VFIO_FILE_ADD"), "{err}");
+        assert_eq!(kvm.added.borrow().len(), 1);
+    }
 
     #[test]
     fn ioctl_numbers_match_the_linux_headers() {

@@ -20,6 +20,7 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tenantvm_vmm_api::ResetOutcome;
@@ -30,6 +31,7 @@ use super::backend::{
     REGION_FLAG_WRITE,
 };
 use super::iommufd::{bind_and_attach, Iommufd, IommufdError};
+use super::kvm_files::KvmVfioFiles;
 use super::region_caps::{parse_region_caps, RegionCapError, REGION_INFO_SIZE};
 use super::sysfs::{inspect, SysfsDevice, SysfsError};
 
@@ -150,6 +152,15 @@ pub enum VfioKernelError {
     /// The iommufd path failed.
     #[error(transparent)]
     Iommufd(#[from] IommufdError),
+    /// The VM's KVM VFIO device refused a group file.
+    #[error("Adding VFIO group {group} to the VM's KVM VFIO device (KVM_DEV_VFIO_FILE_ADD) failed: {source}")]
+    KvmFile {
+        /// The group.
+        group: u32,
+        /// What KVM answered.
+        #[source]
+        source: std::io::Error,
+    },
     /// Another ioctl failed.
     #[error("{op} failed: {source}")]
     Ioctl {
@@ -173,6 +184,8 @@ fn ioctl_err(op: &'static str) -> VfioKernelError {
 pub struct VfioGroup {
     id: u32,
     file: File,
+    /// Whether the file went to the VM's KVM VFIO device (once per group).
+    kvm_added: AtomicBool,
 }
 
 impl VfioGroup {
@@ -268,7 +281,11 @@ impl VfioContainer {
                 return Err(ioctl_err("VFIO_SET_IOMMU"));
             }
         }
-        let group = Arc::new(VfioGroup { id, file });
+        let group = Arc::new(VfioGroup {
+            id,
+            file,
+            kvm_added: AtomicBool::new(false),
+        });
         groups.insert(id, group.clone());
         Ok(group)
     }
@@ -433,10 +450,25 @@ fn irq_info(file: &File, index: IrqIndex) -> Result<Option<IrqInfo>, VfioKernelE
 
 impl KernelVfioDevice {
     /// Opens the device at sysfs `path` (checked with [`inspect`]) through its group in
-    /// `container`, and reads its regions and interrupts.
-    pub fn open(container: Arc<VfioContainer>, path: &Path) -> Result<Self, VfioKernelError> {
+    /// `container`, and reads its regions and interrupts. The group file goes to `kvm`
+    /// (the VM's KVM VFIO device, once per group) before the device is opened, so the
+    /// device's driver sees the VM when it opens ([`KvmVfioFiles`]).
+    pub fn open(
+        container: Arc<VfioContainer>,
+        path: &Path,
+        kvm: Option<&dyn KvmVfioFiles>,
+    ) -> Result<Self, VfioKernelError> {
         let sysfs = inspect(path)?;
         let group = container.group(sysfs.group)?;
+        if let Some(kvm) = kvm {
+            if !group.kvm_added.swap(true, Ordering::SeqCst) {
+                kvm.add(group.fd())
+                    .map_err(|source| VfioKernelError::KvmFile {
+                        group: group.id,
+                        source,
+                    })?;
+            }
+        }
         let name = CString::new(sysfs.name.as_bytes())
             .map_err(|_| VfioKernelError::NotPci(path.to_path_buf()))?;
         // SAFETY: `name` is a valid C string the kernel only reads.
@@ -460,15 +492,17 @@ impl KernelVfioDevice {
     }
 
     /// Opens the device at sysfs `path` (checked with [`inspect`]) through its cdev
-    /// `cdev` (`/dev/vfio/devices/vfioN`), binds it to `iommufd` and attaches it to the
-    /// iommufd's IOAS, and reads its regions and interrupts.
+    /// `cdev` (`/dev/vfio/devices/vfioN`), hands the cdev file to `kvm` (the VM's KVM VFIO
+    /// device), binds it to `iommufd` and attaches it to the iommufd's IOAS, and reads its
+    /// regions and interrupts.
     pub fn open_cdev(
         iommufd: Arc<Iommufd>,
         cdev: &Path,
         path: &Path,
+        kvm: Option<&dyn KvmVfioFiles>,
     ) -> Result<Self, VfioKernelError> {
         let sysfs = inspect(path)?;
-        let (file, devid) = bind_and_attach(cdev, &iommufd)?;
+        let (file, devid) = bind_and_attach(cdev, &iommufd, kvm)?;
         let access = Access::Cdev {
             _iommufd: iommufd,
             devid,

@@ -14,6 +14,7 @@
 //! - `sysfs`: what sysfs says (driver, IOMMU group, group viability);
 //! - `kernel`: the kernel backend (a device opened through the VFIO container/group
 //!   interface or through iommufd and its cdev);
+//! - `kvm_files`: handing group and cdev files to the VM's KVM VFIO device before opening;
 //! - `iommufd`: the iommufd/cdev interface: which interface opens a device (the
 //!   `iommu=auto|legacy|iommufd` option and what the kernel offers), the IOAS, bind and
 //!   attach.
@@ -28,6 +29,7 @@ mod device;
 mod gpudirect;
 mod iommufd;
 mod kernel;
+mod kvm_files;
 mod mapping;
 pub mod model;
 mod region_caps;
@@ -53,6 +55,7 @@ pub use kernel::{
     VFIO_DEVICE_GET_PCI_HOT_RESET_INFO, VFIO_DEVICE_PCI_HOT_RESET, VFIO_DEVICE_RESET,
     VFIO_DEVICE_SET_IRQS, VFIO_IOCTLS,
 };
+pub use kvm_files::KvmVfioFiles;
 pub use mapping::{MappedArea, MappingError};
 pub use region_caps::{
     encode_region_caps, parse_region_caps, RegionCap, RegionCapError, SparseArea, REGION_INFO_SIZE,
