@@ -73,6 +73,8 @@ enable=(
     CGROUPS MEMCG CGROUP_PIDS BLK_CGROUP BLK_DEV_THROTTLING CGROUP_SCHED FAIR_GROUP_SCHED
     CFS_BANDWIDTH CGROUP_DEVICE CGROUP_CPUACCT CPUSETS NAMESPACES USER_NS PID_NS NET_NS UTS_NS
     IPC_NS SECCOMP SECCOMP_FILTER
+    # cgroup v2's device allowance is a BPF program (the jail loads one per tenant).
+    BPF_SYSCALL CGROUP_BPF
     # Modules stay possible (the rootfs builder runs depmod), though nothing needs one.
     MODULES
 )
@@ -90,7 +92,8 @@ scripts/config "${args[@]}" --set-str LOCALVERSION "-tenantvm-iommufd" --enable 
 make -s olddefconfig
 # olddefconfig drops what a dependency forbids: check what the VMM's path stands on.
 for o in KVM KVM_AMD VFIO VFIO_PCI VFIO_GROUP VFIO_CONTAINER IOMMUFD VFIO_DEVICE_CDEV INTEL_IOMMU \
-         IRQ_REMAP DM_CRYPT VHOST_VSOCK VIRTIO_VSOCKETS EXT4_FS MEMCG CGROUP_PIDS; do
+         IRQ_REMAP DM_CRYPT VHOST_VSOCK VIRTIO_VSOCKETS EXT4_FS MEMCG CGROUP_PIDS BPF_SYSCALL \
+         CGROUP_BPF; do
     grep -qx "CONFIG_$o=y" .config || die "CONFIG_$o did not stay =y after olddefconfig (see $src/.config)"
 done
 

@@ -530,7 +530,11 @@ fn vmm_the_config_the_backend_writes_passes_the_vmms_own_check() {
             ops_per_s: 100,
         }),
     });
-    let written = tenantvm::backend::vmm::Vmm::config_file(&spec).unwrap();
+    let written = tenantvm::backend::vmm::Vmm::config_file(
+        &spec,
+        tenantvm::backend::vfio_nodes::VfioInterface::Legacy,
+    )
+    .unwrap();
     let file = tmp.path().join("vm.json");
     fs::write(&file, written.to_json().unwrap()).unwrap();
     let out = std::process::Command::new(vmm_binary())

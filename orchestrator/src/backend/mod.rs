@@ -18,6 +18,7 @@ pub mod qemu;
 pub mod report_dir;
 pub mod runner;
 pub mod socket;
+pub mod vfio_nodes;
 pub mod vmm;
 
 use std::path::PathBuf;

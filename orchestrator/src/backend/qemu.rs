@@ -248,7 +248,15 @@ impl VmmDriver for Qemu {
         prepared: &Prepared,
     ) -> Result<JailPlan, BackendError> {
         let args = Self::args(spec, self.accel)?;
-        let mut plan = runner::base_plan(spec, jail, prepared, &self.binary, args)?;
+        // Debian's QEMU (7.2) has no iommufd backend: the legacy nodes.
+        let mut plan = runner::base_plan(
+            spec,
+            jail,
+            prepared,
+            &self.binary,
+            args,
+            super::vfio_nodes::VfioInterface::Legacy,
+        )?;
         if self.accel == QemuAccel::Kvm {
             plan.device(Path::new("/dev/kvm"))?;
         }

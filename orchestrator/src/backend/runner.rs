@@ -15,6 +15,7 @@ use tenantvm_vmm_api::{
 };
 
 use super::control::MAX_SOCKET_PATH;
+use super::vfio_nodes::VfioInterface;
 use super::{
     BackendError, BackendKind, ExitReason, JailConfig, PeerSocketError, RunningVm, VmBackend,
     VmSpec, VmState,
@@ -542,14 +543,16 @@ pub fn jail_disks(spec: &VmSpec) -> Vec<BlockConfig> {
 }
 
 /// The jail plan every VMM needs: the program with its libraries, the guest files under
-/// /vm, /dev/null and /dev/urandom, the socket directory at /run and serial.log at
-/// /log/serial.log.
+/// /vm, /dev/null and /dev/urandom, the socket directory at /run, serial.log at
+/// /log/serial.log, and the passed-through devices' sysfs directories and VFIO nodes for
+/// `vfio` ([`vfio_nodes`](super::vfio_nodes)).
 pub fn base_plan(
     spec: &VmSpec,
     jail: &JailConfig,
     prepared: &Prepared,
     program: &Path,
     args: Vec<String>,
+    vfio: VfioInterface,
 ) -> Result<JailPlan, BackendError> {
     let rlimits = JailRlimits {
         nofile: VMM_NOFILE,
@@ -579,7 +582,7 @@ pub fn base_plan(
     plan.device(Path::new("/dev/urandom"))?;
     plan.bind(&prepared.run_dir, Path::new("/run"), true)?;
     plan.bind(&prepared.serial_log, Path::new(JAIL_SERIAL_LOG), true)?;
-    for node in vfio_nodes(spec) {
+    for node in super::vfio_nodes::nodes(spec, vfio, Path::new("/")) {
         plan.device(&node).map_err(|e| {
             invalid(format!(
                 "{}: {e}; is the device bound to vfio-pci (or its vGPU type set) and the vfio modules loaded? `tenantvm host check` says",
@@ -639,23 +642,6 @@ pub fn memlock_bytes(spec: &VmSpec, jail: &JailConfig) -> u64 {
     (u64::from(spec.memory_mib) << 20)
         .saturating_add(MEMLOCK_MARGIN_BYTES)
         .max(jail.limits.memory_bytes)
-}
-
-/// The VFIO nodes the VMM of `spec` gets, and no others: each device's IOMMU group node
-/// (`/dev/vfio/<group>`, once per group) and the container node `/dev/vfio/vfio`; none
-/// without devices.
-pub fn vfio_nodes(spec: &VmSpec) -> Vec<PathBuf> {
-    let mut nodes: Vec<PathBuf> = Vec::new();
-    for device in &spec.devices {
-        let node = device.vfio_node();
-        if !nodes.contains(&node) {
-            nodes.push(node);
-        }
-    }
-    if !nodes.is_empty() {
-        nodes.push(PathBuf::from(super::VFIO_CONTAINER));
-    }
-    nodes
 }
 
 /// Whether the launcher still runs, and if not, how it ended.
@@ -907,27 +893,6 @@ mod tests {
     }
 
     #[test]
-    fn the_vmm_gets_exactly_its_groups_vfio_nodes() {
-        let tmp = tempfile::tempdir().unwrap();
-        let mut spec = spec(tmp.path(), "alpha");
-        assert!(vfio_nodes(&spec).is_empty());
-        // A GPU and its audio function share group 17; a second GPU is group 40.
-        spec.devices = vec![
-            gpu("0000:41:00.0", 17),
-            gpu("0000:41:00.1", 17),
-            gpu("0000:c1:00.0", 40),
-        ];
-        assert_eq!(
-            vfio_nodes(&spec),
-            vec![
-                PathBuf::from("/dev/vfio/17"),
-                PathBuf::from("/dev/vfio/40"),
-                PathBuf::from("/dev/vfio/vfio"),
-            ]
-        );
-    }
-
-    #[test]
     fn memlock_covers_guest_ram_plus_a_margin_when_devices_are_passed() {
         let tmp = tempfile::tempdir().unwrap();
         let mut spec = spec(tmp.path(), "alpha");
@@ -964,10 +929,17 @@ mod tests {
                 path: tmp.path().join("cg"),
             },
         };
-        let err = base_plan(&spec, &JAIL, &prepared, Path::new("/bin/sh"), vec![])
-            .err()
-            .unwrap()
-            .to_string();
+        let err = base_plan(
+            &spec,
+            &JAIL,
+            &prepared,
+            Path::new("/bin/sh"),
+            vec![],
+            VfioInterface::Legacy,
+        )
+        .err()
+        .unwrap()
+        .to_string();
         assert!(
             err.contains("/dev/vfio/4095") && err.contains("vfio-pci"),
             "{err}"

@@ -20,6 +20,7 @@ use super::runner::{
     self, Prepared, Runner, RuntimeConfig, StopRequest, VmmDriver, JAIL_SERIAL_LOG, JAIL_VM_DIR,
     RUN_DIR,
 };
+use super::vfio_nodes::{self, VfioInterface};
 use super::{
     BackendError, BackendKind, ExitReason, JailConfig, PassthroughDevice, RunningVm, VmSpec,
     VmState,
@@ -70,10 +71,10 @@ impl Runner<Vmm> {
 impl Vmm {
     /// The VMM's config for `spec`, with paths as seen inside the jail: the guest files
     /// under /vm, serial.log, the control socket and the vsock device in /run, the
-    /// passthrough devices at their sysfs paths (which the jail mounts), the VM's UUID, and
-    /// the exit report in /report. An mdev is refused: tenantvm-vmm passes PCI functions
-    /// only.
-    pub fn config_file(spec: &VmSpec) -> Result<VmConfigFile, BackendError> {
+    /// passthrough devices at their sysfs paths (which the jail mounts) opened through
+    /// `vfio` (the interface whose nodes the jail gets), the VM's UUID, and the exit report
+    /// in /report. An mdev is refused: tenantvm-vmm passes PCI functions only.
+    pub fn config_file(spec: &VmSpec, vfio: VfioInterface) -> Result<VmConfigFile, BackendError> {
         let vm = Path::new(JAIL_VM_DIR);
         let run = Path::new("/run");
         let disks = runner::jail_disks(spec);
@@ -82,7 +83,10 @@ impl Vmm {
             .devices
             .iter()
             .map(|d| match d {
-                PassthroughDevice::Pci { .. } => Ok(PassthroughConfig::new(d.sysfs_path())),
+                PassthroughDevice::Pci { .. } => Ok(PassthroughConfig {
+                    iommu: vfio.vmm_mode(),
+                    ..PassthroughConfig::new(d.sysfs_path())
+                }),
                 PassthroughDevice::Mdev { uuid, .. } => Err(BackendError::InvalidSpec(format!(
                     "mdev {uuid}: tenantvm-vmm passes PCI functions only; run a tenant with an mdev vGPU (vGPU 16 and older) on the QEMU backend"
                 ))),
@@ -186,13 +190,17 @@ impl Vmm {
     /// Writes the config file of `spec` into the tenant directory, readable by the
     /// tenant's group only (the VMM runs as the tenant; root owns the file, so the VMM
     /// cannot change what a later launch reads).
-    fn write_config(spec: &VmSpec, jail: &JailConfig) -> Result<PathBuf, BackendError> {
+    fn write_config(
+        spec: &VmSpec,
+        jail: &JailConfig,
+        vfio: VfioInterface,
+    ) -> Result<PathBuf, BackendError> {
         let path = spec.tenant_dir.join(CONFIG_FILE);
         let io = |source| BackendError::Io {
             path: path.clone(),
             source,
         };
-        let text = Self::config_file(spec)?.to_json().map_err(|e| {
+        let text = Self::config_file(spec, vfio)?.to_json().map_err(|e| {
             BackendError::InvalidSpec(format!("the VM config cannot be written as JSON: {e}"))
         })?;
         let tmp = spec.tenant_dir.join(format!("{CONFIG_FILE}.tmp"));
@@ -267,10 +275,13 @@ impl VmmDriver for Vmm {
         jail: &JailConfig,
         prepared: &Prepared,
     ) -> Result<JailPlan, BackendError> {
-        let config = Self::write_config(spec, jail)?;
+        // One choice for the jail's nodes and the VMM's config (iommufd where the host
+        // offers it for every device).
+        let vfio = vfio_nodes::choose(spec, Path::new("/"), true);
+        let config = Self::write_config(spec, jail, vfio)?;
         let report = Self::prepare_report_dir(spec, jail)?;
         let args = vec!["--config".to_string(), JAIL_CONFIG.to_string()];
-        let mut plan = runner::base_plan(spec, jail, prepared, &self.binary, args)?;
+        let mut plan = runner::base_plan(spec, jail, prepared, &self.binary, args, vfio)?;
         plan.bind(&config, Path::new(JAIL_CONFIG), false)?;
         plan.bind(&report, Path::new(JAIL_REPORT_DIR), true)?;
         plan.device(Path::new("/dev/kvm"))?;
@@ -384,7 +395,7 @@ mod tests {
 
     #[test]
     fn the_config_uses_jail_paths_and_gives_the_vm_a_vsock_device() {
-        let config = Vmm::config_file(&spec()).unwrap();
+        let config = Vmm::config_file(&spec(), VfioInterface::Legacy).unwrap();
         assert_eq!(config.kernel, Some("/vm/kernel".into()));
         assert_eq!(config.initramfs, Some("/vm/initramfs".into()));
         assert_eq!(
@@ -429,7 +440,7 @@ mod tests {
 
     #[test]
     fn the_written_config_parses_with_the_vmms_own_types() {
-        let config = Vmm::config_file(&spec()).unwrap();
+        let config = Vmm::config_file(&spec(), VfioInterface::Legacy).unwrap();
         let json = config.to_json().unwrap();
         // The VMM reads the file with the same type, which refuses unknown fields.
         assert_eq!(VmConfigFile::from_json(&json).unwrap(), config);
@@ -438,7 +449,10 @@ mod tests {
             disks: vec![],
             ..spec()
         };
-        let json = Vmm::config_file(&no_initramfs).unwrap().to_json().unwrap();
+        let json = Vmm::config_file(&no_initramfs, VfioInterface::Legacy)
+            .unwrap()
+            .to_json()
+            .unwrap();
         assert!(
             !json.contains("initramfs") && !json.contains("disks") && !json.contains("devices"),
             "{json}"
@@ -465,7 +479,7 @@ mod tests {
         };
         // A stale temporary file (a daemon killed mid-write) does not block the next write.
         fs::write(tmp.path().join(format!("{CONFIG_FILE}.tmp")), "junk").unwrap();
-        let written = Vmm::write_config(&spec, &jail);
+        let written = Vmm::write_config(&spec, &jail, VfioInterface::Legacy);
         // Only root can hand the file to root with another group.
         if !nix::unistd::geteuid().is_root() {
             tenantvm_skip::skip!("needs root (fchown)");
@@ -480,7 +494,7 @@ mod tests {
         let text = fs::read_to_string(&path).unwrap();
         assert_eq!(
             VmConfigFile::from_json(&text).unwrap(),
-            Vmm::config_file(&spec).unwrap()
+            Vmm::config_file(&spec, VfioInterface::Legacy).unwrap()
         );
     }
 
@@ -503,20 +517,31 @@ mod tests {
 
     #[test]
     fn passthrough_devices_the_uuid_and_the_exit_report_reach_the_config() {
-        let config = Vmm::config_file(&gpu_spec()).unwrap();
+        let config = Vmm::config_file(&gpu_spec(), VfioInterface::Legacy).unwrap();
         let devices = config.devices.clone().unwrap();
+        let legacy = |path: &str| PassthroughConfig {
+            iommu: tenantvm_vmm_api::VfioIommuMode::Legacy,
+            ..PassthroughConfig::new(path)
+        };
         assert_eq!(
             devices,
             vec![
-                PassthroughConfig::new("/sys/bus/pci/devices/0000:41:00.0"),
-                PassthroughConfig::new("/sys/bus/pci/devices/0000:41:00.1"),
+                legacy("/sys/bus/pci/devices/0000:41:00.0"),
+                legacy("/sys/bus/pci/devices/0000:41:00.1"),
             ]
         );
-        // Each is what `--device vfio,path=...` would have given the VMM.
+        // Each is what `--device vfio,path=...,iommu=legacy` would have given the VMM.
         for d in &devices {
-            let flag = format!("vfio,path={}", d.path.display());
+            let flag = format!("vfio,path={},iommu=legacy", d.path.display());
             assert_eq!(&flag.parse::<PassthroughConfig>().unwrap(), d);
         }
+        // Through iommufd (the jail then has /dev/iommu and the cdevs), the VMM is told so.
+        let through_iommufd = Vmm::config_file(&gpu_spec(), VfioInterface::Iommufd).unwrap();
+        assert!(through_iommufd
+            .devices
+            .unwrap()
+            .iter()
+            .all(|d| d.iommu == tenantvm_vmm_api::VfioIommuMode::Iommufd));
         assert_eq!(
             config.uuid.unwrap().to_string(),
             "5c2b8a1e-0d3f-4c6a-9b7e-2f1a0c9d8e7b"
@@ -525,7 +550,7 @@ mod tests {
         let json = config.to_json().unwrap();
         assert_eq!(VmConfigFile::from_json(&json).unwrap(), config);
         // Without devices the VM still gets an exit report, and no devices field.
-        let plain = Vmm::config_file(&spec()).unwrap();
+        let plain = Vmm::config_file(&spec(), VfioInterface::Legacy).unwrap();
         assert_eq!((plain.devices, plain.uuid), (None, None));
     }
 
@@ -538,7 +563,9 @@ mod tests {
             }],
             ..spec()
         };
-        let err = Vmm::config_file(&mdev).unwrap_err().to_string();
+        let err = Vmm::config_file(&mdev, VfioInterface::Legacy)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("QEMU backend"), "{err}");
         for bad in [
             vec![PassthroughDevice::Pci {
@@ -568,7 +595,10 @@ mod tests {
                 ..spec()
             };
             assert!(
-                matches!(Vmm::config_file(&spec), Err(BackendError::InvalidSpec(_))),
+                matches!(
+                    Vmm::config_file(&spec, VfioInterface::Legacy),
+                    Err(BackendError::InvalidSpec(_))
+                ),
                 "{bad:?} accepted"
             );
         }
