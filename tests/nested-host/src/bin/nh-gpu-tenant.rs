@@ -249,6 +249,39 @@ fn guest_report(cli: &Cli, d: &Daemon) -> Result<String, String> {
     }
 }
 
+/// The VMM was told the interface this host offers: iommufd (`/dev/iommu` and edu's cdev)
+/// where the outer kernel has it (the iommufd kernel, docs/testing.md), the legacy group
+/// otherwise (Debian's). Its jail's nodes are not visible from here (the jail's own mount
+/// namespace); a VMM told `iommufd` whose jail lacked them would exit 24 before the guest
+/// reported edu (checked above).
+fn check_interface(state: &Path, edu: &str) -> Result<(), String> {
+    let tenant = state.join("tenants").join(NAME);
+    let config = std::fs::read_to_string(tenant.join("vmm-config.json"))
+        .map_err(|e| format!("the VMM's config: {e}"))?;
+    let cdev = std::fs::read_dir(format!("/sys/bus/pci/devices/{edu}/vfio-dev"))
+        .ok()
+        .and_then(|mut d| d.next())
+        .and_then(|e| e.ok())
+        .map(|e| Path::new("/dev/vfio/devices").join(e.file_name()))
+        .filter(|node| node.exists());
+    let (want, node) = match (&cdev, Path::new("/dev/iommu").exists()) {
+        (Some(node), true) => ("iommufd", node.clone()),
+        _ => ("legacy", PathBuf::from("/dev/vfio/vfio")),
+    };
+    let compact: String = config.split_whitespace().collect();
+    if !compact.contains(&format!("\"iommu\":\"{want}\"")) {
+        return Err(format!(
+            "the VMM's config should say iommu={want}: {config}"
+        ));
+    }
+    println!(
+        "ok: the VMM was told to open edu through {want} ({})",
+        node.display()
+    );
+    note(&format!("gpu tenant VFIO interface: {want}"));
+    Ok(())
+}
+
 fn create(cli: &Cli, work: &Path, d: &Daemon) -> Result<(), String> {
     let spec = work.join("tenant.toml");
     let timeout = LIFECYCLE_TIMEOUT_S.to_string();
@@ -555,6 +588,7 @@ fn run() -> Result<(), String> {
     }
     let line = guest_report(&cli, &d)?;
     println!("ok: the tenant's guest: {line}");
+    check_interface(&state, &edu)?;
     note(&format!(
         "gpu tenant (edu whole) create to running: {:.2} s",
         with_device.as_secs_f64()
