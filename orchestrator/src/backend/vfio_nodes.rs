@@ -39,23 +39,15 @@ fn under(root: &Path, path: &Path) -> PathBuf {
 }
 
 /// The cdev of a PCI device as the host shows it: the name in its sysfs `vfio-dev/`
-/// (`vfioN`, with a node under [`VFIO_CDEV_DIR`]); `None` for an mdev or where either is
-/// missing (a kernel without `CONFIG_VFIO_DEVICE_CDEV` shows the name, never the node).
+/// (`vfioN`, by the VMM's own rule, `cdev_name`) with a node under [`VFIO_CDEV_DIR`];
+/// `None` for an mdev or where either is missing (a kernel without
+/// `CONFIG_VFIO_DEVICE_CDEV` shows the name, never the node).
 fn cdev_node(device: &PassthroughDevice, root: &Path) -> Option<PathBuf> {
     let PassthroughDevice::Pci { .. } = device else {
         return None;
     };
-    let mut names: Vec<String> =
-        std::fs::read_dir(under(root, &device.sysfs_path().join("vfio-dev")))
-            .ok()?
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .filter(|n| {
-                n.strip_prefix("vfio")
-                    .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
-            })
-            .collect();
-    names.sort();
-    let node = Path::new(VFIO_CDEV_DIR).join(names.first()?);
+    let name = tenantvm_vmm_api::devices::cdev_name(&under(root, &device.sysfs_path()))?;
+    let node = Path::new(VFIO_CDEV_DIR).join(name);
     under(root, &node).exists().then_some(node)
 }
 

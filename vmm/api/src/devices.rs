@@ -132,6 +132,21 @@ impl PassthroughConfig {
     }
 }
 
+/// The device's VFIO cdev name (`vfioN`) from its sysfs directory's `vfio-dev/` folder,
+/// when the kernel made one.
+pub fn cdev_name(sysfs_device: &Path) -> Option<String> {
+    let mut names: Vec<String> = std::fs::read_dir(sysfs_device.join("vfio-dev"))
+        .ok()?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| {
+            n.strip_prefix("vfio")
+                .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .collect();
+    names.sort();
+    names.into_iter().next()
+}
+
 /// Whether `name` is a full PCI address, `DDDD:BB:DD.F` in lower- or upper-case hex.
 pub fn is_pci_address(name: &str) -> bool {
     let b = name.as_bytes();

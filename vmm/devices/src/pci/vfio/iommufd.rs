@@ -125,20 +125,9 @@ fn ioctl_err(op: &'static str) -> IommufdError {
     }
 }
 
-/// The device's VFIO cdev name (`vfioN`) from its sysfs directory's `vfio-dev/` folder,
-/// when the kernel made one.
-pub fn cdev_name(sysfs_device: &Path) -> Option<String> {
-    let mut names: Vec<String> = std::fs::read_dir(sysfs_device.join("vfio-dev"))
-        .ok()?
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| {
-            n.strip_prefix("vfio")
-                .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
-        })
-        .collect();
-    names.sort();
-    names.into_iter().next()
-}
+/// The device's VFIO cdev name (`vfioN`): the one rule, shared with the orchestrator's
+/// choice of jail nodes.
+pub use tenantvm_vmm_api::devices::cdev_name;
 
 /// The interface to open the device at `sysfs_device` with, given the device folder
 /// `dev_root` (normally `/dev`): the cdev when `<dev_root>/iommu` and
