@@ -9,6 +9,7 @@
 #   --runs N          runs to make (default 10)
 #   --load K          K busy loops (one shell each) run beside every run (default 0)
 #   --until-freeze    stop after the first run with a freeze
+#   --inputs FILE     use these prepared inputs (tests/nested-host/prepare.sh) as they are
 #   other options go to `nested-host run` (e.g. --append lapic=notscdeadline,
 #   --qemu-arg=-icount --qemu-arg=shift=auto); QEMU=PATH picks the QEMU binary
 # Writes each run's JSON outcomes and the tally to target/nested-host/soak/<start time>/.
@@ -16,7 +17,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-runs=10 load=0 until_freeze=0 profile=debug
+runs=10 load=0 until_freeze=0 profile=debug inputs=""
 args=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -24,6 +25,7 @@ while [ $# -gt 0 ]; do
         --load) load="${2:?--load needs a number}"; shift 2 ;;
         --until-freeze) until_freeze=1; shift ;;
         --release) profile=release; shift ;;
+        --inputs) inputs="${2:?--inputs needs a file}"; shift 2 ;;
         *) args+=("$1"); shift ;;
     esac
 done
@@ -31,7 +33,10 @@ done
 
 cargo build --quiet -p tenantvm-nested-host --bin nested-host
 target/debug/nested-host run --check-names "${args[@]}"
-tests/nested-host/prepare.sh --profile "$profile"
+if [ -z "$inputs" ]; then
+    tests/nested-host/prepare.sh --profile "$profile"
+    inputs="target/nested-host/$profile/inputs"
+fi
 
 out="target/nested-host/soak/$(date -u +%Y%m%dT%H%M%SZ)"
 mkdir -p "$out"
@@ -48,7 +53,7 @@ passed=0 froze=0 failed=0
 for i in $(seq 1 "$runs"); do
     t0=$(date +%s)
     set +e
-    target/debug/nested-host run --json --inputs "target/nested-host/$profile/inputs" \
+    target/debug/nested-host run --json --inputs "$inputs" \
         --work-dir "$out/run-$i" "${args[@]}" >"$out/run-$i.out" 2>"$out/run-$i.err"
     set -e
     took=$(($(date +%s) - t0))
@@ -61,6 +66,7 @@ print(" ".join(o["name"] for o in v if o["verdict"] == "fail" and "froze" in (o[
 try: v = json.load(sys.stdin)
 except Exception: print("no-outcomes"); sys.exit()
 print(" ".join(o["name"] for o in v if o["verdict"] == "fail" and "froze" not in (o["reason"] or "")))')"
+    [ "$bad" != no-outcomes ] || bad="no outcomes ($(tail -n 1 "$out/run-$i.err"))"
     if [ -n "$frozen" ]; then
         froze=$((froze + 1)); verdict="FROZE in $frozen${bad:+; failed: $bad}"
     elif [ -n "$bad" ]; then

@@ -104,11 +104,16 @@ results="$(virtio_port org.tenantvm.nested.results)" ||
 # The heartbeat: a line with the uptime every 5 s on a port of its own. It needs the kernel's
 # timers, its scheduler and an interrupt-driven virtio queue, so when the outer guest stops
 # (a lost timer, interrupts that never arrive) the host side sees the silence within seconds
-# and saves the guest's state (docs/testing.md, "A frozen outer guest").
+# and saves the guest's state. The host writes a byte a second the other way: that device
+# interrupt is what recovers a timer interrupt QEMU's TCG lost (docs/testing.md, "A frozen
+# outer guest").
 if heartbeat="$(virtio_port org.tenantvm.nested.heartbeat)"; then
     (
         trap '' HUP
-        exec 3>"$heartbeat"
+        exec 3<>"$heartbeat"
+        # The host's nudges (one byte a second: a device interrupt that recovers an interrupt
+        # QEMU lost; docs/testing.md) are read and dropped.
+        $B cat <&3 >/dev/null &
         last=""
         while :; do
             now="$(uptime_s)"

@@ -60,6 +60,11 @@ enum Cmd {
         /// (its state is then saved and it is stopped).
         #[arg(long, default_value_t = 30)]
         heartbeat_silence: u64,
+        /// Seconds between the host's nudges (a device interrupt on the heartbeat port that
+        /// recovers an interrupt QEMU's TCG lost; docs/testing.md); 0: no nudges (to measure
+        /// the freeze rate without them).
+        #[arg(long, default_value_t = 1)]
+        nudge_interval: u64,
         /// Boots of the outer guest allowed for one run: after a freeze, hang or crash the
         /// scenarios that had not started run in a fresh one (none is run twice).
         #[arg(long, default_value_t = 3)]
@@ -128,6 +133,7 @@ fn main() -> ExitCode {
             boot_timeout,
             grace,
             heartbeat_silence,
+            nudge_interval,
             max_boots,
             append,
             qemu_args,
@@ -151,6 +157,8 @@ fn main() -> ExitCode {
             cfg.grace = std::time::Duration::from_secs(grace);
             cfg.heartbeat_silence = std::time::Duration::from_secs(heartbeat_silence);
             cfg.max_boots = max_boots;
+            cfg.nudge =
+                (nudge_interval > 0).then(|| std::time::Duration::from_secs(nudge_interval));
             cfg.extra_append = append;
             cfg.extra_qemu_args = qemu_args;
             let outcomes =
