@@ -305,6 +305,92 @@ fn a_whole_card_in_mig_mode_is_handed_over_with_mig_off_and_gets_it_back() {
     );
 }
 
+/// A backend that counts its rescans and otherwise is the SIMULATED one it wraps.
+struct CountsRescans {
+    inner: Box<dyn tenantvm_gpu::backend::GpuBackend>,
+    rescans: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl tenantvm_gpu::backend::GpuBackend for CountsRescans {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    fn gpus(
+        &self,
+    ) -> Result<Vec<tenantvm_gpu::backend::GpuInfo>, tenantvm_gpu::backend::BackendError> {
+        self.inner.gpus()
+    }
+    fn set_mig_mode(&self, gpu: u32, on: bool) -> Result<(), tenantvm_gpu::backend::BackendError> {
+        self.inner.set_mig_mode(gpu, on)
+    }
+    fn possible_placements(
+        &self,
+        gpu: u32,
+        profile: u32,
+    ) -> Result<Vec<(u32, u32)>, tenantvm_gpu::backend::BackendError> {
+        self.inner.possible_placements(gpu, profile)
+    }
+    fn remaining_capacity(
+        &self,
+        gpu: u32,
+        profile: u32,
+    ) -> Result<u32, tenantvm_gpu::backend::BackendError> {
+        self.inner.remaining_capacity(gpu, profile)
+    }
+    fn create_gpu_instance(
+        &self,
+        gpu: u32,
+        profile: u32,
+        start: u32,
+    ) -> Result<tenantvm_gpu::backend::GpuInstance, tenantvm_gpu::backend::BackendError> {
+        self.inner.create_gpu_instance(gpu, profile, start)
+    }
+    fn ensure_compute_instance(
+        &self,
+        gpu: u32,
+        gi: u32,
+    ) -> Result<(), tenantvm_gpu::backend::BackendError> {
+        self.inner.ensure_compute_instance(gpu, gi)
+    }
+    fn destroy_instance(
+        &self,
+        gpu: u32,
+        gi: u32,
+    ) -> Result<(), tenantvm_gpu::backend::BackendError> {
+        self.inner.destroy_instance(gpu, gi)
+    }
+    fn rescan(&self) -> Result<(), tenantvm_gpu::backend::BackendError> {
+        self.rescans
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.rescan()
+    }
+}
+
+/// NVML enumerates GPUs when its session opens: after the card leaves its driver for
+/// vfio-pci, and after it comes back, the daemon has the backend enumerate them again.
+#[test]
+fn the_gpu_backend_rescans_after_a_whole_card_is_bound_and_after_it_is_rebound() {
+    let fake = FakeHost::build(&FakeHost::h100x8_spec()).unwrap();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/hosts/sim-h100x8.json");
+    let host: SimHost = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let rescans = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let backend = CountsRescans {
+        inner: Box::new(fake.attach_sim(&host).unwrap()),
+        rescans: rescans.clone(),
+    };
+    let planner = Arc::new(BackendPlanner::new(Box::new(backend)).with_sysfs(fake.sysfs()));
+    let host = GpuHost { fake, planner };
+    let h = harness(&host);
+    let count = || rescans.load(std::sync::atomic::Ordering::SeqCst);
+    create(&h, WHOLE);
+    assert_eq!(state(&h), Some(LifecycleState::Running));
+    assert_eq!(count(), 1, "after the bind");
+    destroy(&h);
+    assert_eq!(state(&h), None);
+    assert_eq!(count(), 2, "after the rebind");
+}
+
 #[test]
 fn a_whole_card_that_had_mig_on_converges_after_a_crash_at_every_step_boundary() {
     converges(WHOLE, one_whole_card_in_mig_mode);

@@ -279,6 +279,7 @@ impl BackendPlanner {
             DeviceRecord::NotAttached { .. } => Ok(record.clone()),
             DeviceRecord::Whole { binding, .. } => {
                 whole::apply_bind(self.sysfs_or()?, binding).map_err(plan_err)?;
+                self.rescan_gpus();
                 Ok(record.clone())
             }
             DeviceRecord::MdevVgpu { assignment, .. } => {
@@ -386,8 +387,19 @@ impl BackendPlanner {
     pub(crate) fn rebind_device_route(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
         if let DeviceRecord::Whole { binding, .. } = record {
             whole::rebind_host_drivers(self.sysfs_or()?, binding).map_err(plan_err)?;
+            self.rescan_gpus();
         }
         Ok(())
+    }
+
+    /// After a card left its driver or came back to it: the backend enumerates the GPUs
+    /// again (NVML's indexes and handles are stale otherwise). A failure is only logged:
+    /// the bind or rebind itself is done, and the NVML backend opens a session again at
+    /// its next call.
+    fn rescan_gpus(&self) {
+        if let Err(e) = self.backend().rescan() {
+            tracing::warn!(error = %e, "the GPU backend could not enumerate the GPUs again");
+        }
     }
 
     /// Whole: the driver each device of the group is bound to now (None: unbound), read
