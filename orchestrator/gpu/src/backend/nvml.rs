@@ -270,6 +270,30 @@ fn gi_info(
     Ok(unsafe { info.assume_init() })
 }
 
+/// Compute-instance profile `ci_enum` (shared engines) of GPU instance `gi`, or NVML's
+/// return code when it has none.
+fn ci_profile(
+    nvml: &Nvml,
+    gi: sys::nvmlGpuInstance_t,
+    ci_enum: u32,
+) -> Result<sys::nvmlComputeInstanceProfileInfo_t, sys::nvmlReturn_t> {
+    let mut ci_info = MaybeUninit::<sys::nvmlComputeInstanceProfileInfo_t>::zeroed();
+    // SAFETY: `gi` is a live GPU instance handle; `ci_info` is a sized out-struct.
+    let code = unsafe {
+        nvml.lib().nvmlGpuInstanceGetComputeInstanceProfileInfo(
+            gi,
+            ci_enum,
+            sys::NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+            ci_info.as_mut_ptr(),
+        )
+    };
+    if code != sys::nvmlReturn_enum_NVML_SUCCESS {
+        return Err(code);
+    }
+    // SAFETY: filled by NVML on success (and zeroed before).
+    Ok(unsafe { ci_info.assume_init() })
+}
+
 /// Every compute instance of a GPU instance, of every compute-instance profile.
 fn compute_instances(
     nvml: &Nvml,
@@ -279,21 +303,9 @@ fn compute_instances(
     let lib = nvml.lib();
     let mut out = Vec::new();
     for ci_enum in 0..sys::NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
-        let mut ci_info = MaybeUninit::<sys::nvmlComputeInstanceProfileInfo_t>::zeroed();
-        // SAFETY: valid GPU instance and out-struct.
-        let code = unsafe {
-            lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                gi,
-                ci_enum,
-                sys::NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
-                ci_info.as_mut_ptr(),
-            )
-        };
-        if code != sys::nvmlReturn_enum_NVML_SUCCESS {
+        let Ok(ci_info) = ci_profile(nvml, gi, ci_enum) else {
             continue;
-        }
-        // SAFETY: filled by NVML on success.
-        let ci_info = unsafe { ci_info.assume_init() };
+        };
         let mut cis: Vec<sys::nvmlComputeInstance_t> =
             vec![std::ptr::null_mut(); ci_info.instanceCount.max(1) as usize];
         let mut count = 0u32;
@@ -506,19 +518,13 @@ impl GpuBackend for NvmlBackend {
                 gpu,
                 profile: info.profileId,
             })?;
-            let mut ci_info = MaybeUninit::<sys::nvmlComputeInstanceProfileInfo_t>::zeroed();
-            // SAFETY: `gi` is a live GPU instance; `ci_info` is a sized out-struct.
-            let code = unsafe {
-                lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gi,
-                    ci_enum,
-                    sys::NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
-                    ci_info.as_mut_ptr(),
-                )
-            };
-            check("nvmlGpuInstanceGetComputeInstanceProfileInfo", gpu, code)?;
-            // SAFETY: filled by NVML on success.
-            let ci_info = unsafe { ci_info.assume_init() };
+            let call = "nvmlGpuInstanceGetComputeInstanceProfileInfo";
+            let ci_info = ci_profile(nvml, gi, ci_enum).map_err(|code| {
+                check(call, gpu, code).err().unwrap_or(BackendError::Nvml {
+                    call,
+                    detail: format!("return code {code}"),
+                })
+            })?;
             let mut ci: sys::nvmlComputeInstance_t = std::ptr::null_mut();
             // SAFETY: valid GPU instance and out-pointer.
             let code = unsafe { lib.nvmlGpuInstanceCreateComputeInstance(gi, ci_info.id, &mut ci) };
