@@ -92,13 +92,16 @@ fn open_session() -> Result<Nvml, BackendError> {
     Nvml::init().map_err(|e| BackendError::NvmlUnavailable(e.to_string()))
 }
 
+/// An inventory: the cards read, and those that could not be (index, why).
+pub type Inventory<T> = (Vec<T>, Vec<(u32, BackendError)>);
+
 /// The cards of an inventory of `count`, each read by `card`: a card that cannot be read
 /// is left out and reported (index, error), so that one unreachable card does not hide the
 /// others. Only when every card fails is the inventory an error.
 pub fn collect_cards<T>(
     count: u32,
     mut card: impl FnMut(u32) -> Result<T, BackendError>,
-) -> Result<(Vec<T>, Vec<(u32, BackendError)>), BackendError> {
+) -> Result<Inventory<T>, BackendError> {
     let (mut cards, mut unreachable) = (Vec::new(), Vec::new());
     for index in 0..count {
         match card(index) {
@@ -651,7 +654,7 @@ mod tests {
         let none = collect_cards(2, |i| Err::<u32, _>(BackendError::NoSuchGpu(i)));
         assert!(matches!(none, Err(BackendError::NoSuchGpu(0))));
         // No card at all is an empty inventory, not an error.
-        assert!(collect_cards(0, |i| Ok(i)).unwrap().0.is_empty());
+        assert!(collect_cards(0, Ok).unwrap().0.is_empty());
     }
 
     /// Runs against a real GPU only when TENANTVM_TEST_GPU names one (an index); reads the
