@@ -299,13 +299,13 @@ fn check_hugepages(s: &Sysfs) -> CheckResult {
             "hugepages",
             Status::Warn,
             "no huge pages reserved",
-            Some("reserve 1 GiB pages for guests with GPUs (their memory is pinned for DMA): add hugepagesz=1G hugepages=N to the kernel command line"),
+            Some("reserve 1 GiB pages for guests with GPUs (their memory is pinned for DMA): add hugepagesz=1G hugepages=N to the kernel command line; a GPU tenant's RAM is then backed by them (spec `hugepages`, by default for GPU tenants where enough are free)"),
         );
     }
     result(
         "hugepages",
         Status::Pass,
-        format!("{one_g} × 1 GiB, {two_m} × 2 MiB reserved"),
+        format!("{one_g} × 1 GiB, {two_m} × 2 MiB reserved (GPU tenants' RAM is backed by them where enough are free)"),
         None,
     )
 }

@@ -111,6 +111,7 @@ impl Vmm {
             devices: (!devices.is_empty()).then_some(devices),
             uuid: spec.uuid,
             exit_report: Some(Path::new(JAIL_REPORT_DIR).join(EXIT_REPORT)),
+            hugepages: spec.hugepages,
         })
     }
 
@@ -402,6 +403,7 @@ mod tests {
             tenant_dir: "/var/lib/tenantvm/tenants/t".into(),
             devices: vec![],
             uuid: None,
+            hugepages: None,
         }
     }
 
@@ -523,6 +525,7 @@ mod tests {
                 },
             ],
             uuid: Some("5c2b8a1e-0d3f-4c6a-9b7e-2f1a0c9d8e7b".parse().unwrap()),
+            hugepages: None,
             ..spec()
         }
     }
@@ -564,6 +567,19 @@ mod tests {
         // Without devices the VM still gets an exit report, and no devices field.
         let plain = Vmm::config_file(&spec(), VfioInterface::Legacy).unwrap();
         assert_eq!((plain.devices, plain.uuid), (None, None));
+    }
+
+    #[test]
+    fn the_vms_huge_pages_reach_its_config() {
+        let on = VmSpec {
+            hugepages: Some(tenantvm_vmm_api::HugePages::Size2M),
+            ..spec()
+        };
+        let config = Vmm::config_file(&on, VfioInterface::Legacy).unwrap();
+        assert_eq!(config.hugepages, Some(tenantvm_vmm_api::HugePages::Size2M));
+        assert!(config.to_json().unwrap().contains("\"hugepages\": \"2M\""));
+        let off = Vmm::config_file(&spec(), VfioInterface::Legacy).unwrap();
+        assert_eq!(off.hugepages, None);
     }
 
     /// NVIDIA's vGPU manager reads the VM's UUID from the VMM's command line (QEMU's

@@ -79,6 +79,7 @@ fn the_smallest_slice_is_asked_for_and_a_full_host_says_so() {
             gpu: GpuRequest::default(),
             image: Default::default(),
             quotas: Default::default(),
+            hugepages: None,
         },
         1,
     );

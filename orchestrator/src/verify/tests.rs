@@ -95,6 +95,7 @@ fn spec(name: &str, gpu: GpuRequest) -> TenantSpec {
             ..GuestImage::default()
         },
         quotas: Quotas::default(),
+        hugepages: None,
     }
 }
 
