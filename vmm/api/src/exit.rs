@@ -166,7 +166,7 @@ impl ExitStatus {
             }
             ExitStatus::VfioDevicePath => "a passed-through device path is not a PCI device",
             ExitStatus::VfioNotBound => {
-                "a passed-through device is not registered with VFIO (not bound to vfio-pci or to a driver that registers it)"
+                "a passed-through device is not registered with VFIO by its driver"
             }
             ExitStatus::VfioGroup => {
                 "a passed-through device's IOMMU group is missing or not viable"

@@ -109,9 +109,14 @@ pub fn inspect(path: &Path, vfio_dir: &Path) -> Result<SysfsDevice, SysfsError> 
         return Err(not_registered(None));
     };
     let group_link = path.join("iommu_group");
-    let group = link_name(&group_link)
-        .and_then(|g| g.parse::<u32>().ok())
-        .ok_or_else(|| SysfsError::NoIommuGroup(path.to_path_buf()))?;
+    let Some(group) = link_name(&group_link).and_then(|g| g.parse::<u32>().ok()) else {
+        // Without a group nothing registers a device with VFIO but its own cdev shows;
+        // a device on a host driver is named as such.
+        return Err(match cdev_name(path) {
+            Some(_) => SysfsError::NoIommuGroup(path.to_path_buf()),
+            None => not_registered(Some(driver)),
+        });
+    };
     let mut members: Vec<_> = std::fs::read_dir(group_link.join("devices"))
         .map_err(|_| SysfsError::NoIommuGroup(path.to_path_buf()))?
         .filter_map(|e| e.ok())
@@ -259,10 +264,17 @@ mod tests {
             Err(SysfsError::NotVfioBound { ref driver, .. }) if driver == "no driver"
         ));
         let no_group = t.add("0000:44:00.0", Some("vfio-pci"), None);
+        t.cdev(&no_group, 9);
         assert_eq!(
             inspect(&no_group, &dev_dir),
             Err(SysfsError::NoIommuGroup(no_group))
         );
+        // A host driver's device without a group (no IOMMU): named by its driver.
+        let host_no_group = t.add("0000:44:00.1", Some("virtio-pci"), None);
+        assert!(matches!(
+            inspect(&host_no_group, &dev_dir),
+            Err(SysfsError::NotVfioBound { ref driver, .. }) if driver == "virtio-pci"
+        ));
     }
 
     /// NVIDIA's vGPU VFs (vGPU 17 and later) stay on the `nvidia` driver, which registers
