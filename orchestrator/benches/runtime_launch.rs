@@ -103,6 +103,7 @@ fn main() {
                 tenant_dir: dir.clone(),
                 devices: vec![],
                 uuid: None,
+                hugepages: None,
             };
             let uid = 300_000 + u32::try_from(i).unwrap();
             let jail = JailConfig {

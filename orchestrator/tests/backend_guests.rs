@@ -84,6 +84,7 @@ fn spec(tmp: &tempfile::TempDir, tag: &str, test: &str, vcpus: u32) -> VmSpec {
         tenant_dir: common::tenant_dir(tmp, &tenant),
         devices: vec![],
         uuid: None,
+        hugepages: None,
         tenant,
         kernel: guest(),
         initramfs: None,

@@ -57,6 +57,7 @@ fn spec(tmp: &tempfile::TempDir, tag: &str) -> VmSpec {
         tenant_dir: common::tenant_dir(tmp, &tenant),
         devices: vec![],
         uuid: None,
+        hugepages: None,
         tenant,
         kernel: kernel(),
         initramfs: None,

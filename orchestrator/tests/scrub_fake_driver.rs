@@ -59,6 +59,8 @@ fn fake_driver_scrub_zeroes_all_allocatable_memory_and_verifies_it() {
     assert_eq!(out.assurance, Assurance::Verified);
     assert_eq!(out.device, FAKE_UUID);
     assert_eq!(out.total_bytes, FAKE_TOTAL);
+    assert_eq!(out.held_bytes, FAKE_RESERVED);
+    assert_eq!(out.required_bytes, FAKE_TOTAL - FAKE_RESERVED);
     // The allocation backed off from the fragmented tail and still took nearly all of it.
     let allocatable = FAKE_TOTAL - FAKE_RESERVED - FAKE_FRAGMENTED;
     assert!(out.scrubbed_bytes <= allocatable);
@@ -87,6 +89,37 @@ fn fake_driver_residue_left_by_memset_is_caught() {
     assert!(out.first_nonzero_at.is_some());
     let record = out.step_record("t0".into(), "t1".into());
     assert_eq!(record.result, tenantvm::receipt::StepResult::Failed);
+}
+
+/// A scrub that zeroed and read back only part of the device, all of it zero, is a failed
+/// scrub: the rest of the slice was never scrubbed (the old rule passed any coverage above
+/// zero as `verified`).
+#[test]
+fn fake_driver_scrub_that_covers_part_of_the_device_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(lib) = build_fake(
+        dir.path(),
+        "libcuda-fake-limit.so",
+        &["-DFAKE_ALLOC_LIMIT=(40ull<<20)"],
+    ) else {
+        return;
+    };
+    let out = scrub(&lib, VerifyMode::Full).unwrap();
+    assert_eq!(out.nonzero_bytes, 0, "what it reached was zero: {out:?}");
+    assert!(
+        out.scrubbed_bytes <= 40 << 20 && out.scrubbed_bytes > 36 << 20,
+        "{out:?}"
+    );
+    assert!(!out.passed, "{out:?}");
+    assert_eq!(out.assurance, Assurance::Unverified);
+    // It says what it had to cover: the device less what the driver held.
+    assert_eq!(out.held_bytes, FAKE_RESERVED);
+    assert_eq!(out.required_bytes, FAKE_TOTAL - FAKE_RESERVED);
+    let record = out.step_record("t0".into(), "t1".into());
+    assert_eq!(record.result, tenantvm::receipt::StepResult::Failed);
+    let error = record.error.unwrap();
+    assert!(error.contains("did not cover the slice"), "{error}");
+    assert_eq!(record.evidence["held_bytes"], FAKE_RESERVED.to_string());
 }
 
 #[test]

@@ -183,7 +183,7 @@ pub fn run_reporting(
     let ram_end = boot::layout::ram_ranges(mem_size)
         .last()
         .map_or(0, |(start, len)| start + len);
-    let mem = create_guest_memory(mem_size)?;
+    let mem = create_guest_memory(mem_size, config.hugepages)?;
     let vm = Arc::new(Vm::new(&mem)?);
     if config.vcpus > vm.max_vcpus() {
         return Err(VstateError::TooManyVcpus {

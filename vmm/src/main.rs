@@ -11,7 +11,7 @@ use tenantvm_vmm::api::{parse_disk, parse_vsock, VmConfig, VmConfigFile};
 use tenantvm_vmm::report::ExitReporter;
 use tenantvm_vmm_api::exit::help_table;
 use tenantvm_vmm_api::{
-    BootProtocol, ExitStatus, PassthroughConfig, SeccompMode, SerialConfig, VmUuid,
+    BootProtocol, ExitStatus, HugePages, PassthroughConfig, SeccompMode, SerialConfig, VmUuid,
     MAX_PASSTHROUGH_DEVICES,
 };
 
@@ -97,8 +97,12 @@ struct Cli {
     /// FILE as the VMM ends, atomically.
     #[arg(long, value_name = "FILE")]
     exit_report: Option<PathBuf>,
+    /// Back the guest's RAM with huge pages of this size from the host's reserved pool
+    /// (2M or 1G); the host must have enough free.
+    #[arg(long, value_name = "2M|1G")]
+    hugepages: Option<HugePages>,
     /// JSON file with the same fields (kernel, initramfs, cmdline, memory_mib, vcpus,
-    /// serial, api_sock, boot, disks, vsock, rng, seccomp, devices, uuid, exit_report);
+    /// serial, api_sock, boot, disks, vsock, rng, seccomp, devices, uuid, exit_report, hugepages);
     /// unknown fields are refused; flags override it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
@@ -201,6 +205,7 @@ fn main() -> ExitCode {
         seccomp: cli.seccomp,
         devices: (!devices.is_empty()).then_some(devices),
         uuid: cli.uuid,
+        hugepages: cli.hugepages,
         exit_report: cli.exit_report,
     };
     let mut config = match VmConfig::resolve(file.overridden_by(flags)) {

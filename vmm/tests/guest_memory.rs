@@ -15,12 +15,17 @@ use tenantvm_testkit::{exit, guest, require_kvm, GuestImage, Verdict, VmRun};
 const NOT_TESTED_AT_MOST: u64 = 4 << 20;
 
 fn pattern_covers_all_ram(mib: u32) {
+    pattern_covers_all_ram_with(mib, &[]);
+}
+
+fn pattern_covers_all_ram_with(mib: u32, args: &[&str]) {
     let out = VmRun::new(
         env!("CARGO_BIN_EXE_tenantvm-vmm"),
         guest(GuestImage::Elf).unwrap(),
     )
     .test("memory")
     .memory_mib(mib)
+    .args(args.iter().copied())
     .timeout(Duration::from_secs(60 + 3 * u64::from(mib)))
     .run()
     .unwrap();
@@ -62,6 +67,49 @@ fn pattern_covers_all_of_512_mib() {
         tenantvm_skip::skip!("takes minutes here; set TENANTVM_LONG_TESTS=1");
     }
     pattern_covers_all_ram(512);
+}
+
+/// Free pages of the host's 2 MiB pool.
+fn free_2m_pages() -> u64 {
+    std::fs::read_to_string("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Guest RAM on 2 MiB huge pages (`--hugepages 2M`): the pattern covers all of it, as on
+/// ordinary pages. Needs 16 free pages in the host's pool (`echo 16 >
+/// /proc/sys/vm/nr_hugepages` as root); skips otherwise.
+#[test]
+fn pattern_covers_all_of_32_mib_on_2m_huge_pages() {
+    require_kvm!("pattern_covers_all_of_32_mib_on_2m_huge_pages");
+    if free_2m_pages() < 16 {
+        tenantvm_skip::skip!("fewer than 16 free 2 MiB huge pages; reserve them with echo 16 > /proc/sys/vm/nr_hugepages");
+    }
+    pattern_covers_all_ram_with(32, &["--hugepages", "2M"]);
+}
+
+/// The control: more huge pages than the host has is refused at start, saying so, before
+/// the guest runs. It asks for 1 GiB pages, one more than the host's pool holds, so that
+/// it never competes with the 2 MiB test beside it.
+#[test]
+fn a_guest_larger_than_the_free_huge_pages_is_refused_at_start() {
+    require_kvm!("a_guest_larger_than_the_free_huge_pages_is_refused_at_start");
+    let pool = std::fs::read_to_string("/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .unwrap_or(0);
+    let out = VmRun::new(
+        env!("CARGO_BIN_EXE_tenantvm-vmm"),
+        guest(GuestImage::Elf).unwrap(),
+    )
+    .test("memory-sparse")
+    .memory_mib((pool + 1) * 1024)
+    .args(["--hugepages", "1G"])
+    .run()
+    .unwrap();
+    assert_eq!(out.status, Some(1), "VMM error: {}", out.describe());
+    assert!(out.stderr.contains("1G huge pages"), "{}", out.describe());
 }
 
 /// Runs `memory-sparse` on a `mib` guest and checks the map's extent and RAM total.

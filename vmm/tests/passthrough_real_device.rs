@@ -1,6 +1,6 @@
 //! Gated on a real host: `TENANTVM_TEST_VFIO_DEVICE=/sys/bus/pci/devices/DDDD:BB:DD.F`, a
-//! device already bound to vfio-pci (docs/gpu.md: `tenantvm host bind`, or driver_override
-//! and drivers_probe), with /dev/vfio and KVM usable by the test. The test guest boots with
+//! device already bound to vfio-pci (by hand: driver_override, unbind, drivers_probe, as
+//! docs/testing.md shows), with /dev/vfio and KVM usable by the test. The test guest boots with
 //! the device passed through and lists bus 0: the device's real vendor:device ids must be
 //! there; the exit report records both resets. Prints `SKIP` without the variable.
 //!

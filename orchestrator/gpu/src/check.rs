@@ -7,7 +7,7 @@ use std::os::fd::AsRawFd;
 
 use serde::Serialize;
 
-use crate::host::{vfio::VFIO_DRIVER, vgpu_support, PciDevice, Sysfs};
+use crate::host::{soft_sharing, vfio::VFIO_DRIVER, vgpu_support, PciDevice, Sysfs};
 use crate::mig::{self, GpuFacts, Sharing, VgpuSupport, NVIDIA_VENDOR_ID};
 
 /// Outcome of one check.
@@ -236,6 +236,29 @@ fn check_gpu(s: &Sysfs, d: &PciDevice) -> Vec<CheckResult> {
     out
 }
 
+/// MPS and time-sliced vGPU types share a GPU without a hardware partition: no isolation
+/// boundary between tenants ([`soft_sharing`]). One failing line per finding, or one pass.
+fn check_soft_sharing(s: &Sysfs, gpus: &[PciDevice]) -> Vec<CheckResult> {
+    let addresses: Vec<_> = gpus.iter().map(|d| d.address.clone()).collect();
+    let found = soft_sharing::find(s, &addresses);
+    if found.is_empty() {
+        return vec![result(
+            "gpu sharing",
+            Status::Pass,
+            "no MPS process, no time-sliced vGPU type: GPUs are shared only through MIG",
+            None,
+        )];
+    }
+    found
+        .iter()
+        .map(|f| {
+            let mut r = result("gpu sharing", Status::Fail, f.to_string(), None);
+            r.fix = Some(f.fix());
+            r
+        })
+        .collect()
+}
+
 fn check_cgroup(s: &Sysfs) -> CheckResult {
     if s.path("sys/fs/cgroup/cgroup.controllers").exists() {
         return result("cgroup", Status::Pass, "cgroup v2", None);
@@ -276,13 +299,13 @@ fn check_hugepages(s: &Sysfs) -> CheckResult {
             "hugepages",
             Status::Warn,
             "no huge pages reserved",
-            Some("reserve 1 GiB pages for guests with GPUs (their memory is pinned for DMA): add hugepagesz=1G hugepages=N to the kernel command line"),
+            Some("reserve 1 GiB pages for guests with GPUs (their memory is pinned for DMA): add hugepagesz=1G hugepages=N to the kernel command line; a GPU tenant's RAM is then backed by them (spec `hugepages`, by default for GPU tenants where enough are free)"),
         );
     }
     result(
         "hugepages",
         Status::Pass,
-        format!("{one_g} × 1 GiB, {two_m} × 2 MiB reserved"),
+        format!("{one_g} × 1 GiB, {two_m} × 2 MiB reserved (GPU tenants' RAM is backed by them where enough are free)"),
         None,
     )
 }
@@ -312,6 +335,9 @@ pub fn host_check(s: &Sysfs) -> Vec<CheckResult> {
     }
     for d in &gpus {
         out.extend(check_gpu(s, d));
+    }
+    if !gpus.is_empty() {
+        out.extend(check_soft_sharing(s, &gpus));
     }
     let nvswitches = devices
         .iter()
@@ -444,6 +470,30 @@ mod tests {
         assert_eq!(by_name(&r, "gpus").status, Status::Warn);
         let json = serde_json::to_value(&r).unwrap();
         assert_eq!(json[0]["status"], "fail");
+    }
+
+    /// MPS and time-sliced vGPU share a GPU without a partition: the host fails.
+    #[test]
+    fn mps_or_a_time_sliced_vgpu_fails_the_host() {
+        let host = FakeHost::build(&FakeHost::h100x8_spec()).unwrap();
+        let s = host.sysfs();
+        // The control: the fixture shares nothing without MIG.
+        let r = host_check(&s);
+        assert_eq!(by_name(&r, "gpu sharing").status, Status::Pass);
+        let comm = host.root().join("proc/4242");
+        std::fs::create_dir_all(&comm).unwrap();
+        std::fs::write(comm.join("comm"), "nvidia-cuda-mps-control\n").unwrap();
+        let gpu = crate::host::PciAddress::parse("0000:18:00.0").unwrap();
+        let vf = crate::host::sriov::enable_vfs(&s, &gpu).unwrap().remove(0);
+        std::fs::write(s.device_dir(&vf).join("nvidia/current_vgpu_type"), "1056\n").unwrap();
+        let r = host_check(&s);
+        let failing: Vec<_> = r
+            .iter()
+            .filter(|c| c.name == "gpu sharing" && c.status == Status::Fail)
+            .collect();
+        assert_eq!(failing.len(), 2, "{r:#?}");
+        assert!(failing[0].detail.contains("MPS") && failing[0].fix.is_some());
+        assert!(failing[1].detail.contains(vf.as_str()));
     }
 
     #[test]

@@ -14,6 +14,7 @@
 
 pub mod control;
 pub mod disk_stats;
+pub mod hugepages;
 pub mod qemu;
 pub mod report_dir;
 pub mod runner;
@@ -199,6 +200,11 @@ pub struct VmSpec {
     /// vGPU to its VM by it. Stored with the tenant, the same at every start.
     #[serde(default)]
     pub uuid: Option<VmUuid>,
+    /// Huge pages backing the guest's RAM (tenantvm-vmm `hugepages`, QEMU a hugetlb memfd
+    /// backend); ordinary pages when `None`. The control plane decides it at each launch
+    /// (`backend::hugepages::choose`).
+    #[serde(default)]
+    pub hugepages: Option<tenantvm_vmm_api::HugePages>,
     /// The guest's vsock context id, for a backend that carries the agent's channel over
     /// the host kernel's vhost-vsock ([`VmBackend::needs_vsock_cid`]): unique among the
     /// host's VMs, allocated and stored by the control plane. `None` elsewhere.

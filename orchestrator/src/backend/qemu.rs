@@ -133,6 +133,7 @@ impl Qemu {
             vhost_vsock: spec.vsock_cid.map(|guest_cid| VhostVsock { guest_cid }),
             qmp_socket: Some(run.join(QMP_SOCK)),
             disks: runner::jail_disks(spec),
+            hugepages: spec.hugepages,
         }
     }
 
@@ -374,6 +375,7 @@ mod tests {
             tenant_dir: "/var/lib/tenantvm/tenants/t".into(),
             devices: vec![],
             uuid: None,
+            hugepages: None,
         };
         let command = Qemu::command(&spec, QemuAccel::Tcg);
         assert_eq!(command.kernel, PathBuf::from("/vm/kernel"));
@@ -402,6 +404,20 @@ mod tests {
     }
 
     #[test]
+    fn the_vms_huge_pages_back_its_ram() {
+        let spec = VmSpec {
+            hugepages: Some(tenantvm_vmm_api::HugePages::Size1G),
+            memory_mib: 2048,
+            ..vsock_spec(None)
+        };
+        let args = Qemu::args(&spec, QemuAccel::Kvm).unwrap().join(" ");
+        assert!(
+            args.contains("memory-backend-memfd,id=ram0,size=2048M,hugetlb=on,hugetlbsize=1G"),
+            "{args}"
+        );
+    }
+
+    #[test]
     fn passthrough_devices_and_the_uuid_reach_the_command_line() {
         let spec = VmSpec {
             vsock_cid: None,
@@ -424,6 +440,7 @@ mod tests {
                 },
             ],
             uuid: Some("5c2b8a1e-0d3f-4c6a-9b7e-2f1a0c9d8e7b".parse().unwrap()),
+            hugepages: None,
         };
         let args = Qemu::args(&spec, QemuAccel::Kvm).unwrap().join(" ");
         for part in [
@@ -466,6 +483,7 @@ mod tests {
             tenant_dir: "/var/lib/tenantvm/tenants/t".into(),
             devices: vec![],
             uuid: None,
+            hugepages: None,
         }
     }
 

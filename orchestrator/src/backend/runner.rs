@@ -805,6 +805,7 @@ mod tests {
             tenant_dir: dir.join(tenant),
             devices: vec![],
             uuid: None,
+            hugepages: None,
         }
     }
 

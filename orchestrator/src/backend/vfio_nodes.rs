@@ -109,6 +109,7 @@ mod tests {
             tenant_dir: "/t/alpha".into(),
             devices,
             uuid: None,
+            hugepages: None,
         }
     }
 

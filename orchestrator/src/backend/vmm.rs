@@ -111,7 +111,20 @@ impl Vmm {
             devices: (!devices.is_empty()).then_some(devices),
             uuid: spec.uuid,
             exit_report: Some(Path::new(JAIL_REPORT_DIR).join(EXIT_REPORT)),
+            hugepages: spec.hugepages,
         })
+    }
+
+    /// The VMM's argv: its config file, and the VM's UUID as a flag too. NVIDIA's vGPU
+    /// manager ties a vGPU to its VM by the `-uuid` on the VMM's command line (it reads
+    /// QEMU's; a UUID only inside the config file is invisible to it), so the flag is
+    /// written in QEMU's spelling, which tenantvm-vmm takes as its `--uuid`.
+    pub fn args(spec: &VmSpec) -> Vec<String> {
+        let mut args = vec!["--config".to_string(), JAIL_CONFIG.to_string()];
+        if let Some(uuid) = spec.uuid {
+            args.extend(["-uuid".to_string(), uuid.to_string()]);
+        }
+        args
     }
 
     /// Empties (or creates) the report directory, owned by the tenant uid, mode 0700: no
@@ -280,8 +293,8 @@ impl VmmDriver for Vmm {
         let vfio = vfio_nodes::choose(spec, Path::new("/"), true);
         let config = Self::write_config(spec, jail, vfio)?;
         let report = Self::prepare_report_dir(spec, jail)?;
-        let args = vec!["--config".to_string(), JAIL_CONFIG.to_string()];
-        let mut plan = runner::base_plan(spec, jail, prepared, &self.binary, args, vfio)?;
+        let mut plan =
+            runner::base_plan(spec, jail, prepared, &self.binary, Self::args(spec), vfio)?;
         plan.bind(&config, Path::new(JAIL_CONFIG), false)?;
         plan.bind(&report, Path::new(JAIL_REPORT_DIR), true)?;
         plan.device(Path::new("/dev/kvm"))?;
@@ -390,6 +403,7 @@ mod tests {
             tenant_dir: "/var/lib/tenantvm/tenants/t".into(),
             devices: vec![],
             uuid: None,
+            hugepages: None,
         }
     }
 
@@ -511,6 +525,7 @@ mod tests {
                 },
             ],
             uuid: Some("5c2b8a1e-0d3f-4c6a-9b7e-2f1a0c9d8e7b".parse().unwrap()),
+            hugepages: None,
             ..spec()
         }
     }
@@ -552,6 +567,37 @@ mod tests {
         // Without devices the VM still gets an exit report, and no devices field.
         let plain = Vmm::config_file(&spec(), VfioInterface::Legacy).unwrap();
         assert_eq!((plain.devices, plain.uuid), (None, None));
+    }
+
+    #[test]
+    fn the_vms_huge_pages_reach_its_config() {
+        let on = VmSpec {
+            hugepages: Some(tenantvm_vmm_api::HugePages::Size2M),
+            ..spec()
+        };
+        let config = Vmm::config_file(&on, VfioInterface::Legacy).unwrap();
+        assert_eq!(config.hugepages, Some(tenantvm_vmm_api::HugePages::Size2M));
+        assert!(config.to_json().unwrap().contains("\"hugepages\": \"2M\""));
+        let off = Vmm::config_file(&spec(), VfioInterface::Legacy).unwrap();
+        assert_eq!(off.hugepages, None);
+    }
+
+    /// NVIDIA's vGPU manager reads the VM's UUID from the VMM's command line (QEMU's
+    /// `-uuid`), not from a config file: the argv carries it, in QEMU's spelling, which
+    /// tenantvm-vmm takes as its `--uuid`.
+    #[test]
+    fn the_vms_uuid_is_on_the_vmms_argv() {
+        assert_eq!(
+            Vmm::args(&gpu_spec()),
+            [
+                "--config",
+                "/vm/config.json",
+                "-uuid",
+                "5c2b8a1e-0d3f-4c6a-9b7e-2f1a0c9d8e7b"
+            ]
+        );
+        // No UUID, no flag.
+        assert_eq!(Vmm::args(&spec()), ["--config", "/vm/config.json"]);
     }
 
     #[test]

@@ -497,6 +497,7 @@ pub fn spec_from_args(a: &CreateArgs) -> Result<TenantSpec, CliFailure> {
             cmdline: a.cmdline.clone(),
         },
         quotas: Quotas::default(),
+        hugepages: None,
     };
     spec.validate()
         .map_err(|e| fail(exit::INVALID, e.to_string()))?;

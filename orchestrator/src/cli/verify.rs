@@ -62,7 +62,9 @@ pub const INTERRUPTED: u8 = 130;
 /// Ctrl-C stops the run and destroys its probe tenants before exiting (130); a run killed
 /// outright leaves them to the next run's sweep.
 ///
-/// Exit statuses: 0 every selected check passed; 14 a check failed or was inconclusive;
+/// Exit statuses: 0 no selected check failed or was inconclusive and one passed (a
+/// not-applicable check is named in the headline); 14 a check failed or was inconclusive,
+/// or none passed;
 /// 2 usage; 3 daemon unreachable; 7 invalid flags; 1 the report could not be recorded;
 /// 130 interrupted.
 #[derive(Debug, Clone, Args)]

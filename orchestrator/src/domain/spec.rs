@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use tenantvm_vmm_api::HugePages;
 use thiserror::Error;
 
 use super::name::TenantName;
@@ -56,6 +57,14 @@ pub enum TenantSpecError {
     /// The GPU request cannot be sized or contradicts itself.
     #[error("GPU request: {0}")]
     Gpu(String),
+    /// Guest memory that is not a whole number of the huge pages asked for.
+    #[error("memory_mib {memory_mib} is not a whole number of {pages} huge pages: give a multiple of the page size, or another `hugepages`")]
+    HugePages {
+        /// The guest memory.
+        memory_mib: u32,
+        /// The page size asked for.
+        pages: HugePages,
+    },
     /// The TOML document did not parse (syntax, types, unknown fields).
     #[error("Tenant spec is not valid TOML for this schema: {0}")]
     Toml(String),
@@ -90,6 +99,45 @@ pub struct TenantSpec {
     /// Per-tenant limits enforced by the gateway and the VMM.
     #[serde(default)]
     pub quotas: Quotas,
+    /// Huge pages for the guest's RAM: `"2M"`, `"1G"` (the host must have enough free),
+    /// or `"off"`. Absent: the daemon's choice at each launch: a GPU tenant gets them where
+    /// the host has enough reserved and free (1G first, then 2M), others ordinary pages
+    /// (`backend::hugepages::choose`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hugepages: Option<HugePagesSetting>,
+}
+
+/// A spec's `hugepages`: a page size, or `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum HugePagesSetting {
+    /// Ordinary pages, even for a GPU tenant.
+    Off,
+    /// Huge pages of this size.
+    Pages(HugePages),
+}
+
+impl TryFrom<String> for HugePagesSetting {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        match s.as_str() {
+            "off" => Ok(HugePagesSetting::Off),
+            _ => s
+                .parse()
+                .map(HugePagesSetting::Pages)
+                .map_err(|_| format!("hugepages {s:?} is not one of 2M, 1G, off")),
+        }
+    }
+}
+
+impl From<HugePagesSetting> for String {
+    fn from(h: HugePagesSetting) -> String {
+        match h {
+            HugePagesSetting::Off => "off".into(),
+            HugePagesSetting::Pages(p) => p.as_str().into(),
+        }
+    }
 }
 
 fn is_no_gpu(gpu: &GpuRequest) -> bool {
@@ -259,6 +307,14 @@ impl TenantSpec {
                 return Err(TenantSpecError::BadCmdline);
             }
         }
+        if let Some(HugePagesSetting::Pages(pages)) = self.hugepages {
+            if pages.pages_for(self.memory_mib.into()).is_none() {
+                return Err(TenantSpecError::HugePages {
+                    memory_mib: self.memory_mib,
+                    pages,
+                });
+            }
+        }
         let q = &self.quotas;
         range("quotas.requests_per_s", q.requests_per_s, 1, 1_000_000)?;
         range("quotas.max_concurrency", q.max_concurrency, 1, 65_536)?;
@@ -277,6 +333,38 @@ impl TenantSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hugepages_take_a_size_or_off_and_whole_pages_of_memory() {
+        let with = |h: &str, mib: u32| {
+            TenantSpec::from_toml(&format!(
+                "name = \"h\"\nmemory_mib = {mib}\nhugepages = \"{h}\"\n[image]\nname = \"hello\"\n"
+            ))
+        };
+        let two = with("2M", 256).unwrap();
+        assert_eq!(
+            two.hugepages,
+            Some(HugePagesSetting::Pages(HugePages::Size2M))
+        );
+        assert_eq!(
+            with("off", 256).unwrap().hugepages,
+            Some(HugePagesSetting::Off)
+        );
+        assert_eq!(
+            with("1G", 2048).unwrap().hugepages,
+            Some(HugePagesSetting::Pages(HugePages::Size1G))
+        );
+        let err = with("1G", 1536).unwrap_err().to_string();
+        assert!(err.contains("whole number of 1G huge pages"), "{err}");
+        let err = with("4K", 256).unwrap_err().to_string();
+        assert!(err.contains("2M, 1G, off"), "{err}");
+        // Written back as it was given; absent stays absent.
+        let json = serde_json::to_string(&two).unwrap();
+        assert!(json.contains("\"hugepages\":\"2M\""), "{json}");
+        let plain = TenantSpec::from_toml("name = \"p\"\n[image]\nname = \"hello\"\n").unwrap();
+        assert_eq!(plain.hugepages, None);
+        assert!(!serde_json::to_string(&plain).unwrap().contains("hugepages"));
+    }
 
     const GOOD: &str = r#"
 name = "alice"

@@ -8,10 +8,14 @@
 //! verified and the zeroing bandwidth. A MIG instance is addressed by running the scrub in a
 //! child process whose `CUDA_VISIBLE_DEVICES` names the instance's UUID ([`scrub_in_child`]).
 //!
+//! A scrub passes only when it covered the slice's memory less what the driver held when it
+//! began ([`coverage`]); anything less is a failed scrub, whatever it read back.
+//!
 //! The simulated GPU backend uses [`simulate_scrub`], whose outcome says `simulated` and never
 //! `verified`.
 
 mod cli;
+pub mod coverage;
 mod cuda;
 mod gpu;
 
@@ -25,6 +29,10 @@ use crate::receipt::{Assurance, DepartureStep, StepRecord, StepResult};
 pub use cli::{run_scrub, scrub_in_child, ScrubArgs};
 pub use gpu::{scrub_gpu, DeviceSelector, ScrubOptions};
 
+/// How far apart the scrubbed device's memory and the slice's may be, in percent: a driver
+/// reports its framebuffer less its own reservations, a few percent at most, and two sizes
+/// one card offers differ by 2x or more (the rule of `gpu-info`, docs/gpu.md).
+pub const SLICE_SIZE_TOLERANCE_PERCENT: u64 = 5;
 /// The library name the driver API is loaded from.
 pub const CUDA_LIBRARY: &str = "libcuda.so.1";
 /// The environment variable that names a GPU for the hardware test (an index or a UUID).
@@ -112,6 +120,22 @@ pub struct ScrubOutcome {
     pub verify_mode: VerifyMode,
     /// The device's memory size.
     pub total_bytes: u64,
+    /// Bytes the driver (and anything else) held when the scrub began, after its own
+    /// context existed: the device's total less CUDA's free figure. The scrub could not
+    /// reach them; [`coverage`] bounds them.
+    #[serde(default)]
+    pub held_bytes: u64,
+    /// Bytes the scrub had to zero to pass: the total less the held bytes (at most
+    /// `max_bytes`).
+    #[serde(default)]
+    pub required_bytes: u64,
+    /// A limit asked for (tests, benchmarks); the daemon's scrubs have none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_bytes: Option<u64>,
+    /// The slice's memory as the daemon placed it (a MIG profile's, or the whole card's),
+    /// when the daemon judged the outcome against it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slice_bytes: Option<u64>,
     /// Bytes allocated and zeroed.
     pub scrubbed_bytes: u64,
     /// Bytes read back and checked.
@@ -144,17 +168,80 @@ impl ScrubOutcome {
         }
     }
 
+    /// Why the scrub did not cover what it had to ([`coverage::judge`] on its counts), or
+    /// scrubbed another size of memory than the slice's; `None` when it covered it.
+    pub fn coverage_shortfall(&self) -> Option<String> {
+        let judged = coverage::judge(
+            self.total_bytes,
+            self.held_bytes,
+            self.scrubbed_bytes,
+            self.max_bytes,
+        );
+        if let Some(why) = judged.shortfall {
+            return Some(why);
+        }
+        let slice = self.slice_bytes?;
+        let tolerance = slice / 100 * SLICE_SIZE_TOLERANCE_PERCENT;
+        (self.total_bytes.abs_diff(slice) > tolerance).then(|| {
+            format!(
+                "the scrubbed device has {} bytes, the slice {slice}: not the slice's memory (more than {SLICE_SIZE_TOLERANCE_PERCENT} % apart)",
+                self.total_bytes
+            )
+        })
+    }
+
+    /// Judges the outcome from its counts: it passes only when every byte read back was
+    /// zero, a full read-back read every zeroed byte, and the zeroed bytes covered the
+    /// slice ([`Self::coverage_shortfall`]); only then is it `verified`. `slice_bytes` is
+    /// the slice's memory as the daemon placed it (None where the caller does not know
+    /// it). A simulated outcome is left as it is.
+    pub fn judge(&mut self, slice_bytes: Option<u64>) {
+        if self.assurance == Assurance::Simulated {
+            return;
+        }
+        if slice_bytes.is_some() {
+            self.slice_bytes = slice_bytes;
+        }
+        self.required_bytes = coverage::judge(
+            self.total_bytes,
+            self.held_bytes,
+            self.scrubbed_bytes,
+            self.max_bytes,
+        )
+        .required_bytes;
+        let read_back = match self.verify_mode {
+            VerifyMode::Full => self.verified_bytes == self.scrubbed_bytes,
+            VerifyMode::Sampled => true,
+        };
+        self.passed = self.nonzero_bytes == 0
+            && self.verified_bytes > 0
+            && read_back
+            && self.coverage_shortfall().is_none();
+        self.assurance = if self.passed {
+            Assurance::Verified
+        } else {
+            Assurance::Unverified
+        };
+    }
+
     /// The receipt's record of this scrub. A scrub that did not pass is a failed step (and its
     /// slice must stay quarantined until a later scrub passes).
     pub fn step_record(&self, started_at: String, finished_at: String) -> StepRecord {
         let error = (!self.passed).then(|| match self.assurance {
             Assurance::Simulated => "simulated scrub failure".to_string(),
-            _ => format!(
+            _ if self.nonzero_bytes > 0 => format!(
                 "{} non-zero bytes read back after zeroing (first at byte {})",
                 self.nonzero_bytes,
                 self.first_nonzero_at
                     .map_or_else(|| "-".to_string(), |o| o.to_string())
             ),
+            _ => match self.coverage_shortfall() {
+                Some(why) => format!("the scrub did not cover the slice: {why}"),
+                None => format!(
+                    "read back {} of the {} bytes zeroed",
+                    self.verified_bytes, self.scrubbed_bytes
+                ),
+            },
         });
         StepRecord {
             step: DepartureStep::GpuScrub,
@@ -186,6 +273,14 @@ impl ScrubOutcome {
                 .unwrap_or_default(),
         );
         e.insert("total_bytes".into(), self.total_bytes.to_string());
+        e.insert("held_bytes".into(), self.held_bytes.to_string());
+        e.insert("required_bytes".into(), self.required_bytes.to_string());
+        if let Some(max) = self.max_bytes {
+            e.insert("max_bytes".into(), max.to_string());
+        }
+        if let Some(slice) = self.slice_bytes {
+            e.insert("slice_bytes".into(), slice.to_string());
+        }
         e.insert("scrubbed_bytes".into(), self.scrubbed_bytes.to_string());
         e.insert("verified_bytes".into(), self.verified_bytes.to_string());
         e.insert("nonzero_bytes".into(), self.nonzero_bytes.to_string());
@@ -196,6 +291,36 @@ impl ScrubOutcome {
         }
         e
     }
+}
+
+/// Why a receipt's scrub step, by its evidence ([`ScrubOutcome::evidence`]), did not cover
+/// its slice: the coverage rule again on the counts it states (`tenantvm verify`, check
+/// 10). A step without the counts, or capped on request, did not show that it covered it.
+pub fn evidence_shortfall(evidence: &BTreeMap<String, String>) -> Option<String> {
+    let number = |name: &str| evidence.get(name).and_then(|v| v.parse::<u64>().ok());
+    let (Some(total_bytes), Some(scrubbed_bytes)) =
+        (number("total_bytes"), number("scrubbed_bytes"))
+    else {
+        return Some(
+            "the step states no coverage (total_bytes, scrubbed_bytes): nothing shows it covered the slice"
+                .into(),
+        );
+    };
+    if let Some(max) = number("max_bytes") {
+        return Some(format!(
+            "the scrub was capped at {max} bytes on request: not a whole slice's scrub"
+        ));
+    }
+    let outcome = ScrubOutcome {
+        assurance: Assurance::Unverified,
+        total_bytes,
+        scrubbed_bytes,
+        // A receipt from before the driver's share was stated: all of it had to be covered.
+        held_bytes: number("held_bytes").unwrap_or(0),
+        slice_bytes: number("slice_bytes"),
+        ..simulate_scrub("receipt", total_bytes, false)
+    };
+    outcome.coverage_shortfall()
 }
 
 /// The simulated GPU backend's scrub: touches nothing, says so. `fail` makes it report a
@@ -209,6 +334,10 @@ pub fn simulate_scrub(device: &str, memory_bytes: u64, fail: bool) -> ScrubOutco
         passed: !fail,
         verify_mode: VerifyMode::Full,
         total_bytes: memory_bytes,
+        held_bytes: 0,
+        required_bytes: 0,
+        max_bytes: None,
+        slice_bytes: None,
         scrubbed_bytes: 0,
         verified_bytes: 0,
         nonzero_bytes: 0,
@@ -250,6 +379,84 @@ mod tests {
         let ok = simulate_scrub("sim0", 1024, false).step_record("a".into(), "b".into());
         assert_eq!(ok.result, StepResult::Ok);
         assert!(ok.error.is_none());
+    }
+
+    /// A hardware outcome (not simulated) of a device of `total` bytes, `held` of them held
+    /// by the driver, `scrubbed` zeroed and read back clean.
+    fn hardware(total: u64, held: u64, scrubbed: u64) -> ScrubOutcome {
+        let mut out = ScrubOutcome {
+            device: "MIG-1".into(),
+            device_name: "test".into(),
+            method: "test".into(),
+            assurance: Assurance::Unverified,
+            verified_bytes: scrubbed,
+            held_bytes: held,
+            scrubbed_bytes: scrubbed,
+            total_bytes: total,
+            ..simulate_scrub("MIG-1", total, false)
+        };
+        out.judge(None);
+        out
+    }
+
+    #[test]
+    fn only_a_scrub_that_covers_the_slice_is_verified() {
+        let total = 9_984u64 << 20;
+        let full = hardware(total, 300 << 20, total - (300 << 20));
+        assert!(full.passed, "{full:?}");
+        assert_eq!(full.assurance, Assurance::Verified);
+        assert_eq!(full.required_bytes, total - (300 << 20));
+        // The same with a quarter of the device zeroed: read back clean, and still failed.
+        let part = hardware(total, 300 << 20, total / 4);
+        assert!(!part.passed);
+        assert_eq!(part.assurance, Assurance::Unverified);
+        let rec = part.step_record("a".into(), "b".into());
+        assert_eq!(rec.result, StepResult::Failed);
+        assert!(rec.error.unwrap().contains("never scrubbed"));
+        // A full read-back that read less than it zeroed is no verification either.
+        let mut short_read = hardware(total, 300 << 20, total - (300 << 20));
+        short_read.verified_bytes /= 2;
+        short_read.judge(None);
+        assert!(!short_read.passed);
+    }
+
+    #[test]
+    fn the_daemon_judges_the_outcome_against_the_slice_it_placed() {
+        let total = 9_984u64 << 20;
+        let mut out = hardware(total, 300 << 20, total - (300 << 20));
+        out.judge(Some(total));
+        assert!(out.passed, "{out:?}");
+        assert_eq!(out.evidence()["slice_bytes"], total.to_string());
+        // The child scrubbed a device four times smaller than the slice (another instance).
+        let mut wrong = hardware(total / 4, 300 << 20, total / 4 - (300 << 20));
+        assert!(wrong.passed);
+        wrong.judge(Some(total));
+        assert!(!wrong.passed);
+        assert!(wrong
+            .coverage_shortfall()
+            .unwrap()
+            .contains("not the slice's memory"));
+        // A simulated outcome stays what it is.
+        let mut sim = simulate_scrub("sim0", total, false);
+        sim.judge(Some(1));
+        assert_eq!((sim.passed, sim.assurance), (true, Assurance::Simulated));
+    }
+
+    #[test]
+    fn a_receipts_evidence_is_judged_by_the_same_rule() {
+        let total = 9_984u64 << 20;
+        let covered = hardware(total, 300 << 20, total - (300 << 20));
+        assert_eq!(evidence_shortfall(&covered.evidence()), None);
+        let part = hardware(total, 300 << 20, total / 2);
+        assert!(evidence_shortfall(&part.evidence()).is_some());
+        // No counts at all: nothing shows coverage.
+        assert!(evidence_shortfall(&BTreeMap::new())
+            .unwrap()
+            .contains("states no coverage"));
+        // An older receipt without held_bytes: the whole device had to be covered.
+        let mut old = covered.evidence();
+        old.remove("held_bytes");
+        assert!(evidence_shortfall(&old).is_some());
     }
 
     #[test]

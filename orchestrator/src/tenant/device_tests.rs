@@ -261,6 +261,141 @@ fn a_whole_gpu_is_bound_to_vfio_handed_over_and_given_back_to_its_driver() {
     );
 }
 
+/// The HGX tree with only its third H100, given whole: MIG on and no instance on it.
+fn one_whole_card_in_mig_mode() -> GpuHost {
+    let host = one_vgpu_card();
+    let info = &host.planner.backend().gpus().unwrap()[0];
+    assert!(info.mig_enabled && info.instances.is_empty(), "{info:?}");
+    host
+}
+
+/// A card in MIG mode handed whole gives its guest's CUDA no device: MIG goes off before
+/// the card is bound (recorded first), and back on as the tenant leaves.
+#[test]
+fn a_whole_card_in_mig_mode_is_handed_over_with_mig_off_and_gets_it_back() {
+    let host = one_whole_card_in_mig_mode();
+    let before = snapshot(&host);
+    let h = harness(&host);
+    create(&h, WHOLE);
+    assert_eq!(
+        state(&h),
+        Some(LifecycleState::Running),
+        "{:?}",
+        h.svc.store().tenant("g").unwrap().unwrap().error
+    );
+    let during = snapshot(&host);
+    assert!(
+        !during.0[0].1,
+        "MIG is off while the card is the tenant's: {during:?}"
+    );
+    assert_eq!(during.0[0].5.as_deref(), Some("vfio-pci"));
+    // The record says so, for the departure (and a restarted daemon).
+    let row = h.svc.store().gpu_devices().unwrap().pop().unwrap().1;
+    assert!(
+        row.record.contains("\"mig_turned_off\":true"),
+        "{}",
+        row.record
+    );
+    destroy(&h);
+    assert_eq!(state(&h), None);
+    assert_eq!(
+        snapshot(&host),
+        before,
+        "MIG back on, the card back on nvidia"
+    );
+}
+
+/// A backend that counts its rescans and otherwise is the SIMULATED one it wraps.
+struct CountsRescans {
+    inner: Box<dyn tenantvm_gpu::backend::GpuBackend>,
+    rescans: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl tenantvm_gpu::backend::GpuBackend for CountsRescans {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    fn gpus(
+        &self,
+    ) -> Result<Vec<tenantvm_gpu::backend::GpuInfo>, tenantvm_gpu::backend::BackendError> {
+        self.inner.gpus()
+    }
+    fn set_mig_mode(&self, gpu: u32, on: bool) -> Result<(), tenantvm_gpu::backend::BackendError> {
+        self.inner.set_mig_mode(gpu, on)
+    }
+    fn possible_placements(
+        &self,
+        gpu: u32,
+        profile: u32,
+    ) -> Result<Vec<(u32, u32)>, tenantvm_gpu::backend::BackendError> {
+        self.inner.possible_placements(gpu, profile)
+    }
+    fn remaining_capacity(
+        &self,
+        gpu: u32,
+        profile: u32,
+    ) -> Result<u32, tenantvm_gpu::backend::BackendError> {
+        self.inner.remaining_capacity(gpu, profile)
+    }
+    fn create_gpu_instance(
+        &self,
+        gpu: u32,
+        profile: u32,
+        start: u32,
+    ) -> Result<tenantvm_gpu::backend::GpuInstance, tenantvm_gpu::backend::BackendError> {
+        self.inner.create_gpu_instance(gpu, profile, start)
+    }
+    fn ensure_compute_instance(
+        &self,
+        gpu: u32,
+        gi: u32,
+    ) -> Result<(), tenantvm_gpu::backend::BackendError> {
+        self.inner.ensure_compute_instance(gpu, gi)
+    }
+    fn destroy_instance(
+        &self,
+        gpu: u32,
+        gi: u32,
+    ) -> Result<(), tenantvm_gpu::backend::BackendError> {
+        self.inner.destroy_instance(gpu, gi)
+    }
+    fn rescan(&self) -> Result<(), tenantvm_gpu::backend::BackendError> {
+        self.rescans
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.rescan()
+    }
+}
+
+/// NVML enumerates GPUs when its session opens: after the card leaves its driver for
+/// vfio-pci, and after it comes back, the daemon has the backend enumerate them again.
+#[test]
+fn the_gpu_backend_rescans_after_a_whole_card_is_bound_and_after_it_is_rebound() {
+    let fake = FakeHost::build(&FakeHost::h100x8_spec()).unwrap();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/hosts/sim-h100x8.json");
+    let host: SimHost = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let rescans = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let backend = CountsRescans {
+        inner: Box::new(fake.attach_sim(&host).unwrap()),
+        rescans: rescans.clone(),
+    };
+    let planner = Arc::new(BackendPlanner::new(Box::new(backend)).with_sysfs(fake.sysfs()));
+    let host = GpuHost { fake, planner };
+    let h = harness(&host);
+    let count = || rescans.load(std::sync::atomic::Ordering::SeqCst);
+    create(&h, WHOLE);
+    assert_eq!(state(&h), Some(LifecycleState::Running));
+    assert_eq!(count(), 1, "after the bind");
+    destroy(&h);
+    assert_eq!(state(&h), None);
+    assert_eq!(count(), 2, "after the rebind");
+}
+
+#[test]
+fn a_whole_card_that_had_mig_on_converges_after_a_crash_at_every_step_boundary() {
+    converges(WHOLE, one_whole_card_in_mig_mode);
+}
+
 #[test]
 fn a_failed_reset_quarantines_the_card_and_the_receipt_names_the_step() {
     // Every GPU's function reset fails (the fake kernel answers the write with an error).
@@ -637,8 +772,8 @@ mod gated {
             }
             self.inner.plan_device(p)
         }
-        fn prepare_device(&self, r: &DeviceRecord) -> Result<(), GpuPlanError> {
-            self.inner.prepare_device(r)
+        fn prepare_device(&self, p: &GpuPlacement, r: &DeviceRecord) -> Result<(), GpuPlanError> {
+            self.inner.prepare_device(p, r)
         }
         fn plan_bind(
             &self,
@@ -669,18 +804,18 @@ mod gated {
         fn detach_device(&self, p: &GpuPlacement, r: &DeviceRecord) -> Result<(), GpuPlanError> {
             self.inner.detach_device(p, r)
         }
-        fn leave_device_mode(&self, r: &DeviceRecord) -> Result<(), GpuPlanError> {
+        fn leave_device_mode(&self, card: &str, r: &DeviceRecord) -> Result<(), GpuPlanError> {
             let entered = self.entered.lock().unwrap().take();
             if let Some(tx) = entered {
                 self.inside.store(true, SeqCst);
                 tx.send(()).unwrap();
                 let go = self.go.lock().unwrap().take().unwrap();
                 go.recv_timeout(std::time::Duration::from_secs(60)).unwrap();
-                let out = GpuPlanner::leave_device_mode(self.inner.as_ref(), r);
+                let out = GpuPlanner::leave_device_mode(self.inner.as_ref(), card, r);
                 self.inside.store(false, SeqCst);
                 return out;
             }
-            GpuPlanner::leave_device_mode(self.inner.as_ref(), r)
+            GpuPlanner::leave_device_mode(self.inner.as_ref(), card, r)
         }
         fn mig_enabled(&self, gpu: &str) -> Result<Option<bool>, GpuPlanError> {
             self.inner.mig_enabled(gpu)

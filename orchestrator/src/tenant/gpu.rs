@@ -168,8 +168,12 @@ impl GpuPlanner for BackendPlanner {
         self.plan_device_route(placement)
     }
 
-    fn prepare_device(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
-        self.prepare_device_host(record)
+    fn prepare_device(
+        &self,
+        placement: &GpuPlacement,
+        record: &DeviceRecord,
+    ) -> Result<(), GpuPlanError> {
+        self.prepare_device_host(placement, record)
     }
 
     fn plan_bind(
@@ -218,8 +222,8 @@ impl GpuPlanner for BackendPlanner {
         self.device_drivers_now(record)
     }
 
-    fn leave_device_mode(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
-        BackendPlanner::leave_device_mode(self, record)
+    fn leave_device_mode(&self, card: &str, record: &DeviceRecord) -> Result<(), GpuPlanError> {
+        BackendPlanner::leave_device_mode(self, card, record)
     }
 
     fn mig_enabled(&self, gpu: &str) -> Result<Option<bool>, GpuPlanError> {
@@ -401,7 +405,7 @@ mod tests {
         // its group, and the driver and override it has now (none) recorded.
         let p = planner_with_sysfs(open(), &spec, Some(tree.root()));
         let record = p.plan_device(&placement).unwrap();
-        let DeviceRecord::Whole { binding } = &record else {
+        let DeviceRecord::Whole { binding, .. } = &record else {
             panic!("{record:?}")
         };
         assert_eq!((binding.group, binding.gpu.as_str()), (5, "0000:00:03.0"));

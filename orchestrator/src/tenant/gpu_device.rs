@@ -3,7 +3,10 @@
 //! and the [`BackendPlanner`]'s host work on sysfs.
 //!
 //! - whole GPU: its IOMMU group bound to vfio-pci (the binding recorded before it is
-//!   applied); departure: checked reset, host drivers back, then scrub and release;
+//!   applied); a card in MIG mode (with no instance) has MIG turned off first, recorded
+//!   before it is done, since a guest's CUDA sees no device on a card in MIG mode;
+//!   departure: checked reset, host drivers back, then scrub, MIG back on if it was, and
+//!   release;
 //! - MIG-backed vGPU on an SR-IOV VF: MIG on and VFs enabled first (enabling VFs wipes every
 //!   GPU instance), then the instance, then the vGPU type on a free VF, whose
 //!   `gpu_instance_id` must be the planned instance; departure: type 0, scrub, instance
@@ -46,6 +49,10 @@ pub enum DeviceRecord {
     Whole {
         /// The binding (drivers and overrides before it), to give the group back.
         binding: VfioBinding,
+        /// The card was in MIG mode (no instance on it): prepare-gpu-host turns MIG off
+        /// before the bind, and release-gpu turns it back on. Recorded before either.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        mig_turned_off: bool,
     },
     /// A MIG instance as an mdev vGPU (vGPU 16 and older); QEMU passes it (`sysfsdev=`).
     MdevVgpu {
@@ -170,7 +177,10 @@ impl BackendPlanner {
         if placement.label == "whole" {
             whole::check_free(sysfs, &info).map_err(plan_err)?;
             let binding = whole::plan_bind(sysfs, &pci(&info.pci_address)?).map_err(plan_err)?;
-            return Ok(DeviceRecord::Whole { binding });
+            return Ok(DeviceRecord::Whole {
+                binding,
+                mig_turned_off: info.mig_enabled,
+            });
         }
         match &info.vgpu {
             VgpuSupport::Sriov { .. } => Ok(DeviceRecord::SriovVgpu {
@@ -189,10 +199,43 @@ impl BackendPlanner {
         }
     }
 
-    /// vGPU: MIG on, then VFs on (each only if needed). Nothing for the other routes.
-    pub(crate) fn prepare_device_host(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
-        if let DeviceRecord::SriovVgpu { host, .. } = record {
-            vgpu::prepare_host(self.sysfs_or()?, self.backend(), host).map_err(plan_err)?;
+    /// vGPU: MIG on, then VFs on (each only if needed). Whole, recorded as in MIG mode:
+    /// MIG off (if still on), checked. Nothing for the other routes.
+    pub(crate) fn prepare_device_host(
+        &self,
+        placement: &GpuPlacement,
+        record: &DeviceRecord,
+    ) -> Result<(), GpuPlanError> {
+        match record {
+            DeviceRecord::SriovVgpu { host, .. } => {
+                vgpu::prepare_host(self.sysfs_or()?, self.backend(), host).map_err(plan_err)?;
+            }
+            DeviceRecord::Whole {
+                mig_turned_off: true,
+                ..
+            } => self.mig_off_for_whole(&placement.gpu)?,
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// MIG off on a card about to be given whole, unless it is off already (a re-run);
+    /// refused while it holds instances, and checked afterwards: a change NVML leaves
+    /// pending (until a GPU reset) would hand the guest a card in MIG mode.
+    fn mig_off_for_whole(&self, gpu: &str) -> Result<(), GpuPlanError> {
+        let info = self.gpu_info(gpu)?;
+        if !info.mig_enabled {
+            return Ok(());
+        }
+        whole::check_free(self.sysfs_or()?, &info).map_err(plan_err)?;
+        self.backend()
+            .set_mig_mode(info.index, false)
+            .map_err(plan_err)?;
+        if self.gpu_info(gpu)?.mig_enabled {
+            return Err(plan_err(format!(
+                "GPU {gpu}: MIG mode is still on after turning it off (the change is pending until the GPU is reset): stop what uses the GPU, run `nvidia-smi -r -i {}`, and create the tenant again",
+                info.index
+            )));
         }
         Ok(())
     }
@@ -234,8 +277,9 @@ impl BackendPlanner {
     ) -> Result<DeviceRecord, GpuPlanError> {
         match record {
             DeviceRecord::NotAttached { .. } => Ok(record.clone()),
-            DeviceRecord::Whole { binding } => {
+            DeviceRecord::Whole { binding, .. } => {
                 whole::apply_bind(self.sysfs_or()?, binding).map_err(plan_err)?;
+                self.rescan_gpus();
                 Ok(record.clone())
             }
             DeviceRecord::MdevVgpu { assignment, .. } => {
@@ -267,7 +311,7 @@ impl BackendPlanner {
     ) -> Result<Vec<PassthroughDevice>, GpuPlanError> {
         match record {
             DeviceRecord::NotAttached { .. } => Ok(Vec::new()),
-            DeviceRecord::Whole { binding } => {
+            DeviceRecord::Whole { binding, .. } => {
                 let sysfs = self.sysfs_or()?;
                 Ok(whole::device_paths(sysfs, binding)
                     .iter()
@@ -323,7 +367,7 @@ impl BackendPlanner {
         &self,
         record: &DeviceRecord,
     ) -> Result<Option<DeviceResetOutcome>, GpuPlanError> {
-        let DeviceRecord::Whole { binding } = record else {
+        let DeviceRecord::Whole { binding, .. } = record else {
             return Ok(None);
         };
         let rec = whole::reset_gpu(self.sysfs_or()?, binding).map_err(plan_err)?;
@@ -341,10 +385,21 @@ impl BackendPlanner {
 
     /// Whole: every device of the group back on its recorded host driver, checked.
     pub(crate) fn rebind_device_route(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
-        if let DeviceRecord::Whole { binding } = record {
+        if let DeviceRecord::Whole { binding, .. } = record {
             whole::rebind_host_drivers(self.sysfs_or()?, binding).map_err(plan_err)?;
+            self.rescan_gpus();
         }
         Ok(())
+    }
+
+    /// After a card left its driver or came back to it: the backend enumerates the GPUs
+    /// again (NVML's indexes and handles are stale otherwise). A failure is only logged:
+    /// the bind or rebind itself is done, and the NVML backend opens a session again at
+    /// its next call.
+    fn rescan_gpus(&self) {
+        if let Err(e) = self.backend().rescan() {
+            tracing::warn!(error = %e, "the GPU backend could not enumerate the GPUs again");
+        }
     }
 
     /// Whole: the driver each device of the group is bound to now (None: unbound), read
@@ -353,7 +408,7 @@ impl BackendPlanner {
         &self,
         record: &DeviceRecord,
     ) -> Result<Vec<(String, Option<String>)>, GpuPlanError> {
-        let DeviceRecord::Whole { binding } = record else {
+        let DeviceRecord::Whole { binding, .. } = record else {
             return Ok(Vec::new());
         };
         let sysfs = self.sysfs_or()?;
@@ -390,10 +445,29 @@ impl BackendPlanner {
     }
 
     /// vGPU, the card's last vGPU tenant gone: VFs off, then MIG off if this record turned
-    /// it on.
-    pub(crate) fn leave_device_mode(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
-        if let DeviceRecord::SriovVgpu { host, .. } = record {
-            vgpu::leave_vgpu_mode(self.sysfs_or()?, self.backend(), host).map_err(plan_err)?;
+    /// it on. Whole, recorded as in MIG mode: MIG back on (`card`, after the scrub, with
+    /// the card back on its host driver), unless it is on already (a re-run).
+    pub(crate) fn leave_device_mode(
+        &self,
+        card: &str,
+        record: &DeviceRecord,
+    ) -> Result<(), GpuPlanError> {
+        match record {
+            DeviceRecord::SriovVgpu { host, .. } => {
+                vgpu::leave_vgpu_mode(self.sysfs_or()?, self.backend(), host).map_err(plan_err)?;
+            }
+            DeviceRecord::Whole {
+                mig_turned_off: true,
+                ..
+            } => {
+                let info = self.gpu_info(card)?;
+                if !info.mig_enabled {
+                    self.backend()
+                        .set_mig_mode(info.index, true)
+                        .map_err(plan_err)?;
+                }
+            }
+            _ => {}
         }
         Ok(())
     }

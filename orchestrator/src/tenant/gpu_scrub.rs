@@ -141,7 +141,12 @@ pub(crate) fn scrub(
     let mig = mig_instance(&g, p)?;
     let uuid = nvml_uuid(g.index, mig.as_ref().map(|m| m.1))?;
     let program = crate::backend::runner::sibling_binary("tenantvm").map_err(plan_err)?;
-    scrub_in_child(&program, &["gpu", "scrub-device"], &uuid, VerifyMode::Full).map_err(plan_err)
+    let mut outcome = scrub_in_child(&program, &["gpu", "scrub-device"], &uuid, VerifyMode::Full)
+        .map_err(plan_err)?;
+    // The daemon's own judgement: the coverage rule on the child's counts, against the
+    // slice it placed (a child scrubbing another device, or an older child, cannot pass).
+    outcome.judge(Some(placement_bytes(&g, p)));
+    Ok(outcome)
 }
 
 /// The UUID of GPU `index`, or of its MIG device in GPU instance `gi_id`.

@@ -119,8 +119,13 @@ pub trait GpuPlanner: Send + Sync {
         })
     }
 
-    /// Prepares the card for the route (vGPU: MIG on, then VFs on). Idempotent.
-    fn prepare_device(&self, _record: &DeviceRecord) -> Result<(), GpuPlanError> {
+    /// Prepares the card of `placement` for the route (vGPU: MIG on, then VFs on; a whole
+    /// card recorded in MIG mode: MIG off). Idempotent.
+    fn prepare_device(
+        &self,
+        _placement: &GpuPlacement,
+        _record: &DeviceRecord,
+    ) -> Result<(), GpuPlanError> {
         Ok(())
     }
 
@@ -182,8 +187,10 @@ pub trait GpuPlanner: Send + Sync {
         Ok(())
     }
 
-    /// The card's last vGPU tenant is gone: VFs off, MIG off last. Idempotent.
-    fn leave_device_mode(&self, _record: &DeviceRecord) -> Result<(), GpuPlanError> {
+    /// The card (`card`, its ledger id) goes back to the mode the tenant found it in: the
+    /// last vGPU tenant gone, VFs off and MIG off last; a whole card recorded in MIG mode,
+    /// MIG back on. Idempotent.
+    fn leave_device_mode(&self, _card: &str, _record: &DeviceRecord) -> Result<(), GpuPlanError> {
         Ok(())
     }
 

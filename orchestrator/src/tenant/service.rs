@@ -31,6 +31,10 @@ pub use crate::tenant::service_error::TenantServiceError;
 
 /// What the API asks the service to do.
 #[derive(Debug, Clone)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one command per API request, moved once; boxing the spec would touch every caller"
+)]
 pub enum TenantCommand {
     /// Create a tenant (admin).
     Create(TenantSpec),

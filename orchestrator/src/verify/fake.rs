@@ -81,6 +81,12 @@ pub struct Broken {
     pub gpu_view_blind: bool,
     /// A guest allocates GPU memory past its slice (the slice does not bound it).
     pub gpu_memory_unbounded: bool,
+    /// An MPS control daemon runs on the host.
+    pub gpu_mps: bool,
+    /// A tenant GPU's VF carries a time-sliced vGPU type.
+    pub gpu_time_sliced: bool,
+    /// The CPU quota's control (busy processes outside any cgroup) cannot run.
+    pub cpu_control_fails: bool,
     /// The probe image has no CUDA driver.
     pub no_cuda_in_guest: bool,
     /// No GPU slice is free: GPU requests are refused (409).
@@ -525,6 +531,11 @@ impl VerifyHost for FakeVerifyHost {
     ) -> Result<CpuOverrun, HostError> {
         let st = self.st();
         let t = st.tenants.get(name).ok_or_else(refused)?;
+        if self.broken.cpu_control_fails {
+            return Err(HostError::Unsupported(
+                "busy processes cannot be started here".into(),
+            ));
+        }
         let quota = f64::from(t.view.spec.vcpus);
         Ok(CpuOverrun {
             workers,
@@ -870,6 +881,19 @@ impl VerifyHost for FakeVerifyHost {
         let found = self.files_holding(marker);
         self.st().files.remove(SCRATCH);
         Ok(found?.iter().any(|p| p == SCRATCH))
+    }
+
+    fn gpu_soft_sharing(&self, gpus: &[String]) -> Result<Vec<String>, HostError> {
+        let mut out = Vec::new();
+        if self.broken.gpu_mps {
+            out.push("an MPS process runs (nvidia-cuda-mps-control, pid 77)".to_string());
+        }
+        if self.broken.gpu_time_sliced {
+            out.extend(gpus.iter().map(|g| {
+                format!("VF of GPU {g} carries vGPU type 1056 on no GPU instance (time-sliced)")
+            }));
+        }
+        Ok(out)
     }
 
     fn gpu_snapshot(&self) -> Result<GpuSnapshot, HostError> {

@@ -4,6 +4,12 @@
 //! (`--gpu-backend nvml` or `sim:FILE`), and reuse the planner's database, sizing and
 //! placement search ([`tenantvm_gpu::plan`]), so they judge by the same rules the daemon
 //! placed by.
+//!
+//! With no GPU tenant on the host, both are not applicable: nothing is shared or sized, so
+//! nothing is shown either way, and the report says so (never a pass). Check 2 also fails
+//! a host whose tenants' GPUs are shared without a hardware partition: an MPS process, or a
+//! VF with a time-sliced vGPU type (`tenantvm_gpu::host::soft_sharing`, the rule `host
+//! check` uses).
 
 use std::collections::BTreeMap;
 
@@ -18,8 +24,24 @@ use crate::domain::spec::GpuRequest;
 /// Check 2.
 pub struct MigSkuCheck;
 
-/// Check 2's judgement over the tenants' slices and the host's GPUs.
-pub fn judge_mig_sku(tenants: &[TenantView], gpus: &[GpuView]) -> Outcome {
+/// The PCI addresses of the GPUs tenants hold (a slice names its GPU by address, or by
+/// index in older rows).
+pub fn tenant_gpu_addresses(tenants: &[TenantView], gpus: &[GpuView]) -> Vec<String> {
+    let mut out: Vec<String> = tenants
+        .iter()
+        .filter_map(|t| t.gpu.as_ref())
+        .filter_map(|s| gpus.iter().find(|g| g.is(&s.gpu)))
+        .map(|g| g.pci_address.clone())
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Check 2's judgement over the tenants' slices, the host's GPUs, and what shares the
+/// tenants' GPUs without a hardware partition (`soft`, in words: MPS processes, time-sliced
+/// vGPUs).
+pub fn judge_mig_sku(tenants: &[TenantView], gpus: &[GpuView], soft: &[String]) -> Outcome {
     let mut by_gpu: BTreeMap<&str, Vec<&TenantView>> = BTreeMap::new();
     for t in tenants {
         if let Some(slice) = &t.gpu {
@@ -27,9 +49,9 @@ pub fn judge_mig_sku(tenants: &[TenantView], gpus: &[GpuView]) -> Outcome {
         }
     }
     if by_gpu.is_empty() {
-        return Outcome::new(Verdict::Pass)
+        return Outcome::new(Verdict::NotApplicable)
             .measure("gpus_shared", 0.0, "count")
-            .finding("no tenant holds a GPU share: no GPU is shared");
+            .finding("no tenant holds a GPU share: nothing to judge (not a pass: run verify again once GPU tenants run)");
     }
     if gpus.is_empty() {
         return Outcome::inconclusive(
@@ -74,6 +96,13 @@ pub fn judge_mig_sku(tenants: &[TenantView], gpus: &[GpuView]) -> Outcome {
     }
     out.add("gpus_shared", shared as f64, "count");
     out.add("gpus", gpus.len() as f64, "count");
+    out.add("gpu_soft_sharing", soft.len() as f64, "count");
+    for s in soft {
+        out.verdict = Verdict::Fail;
+        out.findings.push(format!(
+            "shared without a hardware partition: {s} (no isolation boundary between tenants, docs/verify.md \"When not to build this\")"
+        ));
+    }
     out
 }
 
@@ -83,7 +112,14 @@ impl Check for MigSkuCheck {
     }
 
     fn run(&self, ctx: &Ctx<'_>) -> Result<Outcome, HostError> {
-        Ok(judge_mig_sku(&ctx.host.tenants()?, &ctx.host.gpus()?))
+        let (tenants, gpus) = (ctx.host.tenants()?, ctx.host.gpus()?);
+        let held = tenant_gpu_addresses(&tenants, &gpus);
+        let soft = if held.is_empty() {
+            Vec::new()
+        } else {
+            ctx.host.gpu_soft_sharing(&held)?
+        };
+        Ok(judge_mig_sku(&tenants, &gpus, &soft))
     }
 }
 
@@ -110,9 +146,9 @@ fn planner_request(r: &GpuRequest) -> Option<plan::GpuRequest> {
 pub fn judge_partitions(tenants: &[TenantView], gpus: &[GpuView]) -> Outcome {
     let with_gpu: Vec<&TenantView> = tenants.iter().filter(|t| t.spec.gpu.wants_gpu()).collect();
     if with_gpu.is_empty() {
-        return Outcome::new(Verdict::Pass)
+        return Outcome::new(Verdict::NotApplicable)
             .measure("tenants_with_gpu", 0.0, "count")
-            .finding("no tenant asks for a GPU: nothing to size");
+            .finding("no tenant asks for a GPU: nothing to size (not a pass: run verify again once GPU tenants run)");
     }
     if gpus.is_empty() {
         return Outcome::inconclusive(

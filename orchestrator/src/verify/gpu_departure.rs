@@ -8,7 +8,8 @@
 //! quarantined). The snapshot taken while the probe ran is the positive control: it must
 //! show the probe's own slice, else the view is blind and the GPU half inconclusive. The
 //! receipt's GPU steps (device reset, scrub, release) must each be there and verified, or
-//! honestly simulated, or failed with the slice quarantined.
+//! honestly simulated, or failed with the slice quarantined; a verified scrub must show by
+//! its counts that it covered the slice (`scrub::evidence_shortfall`).
 
 use std::collections::BTreeSet;
 
@@ -124,6 +125,18 @@ pub fn judge_gpu_departure(
             receipt_quarantined = true;
         }
         match (s.result, s.assurance) {
+            // A verified scrub must show it covered the slice (the scrub's own rule).
+            (StepResult::Ok, Assurance::Verified) if wanted == DepartureStep::GpuScrub => {
+                match crate::scrub::evidence_shortfall(&s.evidence) {
+                    None => verified += 1,
+                    Some(why) => {
+                        out.verdict = Verdict::Fail;
+                        out.findings.push(format!(
+                            "{name}: the receipt's scrub of GPU slice {id} says verified, but did not cover the slice: {why}"
+                        ));
+                    }
+                }
+            }
             (StepResult::Ok, Assurance::Verified) => verified += 1,
             (StepResult::Ok, Assurance::Simulated) => simulated += 1,
             // An honest failure: the slice was taken out of service (judged below).

@@ -79,6 +79,7 @@ fn the_smallest_slice_is_asked_for_and_a_full_host_says_so() {
             gpu: GpuRequest::default(),
             image: Default::default(),
             quotas: Default::default(),
+            hugepages: None,
         },
         1,
     );
@@ -371,18 +372,52 @@ fn a_missing_gpu_step_and_a_quarantine_the_daemon_does_not_list_fail() {
         );
         out
     };
-    // All three verified: pass, as the control for the two below.
+    // A verified scrub that covered its 1g.10gb slice, less the driver's share.
+    let slice_bytes = 9_984u64 << 20;
+    let scrubbed = |bytes: u64| {
+        let mut s = ok(DepartureStep::GpuScrub);
+        for (k, v) in [
+            ("total_bytes", slice_bytes),
+            ("held_bytes", 300 << 20),
+            ("scrubbed_bytes", bytes),
+            ("slice_bytes", slice_bytes),
+        ] {
+            s = s.with_evidence(k, v);
+        }
+        s
+    };
+    // All three verified: pass, as the control for the ones below.
+    let out = judge(vec![
+        ok(DepartureStep::DeviceReset),
+        scrubbed(slice_bytes - (300 << 20)),
+        ok(DepartureStep::GpuRelease),
+    ]);
+    assert_eq!(out.verdict, Verdict::Pass, "{out:#?}");
+    assert_eq!(out.value("gpu_receipt_steps_verified"), Some(3.0));
+    // A scrub receipted verified at a quarter of its slice.
+    let out = judge(vec![
+        ok(DepartureStep::DeviceReset),
+        scrubbed(slice_bytes / 4),
+        ok(DepartureStep::GpuRelease),
+    ]);
+    assert_eq!(out.verdict, Verdict::Fail, "{out:#?}");
+    assert!(
+        out.findings
+            .iter()
+            .any(|f| f.contains("did not cover the slice")),
+        "{out:#?}"
+    );
+    // A scrub receipted verified without its counts shows nothing.
     let out = judge(vec![
         ok(DepartureStep::DeviceReset),
         ok(DepartureStep::GpuScrub),
         ok(DepartureStep::GpuRelease),
     ]);
-    assert_eq!(out.verdict, Verdict::Pass, "{out:#?}");
-    assert_eq!(out.value("gpu_receipt_steps_verified"), Some(3.0));
+    assert_eq!(out.verdict, Verdict::Fail, "{out:#?}");
     // No GpuRelease step.
     let out = judge(vec![
         ok(DepartureStep::DeviceReset),
-        ok(DepartureStep::GpuScrub),
+        scrubbed(slice_bytes - (300 << 20)),
     ]);
     assert_eq!(out.verdict, Verdict::Fail, "{out:#?}");
     assert!(out

@@ -219,6 +219,10 @@ pub trait VerifyHost: Sync {
     /// host cannot try it (no KEK readable, a header declaring a KDF cost above what the
     /// daemon writes).
     fn disk_opens_with(&self, disk_of: &str, key_of: &str) -> Result<bool, HostError>;
+    /// What shares the GPUs at `gpus` (PCI addresses) without a hardware partition, in
+    /// words: MPS processes on the host, VFs with a time-sliced vGPU type
+    /// (`tenantvm_gpu::host::soft_sharing`). Empty when nothing does.
+    fn gpu_soft_sharing(&self, gpus: &[String]) -> Result<Vec<String>, HostError>;
     /// The host's GPU state for check 10 (MIG instances from the GPU backend, reservations
     /// and quarantined slices from the daemon, VF vGPU types and vfio-pci bindings from
     /// sysfs); an empty snapshot on a host without `--gpu-backend`.

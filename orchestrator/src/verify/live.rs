@@ -635,6 +635,13 @@ impl VerifyHost for LiveHost {
         })
     }
 
+    fn gpu_soft_sharing(&self, gpus: &[String]) -> Result<Vec<String>, HostError> {
+        Ok(super::live_gpu::soft_sharing(
+            &self.paths.gpu_sysfs_root,
+            gpus,
+        ))
+    }
+
     fn gpu_snapshot(&self) -> Result<super::gpu_departure::GpuSnapshot, HostError> {
         let quarantined = self
             .rt

@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use tenantvm_gpu::host::{sriov, vgpu, PciAddress, Sysfs};
+use tenantvm_gpu::host::{soft_sharing, sriov, vgpu, PciAddress, Sysfs};
 
 use super::gpu_departure::GpuSnapshot;
 use super::host::HostError;
@@ -102,6 +102,21 @@ pub fn devices(sysfs: &Sysfs, pci: &str, s: &mut GpuSnapshot) {
             s.vfio_bound.insert(vf.to_string());
         }
     }
+}
+
+/// What shares the GPUs at `gpus` without a hardware partition, under the sysfs root (its
+/// `proc/` for MPS processes, each GPU's VFs for time-sliced vGPU types), in words. A GPU
+/// whose address does not parse is skipped (its VFs cannot be named).
+pub fn soft_sharing(sysfs_root: &Path, gpus: &[String]) -> Vec<String> {
+    let sysfs = Sysfs::new(sysfs_root);
+    let addresses: Vec<PciAddress> = gpus
+        .iter()
+        .filter_map(|g| PciAddress::parse(g).ok())
+        .collect();
+    soft_sharing::find(&sysfs, &addresses)
+        .iter()
+        .map(ToString::to_string)
+        .collect()
 }
 
 /// The store's reservations as `<gpu>/<label>` (read-only; an absent store holds none).

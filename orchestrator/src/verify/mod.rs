@@ -1,7 +1,8 @@
 //! `tenantvm verify`: the pre-deployment isolation checklist, run as probes against the live
 //! host (docs/verify.md).
 //!
-//! Each [`Check`] ends [`Verdict::Pass`], [`Verdict::Fail`] or [`Verdict::Inconclusive`] with
+//! Each [`Check`] ends [`Verdict::Pass`], [`Verdict::Fail`], [`Verdict::Inconclusive`] or
+//! [`Verdict::NotApplicable`] (nothing on this host for it to judge: never a pass) with
 //! its evidence as numbers ([`Measure`]) and findings in words. Checks see the host only
 //! through [`VerifyHost`] (the live implementation is [`live::LiveHost`]: the daemon's API
 //! plus read-only looks at the host's cgroups and files), and create short-lived probe
@@ -65,7 +66,7 @@ pub use report::Report;
 
 /// How a check ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum Verdict {
     /// The property holds, and the check showed it could have seen otherwise.
     Pass,
@@ -73,15 +74,19 @@ pub enum Verdict {
     Fail,
     /// The check could not decide (see its findings); never counted as a pass.
     Inconclusive,
+    /// The host has nothing for the check to judge (checks 2 and 3 with no GPU tenant):
+    /// nothing was shown either way; never counted as a pass, and the report says so.
+    NotApplicable,
 }
 
 impl Verdict {
-    /// `pass`, `fail` or `inconclusive`.
+    /// `pass`, `fail`, `inconclusive` or `not-applicable`.
     pub fn as_str(self) -> &'static str {
         match self {
             Verdict::Pass => "pass",
             Verdict::Fail => "fail",
             Verdict::Inconclusive => "inconclusive",
+            Verdict::NotApplicable => "not-applicable",
         }
     }
 }

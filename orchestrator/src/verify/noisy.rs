@@ -6,7 +6,9 @@
 //!
 //! The quota is also exercised: busy processes placed in the noisy probe's CPU cgroup must
 //! take no more than it, while the same processes outside any cgroup (the control) show
-//! what the host would give.
+//! what the host would give. The check never passes when that control failed (the host
+//! gave no more outside than the quota allows) or could not run: a quota not shown to bind
+//! is not shown to hold.
 //!
 //! During the loaded phase the noisy guest also runs CPU and disk I/O load of its own (the
 //! agent's bounded `load` command): busy threads, twice its vCPUs, and a file on its data
@@ -56,7 +58,7 @@ pub fn judge_cpu_quota(out: &mut Outcome, name: &str, vcpus: u32, limits: Option
 
 /// Judges busy processes in a tenant's CPU cgroup against its quota (CPUs): more than a
 /// quarter over it fails; the control (the same processes outside) shows whether the host
-/// could have given more at all.
+/// could have given more at all, and when it did not, a pass becomes inconclusive.
 pub fn judge_cpu_enforcement(out: &mut Outcome, name: &str, quota: f64, o: &CpuOverrun) {
     out.add("busy_workers", f64::from(o.workers), "count");
     out.add("busy_outside_cpus", o.outside_cpus, "cpus");
@@ -69,6 +71,9 @@ pub fn judge_cpu_enforcement(out: &mut Outcome, name: &str, quota: f64, o: &CpuO
             o.inside_cpus
         ));
     } else if o.outside_cpus <= slack {
+        if out.verdict == Verdict::Pass {
+            out.verdict = Verdict::Inconclusive;
+        }
         out.findings.push(format!(
             "the host gave busy processes only {:.2} CPUs even outside any cgroup: the quota of {quota:.2} could not be shown to bind",
             o.outside_cpus
@@ -223,9 +228,14 @@ impl Check for NoisyNeighbourCheck {
                     .overrun_cpu(&noisy.name, workers, Duration::from_secs(2))
                 {
                     Ok(o) => judge_cpu_enforcement(&mut out, &noisy.name, quota, &o),
-                    Err(e) => out
-                        .findings
-                        .push(format!("the CPU quota could not be exercised: {e}")),
+                    Err(e) => {
+                        if out.verdict == Verdict::Pass {
+                            out.verdict = Verdict::Inconclusive;
+                        }
+                        out.findings.push(format!(
+                            "the CPU quota could not be exercised (its control did not run): {e}"
+                        ));
+                    }
                 }
             }
         }

@@ -167,6 +167,7 @@ impl<'h> Probes<'h> {
                 cmdline: None,
             },
             quotas: Quotas::default(),
+            hugepages: None,
         };
         adjust(&mut spec);
         spec.name = name.clone();

@@ -40,9 +40,47 @@ pub struct Report {
 }
 
 impl Report {
-    /// Whether every selected check passed (and at least one ran).
+    /// Whether the run passed: no selected check failed or was inconclusive, and at least
+    /// one passed. A not-applicable check is no pass: the headline names it
+    /// ([`Report::headline`]).
     pub fn all_passed(checks: &[CheckResult]) -> bool {
-        !checks.is_empty() && checks.iter().all(|c| c.outcome.verdict == Verdict::Pass)
+        checks.iter().any(|c| c.outcome.verdict == Verdict::Pass)
+            && checks
+                .iter()
+                .all(|c| matches!(c.outcome.verdict, Verdict::Pass | Verdict::NotApplicable))
+    }
+
+    /// The run's one-line verdict: passed or not, the counts, and the checks that were not
+    /// applicable (judged nothing), named, so a pass never hides them.
+    pub fn headline(&self) -> String {
+        let counts = |v: Verdict| {
+            self.checks
+                .iter()
+                .filter(|c| c.outcome.verdict == v)
+                .count()
+        };
+        let mut line = format!(
+            "{}: {} pass, {} fail, {} inconclusive",
+            if self.passed { "PASSED" } else { "NOT PASSED" },
+            counts(Verdict::Pass),
+            counts(Verdict::Fail),
+            counts(Verdict::Inconclusive)
+        );
+        let not_applicable: Vec<String> = self
+            .checks
+            .iter()
+            .filter(|c| c.outcome.verdict == Verdict::NotApplicable)
+            .map(|c| format!("{} {}", c.number, c.check.key()))
+            .collect();
+        if !not_applicable.is_empty() {
+            let _ = write!(
+                line,
+                ", {} not applicable (NOT CHECKED: {}; nothing on this host for them to judge, see their findings)",
+                not_applicable.len(),
+                not_applicable.join(", ")
+            );
+        }
+        line
     }
 
     /// The report as a table: one row per check, then each check's evidence and findings.
@@ -58,15 +96,16 @@ impl Report {
             self.finished_at,
             one(&self.daemon)
         );
+        let _ = writeln!(s, "{}", self.headline());
         let _ = writeln!(
             s,
-            "{:>3}  {:<22} {:<13} {:>9}  title",
+            "{:>3}  {:<22} {:<14} {:>9}  title",
             "#", "check", "verdict", "time"
         );
         for c in &self.checks {
             let _ = writeln!(
                 s,
-                "{:>3}  {:<22} {:<13} {:>7.1}s  {}",
+                "{:>3}  {:<22} {:<14} {:>7.1}s  {}",
                 c.number,
                 c.check.key(),
                 c.outcome.verdict.as_str().to_uppercase(),
@@ -101,20 +140,7 @@ impl Report {
                 let _ = writeln!(s, "    - {}", one(l));
             }
         }
-        let counts = |v: Verdict| {
-            self.checks
-                .iter()
-                .filter(|c| c.outcome.verdict == v)
-                .count()
-        };
-        let _ = writeln!(
-            s,
-            "\n{}: {} pass, {} fail, {} inconclusive",
-            if self.passed { "PASSED" } else { "NOT PASSED" },
-            counts(Verdict::Pass),
-            counts(Verdict::Fail),
-            counts(Verdict::Inconclusive)
-        );
+        let _ = writeln!(s, "\n{}", self.headline());
         s
     }
 }

@@ -95,6 +95,7 @@ fn spec(name: &str, gpu: GpuRequest) -> TenantSpec {
             ..GuestImage::default()
         },
         quotas: Quotas::default(),
+        hugepages: None,
     }
 }
 
@@ -131,7 +132,7 @@ fn check_2_a_non_mig_sku_shared_by_two_tenants_fails() {
         tenant_on("a", mig("1g.10gb"), ("0", vec![0], "1g.10gb@0")),
         tenant_on("b", mig("1g.10gb"), ("0", vec![1], "1g.10gb@1")),
     ];
-    let ok = gpu::judge_mig_sku(&tenants, &[gpu("0", "h100-80gb")]);
+    let ok = gpu::judge_mig_sku(&tenants, &[gpu("0", "h100-80gb")], &[]);
     assert_eq!(ok.verdict, Verdict::Pass, "{ok:#?}");
     assert_eq!(ok.value("gpus_shared"), Some(1.0));
     let l40s = vec![
@@ -152,12 +153,12 @@ fn check_2_a_non_mig_sku_shared_by_two_tenants_fails() {
             ("0", vec![0], "whole"),
         ),
     ];
-    let bad = gpu::judge_mig_sku(&l40s, &[gpu("0", "l40s")]);
+    let bad = gpu::judge_mig_sku(&l40s, &[gpu("0", "l40s")], &[]);
     assert_eq!(bad.verdict, Verdict::Fail, "{bad:#?}");
     assert!(bad.findings[0].contains("no MIG"), "{bad:#?}");
     // Shares held but no GPU list to judge them by: never a pass.
     assert_eq!(
-        gpu::judge_mig_sku(&tenants, &[]).verdict,
+        gpu::judge_mig_sku(&tenants, &[], &[]).verdict,
         Verdict::Inconclusive
     );
     // The check reads both through the host.
@@ -169,6 +170,99 @@ fn check_2_a_non_mig_sku_shared_by_two_tenants_fails() {
         run_one(&host, &config(), CheckId::MigSku).outcome.verdict,
         Verdict::Fail
     );
+}
+
+/// With no GPU tenant checks 2 and 3 judge nothing: not applicable, never a pass, and the
+/// report's headline names them.
+#[test]
+fn checks_2_and_3_without_gpu_tenants_are_not_applicable_and_the_headline_says_so() {
+    let host = FakeVerifyHost::new(Broken::default());
+    for id in [CheckId::MigSku, CheckId::PartitionArithmetic] {
+        let r = run_one(&host, &config(), id);
+        assert_eq!(r.outcome.verdict, Verdict::NotApplicable, "{r:#?}");
+        assert!(r.outcome.findings[0].contains("not a pass"), "{r:#?}");
+    }
+    let cfg = config();
+    let probes = Probes::new(&host, "0badc0de", None, 128, None, Duration::from_secs(5));
+    let checks = run_checks(
+        &host,
+        &probes,
+        &cfg,
+        42,
+        &[CheckId::MigSku, CheckId::PartitionArithmetic],
+    );
+    // Nothing passed: the run does not pass on not-applicable checks alone.
+    assert!(!crate::verify::Report::all_passed(&checks));
+    let report = crate::verify::Report {
+        version: crate::verify::report::REPORT_VERSION,
+        run_id: "r".into(),
+        started_at: String::new(),
+        finished_at: String::new(),
+        daemon: String::new(),
+        seed: 42,
+        threat_model: None,
+        selected: vec![CheckId::MigSku, CheckId::PartitionArithmetic],
+        passed: false,
+        checks,
+        sweep: vec![],
+    };
+    let headline = report.headline();
+    assert!(
+        headline.contains("2 not applicable (NOT CHECKED: 2 mig-sku, 3 partition-arithmetic"),
+        "{headline}"
+    );
+    let table = report.to_table();
+    assert!(
+        table.lines().nth(1).unwrap().contains("NOT CHECKED"),
+        "{table}"
+    );
+    assert!(table.contains("NOT-APPLICABLE"), "{table}");
+    let json = serde_json::to_string(&report).unwrap();
+    assert!(json.contains("\"verdict\":\"not-applicable\""), "{json}");
+}
+
+/// MPS and time-sliced vGPU share a tenant's GPU without a hardware partition: check 2
+/// fails, on a host whose SKUs would otherwise pass.
+#[test]
+fn check_2_fails_a_host_sharing_tenant_gpus_through_mps_or_time_slicing() {
+    let mig = GpuRequest {
+        profile: Some("1g.10gb".into()),
+        ..Default::default()
+    };
+    let tenants = vec![tenant_on("a", mig, ("0", vec![0], "1g.10gb@0"))];
+    let h100 = [gpu("0", "h100-80gb")];
+    assert_eq!(gpu::tenant_gpu_addresses(&tenants, &h100), ["0000:00:00.0"]);
+    for broken in [
+        Broken::default(),
+        Broken {
+            gpu_mps: true,
+            ..Broken::default()
+        },
+        Broken {
+            gpu_time_sliced: true,
+            ..Broken::default()
+        },
+    ] {
+        let healthy = !broken.gpu_mps && !broken.gpu_time_sliced;
+        let mut host = FakeVerifyHost::new(broken);
+        host.gpus = h100.to_vec();
+        for t in &tenants {
+            host.add_tenant(t.spec.clone(), t.gpu.clone());
+        }
+        let r = run_one(&host, &config(), CheckId::MigSku);
+        if healthy {
+            assert_eq!(r.outcome.verdict, Verdict::Pass, "{r:#?}");
+        } else {
+            assert_eq!(r.outcome.verdict, Verdict::Fail, "{r:#?}");
+            assert!(
+                r.outcome
+                    .findings
+                    .iter()
+                    .any(|f| f.contains("without a hardware partition")),
+                "{r:#?}"
+            );
+        }
+    }
 }
 
 #[test]
@@ -512,7 +606,8 @@ fn check_8_a_tenant_without_a_cpu_quota_fails() {
             .any(|f| f.contains("not enforced")),
         "{r:#?}"
     );
-    // A host too busy to give more than the quota even outside: said, not judged.
+    // A host too busy to give more than the quota even outside: the control failed, so
+    // the quota was not shown to bind: never a pass.
     let mut o = Outcome::new(Verdict::Pass);
     let busy = super::host::CpuOverrun {
         workers: 2,
@@ -520,8 +615,24 @@ fn check_8_a_tenant_without_a_cpu_quota_fails() {
         inside_cpus: 1.0,
     };
     noisy::judge_cpu_enforcement(&mut o, "t", 1.0, &busy);
-    assert_eq!(o.verdict, Verdict::Pass);
+    assert_eq!(o.verdict, Verdict::Inconclusive);
     assert!(o.findings[0].contains("could not be shown"), "{o:?}");
+    // The control could not run at all: never a pass either.
+    let (v, r) = verdict(
+        Broken {
+            cpu_control_fails: true,
+            ..Broken::default()
+        },
+        CheckId::NoisyNeighbour,
+    );
+    assert_eq!(v, Verdict::Inconclusive, "{r:#?}");
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("its control did not run")),
+        "{r:#?}"
+    );
     // The latency judgement alone fails a 10x slower neighbour.
     let mut o = Outcome::new(Verdict::Pass);
     noisy::judge_latency(&mut o, &[2.0; 10], &[20.0; 10], 3.0);

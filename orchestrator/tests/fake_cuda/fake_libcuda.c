@@ -5,7 +5,10 @@
  * FAKE_TOTAL - FAKE_RESERVED - FAKE_FRAGMENTED fail with CUDA_ERROR_OUT_OF_MEMORY although
  * cuMemGetInfo reports them free (fragmentation). Fresh allocations hold 0xA5 bytes: the
  * previous tenant's residue. Built with -DFAKE_MEMSET_SKIPS_A_BYTE, cuMemsetD8 leaves the
- * middle byte of each range untouched, so the scrub's read-back must catch it.
+ * middle byte of each range untouched, so the scrub's read-back must catch it. Built with
+ * -DFAKE_ALLOC_LIMIT=N, no more than N bytes are ever allocatable although cuMemGetInfo
+ * reports the rest free: the scrub zeroes (and reads back) only part of the device, and
+ * must say it did not cover it.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -62,6 +65,9 @@ CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
 CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t n) {
     if (n == 0) return 1;
     if (used + n > FAKE_TOTAL - FAKE_RESERVED - FAKE_FRAGMENTED) return 2; /* OUT_OF_MEMORY */
+#ifdef FAKE_ALLOC_LIMIT
+    if (used + n > (size_t)(FAKE_ALLOC_LIMIT)) return 2;
+#endif
     for (int i = 0; i < MAX_ALLOCS; i++) {
         if (allocs[i].p == NULL) {
             void *p = malloc(n);

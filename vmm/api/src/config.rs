@@ -83,6 +83,10 @@ pub struct VmConfigFile {
     /// none by default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit_report: Option<PathBuf>,
+    /// Huge pages backing the guest's RAM (`--hugepages 2M|1G`): `"2M"` or `"1G"`; the
+    /// host must have enough of them reserved. Ordinary pages when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hugepages: Option<HugePages>,
 }
 
 impl VmConfigFile {
@@ -116,6 +120,7 @@ impl VmConfigFile {
             devices: over.devices.or(self.devices),
             uuid: over.uuid.or(self.uuid),
             exit_report: over.exit_report.or(self.exit_report),
+            hugepages: over.hugepages.or(self.hugepages),
         }
     }
 }
@@ -206,6 +211,76 @@ impl fmt::Display for UnknownName {
 }
 
 impl std::error::Error for UnknownName {}
+
+/// The size of the huge pages that back a guest's RAM: from the host's reserved pool
+/// (`/sys/kernel/mm/hugepages/hugepages-<kB>kB`), so the RAM is never swapped or split,
+/// and a GPU's DMA mapping pins and maps it in large pieces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum HugePages {
+    /// 2 MiB pages.
+    #[serde(rename = "2M")]
+    Size2M,
+    /// 1 GiB pages.
+    #[serde(rename = "1G")]
+    Size1G,
+}
+
+impl HugePages {
+    /// The accepted names, as written in the file and on the command line.
+    pub const NAMES: &'static [&'static str] = &["2M", "1G"];
+
+    /// The page size in bytes.
+    pub fn bytes(self) -> u64 {
+        match self {
+            HugePages::Size2M => 2 << 20,
+            HugePages::Size1G => 1 << 30,
+        }
+    }
+
+    /// The name (`2M`, `1G`), as QEMU's `hugetlbsize` takes it too.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HugePages::Size2M => "2M",
+            HugePages::Size1G => "1G",
+        }
+    }
+
+    /// The pool's directory under `/sys/kernel/mm/hugepages/`.
+    pub fn sysfs_dir(self) -> &'static str {
+        match self {
+            HugePages::Size2M => "hugepages-2048kB",
+            HugePages::Size1G => "hugepages-1048576kB",
+        }
+    }
+
+    /// How many pages `memory_mib` of guest RAM takes, or `None` when it is not a whole
+    /// number of pages.
+    pub fn pages_for(self, memory_mib: u64) -> Option<u64> {
+        let bytes = memory_mib.checked_mul(1 << 20)?;
+        (bytes % self.bytes() == 0).then_some(bytes / self.bytes())
+    }
+}
+
+impl fmt::Display for HugePages {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for HugePages {
+    type Err = UnknownName;
+
+    fn from_str(s: &str) -> Result<Self, UnknownName> {
+        match s {
+            "2M" => Ok(Self::Size2M),
+            "1G" => Ok(Self::Size1G),
+            _ => Err(UnknownName {
+                given: s.to_owned(),
+                accepted: Self::NAMES,
+            }),
+        }
+    }
+}
 
 /// Which entry point of the kernel to use.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -378,6 +453,14 @@ mod tests {
             let m: SeccompMode = name.parse().unwrap();
             assert_eq!(serde_json::to_string(&m).unwrap(), format!("\"{name}\""));
         }
+        for name in HugePages::NAMES {
+            let h: HugePages = name.parse().unwrap();
+            assert_eq!(serde_json::to_string(&h).unwrap(), format!("\"{name}\""));
+        }
+        assert!("2m".parse::<HugePages>().is_err());
+        let file = VmConfigFile::from_json(r#"{"hugepages":"1G"}"#).unwrap();
+        assert_eq!(file.hugepages, Some(HugePages::Size1G));
+        assert!(VmConfigFile::from_json(r#"{"hugepages":"4K"}"#).is_err());
         let err = "maybe".parse::<SeccompMode>().unwrap_err().to_string();
         assert!(err.contains("on, log, off"), "{err}");
         assert!("PVH".parse::<BootProtocol>().is_err());
@@ -409,6 +492,15 @@ mod tests {
         assert_eq!(VmConfigFile::from_json(&text).unwrap(), file);
         assert!(!text.contains("null"), "{text}");
         assert!(!text.contains("initramfs"), "{text}");
+    }
+
+    #[test]
+    fn huge_pages_count_whole_pages_only() {
+        assert_eq!(HugePages::Size2M.pages_for(64), Some(32));
+        assert_eq!(HugePages::Size2M.pages_for(3), None);
+        assert_eq!(HugePages::Size1G.pages_for(2048), Some(2));
+        assert_eq!(HugePages::Size1G.pages_for(1536), None);
+        assert_eq!(HugePages::Size1G.sysfs_dir(), "hugepages-1048576kB");
     }
 
     #[test]

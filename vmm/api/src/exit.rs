@@ -48,7 +48,8 @@ pub enum ExitStatus {
     SeccompViolation,
     /// 21: a passed-through device path is not a PCI device.
     VfioDevicePath,
-    /// 22: a passed-through device is not bound to a VFIO driver.
+    /// 22: a passed-through device is not registered with VFIO (bound to no driver, or to a
+    /// host driver that has not registered it).
     VfioNotBound,
     /// 23: a passed-through device has no IOMMU group, or its group is not viable (another
     /// member is bound to a host driver).
@@ -164,7 +165,9 @@ impl ExitStatus {
                 "a VMM thread made a system call its seccomp filter does not allow"
             }
             ExitStatus::VfioDevicePath => "a passed-through device path is not a PCI device",
-            ExitStatus::VfioNotBound => "a passed-through device is not bound to a VFIO driver",
+            ExitStatus::VfioNotBound => {
+                "a passed-through device is not registered with VFIO by its driver"
+            }
             ExitStatus::VfioGroup => {
                 "a passed-through device's IOMMU group is missing or not viable"
             }

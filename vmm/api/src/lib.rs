@@ -22,8 +22,8 @@ pub mod exit;
 pub mod qemu;
 
 pub use config::{
-    BlockConfig, BootProtocol, RateLimitConfig, SeccompMode, SerialConfig, SerialParseError,
-    UnknownName, VmConfigFile, VsockConfig,
+    BlockConfig, BootProtocol, HugePages, RateLimitConfig, SeccompMode, SerialConfig,
+    SerialParseError, UnknownName, VmConfigFile, VsockConfig,
 };
 pub use control::{parse_request, VmCommand, VmResponse, VmState, MAX_LINE_BYTES};
 pub use devices::{

@@ -9,7 +9,7 @@ use tenantvm_vmm_api::config::{
     DEFAULT_CMDLINE, DEFAULT_MEMORY_MIB, MAX_MEMORY_MIB, MAX_PCI_DEVICES,
 };
 use tenantvm_vmm_api::{
-    BlockConfig, BootProtocol, ExitStatus, PassthroughConfig, SeccompMode, SerialConfig,
+    BlockConfig, BootProtocol, ExitStatus, HugePages, PassthroughConfig, SeccompMode, SerialConfig,
     VmConfigFile, VmUuid, VsockConfig, MAX_PASSTHROUGH_DEVICES,
 };
 
@@ -64,6 +64,8 @@ pub struct VmConfig {
     pub uuid: Option<VmUuid>,
     /// Where the exit report goes.
     pub exit_report: Option<PathBuf>,
+    /// Huge pages backing the guest's RAM (ordinary pages when `None`).
+    pub hugepages: Option<HugePages>,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -77,6 +79,14 @@ impl VmConfig {
         let memory_mib = file.memory_mib.unwrap_or(DEFAULT_MEMORY_MIB);
         if memory_mib == 0 || memory_mib > MAX_MEMORY_MIB {
             return Err(ConfigError::Memory(memory_mib));
+        }
+        if let Some(h) = file.hugepages {
+            if h.pages_for(memory_mib).is_none() {
+                return Err(ConfigError::HugePageMultiple {
+                    memory_mib,
+                    pages: h,
+                });
+            }
         }
         let vcpus = file.vcpus.unwrap_or(1);
         if vcpus == 0 {
@@ -116,6 +126,7 @@ impl VmConfig {
             test_model_gpus: 0,
             uuid: file.uuid,
             exit_report: file.exit_report,
+            hugepages: file.hugepages,
         })
     }
 }
@@ -148,6 +159,14 @@ pub enum ConfigError {
     /// Zero vCPUs.
     #[error("A VM needs at least one vCPU; pass --vcpus 1 or more")]
     ZeroVcpus,
+    /// Guest RAM that is not a whole number of the huge pages asked for.
+    #[error("{memory_mib} MiB of guest memory is not a whole number of {pages} huge pages; give --memory-mib a multiple of the page size")]
+    HugePageMultiple {
+        /// The guest RAM.
+        memory_mib: u64,
+        /// The page size.
+        pages: HugePages,
+    },
     /// A `--disk` or `--vsock` value is malformed.
     #[error(transparent)]
     DeviceFlag(#[from] DeviceFlagError),

@@ -277,7 +277,7 @@ impl Passthrough {
             {
                 DeviceSource::Kernel(PassthroughConfig { path, iommu, .. }) => {
                     // sysfs first: its errors say what to do about this device.
-                    vfio::inspect(path)?;
+                    vfio::inspect(path, &dev_dir.join("vfio"))?;
                     let device = Arc::new(this.open_kernel(path, *iommu, dev_dir, vm)?);
                     let interface = if device.iommufd_devid().is_some() {
                         VfioIommuMode::Iommufd
@@ -867,5 +867,57 @@ mod tests {
         set_cpuid_phys_bits(&mut cpuid, 46);
         assert_eq!(cpuid.as_slice()[0].eax, 0x302e);
         assert!(guest_phys_bits() <= GUEST_MAX_PHYS_BITS);
+    }
+
+    /// The VMM's open path judges a device by its VFIO registration: NVIDIA's vGPU VF on
+    /// the `nvidia` driver (with its cdev in a FAKE sysfs tree) passes the sysfs check and
+    /// reaches the kernel step; the same VF without registration is refused (22), naming
+    /// its driver.
+    #[test]
+    fn a_vgpu_vf_on_nvidias_driver_passes_sysfs_and_reaches_the_kernel() {
+        use std::os::unix::fs::symlink;
+        let Ok(kvm) = kvm_ioctls::Kvm::new() else {
+            tenantvm_skip::skip!("no /dev/kvm here");
+        };
+        let vm = kvm.create_vm().unwrap();
+        let tree = tempfile::tempdir().unwrap();
+        let vf = |name: &str, group: u32, cdev: bool| {
+            let dev = tree.path().join("devices").join(name);
+            std::fs::create_dir_all(&dev).unwrap();
+            std::fs::write(dev.join("config"), [0u8; 64]).unwrap();
+            let driver = tree.path().join("drivers/nvidia");
+            std::fs::create_dir_all(&driver).unwrap();
+            symlink(&driver, dev.join("driver")).unwrap();
+            let g = tree.path().join("iommu_groups").join(group.to_string());
+            std::fs::create_dir_all(g.join("devices")).unwrap();
+            symlink(&g, dev.join("iommu_group")).unwrap();
+            symlink(&dev, g.join("devices").join(name)).unwrap();
+            if cdev {
+                std::fs::create_dir_all(dev.join("vfio-dev/vfio5")).unwrap();
+            }
+            dev
+        };
+        // An empty device folder: no /dev/vfio/vfio, no /dev/iommu.
+        let dev_dir = tree.path().join("dev");
+        std::fs::create_dir_all(&dev_dir).unwrap();
+        let open = |path: PathBuf| {
+            let reports = Arc::new(Mutex::new(Vec::new()));
+            let sources = [DeviceSource::Kernel(PassthroughConfig::new(path))];
+            match Passthrough::open(&sources, &dev_dir, reports, &vm) {
+                Ok(_) => panic!("a FAKE device cannot be opened"),
+                Err(e) => e,
+            }
+        };
+        let registered = open(vf("0000:41:00.4", 20, true));
+        assert!(
+            !matches!(registered, PassthroughError::Sysfs(_)),
+            "sysfs refused a VF its driver registered with VFIO: {registered}"
+        );
+        let unregistered = open(vf("0000:41:00.5", 21, false));
+        assert_eq!(unregistered.exit_status(), ExitStatus::VfioNotBound);
+        assert!(
+            unregistered.to_string().contains("bound to nvidia"),
+            "{unregistered}"
+        );
     }
 }

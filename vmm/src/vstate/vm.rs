@@ -6,6 +6,7 @@ use kvm_bindings::{
     KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use tenantvm_vmm_api::HugePages;
 use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -16,18 +17,85 @@ use crate::boot::mptable::MAX_SUPPORTED_CPUS;
 /// The only KVM API version there has ever been.
 const KVM_API_VERSION: i32 = 12;
 
-/// Creates the guest's RAM: `size` bytes, split around the 32-bit hole.
-pub fn create_guest_memory(size: u64) -> Result<GuestMemoryMmap, VstateError> {
-    let ranges: Vec<_> = crate::boot::layout::ram_ranges(size)
-        .into_iter()
-        .map(|(start, len)| (vm_memory::GuestAddress(start), len as usize))
-        .collect();
-    GuestMemoryMmap::from_ranges(&ranges).map_err(|e| {
+/// Creates the guest's RAM: `size` bytes, split around the 32-bit hole; anonymous
+/// memory, or with `hugepages` one hugetlb memfd of that page size (no hugetlbfs mount
+/// needed, so a jailed VMM can use it), its pages allocated up front: a host without
+/// enough free pages is an error now, never a SIGBUS when the guest first touches one.
+pub fn create_guest_memory(
+    size: u64,
+    hugepages: Option<HugePages>,
+) -> Result<GuestMemoryMmap, VstateError> {
+    let ranges = crate::boot::layout::ram_ranges(size);
+    let Some(pages) = hugepages else {
+        let ranges: Vec<_> = ranges
+            .into_iter()
+            .map(|(start, len)| (vm_memory::GuestAddress(start), len as usize))
+            .collect();
+        return GuestMemoryMmap::from_ranges(&ranges).map_err(|e| {
+            VstateError::Memory(format!(
+                "Cannot reserve {} MiB of guest memory ({e}); lower --memory-mib",
+                size >> 20
+            ))
+        });
+    };
+    let file = hugetlb_memfd(size, pages)?;
+    let mut offset = 0u64;
+    let mut regions = Vec::with_capacity(ranges.len());
+    for (start, len) in ranges {
+        let file = file
+            .try_clone()
+            .map_err(|e| VstateError::Memory(format!("Cannot share the guest RAM file: {e}")))?;
+        regions.push((
+            vm_memory::GuestAddress(start),
+            len as usize,
+            Some(vm_memory::FileOffset::new(file, offset)),
+        ));
+        offset += len;
+    }
+    GuestMemoryMmap::from_ranges_with_files(regions).map_err(|e| {
         VstateError::Memory(format!(
-            "Cannot reserve {} MiB of guest memory ({e}); lower --memory-mib",
+            "Cannot map {} MiB of guest memory on {pages} huge pages ({e})",
             size >> 20
         ))
     })
+}
+
+/// A memfd of `size` bytes on huge pages of `pages`' size, every page allocated.
+fn hugetlb_memfd(size: u64, pages: HugePages) -> Result<std::fs::File, VstateError> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let flag = match pages {
+        HugePages::Size2M => libc::MFD_HUGE_2MB,
+        HugePages::Size1G => libc::MFD_HUGE_1GB,
+    };
+    // SAFETY: the name is a valid C string; memfd_create only reads it.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"tenantvm-guest-ram".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_HUGETLB | flag,
+        )
+    };
+    if fd < 0 {
+        return Err(VstateError::Memory(format!(
+            "Cannot create a {pages} huge-page file for guest memory ({}); is hugetlb enabled in the host kernel?",
+            std::io::Error::last_os_error()
+        )));
+    }
+    // SAFETY: the kernel returned a new descriptor that nothing else owns.
+    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.set_len(size)
+        .map_err(|e| VstateError::Memory(format!("Cannot size the guest RAM file: {e}")))?;
+    let len = libc::off_t::try_from(size)
+        .map_err(|_| VstateError::Memory(format!("{size} bytes of guest memory is too large")))?;
+    // SAFETY: `file` is an open memfd; fallocate touches only its pages.
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } != 0 {
+        return Err(VstateError::Memory(format!(
+            "Cannot back {} MiB of guest memory with {pages} huge pages: {} of them are needed and the host has not that many free ({}); reserve more (/proc/sys/vm/nr_hugepages, or hugepagesz= hugepages= on the kernel command line for 1G pages), or run without --hugepages",
+            size >> 20,
+            size / pages.bytes(),
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(file)
 }
 
 /// A KVM VM with its platform devices in the kernel.

@@ -130,6 +130,7 @@ pub fn boot(image: &Path, disk: &Path, sock: &Path, console: &Path, kvm: bool) -
         }),
         qmp_socket: None,
         vhost_vsock: None,
+        hugepages: None,
         disks: vec![BlockConfig {
             path: disk.to_path_buf(),
             read_only: false,

@@ -215,6 +215,12 @@ pub trait GpuBackend: Send + Sync {
     }
     /// Destroys the compute instances of a GPU instance, then the GPU instance.
     fn destroy_instance(&self, gpu: u32, gi_id: u32) -> Result<(), BackendError>;
+    /// Enumerates the host's GPUs again, after a card was unbound from its driver or bound
+    /// back (NVML's session enumerates them when it opens: its indexes and handles are stale
+    /// after); nothing to do for a backend that reads the host afresh (the default).
+    fn rescan(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
     /// Memory and utilisation of GPU `gpu` whole (`gi_id` None) or of its GPU instance
     /// `gi_id`; None from a backend that does not measure them (the default).
     fn usage(&self, _gpu: u32, _gi_id: Option<u32>) -> Result<Option<SliceUsage>, BackendError> {

@@ -1,5 +1,6 @@
 //! Host device work through sysfs: PCI devices, IOMMU groups, vfio-pci binding, SR-IOV
-//! virtual functions, vGPU types and mdevs.
+//! virtual functions, vGPU types and mdevs, and GPU sharing without a partition (MPS,
+//! time-sliced vGPU: [`soft_sharing`]).
 //!
 //! Every path is under a configurable root ([`Sysfs::new`]): `/` on a real host, where the
 //! writes reach the kernel, or a fake tree in tests ([`fake`]), where a small emulation of the
@@ -9,6 +10,7 @@
 pub mod fake;
 pub mod mdev;
 pub mod reset;
+pub mod soft_sharing;
 pub mod sriov;
 pub mod uuid;
 pub mod vfio;

@@ -2,14 +2,16 @@
 //! ([`crate::tenant::gpu_device`] says how each route does it):
 //!
 //! create: reserve-gpu → **prepare-gpu-host** (the route decided and recorded with the VM's
-//! UUID, then the card prepared: vGPU needs MIG on and VFs enabled before any instance) →
+//! UUID, then the card prepared: vGPU needs MIG on and VFs enabled before any instance; a
+//! whole card in MIG mode gets MIG off, since a guest's CUDA sees no device on it) →
 //! create-gpu-instance → **bind-gpu** (whole: the IOMMU group on vfio-pci; vGPU: the type on
 //! a VF, checked against the planned instance) → **attach-gpu** (the devices the VM gets,
 //! recorded; launch-vm passes them and the UUID to the VMM);
 //!
 //! destroy: stop-vm → cleanup-jail → device-reset (checked; the VMM's exit report too) →
 //! **rebind-gpu** (whole: host drivers back) → **detach-gpu** (vGPU: type 0) → scrub-gpu →
-//! destroy-gpu-instance → release-gpu (the card leaves vGPU mode with its last vGPU tenant).
+//! destroy-gpu-instance → release-gpu (the card leaves vGPU mode with its last vGPU tenant;
+//! a whole card that was in MIG mode gets it back).
 //!
 //! Every step reads the stored record and does only what is not done yet, so a daemon killed
 //! anywhere converges when the operation runs again. A reset or rebind that fails
@@ -115,7 +117,7 @@ pub fn prepare_host(
             record
         }
     };
-    ctx.gpu.prepare_device(&record)?;
+    ctx.gpu.prepare_device(&p, &record)?;
     Ok(None)
 }
 
@@ -289,8 +291,16 @@ pub fn release(ctx: &StepCtx<'_>, t: &Tenant) -> Result<(), StepError> {
                 };
                 ctx.store.set_gpu_device(id, &row)?;
             }
-            None => ctx.gpu.leave_device_mode(&record)?,
+            None => ctx.gpu.leave_device_mode(&card, &record)?,
         }
+    }
+    // A whole card that was in MIG mode gets it back (its only tenant: no heir).
+    if let DeviceRecord::Whole {
+        mig_turned_off: true,
+        ..
+    } = &record
+    {
+        ctx.gpu.leave_device_mode(&card, &record)?;
     }
     ctx.store.remove_gpu_device(t.id)?;
     Ok(())

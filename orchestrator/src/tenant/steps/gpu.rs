@@ -283,7 +283,7 @@ fn with_drivers(ctx: &StepCtx<'_>, t: &Tenant, rec: StepRecord) -> Result<StepRe
     let Some((_, record)) = crate::tenant::steps::device::stored(ctx, t)? else {
         return Ok(rec);
     };
-    let crate::tenant::gpu_device::DeviceRecord::Whole { binding } = &record else {
+    let crate::tenant::gpu_device::DeviceRecord::Whole { binding, .. } = &record else {
         return Ok(rec);
     };
     let mut rec = rec;

@@ -101,6 +101,13 @@ pub fn launch(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepR
     let (devices, uuid) = crate::tenant::steps::device::for_launch(ctx, t)?;
     let boot = crate::tenant::image::boot_files(cfg, &t.spec, t.guest, ctx.backend.kind())
         .map_err(|e| StepError::failed(format!("guest image: {e}")))?;
+    let hugepages = crate::backend::hugepages::choose(
+        t.spec.hugepages,
+        t.spec.gpu.wants_gpu(),
+        t.spec.memory_mib,
+        &crate::backend::hugepages::HostPools::new("/"),
+    )
+    .map_err(|e| StepError::failed(e.to_string()))?;
     let spec = VmSpec {
         vsock_cid: None,
         tenant: t.name.to_string(),
@@ -113,6 +120,7 @@ pub fn launch(ctx: &StepCtx<'_>, t: &mut Tenant, _op: Op) -> Result<Option<StepR
         tenant_dir: dir,
         devices,
         uuid,
+        hugepages,
     };
     let jail = JailConfig {
         uid,

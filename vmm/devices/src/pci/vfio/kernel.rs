@@ -126,7 +126,7 @@ pub enum VfioKernelError {
     NoType1,
     /// The kernel says the group is not viable.
     #[error(
-        "VFIO group {0} is not viable: every device in it must be bound to vfio-pci or unbound"
+        "VFIO group {0} is not viable: every device in it must be registered with VFIO (bound to vfio-pci, or to a vendor driver that registers it), unbound, or a bridge"
     )]
     GroupNotViable(u32),
     /// The device is not a PCI device.
@@ -458,7 +458,7 @@ impl KernelVfioDevice {
         path: &Path,
         kvm: Option<&dyn KvmVfioFiles>,
     ) -> Result<Self, VfioKernelError> {
-        let sysfs = inspect(path)?;
+        let sysfs = inspect(path, &container.dev_dir)?;
         let group = container.group(sysfs.group)?;
         if let Some(kvm) = kvm {
             if !group.kvm_added.swap(true, Ordering::SeqCst) {
@@ -501,7 +501,12 @@ impl KernelVfioDevice {
         path: &Path,
         kvm: Option<&dyn KvmVfioFiles>,
     ) -> Result<Self, VfioKernelError> {
-        let sysfs = inspect(path)?;
+        // `/dev/vfio/devices/vfioN`: the VFIO nodes' folder is two up.
+        let vfio_dir = cdev
+            .parent()
+            .and_then(Path::parent)
+            .unwrap_or(Path::new("/dev/vfio"));
+        let sysfs = inspect(path, vfio_dir)?;
         let (file, devid) = bind_and_attach(cdev, &iommufd, kvm)?;
         let access = Access::Cdev {
             _iommufd: iommufd,

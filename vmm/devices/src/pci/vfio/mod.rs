@@ -11,7 +11,7 @@
 //! - `shadow`: the configuration space the guest sees;
 //! - `gpudirect`: NVIDIA's GPUDirect clique capability (emulated, optional);
 //! - `device`: the [`VfioPciDevice`] on the PCI root;
-//! - `sysfs`: what sysfs says (driver, IOMMU group, group viability);
+//! - `sysfs`: what sysfs says (VFIO registration, driver, IOMMU group, group viability);
 //! - `kernel`: the kernel backend (a device opened through the VFIO container/group
 //!   interface or through iommufd and its cdev);
 //! - `kvm_files`: handing group and cdev files to the VM's KVM VFIO device before opening;
@@ -64,4 +64,4 @@ pub use shadow::{
     probe, ConfigShadow, DeviceProbe, HiddenCap, IrqChange, MsixLayout, ProbedBar, ShadowError,
     ShadowWrite,
 };
-pub use sysfs::{inspect, is_vfio_driver, SysfsDevice, SysfsError};
+pub use sysfs::{inspect, SysfsDevice, SysfsError, VfioRegistration};
