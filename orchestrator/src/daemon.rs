@@ -367,6 +367,17 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
             "cannot disable core dumps; set LimitCORE=0 in the unit"
         );
     }
+    // Descriptors: the front door sizes its connections from what this leaves
+    // (frontdoor::DoorLimits), keeping a reserve for the admin API, the store and launches.
+    match crate::fd_limit::raise_soft_limit() {
+        Ok(l) => tracing::info!(
+            was = l.was,
+            soft = l.soft,
+            hard = l.hard,
+            "file descriptors (RLIMIT_NOFILE)"
+        ),
+        Err(e) => tracing::warn!(error = %e, "cannot read RLIMIT_NOFILE"),
+    }
     make_state_dir(&args.state_dir)?;
     let store = Arc::new(
         Store::open(&args.state_dir.join("state.db")).context("Cannot open the state store")?,
