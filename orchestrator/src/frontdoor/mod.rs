@@ -167,7 +167,7 @@ pub async fn serve_with(
     tracing::info!(?limits, "front door connection limits");
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let door = Connections::new(limits);
-    let shared = Shared::default();
+    let shared = Shared::new(&svc);
     let mut failures = AcceptFailures::default();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
@@ -282,12 +282,32 @@ fn route(method: &Method, path: &str) -> Result<&'static str, OpenAiError> {
 }
 
 /// What all of the front door's connections share.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 struct Shared {
     /// Keys' tenants, so that a request on a known key queries nothing.
     keys: Arc<keys::KeyCache>,
+    /// The store's read-only connection that keys are looked up on (on the async threads):
+    /// it never waits behind the store's own lock, however long a write holds it.
+    reader: Option<Arc<crate::store::Store>>,
     /// The threads forwarded requests run on.
     workers: workers::Workers,
+}
+
+impl Shared {
+    fn new(svc: &TenantService) -> Shared {
+        let reader = match svc.store().open_reader() {
+            Ok(reader) => Some(Arc::new(reader)),
+            Err(e) => {
+                tracing::warn!(error = %e, "front door: no read-only store connection; keys are looked up on the store's own");
+                None
+            }
+        };
+        Shared {
+            keys: Arc::default(),
+            reader,
+            workers: workers::Workers::default(),
+        }
+    }
 }
 
 /// What a request knows of its connection.
@@ -359,10 +379,11 @@ async fn answer(
         .headers()
         .get(hyper::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
+    let keys_store = conn.shared.reader.as_deref().unwrap_or(svc.store());
     let record = conn
         .shared
         .keys
-        .authenticate(svc.store(), authorization)
+        .authenticate(keys_store, authorization)
         .map_err(|e| (e, None))?;
     let name = record.name.to_string();
     svc.metrics().claim(&name, record.id);

@@ -182,6 +182,7 @@ pub fn now_ms() -> i64 {
 /// A connection to the state database.
 pub struct Store {
     conn: Mutex<Connection>,
+    path: std::path::PathBuf,
 }
 
 impl Store {
@@ -194,9 +195,28 @@ impl Store {
         conn.pragma_update(None, "foreign_keys", "ON")?;
         let store = Store {
             conn: Mutex::new(conn),
+            path: path.to_path_buf(),
         };
         store.migrate()?;
         Ok(store)
+    }
+
+    /// A second, read-only connection to the same database, for readers that must not wait
+    /// behind this connection's lock (the front door's key lookups on the async threads): in
+    /// WAL mode a reader never waits for a writer, and its [`Store::change_stamp`] still
+    /// changes with every commit of this connection (`PRAGMA data_version`). Its writes
+    /// fail.
+    pub fn open_reader(&self) -> Result<Store, StoreError> {
+        let conn = Connection::open_with_flags(
+            &self.path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        // A reader waits only for a checkpoint's brief exclusive moments.
+        conn.busy_timeout(Duration::from_secs(5))?;
+        Ok(Store {
+            conn: Mutex::new(conn),
+            path: self.path.clone(),
+        })
     }
 
     fn migrate(&self) -> Result<(), StoreError> {
@@ -217,6 +237,13 @@ impl Store {
         }
         tx.commit()?;
         Ok(())
+    }
+
+    /// Runs `f` while holding this connection's lock, as a long write would (tests only).
+    #[cfg(test)]
+    pub(crate) fn while_locked<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _held = self.lock();
+        f()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Connection> {
