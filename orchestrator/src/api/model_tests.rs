@@ -81,19 +81,24 @@ fn serve_guest(dir: PathBuf, listener: UnixListener) {
     });
 }
 
-#[test]
-fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        tenantvm_skip::skip!("needs root to serve agent sockets as tenant uids");
-    }
+/// A harness with `tenants` (name, disk GiB) created, the first running an inference guest
+/// (the stand-in over a model store directory), and the API served on a Unix socket: the
+/// harness, the tenants' tokens, the model store directory, the runtime and the socket.
+fn serve_tenants(
+    tenants: &[(&'static str, u32)],
+) -> (
+    Harness,
+    std::collections::HashMap<&'static str, String>,
+    PathBuf,
+    tokio::runtime::Runtime,
+    PathBuf,
+) {
     let h = Harness::new(FaultHook::default());
     h.host.state().agent_vsock = true;
     let mut tokens = std::collections::HashMap::new();
-    for name in ["alice", "bob"] {
+    for (name, disk) in tenants {
         let spec = TenantSpec::from_toml(&format!(
-            "name = \"{name}\"\ndisk_gib = {}\n[image]\nname = \"hello\"\n",
-            u32::from(name == "alice")
+            "name = \"{name}\"\ndisk_gib = {disk}\n[image]\nname = \"hello\"\n"
         ))
         .unwrap();
         match h
@@ -101,22 +106,32 @@ fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure(
             .execute(&Caller::Admin, TenantCommand::Create(spec))
             .unwrap()
         {
-            CommandOutcome::Created(c) => tokens.insert(name, c.token),
+            CommandOutcome::Created(c) => tokens.insert(*name, c.token),
             other => panic!("{other:?}"),
         };
     }
     h.svc.wait_idle();
-    // alice runs an inference guest (bob's is plain: no models).
     let store_dir = h.dir.path().join("guest-disk/models");
-    serve_guest(store_dir.clone(), fake_agent_socket(&h.svc, "alice"));
-
-    let rt = Arc::new(crate::daemon::runtime().unwrap());
+    serve_guest(store_dir.clone(), fake_agent_socket(&h.svc, tenants[0].0));
+    let rt = crate::daemon::runtime().unwrap();
     let api_sock = h.dir.path().join("api.sock");
     let listener = rt
         .block_on(async { tokio::net::UnixListener::bind(&api_sock) })
         .unwrap();
     let app = super::router(h.svc.clone());
     rt.spawn(async move { axum::serve(listener, app).await });
+    (h, tokens, store_dir, rt, api_sock)
+}
+
+#[test]
+fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        tenantvm_skip::skip!("needs root to serve agent sockets as tenant uids");
+    }
+    // alice runs an inference guest (bob's is plain: no models).
+    let (h, tokens, store_dir, rt, api_sock) = serve_tenants(&[("alice", 1), ("bob", 0)]);
+    let rt = Arc::new(rt);
     let cli = |token: &str, args: &[&str]| -> (u8, String) {
         let mut argv = vec![
             "tenantvm",
@@ -355,33 +370,7 @@ fn a_stalled_or_bodiless_push_is_answered_and_one_larger_than_the_disk_gets_no_s
     if unsafe { libc::geteuid() } != 0 {
         tenantvm_skip::skip!("needs root to serve agent sockets as tenant uids");
     }
-    let h = Harness::new(FaultHook::default());
-    h.host.state().agent_vsock = true;
-    let mut tokens = std::collections::HashMap::new();
-    for (name, disk) in [("alice", 1), ("plain", 0)] {
-        let spec = TenantSpec::from_toml(&format!(
-            "name = \"{name}\"\ndisk_gib = {disk}\n[image]\nname = \"hello\"\n"
-        ))
-        .unwrap();
-        match h
-            .svc
-            .execute(&Caller::Admin, TenantCommand::Create(spec))
-            .unwrap()
-        {
-            CommandOutcome::Created(c) => tokens.insert(name, c.token),
-            other => panic!("{other:?}"),
-        };
-    }
-    h.svc.wait_idle();
-    let store_dir = h.dir.path().join("guest-disk/models");
-    serve_guest(store_dir.clone(), fake_agent_socket(&h.svc, "alice"));
-    let rt = crate::daemon::runtime().unwrap();
-    let api_sock = h.dir.path().join("api.sock");
-    let listener = rt
-        .block_on(async { tokio::net::UnixListener::bind(&api_sock) })
-        .unwrap();
-    let app = super::router(h.svc.clone());
-    rt.spawn(async move { axum::serve(listener, app).await });
+    let (_h, tokens, store_dir, rt, api_sock) = serve_tenants(&[("alice", 1), ("plain", 0)]);
 
     // Larger than the disk and than what a refused push has drained of its body: the
     // refusal still reaches the CLI (NO_SPACE), not a reset connection.
