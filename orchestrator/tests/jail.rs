@@ -212,6 +212,59 @@ fn jailed_program_has_no_network_but_its_own_loopback() {
 }
 
 #[test]
+fn the_launcher_leads_a_session_of_its_own_so_the_daemons_exit_sends_it_nothing() {
+    require_root!();
+    let tmp = tempfile::tempdir().unwrap();
+    let tenant = common::tenant("session");
+    let dir = common::tenant_dir(&tmp, &tenant);
+    let _cleanup = common::CleanupOnDrop::new(&tenant, &dir);
+    let cgroups = Cgroups::detect().unwrap();
+    let handle = cgroups.create(&tenant, &common::roomy_limits()).unwrap();
+    let uid = common::test_uid(0);
+    let mut plan = JailPlan::new(
+        &tenant,
+        uid,
+        uid,
+        handle,
+        &dir,
+        Path::new("/bin/sh"),
+        vec!["-c".into(), "while :; do :; done".into()],
+        RLIMITS,
+    )
+    .unwrap();
+    plan.device(Path::new("/dev/null")).unwrap();
+    let log = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("vmm.log"))
+        .unwrap();
+    let launched =
+        spawn_launcher(Path::new(env!("CARGO_BIN_EXE_tenantvm-jail")), &plan, &log).unwrap();
+    // /proc/PID/stat after the command's name: state, ppid, pgrp, session.
+    let stat = fs::read_to_string(format!("/proc/{}/stat", launched.pid)).unwrap();
+    let fields: Vec<i32> = stat[stat.rfind(')').unwrap() + 2..]
+        .split(' ')
+        .skip(1)
+        .take(3)
+        .map(|f| f.parse().unwrap())
+        .collect();
+    cleanup_tenant(&cgroups, &tenant, &dir).unwrap();
+    let _ = process::wait_nohang(launched.pid);
+    // SAFETY: getsid(0) has no preconditions.
+    let ours = unsafe { libc::getsid(0) };
+    assert_ne!(
+        ours, launched.pid,
+        "the control: the test's own session is another"
+    );
+    assert_eq!(
+        (fields[1], fields[2]),
+        (launched.pid, launched.pid),
+        "the launcher's process group and session (its parent is {})",
+        fields[0]
+    );
+}
+
+#[test]
 fn exit_status_of_the_program_reaches_the_daemon() {
     require_root!();
     let run = run_jailed("status", common::roomy_limits(), "exit 7");

@@ -362,6 +362,39 @@ fn reconcile_adopts_live_vms_and_fails_dead_ones() {
 }
 
 #[test]
+fn reconcile_adopts_a_live_vmm_that_does_not_answer_and_says_so() {
+    let mut h = Harness::new(FaultHook::default());
+    create(&h, "paused");
+    h.svc.wait_idle();
+    let pid = h
+        .host
+        .state()
+        .processes
+        .iter()
+        .find(|(_, t)| *t == "paused")
+        .map(|(p, _)| *p)
+        .unwrap();
+    // Its process runs, its control socket is silent (a VMM paused for a while).
+    h.host.state().unresponsive.insert(pid);
+    h.restart(FaultHook::default());
+    let report = reconcile(&h.svc, &ReconcileOptions::default()).unwrap();
+    assert_eq!(report.adopted, vec!["paused".to_string()], "{report:?}");
+    assert_eq!(state(&h, "paused"), Some(LifecycleState::Running));
+    assert!(
+        h.host.state().processes.contains_key(&pid),
+        "the VM was killed"
+    );
+    let t = h.svc.store().tenant("paused").unwrap().unwrap();
+    assert!(
+        t.error
+            .as_deref()
+            .is_some_and(|e| e.starts_with("unresponsive")),
+        "{:?}",
+        t.error
+    );
+}
+
+#[test]
 fn reconcile_removes_unknown_cgroups_and_their_processes() {
     let mut h = Harness::new(FaultHook::default());
     {
