@@ -32,6 +32,29 @@ fn run_jailed(tag: &str, limits: ResourceLimits, script: &str) -> Run {
     run_jailed_with(tag, limits, script, |_, _| {})
 }
 
+/// The plan that runs `script` with /bin/sh as the first test uid, with /dev/null.
+fn shell_plan(
+    tenant: &str,
+    handle: tenantvm::jail::CgroupHandle,
+    dir: &Path,
+    script: &str,
+) -> JailPlan {
+    let uid = common::test_uid(0);
+    let mut plan = JailPlan::new(
+        tenant,
+        uid,
+        uid,
+        handle,
+        dir,
+        Path::new("/bin/sh"),
+        vec!["-c".into(), script.into()],
+        RLIMITS,
+    )
+    .unwrap();
+    plan.device(Path::new("/dev/null")).unwrap();
+    plan
+}
+
 /// As [`run_jailed`], letting `customize` adjust the plan (given the tenant dir) first.
 fn run_jailed_with(
     tag: &str,
@@ -45,19 +68,7 @@ fn run_jailed_with(
     let _cleanup = common::CleanupOnDrop::new(&tenant, &dir);
     let cgroups = Cgroups::detect().unwrap();
     let handle = cgroups.create(&tenant, &limits).unwrap();
-    let uid = common::test_uid(0);
-    let mut plan = JailPlan::new(
-        &tenant,
-        uid,
-        uid,
-        handle,
-        &dir,
-        Path::new("/bin/sh"),
-        vec!["-c".into(), script.into()],
-        RLIMITS,
-    )
-    .unwrap();
-    plan.device(Path::new("/dev/null")).unwrap();
+    let mut plan = shell_plan(&tenant, handle, &dir, script);
     customize(&mut plan, &dir);
     let log_path = dir.join("vmm.log");
     let log = OpenOptions::new()
@@ -220,19 +231,7 @@ fn the_launcher_leads_a_session_of_its_own_so_the_daemons_exit_sends_it_nothing(
     let _cleanup = common::CleanupOnDrop::new(&tenant, &dir);
     let cgroups = Cgroups::detect().unwrap();
     let handle = cgroups.create(&tenant, &common::roomy_limits()).unwrap();
-    let uid = common::test_uid(0);
-    let mut plan = JailPlan::new(
-        &tenant,
-        uid,
-        uid,
-        handle,
-        &dir,
-        Path::new("/bin/sh"),
-        vec!["-c".into(), "while :; do :; done".into()],
-        RLIMITS,
-    )
-    .unwrap();
-    plan.device(Path::new("/dev/null")).unwrap();
+    let plan = shell_plan(&tenant, handle, &dir, "while :; do :; done");
     let log = OpenOptions::new()
         .create(true)
         .append(true)
