@@ -200,6 +200,16 @@ async fn run(
     command: TenantCommand,
 ) -> Result<CommandOutcome, ApiError> {
     let caller: Caller = auth::authenticate(api.svc.store(), authorization(headers))?;
+    run_as(api, caller, command).await
+}
+
+/// [`run`] for a caller already authenticated (a handler with a body authenticates before
+/// it looks at the body: a request without a good token gets 401 whatever it sent).
+async fn run_as(
+    api: &ApiState,
+    caller: Caller,
+    command: TenantCommand,
+) -> Result<CommandOutcome, ApiError> {
     let permit = api.lanes.enter(Lane::of(&caller))?;
     let svc = api.svc.clone();
     offload(permit, move || svc.execute(&caller, command))
@@ -243,8 +253,9 @@ async fn create(
     headers: HeaderMap,
     spec: Result<Json<TenantSpec>, JsonRejection>,
 ) -> Result<Response, ApiError> {
+    let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
     let Json(spec) = spec.map_err(json_rejection)?;
-    let out = run(&api, &headers, TenantCommand::Create(spec)).await?;
+    let out = run_as(&api, caller, TenantCommand::Create(spec)).await?;
     Ok(respond(StatusCode::ACCEPTED, out))
 }
 
@@ -326,6 +337,7 @@ async fn infer(
     body: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let name = tenant_name(name)?;
+    let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
     let Json(body) = body.map_err(|r| match r.status() {
         StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -343,10 +355,9 @@ async fn infer(
             "The completion request is not valid JSON; send {\"prompt\": \"...\", \"max_tokens\": 16}",
         ),
     })?;
-    // Authenticated and admitted (the tenant's request rate and concurrency) here, before
-    // any blocking work; the guest's answer is then awaited on a thread of this request's
-    // own, holding the tenant's admission permit.
-    let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
+    // Authenticated (above, before the body was looked at) and admitted (the tenant's
+    // request rate and concurrency) here, before any blocking work; the guest's answer is
+    // then awaited on a thread of this request's own, holding the tenant's admission permit.
     let admitted = api.svc.admit_infer(&caller, &name)?;
     let svc = api.svc.clone();
     let answer = offload((), move || svc.infer_admitted(admitted, body)).await??;
@@ -388,6 +399,7 @@ async fn rescrub(
     headers: HeaderMap,
     body: Result<Json<types::ScrubRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
+    let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
     let Json(body) = body.map_err(|r| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -400,7 +412,7 @@ async fn rescrub(
     })?;
     Ok(respond(
         StatusCode::OK,
-        run(&api, &headers, TenantCommand::Rescrub(body.slice)).await?,
+        run_as(&api, caller, TenantCommand::Rescrub(body.slice)).await?,
     ))
 }
 

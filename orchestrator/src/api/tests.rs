@@ -107,6 +107,34 @@ fn spec_json(name: &str) -> String {
 }
 
 #[tokio::test]
+async fn a_body_is_looked_at_only_after_the_token() {
+    let api = Api::new();
+    // Without a good token, a bad body gets 401 like a good one (it was 400: parsed first).
+    for (uri, body) in [
+        ("/v1/tenants", "not json".to_string()),
+        ("/v1/tenants", spec_json("nobody")),
+        ("/v1/tenants/nobody/infer", "not json".to_string()),
+        ("/v1/gpu/quarantine/scrub", "{}".to_string()),
+    ] {
+        for token in [None, Some("wrong")] {
+            let (status, v) = api.call("POST", uri, token, Some(body.clone())).await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED, "{uri} {body}: {v}");
+        }
+    }
+    // The control: with the admin token the bad body is what is refused.
+    let (status, v) = api
+        .call(
+            "POST",
+            "/v1/tenants",
+            Some(&api.admin),
+            Some("not json".into()),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(api.tenant_count(), 0);
+}
+
+#[tokio::test]
 async fn lifecycle_responses_match_the_spec() {
     let api = Api::new();
     let admin = api.admin.clone();
