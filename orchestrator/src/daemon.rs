@@ -391,6 +391,7 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
     let backend = make_backend(&args)?;
     let cgroups = runtime_config(&args.state_dir)?.cgroups;
     tracing::info!(subtree = %cgroups.subtree().display(), "tenant cgroups");
+    let own_cgroups = cgroups.clone();
     let mut cfg = ServiceConfig::new(args.state_dir.clone());
     cfg.image_dir = args.image_dir.clone();
     cfg.uid_first = args.uid_range.0;
@@ -514,6 +515,12 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
         tracing::warn!("operations still waiting on a guest or VMM after {DRAIN_OPERATIONS:?}; they resume at the next start");
     }
     let _ = std::fs::remove_file(&args.socket);
+    // A daemon that leaves no tenant's VM behind leaves no empty subtree behind either.
+    if idle {
+        for dir in own_cgroups.remove_subtree_if_empty() {
+            tracing::info!(dir = %dir.display(), "removed this daemon's empty cgroup subtree");
+        }
+    }
     served
         .context("API server task failed")?
         .context("API server failed")?;

@@ -285,11 +285,10 @@ impl Cgroups {
         Ok(handle)
     }
 
-    /// Names of the tenants that have a cgroup in this daemon's subtree (in any hierarchy),
-    /// sorted: for reconcile. Other daemons' subtrees are never listed.
-    pub fn list_tenants(&self) -> Result<Vec<String>, JailError> {
+    /// This daemon's subtree in each hierarchy.
+    fn subtree_dirs(&self) -> Vec<PathBuf> {
         let sub = &self.subtree;
-        let parents: Vec<PathBuf> = match &self.layout {
+        match &self.layout {
             CgroupLayout::V1 {
                 memory,
                 cpu,
@@ -310,9 +309,29 @@ impl Cgroups {
             .map(|d| d.join(sub))
             .collect(),
             CgroupLayout::V2 { root } => vec![root.join(sub)],
-        };
+        }
+    }
+
+    /// Removes this daemon's subtree from each hierarchy where it holds no tenant's cgroup
+    /// (rmdir of a cgroup fails while it has children, so one in use stays), for a daemon
+    /// that stops: nothing of it is left on the host. The shared `tenantvm` parent stays
+    /// (another daemon may be making its subtree in it). Returns the directories removed.
+    pub fn remove_subtree_if_empty(&self) -> Vec<PathBuf> {
+        if self.subtree == Path::new(PARENT) {
+            // The unscoped tree of tools and tests: shared, never removed here.
+            return Vec::new();
+        }
+        self.subtree_dirs()
+            .into_iter()
+            .filter(|dir| fs::remove_dir(dir).is_ok())
+            .collect()
+    }
+
+    /// Names of the tenants that have a cgroup in this daemon's subtree (in any hierarchy),
+    /// sorted: for reconcile. Other daemons' subtrees are never listed.
+    pub fn list_tenants(&self) -> Result<Vec<String>, JailError> {
         let mut names = Vec::new();
-        for parent in parents {
+        for parent in self.subtree_dirs() {
             let entries = match fs::read_dir(&parent) {
                 Ok(entries) => entries,
                 Err(e) if e.kind() == ErrorKind::NotFound => continue,
@@ -756,6 +775,35 @@ mod tests {
         assert_eq!(dir, &tree.path().join("cpuacct/tenantvm/alpha"));
         assert!(dir.is_dir());
         assert!(handle.dirs().contains(&dir));
+    }
+
+    #[test]
+    fn a_stopping_daemons_subtree_goes_when_empty_and_stays_while_used() {
+        let tree = fake_v1_tree();
+        let state = tempfile::tempdir().unwrap();
+        let cgroups = Cgroups::detect_at(tree.path())
+            .unwrap()
+            .for_state_dir(state.path())
+            .unwrap();
+        let handle = cgroups.create("alpha", &LIMITS).unwrap();
+        let subtree = tree.path().join("memory").join(cgroups.subtree());
+        // A tenant's cgroup in it: nothing removed (a fake tree's rmdir fails as the
+        // kernel's does on a cgroup with children).
+        assert!(cgroups.remove_subtree_if_empty().is_empty());
+        assert!(subtree.is_dir());
+        // Emptied (the fake tree holds the limits as files; the kernel's has none left).
+        for dir in handle.dirs() {
+            fs::remove_dir_all(dir).unwrap();
+        }
+        assert_eq!(cgroups.remove_subtree_if_empty().len(), 3);
+        assert!(!subtree.exists());
+        assert!(
+            tree.path().join("memory").join(PARENT).is_dir(),
+            "the shared parent went"
+        );
+        // The unscoped tree of tools and tests is never removed.
+        let unscoped = Cgroups::detect_at(tree.path()).unwrap();
+        assert!(unscoped.remove_subtree_if_empty().is_empty());
     }
 
     #[test]
