@@ -401,3 +401,35 @@ fn a_departing_guest_that_answers_with_megabytes_of_text_gets_a_bounded_receipt_
         &stored_line.method[..200.min(stored_line.method.len())]
     );
 }
+
+#[test]
+fn the_receipt_a_tenant_reads_names_no_host_path() {
+    let h = Harness::new(FaultHook::default());
+    run(
+        &h,
+        TenantCommand::Create(spec(
+            "alice",
+            "{ kind = \"mig\", profile = \"1g.10gb\" }",
+            1,
+        )),
+    );
+    let id = h.svc.store().tenant("alice").unwrap().unwrap().id;
+    run(&h, TenantCommand::Destroy("alice".into()));
+    let CommandOutcome::Receipts(entries) = h
+        .svc
+        .execute(&Caller::Tenant(id), TenantCommand::Receipts(None))
+        .unwrap()
+    else {
+        panic!("not receipts")
+    };
+    assert_eq!(entries.len(), 1);
+    let text = serde_json::to_string(&entries).unwrap();
+    // The control: the shred's evidence names the image it destroyed.
+    assert!(text.contains("disk.img"), "{text}");
+    let state = h.svc.config().state_dir.display().to_string();
+    let root = h.dir.path().display().to_string();
+    assert!(
+        !text.contains(&state) && !text.contains(&root),
+        "a host path in the tenant's receipt: {text}"
+    );
+}
