@@ -405,18 +405,39 @@ impl Store {
         step: &str,
         error: Option<&str>,
     ) -> Result<(), StoreError> {
+        self.step_ended(tenant_id, op_id, step, error, false)
+    }
+
+    /// Records that `step` finished with nothing to do for its tenant (`skipped`; it counts
+    /// as done for a resumed operation).
+    pub fn step_skipped(&self, tenant_id: i64, op_id: i64, step: &str) -> Result<(), StoreError> {
+        self.step_ended(tenant_id, op_id, step, None, true)
+    }
+
+    fn step_ended(
+        &self,
+        tenant_id: i64,
+        op_id: i64,
+        step: &str,
+        error: Option<&str>,
+        skipped: bool,
+    ) -> Result<(), StoreError> {
         // Errors quote guests: bounded, on one line (crate::untrusted).
         let error = error.map(crate::untrusted::one_line);
         let error = error.as_deref();
         let conn = self.lock();
-        let status = if error.is_some() { "failed" } else { "done" };
+        let status = match (error, skipped) {
+            (Some(_), _) => "failed",
+            (None, true) => "skipped",
+            (None, false) => "done",
+        };
         conn.execute(
             "UPDATE steps SET status = ?3, error = ?4, finished_ms = ?5 WHERE op_id = ?1 AND step = ?2",
             params![op_id, step, status, error, now_ms()],
         )?;
         let msg = match error {
             Some(e) => format!("{step} failed: {e}"),
-            None => format!("{step} done"),
+            None => format!("{step} {status}"),
         };
         insert_event(&conn, Some(tenant_id), "step", &msg)?;
         Ok(())
