@@ -2,13 +2,26 @@
 # Sets up a fresh Debian 12 machine to build, test, benchmark and demo tenantvm.
 # Idempotent: run it as often as you like. Needs root (or sudo) for apt.
 #
+# usage: scripts/setup.sh [--dev]
+#
 # What it does:
 #   1. installs the Debian packages the build, tests and demo need;
-#   2. adds the Rust target the no_std test guests are built for, and the cargo tools the
-#      checks use (cargo-fuzz for scripts/fuzz.sh, cargo-machete for .ci/run);
+#   2. adds the Rust target the no_std test guests are built for, and rustfmt and clippy;
 #   3. fetches the stock Debian kernel package (linux-image-amd64) into .cache/kernel/
-#      and extracts its ELF vmlinux next to the bzImage. Nothing fetched is committed.
+#      and extracts its ELF vmlinux next to the bzImage. Nothing fetched is committed;
+#   4. with --dev only (.ci/run passes it): the developer tools the CI checks use and that
+#      take minutes to compile, which nobody who only wants the demo or the tests needs:
+#      a nightly toolchain and cargo-fuzz (scripts/fuzz.sh), cargo-machete (unused
+#      dependencies).
 set -euo pipefail
+
+dev=0
+for arg in "$@"; do
+    case "$arg" in
+        --dev) dev=1 ;;
+        *) echo "usage: scripts/setup.sh [--dev]" >&2; exit 2 ;;
+    esac
+done
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache="$root/.cache"
@@ -68,6 +81,10 @@ if command -v rustup >/dev/null 2>&1; then
     for c in rustfmt clippy; do
         rustup component list --installed | grep -q "^$c" || rustup component add "$c"
     done
+fi
+
+# Developer tools (--dev): the CI's checks, not the demo's or the tests' needs.
+if [ "$dev" = 1 ] && command -v rustup >/dev/null 2>&1; then
     # The fuzz targets (scripts/fuzz.sh) need a nightly toolchain and cargo-fuzz. They are
     # optional: without them scripts/fuzz.sh says why and skips.
     if ! rustup toolchain list | grep -q '^nightly'; then
@@ -110,4 +127,7 @@ if [ ! -f "$kdir/vmlinux" ] || [ ! -f "$kdir/vmlinuz" ]; then
     rm -rf "$kdir.tmp"
 fi
 say "kernel $(cat "$kdir/version"): $kdir/vmlinux (ELF), $kdir/vmlinuz (bzImage)"
+if [ "$dev" = 0 ]; then
+    say "developer tools (nightly, cargo-fuzz, cargo-machete) not installed; scripts/setup.sh --dev adds them"
+fi
 say "done"
