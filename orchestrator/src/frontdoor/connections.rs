@@ -10,8 +10,9 @@
 //!   connection is never refused for lack of room there: it **evicts** the oldest
 //!   unauthenticated connection of its own source when that source is at its limit, else,
 //!   when the pool is full, the oldest of the source holding the most (with equal shares,
-//!   the oldest of all). So a flood from a few sources turns over only its own
-//!   connections, and every newcomer gets its turn;
+//!   the oldest of all); within a source, one that has sent nothing yet goes first. So a
+//!   flood from a few sources turns over only its own connections, and every newcomer gets
+//!   its turn;
 //! - an unauthenticated connection must also keep moving ([`watch`]): its first byte within
 //!   [`FIRST_BYTE_TIMEOUT`], then at least [`MIN_BYTES_PER_S`] on average after
 //!   [`RATE_GRACE`], and a good key within [`UNAUTHENTICATED_LIFETIME`] in all (TLS
@@ -74,7 +75,9 @@ impl DoorLimits {
     /// The limits for a process that may open `nofile` descriptors: [`FD_RESERVE`] (or an
     /// eighth) kept for the rest of the daemon; an authenticated connection counts twice
     /// (its request's connection to the guest); the unauthenticated get a quarter of the
-    /// rest, at most [`MAX_UNAUTHENTICATED`].
+    /// rest, at most [`MAX_UNAUTHENTICATED`], half of it for one source at most (a client
+    /// application's pool of connections opened at once must fit; a full pool evicts from
+    /// the heaviest source first anyway).
     pub fn for_fd_limit(nofile: u64) -> DoorLimits {
         let reserve = FD_RESERVE.max(nofile / 8);
         let budget = usize::try_from(nofile.saturating_sub(reserve))
@@ -86,7 +89,7 @@ impl DoorLimits {
         DoorLimits {
             places: unauthenticated + authenticated,
             unauthenticated,
-            per_source: (unauthenticated / 8).max(2),
+            per_source: (unauthenticated / 2).max(2),
             authenticated,
             per_tenant: MAX_TENANT_CONNECTIONS
                 .min(u32::try_from(authenticated).unwrap_or(u32::MAX)),
@@ -116,6 +119,7 @@ impl Source {
 struct Waiting {
     source: Source,
     evict: Arc<Notify>,
+    received: Arc<Received>,
 }
 
 #[derive(Default)]
@@ -146,7 +150,8 @@ impl Pool {
     }
 
     /// Evicts the oldest unauthenticated connection of `source`, or of the source holding
-    /// the most (ties: the oldest of them).
+    /// the most (ties: the oldest of them): the oldest that has sent nothing yet if there is
+    /// one (a client that means it sends its TLS hello at once), else the oldest.
     fn evict_oldest(&mut self, source: Option<Source>) {
         let source = source.or_else(|| {
             self.by_source
@@ -159,7 +164,15 @@ impl Pool {
                 })
                 .map(|(s, _)| *s)
         });
-        let Some(id) = source.and_then(|s| self.by_source.get(&s)?.front().copied()) else {
+        let Some(queue) = source.and_then(|s| self.by_source.get(&s)) else {
+            return;
+        };
+        let silent = queue.iter().find(|id| {
+            self.waiting
+                .get(id)
+                .is_some_and(|w| w.received.bytes() == 0)
+        });
+        let Some(id) = silent.or(queue.front()).copied() else {
             return;
         };
         if let Some(w) = self.remove_waiting(id) {
@@ -208,8 +221,8 @@ impl Connections {
     }
 
     /// Admits a new connection from `source` as unauthenticated, evicting to make room
-    /// (never refusing it).
-    pub fn admit(self: &Arc<Self>, place: Place, source: Source) -> Slot {
+    /// (never refusing it); `received` counts what it sends.
+    pub fn admit(self: &Arc<Self>, place: Place, source: Source, received: Arc<Received>) -> Slot {
         let evict = Arc::new(Notify::new());
         let mut pool = self.lock();
         let of_source = pool.by_source.get(&source).map_or(0, VecDeque::len);
@@ -225,6 +238,7 @@ impl Connections {
             Waiting {
                 source,
                 evict: evict.clone(),
+                received,
             },
         );
         pool.by_source.entry(source).or_default().push_back(id);
@@ -453,6 +467,11 @@ mod tests {
         }
     }
 
+    /// What a connection has sent so far.
+    fn sent(bytes: u64) -> Arc<Received> {
+        Arc::new(Received(AtomicU64::new(bytes)))
+    }
+
     fn src(last: u8) -> Source {
         Source::of(IpAddr::from([10, 0, 0, last]))
     }
@@ -495,21 +514,42 @@ mod tests {
             authenticated: 10,
             per_tenant: 2,
         });
-        let a: Vec<Slot> = (0..3).map(|_| door.admit(place(&door), src(1))).collect();
+        let a: Vec<Slot> = (0..3)
+            .map(|_| door.admit(place(&door), src(1), sent(1)))
+            .collect();
         // A fourth from the same source evicts its oldest, not anyone else's.
-        let b = door.admit(place(&door), src(2));
-        let a4 = door.admit(place(&door), src(1));
+        let b = door.admit(place(&door), src(2), sent(1));
+        let a4 = door.admit(place(&door), src(1), sent(1));
         assert!(evicted(&a[0]) && !evicted(&a[1]) && !evicted(&b));
         // The pool holds 4; two more fit; a seventh from a new source evicts the oldest of
         // the heaviest source (a[1]), not b, the oldest of all.
-        let c = door.admit(place(&door), src(3));
-        let d = door.admit(place(&door), src(4));
+        let c = door.admit(place(&door), src(3), sent(1));
+        let d = door.admit(place(&door), src(4), sent(1));
         assert!(!evicted(&a[1]));
-        let e = door.admit(place(&door), src(5));
+        let e = door.admit(place(&door), src(5), sent(1));
         assert!(evicted(&a[1]) && !evicted(&b) && !evicted(&c) && !evicted(&d) && !evicted(&e));
         assert_eq!(door.counts(), (6, 0, 2));
         drop((a, a4, b, c, d, e));
         assert_eq!(door.counts().0, 0);
+    }
+
+    #[test]
+    fn a_connection_that_has_sent_nothing_goes_before_an_older_one_mid_handshake() {
+        let door = Connections::new(DoorLimits {
+            places: 100,
+            unauthenticated: 8,
+            per_source: 3,
+            authenticated: 10,
+            per_tenant: 2,
+        });
+        let talking = door.admit(place(&door), src(1), sent(300));
+        let silent = door.admit(place(&door), src(1), sent(0));
+        let newest = door.admit(place(&door), src(1), sent(0));
+        let _fourth = door.admit(place(&door), src(1), sent(0));
+        assert!(evicted(&silent) && !evicted(&talking) && !evicted(&newest));
+        // With none silent, the oldest.
+        let _fifth = door.admit(place(&door), src(1), sent(0));
+        assert!(evicted(&newest) && !evicted(&talking));
     }
 
     #[test]
@@ -521,14 +561,18 @@ mod tests {
             authenticated: 3,
             per_tenant: 2,
         });
-        let s: Vec<Slot> = (0..2).map(|_| door.admit(place(&door), src(1))).collect();
+        let s: Vec<Slot> = (0..2)
+            .map(|_| door.admit(place(&door), src(1), sent(1)))
+            .collect();
         s[0].claim(7).unwrap();
         // Claimed twice: still one connection of tenant 7.
         s[0].claim(8).unwrap();
         s[1].claim(7).unwrap();
         assert_eq!(door.counts(), (0, 2, 0));
         // Authenticated connections are never evicted by newcomers.
-        let more: Vec<Slot> = (0..3).map(|_| door.admit(place(&door), src(1))).collect();
+        let more: Vec<Slot> = (0..3)
+            .map(|_| door.admit(place(&door), src(1), sent(1)))
+            .collect();
         assert!(!evicted(&s[0]) && !evicted(&s[1]) && evicted(&more[0]));
         // Tenant 7 is full; tenant 8 fits once, then the door is full.
         assert_eq!(more[1].claim(7), Err(ClaimRefused::TenantFull));

@@ -189,11 +189,11 @@ pub async fn serve_with(
                 continue;
             }
         };
-        let slot = Arc::new(door.admit(place, Source::of(peer.ip())));
+        let received = Arc::new(Received::default());
+        let slot = Arc::new(door.admit(place, Source::of(peer.ip()), received.clone()));
         let _ = tcp.set_nodelay(true);
         let (acceptor, svc, shared) = (acceptor.clone(), svc.clone(), shared.clone());
         tokio::spawn(async move {
-            let received = Arc::new(Received::default());
             let stream = Counted::new(tcp, received.clone());
             let conn_slot = slot.clone();
             let served = async move {

@@ -124,3 +124,30 @@ fn a_flood_of_idle_and_trickling_connections_never_locks_a_tenants_clients_out()
         "{stats:?}"
     );
 }
+
+#[test]
+fn a_client_applications_burst_of_connections_from_one_address_is_not_evicted() {
+    // A client application opening its pool of connections at once, from one address: none
+    // of them is taken for a flood (the door once allowed a source only an eighth of its
+    // unauthenticated pool, and evicted the rest of such a burst).
+    let Some(d) = door(&[("alice", "requests_per_s = 100000\nmax_concurrency = 64")]) else {
+        return;
+    };
+    const BURST: usize = 48;
+    let start = std::sync::Arc::new(std::sync::Barrier::new(BURST));
+    let d = std::sync::Arc::new(d);
+    let results: Vec<Result<u16, String>> = (0..BURST)
+        .map(|_| {
+            let (d, start) = (d.clone(), start.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                fresh(&d, "alice")
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .collect();
+    let failed: Vec<_> = results.iter().filter(|r| **r != Ok(200)).collect();
+    assert!(failed.is_empty(), "{} of {BURST}: {failed:?}", failed.len());
+}
