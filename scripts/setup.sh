@@ -12,7 +12,7 @@
 #   4. with --dev only (.ci/run passes it): the developer tools the CI checks use and that
 #      take minutes to compile, which nobody who only wants the demo or the tests needs:
 #      a nightly toolchain and cargo-fuzz (scripts/fuzz.sh), cargo-machete (unused
-#      dependencies).
+#      dependencies), Schemathesis (scripts/api-fuzz.sh).
 set -euo pipefail
 
 dev=0
@@ -97,6 +97,17 @@ if [ "$dev" = 1 ] && command -v rustup >/dev/null 2>&1; then
         cargo install cargo-fuzz --locked --quiet ||
             say "warning: cargo-fuzz did not install; the fuzz targets will not be built"
     fi
+    # The API fuzzer (scripts/api-fuzz.sh): Schemathesis, pinned, in a virtual environment
+    # of its own under .cache/ (never committed).
+    schemathesis_version=4.32.5
+    if ! "$cache/schemathesis/bin/schemathesis" --version 2>/dev/null | grep -q " $schemathesis_version$"; then
+        say "installing Schemathesis $schemathesis_version"
+        dpkg-query -W -f='${Status}' python3-venv 2>/dev/null | grep -q "install ok installed" ||
+            DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
+        { python3 -m venv "$cache/schemathesis" &&
+            "$cache/schemathesis/bin/pip" install --quiet "schemathesis==$schemathesis_version"; } ||
+            say "warning: Schemathesis did not install; scripts/api-fuzz.sh will skip"
+    fi
     # The unused-dependency check (.ci/run). Pinned so every machine judges alike.
     machete_version=0.9.2
     if ! cargo machete --version 2>/dev/null | grep -qx "$machete_version"; then
@@ -128,6 +139,6 @@ if [ ! -f "$kdir/vmlinux" ] || [ ! -f "$kdir/vmlinuz" ]; then
 fi
 say "kernel $(cat "$kdir/version"): $kdir/vmlinux (ELF), $kdir/vmlinuz (bzImage)"
 if [ "$dev" = 0 ]; then
-    say "developer tools (nightly, cargo-fuzz, cargo-machete) not installed; scripts/setup.sh --dev adds them"
+    say "developer tools (nightly, cargo-fuzz, cargo-machete, Schemathesis) not installed; scripts/setup.sh --dev adds them"
 fi
 say "done"
