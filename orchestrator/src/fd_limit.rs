@@ -15,7 +15,7 @@ const DEFAULT_NR_OPEN: u64 = 1 << 20;
 pub struct FdLimit {
     /// The soft limit found at start.
     pub was: u64,
-    /// The soft limit now (the hard limit, or [`NR_OPEN`]'s value if that is unlimited).
+    /// The soft limit now (the hard limit, or `/proc/sys/fs/nr_open` if that is unlimited).
     pub soft: u64,
     /// The hard limit.
     pub hard: u64,
