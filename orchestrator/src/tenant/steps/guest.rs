@@ -418,6 +418,7 @@ mod tests {
                 pids: "/nonexistent".into(),
                 blkio: None,
                 devices: None,
+                cpuacct: None,
             },
             uid: me.wrapping_add(1),
         };
@@ -490,6 +491,7 @@ mod tests {
                 pids: "/nonexistent".into(),
                 blkio: None,
                 devices: None,
+                cpuacct: None,
             },
             uid: me,
         };
