@@ -10,6 +10,7 @@
 #
 # usage: scripts/test.sh [extra cargo test arguments]
 # env:   TENANTVM_NESTED=0 leaves out the nested host's preparation (its test then skips)
+#        TENANTVM_KUBE=0 leaves out the Kubernetes API server's build (its test then skips)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -53,6 +54,14 @@ if [ "${TENANTVM_NESTED:-1}" != 0 ]; then
     # The guest image it built serves the agent's image tests too.
     TENANTVM_GUEST_IMAGE="${TENANTVM_GUEST_IMAGE:-$(sed -n 's/^NH_GUEST_IMAGE=//p' target/nested-host/debug/inputs)}"
     export TENANTVM_GUEST_IMAGE
+fi
+# The Kubernetes tier's API server (orchestrator/kube/tests/apiserver.rs, docs/kubernetes.md):
+# kube-apiserver 1.20 built from Debian's source package into .cache/kube the first time
+# (minutes), found there after; without it that test skips, naming the script.
+if [ "${TENANTVM_KUBE:-1}" != 0 ]; then
+    phase "the Kubernetes API server"
+    scripts/kube-apiserver.sh build >/dev/null ||
+        echo "test.sh: the API server did not build; the Kubernetes tier will skip"
 fi
 phase "cargo test"
 run_tests cargo test --workspace --no-fail-fast --features tenantvm/test-hooks,tenantvm-vmm/test-model-gpu "$@"

@@ -47,12 +47,6 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TENANTVM_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .init();
     let token = match std::fs::read_to_string(&args.token_file) {
         Ok(t) => t.trim().to_string(),
         Err(e) => {
