@@ -5,6 +5,7 @@
 use std::fmt::Debug;
 use std::hash::Hash;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::StreamExt;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -181,7 +182,10 @@ where
     K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
 {
     let (reader, writer) = reflector::store();
-    let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
+    let stream = reflector::reflector(
+        writer,
+        watcher(api, config).backoff(RetryBackoff::default()),
+    );
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
         while let Some(event) = stream.next().await {
@@ -192,6 +196,33 @@ where
         }
     });
     reader
+}
+
+/// How a watch retries while the API server is away: from 200 ms, doubling, at most every
+/// 2 s (kube-rs's default climbs to 30 s and forgets only after two quiet minutes, which
+/// left a node agent blind for most of a minute after an outage).
+#[derive(Debug, Default)]
+pub struct RetryBackoff {
+    next: Option<Duration>,
+}
+
+/// The longest wait between two tries of a watch.
+pub const RETRY_MAX: Duration = Duration::from_secs(2);
+
+impl Iterator for RetryBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let now = self.next.unwrap_or(Duration::from_millis(200));
+        self.next = Some((now * 2).min(RETRY_MAX));
+        Some(now)
+    }
+}
+
+impl kube::runtime::utils::Backoff for RetryBackoff {
+    fn reset(&mut self) {
+        self.next = None;
+    }
 }
 
 /// The objects of `store`, sorted by namespace and name.
@@ -207,4 +238,21 @@ where
 /// Serialises `value` for an annotation.
 pub fn to_annotation<T: Serialize>(value: &T) -> String {
     serde_json::to_string(value).expect("annotation values serialise")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::runtime::utils::Backoff;
+
+    #[test]
+    fn a_watch_retries_at_most_every_two_seconds_and_starts_over_after_a_success() {
+        let mut b = RetryBackoff::default();
+        let waits: Vec<Duration> = b.by_ref().take(6).collect();
+        assert_eq!(waits[0], Duration::from_millis(200));
+        assert_eq!(waits[5], RETRY_MAX);
+        assert!(waits.iter().all(|w| *w <= RETRY_MAX));
+        b.reset();
+        assert_eq!(b.next(), Some(Duration::from_millis(200)));
+    }
 }

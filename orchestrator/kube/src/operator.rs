@@ -120,11 +120,15 @@ pub async fn run(client: Client, cfg: OperatorConfig) -> Result<(), OperatorErro
     let (lost_tx, mut lost_rx) = tokio::sync::watch::channel(false);
     let renew = lock.clone();
     let every = cfg.leader_lease / 3;
+    let renewed = Arc::new(std::sync::Mutex::new(Instant::now()));
+    let last_renewal = renewed.clone();
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(every).await;
             match renew.try_acquire().await {
-                Ok(true) => {}
+                Ok(true) => {
+                    *last_renewal.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now()
+                }
                 Ok(false) => {
                     let _ = lost_tx.send(true);
                     return;
@@ -146,6 +150,7 @@ pub async fn run(client: Client, cfg: OperatorConfig) -> Result<(), OperatorErro
         events: Events::new(client, "tenantvm-operator", &cfg.identity),
         observer: Observer::default(),
         recent: HashMap::new(),
+        renewed,
         cfg,
     };
     loop {
@@ -175,6 +180,8 @@ struct Operator {
     observer: Observer,
     /// Bindings written that the cache may not show yet, by uid.
     recent: HashMap<String, Bound>,
+    /// When the leader lease was last renewed: the API server answered then.
+    renewed: Arc<std::sync::Mutex<Instant>>,
 }
 
 /// A node's standing this pass.
@@ -187,6 +194,16 @@ struct NodeState {
 impl Operator {
     async fn reconcile(&mut self) {
         let now = Instant::now();
+        // While the API server was away no lease could be renewed, nor seen renewed: the
+        // observation starts again once it answers, so an outage loses no node.
+        let answered = self
+            .renewed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed();
+        if answered > self.cfg.leader_lease / 3 + Duration::from_secs(2) {
+            self.observer = Observer::default();
+        }
         let leases = self.leases.state();
         let mut states = Vec::new();
         for n in kubeio::sorted(&self.nodes) {
@@ -271,17 +288,17 @@ impl Operator {
         let binding = Binding::of(t);
         if t.metadata.deletion_timestamp.is_some() {
             let remembered = self.recent.contains_key(&t.uid().unwrap_or_default());
-            if binding.is_none() && !remembered && t.finalizers().iter().any(|f| f == FINALIZER) {
-                if kubeio::remove_finalizer(&api, t).await? {
-                    self.events
-                        .publish(
-                            t,
-                            false,
-                            "Departed",
-                            "Deleted before it was placed: nothing was made on any host",
-                        )
-                        .await;
-                }
+            let ours = t.finalizers().iter().any(|f| f == FINALIZER);
+            if binding.is_none() && !remembered && ours && kubeio::remove_finalizer(&api, t).await?
+            {
+                self.events
+                    .publish(
+                        t,
+                        false,
+                        "Departed",
+                        "Deleted before it was placed: nothing was made on any host",
+                    )
+                    .await;
             }
             return Ok(());
         }

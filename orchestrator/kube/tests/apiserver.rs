@@ -188,6 +188,19 @@ async fn events_of(admin: &Client, ns: &str, name: &str) -> Vec<Event> {
         .unwrap_or_default()
 }
 
+/// How many times a `NodeLost` event was published, in every namespace.
+async fn node_lost_events(admin: &Client) -> i32 {
+    let api: Api<Event> = Api::all(admin.clone());
+    api.list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("NodeLost"))
+        .map(|e| e.series.as_ref().map_or(1, |s| s.count))
+        .sum()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_across_three_hosts_against_a_real_api_server() {
     if let Some(why) = cluster::skip_reason().or_else(host::skip_reason) {
@@ -207,6 +220,7 @@ async fn tenants_across_three_hosts_against_a_real_api_server() {
             vec![
                 ("a100-40gb", "0000:20:00.0"),
                 ("a100-40gb", "0000:21:00.0"),
+                ("a100-40gb", "0000:23:00.0"),
                 ("l40s", "0000:22:00.0"),
             ],
         ),
@@ -257,8 +271,23 @@ async fn tenants_across_three_hosts_against_a_real_api_server() {
         tenant("client-b", "n4", "slice", json!({})),
         tenant("client-b", "u1", "slice", json!({"profile": "7g.141gb"})),
     ];
+    // One at a time, each placed before the next arrives: the operator places in arrival
+    // order, so the outcome is the same in every run.
     for t in &manifests {
         apply(&admin, t).await.unwrap();
+        let key = format!("{}/{}", t.namespace().unwrap(), t.name_any());
+        b.wait(
+            &format!("{key} placed or refused"),
+            Duration::from_secs(30),
+            |ts| {
+                ts.get(&key).is_some_and(|t| {
+                    t.status.as_ref().is_some_and(|s| {
+                        condition::get(&s.conditions, conditions::PLACED).is_some()
+                    })
+                })
+            },
+        )
+        .await;
     }
     b.wait("11 Running, u1 Pending", Duration::from_secs(180), |ts| {
         all_running_but(ts, &["client-b/u1"], 11)
@@ -578,34 +607,55 @@ async fn tenants_across_three_hosts_against_a_real_api_server() {
             "{field}: {e}"
         );
     }
-    apply(
+    // A name the host could not take: the schema's name rule refuses it.
+    let e = apply(
         &admin,
         &tenant("client-a", "dotted.name", "slice", json!({})),
     )
     .await
+    .unwrap_err();
+    assert!(
+        matches!(&e, kube::Error::Api(s) if s.code == 422 && s.message.contains("metadata.name")),
+        "{e}"
+    );
+    // What only the host's own validation refuses: Pending, InvalidSpec, an event.
+    apply(
+        &admin,
+        &tenant(
+            "client-a",
+            "contradict",
+            "card",
+            json!({"profile": "1g.10gb"}),
+        ),
+    )
+    .await
     .unwrap();
     b.wait(
-        "dotted.name Pending as an invalid name",
+        "contradict Pending as an invalid spec",
         Duration::from_secs(30),
         |ts| {
-            ts.get("client-a/dotted.name").is_some_and(|t| {
-                t.status
-                    .as_ref()
-                    .and_then(|s| condition::get(&s.conditions, conditions::PLACED))
-                    .is_some_and(|c| {
-                        c.reason == "InvalidSpec"
-                            && c.message.contains("not a tenantvm tenant name")
-                    })
+            ts.get("client-a/contradict").is_some_and(|t| {
+                phase(t) == "Pending"
+                    && t.status
+                        .as_ref()
+                        .and_then(|s| condition::get(&s.conditions, conditions::PLACED))
+                        .is_some_and(|c| {
+                            c.reason == "InvalidSpec" && c.message.contains("Tier card")
+                        })
             })
         },
     )
     .await;
+    assert!(events_of(&admin, "client-a", "contradict")
+        .await
+        .iter()
+        .any(|e| e.reason.as_deref() == Some("InvalidSpec")));
     api_a
-        .delete("dotted.name", &DeleteParams::default())
+        .delete("contradict", &DeleteParams::default())
         .await
         .unwrap();
-    b.wait("dotted.name gone", Duration::from_secs(30), |ts| {
-        !ts.contains_key("client-a/dotted.name")
+    b.wait("contradict gone", Duration::from_secs(30), |ts| {
+        !ts.contains_key("client-a/contradict")
     })
     .await;
 
@@ -663,6 +713,7 @@ async fn tenants_across_three_hosts_against_a_real_api_server() {
     b.phase(&format!("bad input: the API server gone for {outage} s"));
     let before = tenants(&admin).await.keys().cloned().collect::<Vec<_>>();
     let hosts_before = b.on_hosts().await;
+    let lost_before = node_lost_events(&admin).await;
     b.cluster.stop_apiserver();
     tokio::time::sleep(Duration::from_secs(outage)).await;
     // Meanwhile the hosts kept their tenants.
@@ -678,6 +729,12 @@ async fn tenants_across_three_hosts_against_a_real_api_server() {
     )
     .await;
     b.one_host_tenant_per_tenant().await;
+    // No lease could be renewed while the API server was away: no node was lost for it.
+    assert_eq!(
+        node_lost_events(&admin).await,
+        lost_before,
+        "an outage of the API server is no lost node"
+    );
 
     // The end: every tenant departs; nothing is left on any host.
     b.phase("every tenant departs");

@@ -7,6 +7,9 @@ pub mod node;
 pub mod schema;
 pub mod tenant;
 
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+    CustomResourceDefinition, JSONSchemaProps,
+};
 use kube::CustomResourceExt;
 
 pub use condition::Condition;
@@ -35,12 +38,47 @@ pub mod conditions {
     pub const DEPARTED: &str = "Departed";
 }
 
+/// The `Tenant` CRD: the generated one, with the tenant-name rule on `metadata.name` (the
+/// one restriction of metadata a CRD's schema may make), so the API server refuses a name
+/// the host could not take before anything is stored.
+pub fn tenant_crd() -> CustomResourceDefinition {
+    let mut crd = Tenant::crd();
+    for version in &mut crd.spec.versions {
+        let Some(schema) = version
+            .schema
+            .as_mut()
+            .and_then(|s| s.open_api_v3_schema.as_mut())
+        else {
+            continue;
+        };
+        let name = JSONSchemaProps {
+            type_: Some("string".into()),
+            pattern: Some(format!(
+                "^[a-z0-9][a-z0-9-]{{0,{}}}$",
+                crate::naming::MAX_NAME_LEN - 1
+            )),
+            max_length: Some(crate::naming::MAX_NAME_LEN as i64),
+            ..Default::default()
+        };
+        let metadata = JSONSchemaProps {
+            type_: Some("object".into()),
+            properties: Some([("name".to_string(), name)].into()),
+            ..Default::default()
+        };
+        schema
+            .properties
+            .get_or_insert_with(Default::default)
+            .insert("metadata".into(), metadata);
+    }
+    crd
+}
+
 /// Both CRDs as one YAML stream (what `deploy/crds.yaml` holds).
 pub fn crds_yaml() -> String {
     let mut out = String::from(
         "# Generated from orchestrator/kube/src/crd by `tenantvm-operator crds`; do not edit.\n",
     );
-    for crd in [Tenant::crd(), TenantvmNode::crd()] {
+    for crd in [tenant_crd(), TenantvmNode::crd()] {
         out.push_str("---\n");
         out.push_str(&serde_yaml_ng::to_string(&crd).expect("a CRD serialises"));
     }
@@ -63,7 +101,19 @@ mod tests {
 
     #[test]
     fn the_tenant_crd_validates_what_the_host_would_refuse() {
-        let crd = serde_json::to_value(Tenant::crd()).unwrap();
+        let crd = serde_json::to_value(tenant_crd()).unwrap();
+        let root = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+        let pattern = root["properties"]["metadata"]["properties"]["name"]["pattern"]
+            .as_str()
+            .unwrap();
+        assert_eq!(pattern, "^[a-z0-9][a-z0-9-]{0,53}$");
+        // The same rule as the host's, on the longest name and one past it.
+        let longest = "a".repeat(crate::naming::MAX_NAME_LEN);
+        assert!(crate::naming::host_name(&longest, "0a1b2c3d").is_ok());
+        assert_eq!(
+            root["properties"]["metadata"]["properties"]["name"]["maxLength"],
+            54
+        );
         let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
         assert_eq!(spec["properties"]["vcpus"]["maximum"].as_f64(), Some(64.0));
         assert_eq!(
