@@ -274,6 +274,23 @@ fn llama_server_serves_a_pushed_model_through_the_front_door_to_the_openai_clien
         matches!(chat["finish_reason"].as_str(), Some("length" | "stop")),
         "the stream did not end properly: {chat}"
     );
+    // The figures (docs/benchmarks.md): the client's time to first token and decode rate
+    // through the front door beside the engine's own for the same request.
+    if let (Some(first), Some(end), Some(t)) = (
+        chat["first_token_s"].as_f64(),
+        chat["end_s"].as_f64(),
+        chat["engine_timings"].as_object(),
+    ) {
+        let n = chat["content_pieces"].as_f64().unwrap_or(0.0);
+        eprintln!(
+            "figures: time to first token {:.0} ms through the front door, engine prefill {:.0} ms; \
+             decode {:.1} tokens/s seen by the client, {:.1} tokens/s by the engine",
+            first * 1000.0,
+            t["prompt_ms"].as_f64().unwrap_or(f64::NAN),
+            (n - 1.0) / (end - first),
+            t["predicted_per_second"].as_f64().unwrap_or(f64::NAN)
+        );
+    }
     let c = &seen["completion"];
     assert_eq!(
         c["system_fingerprint"],

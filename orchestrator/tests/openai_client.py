@@ -7,7 +7,9 @@ test judges it.
 usage: openai_client.py BASE_URL API_KEY CA_PEM MODEL
 
 What it does: lists the models; streams a chat completion (random weights: many of the
-tokens are bytes that are not UTF-8 on their own, which must not break the stream); asks
+tokens are bytes that are not UTF-8 on their own, which must not break the stream) and
+times it as the client sees it beside the engine's own timings of the same request (the
+figures in docs/benchmarks.md); asks
 for a completion and reads its usage block; and, with the raw response, the engine's
 system_fingerprint and timings (llama-server's, the n-gram server has neither).
 """
@@ -29,7 +31,7 @@ def main(base_url, key, ca, model):
 
     started = time.monotonic()
     first = None
-    chunks, text, finish = 0, "", None
+    chunks, text, finish, timings, pieces = 0, "", None, None, 0
     stream = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "Tell me about the harbour."}],
@@ -40,19 +42,28 @@ def main(base_url, key, ca, model):
     )
     for chunk in stream:
         chunks += 1
+        # llama-server puts its own timings in the last chunk.
+        extra = chunk.model_extra or {}
+        if extra.get("timings"):
+            timings = extra["timings"]
         for choice in chunk.choices:
             if choice.delta and choice.delta.content:
                 if first is None:
                     first = time.monotonic() - started
+                pieces += 1
                 text += choice.delta.content
             if choice.finish_reason:
                 finish = choice.finish_reason
+    ended = time.monotonic() - started
     out["chat_stream"] = {
         "chunks": chunks,
         "text": text,
         "finish_reason": finish,
         "replacement_chars": text.count("\ufffd"),
         "first_token_s": first,
+        "end_s": ended,
+        "content_pieces": pieces,
+        "engine_timings": timings,
     }
 
     raw = client.completions.with_raw_response.create(

@@ -236,8 +236,7 @@ fn check(rc: libc::c_int) -> std::io::Result<()> {
 
 /// The child's side: runs between fork and exec.
 fn enter(p: &Plan) -> std::io::Result<()> {
-    // SAFETY (each call below): plain system calls on NUL-terminated strings prepared
-    // before fork, or on integers.
+    // SAFETY: setsid(2) and unshare(2) take no pointers.
     unsafe {
         if libc::setsid() < 0 {
             return Err(os_err());

@@ -1,7 +1,8 @@
 //! The front door: each tenant's clients reach its inference server here, on TCP with TLS
 //! (`tenantvmd --listen ADDR:PORT --tls-cert FILE --tls-key FILE`), apart from the admin's
 //! Unix socket. OpenAI-compatible: `GET /v1/models`, `POST /v1/completions`,
-//! `POST /v1/chat/completions` and `POST /v1/embeddings` ([`ROUTES`]) with an inference key (`tenantvm key create TENANT`) as the
+//! `POST /v1/chat/completions` and `POST /v1/embeddings` (the table `ROUTES`) with an
+//! inference key (`tenantvm key create TENANT`) as the
 //! bearer token; the key alone picks the tenant, so a client written for OpenAI works by
 //! changing its base URL and key, and a key can only run its own tenant's inference.
 //!
