@@ -271,6 +271,7 @@ fn what(req: &Request) -> &'static str {
         Request::UnlockDisk { .. } => "unlock-disk",
         Request::Mount { .. } => "mount",
         Request::StartPayload => "start-payload",
+        Request::RestartPayload => "restart-payload",
         Request::Health => "health",
         Request::Logs { .. } => "logs",
         Request::Infer(_) => "infer",
@@ -1542,6 +1543,7 @@ mod tests {
                     payload = PayloadState::Running {
                         pid: 9,
                         ready: true,
+                        restarts: 0,
                     };
                     Outcome::Ok(Reply::PayloadStarted { pid: 9 })
                 }
@@ -1598,6 +1600,7 @@ mod tests {
                 PayloadState::Running {
                     pid: 3,
                     ready: true,
+                    restarts: 0,
                 },
             )
         });

@@ -160,6 +160,12 @@ pub enum Request {
     StartPayload,
     /// Report the payload's readiness.
     Health,
+    /// Stop the payload (SIGTERM to its process group, then SIGKILL after a grace time)
+    /// and start it again, e.g. to serve a model just pushed; answered
+    /// [`Reply::PayloadStarted`] once the new process runs (not yet ready: poll
+    /// [`Request::Health`]). The crash back-off starts afresh. An agent older than this
+    /// request answers `bad-request` (unknown variant).
+    RestartPayload,
     /// Return payload and agent log lines with a sequence number above `after`; with
     /// `wait_ms`, wait up to that long (at most 30 s) for a first new line (long poll:
     /// call again with `next` to follow the log as a stream).
@@ -278,12 +284,26 @@ pub enum PayloadState {
         pid: u32,
         /// Whether the health check passed.
         ready: bool,
+        /// How often the agent restarted it after it exited on its own since it was last
+        /// started or restarted on request (absent: never; older agents never send it).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        restarts: u32,
     },
     /// Exited.
     Exited {
         /// Exit code, or 128 + signal.
         code: i32,
+        /// Restarts after exits of its own so far (as in `Running`).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        restarts: u32,
+        /// When the agent starts it again (its back-off), if it will.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        restart_in_ms: Option<u64>,
     },
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// The agent's state.

@@ -5,6 +5,7 @@ mod gpu_info;
 mod key;
 mod model;
 mod output;
+mod payload;
 mod progress;
 mod top;
 mod verify;
@@ -147,6 +148,9 @@ pub enum Command {
     /// A tenant's own models on its encrypted disk: `model push|list|rm TENANT`.
     #[command(subcommand)]
     Model(model::ModelCommand),
+    /// A tenant's inference server in its guest: `payload restart TENANT`.
+    #[command(subcommand)]
+    Payload(payload::PayloadCommand),
     /// Per-tenant metrics as a live table (admin: every tenant; a tenant token: its own).
     Top(top::TopArgs),
     // Its help is VerifyArgs' own (a man page: the checks, probes, report, exit statuses).
@@ -732,6 +736,7 @@ async fn run_inner(cli: Cli, out: &mut dyn Write, err: &mut dyn Write) -> Result
         Command::Top(a) => top::run(&client, a, out).await,
         Command::GpuInfo(a) => gpu_info::run(&client, a, out).await,
         Command::Model(m) => model::run(&client, &token, m, out).await,
+        Command::Payload(p) => payload::run(&client, p, out).await,
         Command::Stop(a) => op(&client, a, "stop", out, err).await,
         Command::Start(a) => op(&client, a, "start", out, err).await,
         Command::Destroy(a) => op(&client, a, "destroy", out, err).await,

@@ -48,6 +48,25 @@ impl AgentClient {
         }
     }
 
+    /// Stops the payload and starts it again ([`Request::RestartPayload`]); returns the new
+    /// guest pid (poll [`health`](Self::health) or [`wait_payload_ready`](Self::wait_payload_ready)
+    /// for readiness). An agent older than the request answers `bad-request`, returned as
+    /// [`AgentClientError::Unsupported`]. `timeout` should leave the agent its grace time
+    /// for the old process (10 s) and some.
+    pub fn restart_payload(&mut self, timeout: Duration) -> Result<u32, AgentClientError> {
+        let what = "restart-payload";
+        match self.call(&Request::RestartPayload, timeout) {
+            Ok(Reply::PayloadStarted { pid }) => Ok(pid),
+            Ok(_) => Err(AgentClientError::UnexpectedReply { what }),
+            Err(AgentClientError::Agent { failure, .. })
+                if failure.code == crate::message::ErrorCode::BadRequest =>
+            {
+                Err(AgentClientError::Unsupported { what })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// The payload's state and readiness.
     pub fn health(&mut self, timeout: Duration) -> Result<PayloadState, AgentClientError> {
         match self.call(&Request::Health, timeout)? {
