@@ -8,7 +8,7 @@
 //! the agent's forwarder and the CI payload server. [`models`] stores the tenant's own
 //! models on its disk. [`load`] runs the bounded test loads of `tenantvm verify` ([`cuda`]
 //! loads the CUDA driver for its GPU memory load). [`gpu`] reports the guest's devices
-//! (`gpu-info`).
+//! (`gpu-info`). [`licence`] installs the tenant's vGPU licence token.
 
 pub mod agent;
 pub mod config;
@@ -18,6 +18,7 @@ pub mod gpu;
 pub mod http1;
 pub mod init;
 pub mod kmod;
+pub mod licence;
 pub mod load;
 pub mod logbuf;
 pub mod models;
