@@ -12,9 +12,8 @@ use nix::unistd::Pid;
 
 use tenantvm_agent_protocol::{
     encode_data, AgentFailure, DiskKey, DiskState, ErrorCode, HttpHead, HttpRequest, LicenceToken,
-    Outcome,
-    PayloadState, Reply, Request, ResponseFrame, ShutdownReport, StatusReply, MAX_BODY_LEN,
-    MAX_DATA_LEN, PROTOCOL_VERSION,
+    Outcome, PayloadState, Reply, Request, ResponseFrame, ShutdownReport, StatusReply,
+    MAX_BODY_LEN, MAX_DATA_LEN, PROTOCOL_VERSION,
 };
 
 use crate::config::AgentConfig;
@@ -243,7 +242,10 @@ impl Agent {
     fn install_licence(&self, token: &LicenceToken) -> Outcome {
         match crate::licence::install(&self.licence_dir, token) {
             Ok(path) => {
-                self.log(&format!("vGPU licence token installed at {}", path.display()));
+                self.log(&format!(
+                    "vGPU licence token installed at {}",
+                    path.display()
+                ));
                 Outcome::Ok(Reply::LicenceInstalled)
             }
             Err(e) => {
@@ -695,7 +697,9 @@ mod tests {
         let file = tokens.join(tenantvm_agent_protocol::LICENCE_FILE);
         assert_eq!(std::fs::read(&file).unwrap(), secret);
         let (lines, _) = a.logs().wait_since(0, 100, Duration::ZERO);
-        assert!(lines.iter().any(|l| l.line.contains("licence token installed")));
+        assert!(lines
+            .iter()
+            .any(|l| l.line.contains("licence token installed")));
         assert!(
             lines.iter().all(|l| !l.line.contains("licence-secret")),
             "{lines:?}"

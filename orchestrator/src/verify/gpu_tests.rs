@@ -80,6 +80,7 @@ fn the_smallest_slice_is_asked_for_and_a_full_host_says_so() {
             image: Default::default(),
             quotas: Default::default(),
             hugepages: None,
+            vgpu_licence: None,
         },
         1,
     );

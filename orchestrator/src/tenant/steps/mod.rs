@@ -107,6 +107,8 @@ pub enum Step {
     RebindGpu,
     /// Departure: the vGPU type off its VF (type 0).
     DetachGpu,
+    /// Guest image: hand the tenant's vGPU licence token to the agent (no-op without one).
+    DeliverLicence,
 }
 
 /// Runs one step: the narrow context, the tenant (whose facts the step keeps current), and
@@ -127,7 +129,7 @@ pub struct StepDef {
 }
 
 /// Every step, in [`Step`] order: the one place a step is bound to its code.
-pub static TABLE: [StepDef; 28] = [
+pub static TABLE: [StepDef; 29] = [
     row(Step::AllocateUid, "allocate-uid", vm::allocate_uid, None),
     row(Step::ReserveGpu, "reserve-gpu", gpu::reserve, None),
     row(
@@ -221,6 +223,12 @@ pub static TABLE: [StepDef; 28] = [
     row(Step::AttachGpu, "attach-gpu", device::attach, None),
     row(Step::RebindGpu, "rebind-gpu", device::rebind, None),
     row(Step::DetachGpu, "detach-gpu", device::detach, None),
+    row(
+        Step::DeliverLicence,
+        "deliver-licence",
+        guest::deliver_licence,
+        None,
+    ),
 ];
 
 const fn row(
@@ -284,6 +292,7 @@ impl Op {
                 LaunchVm,
                 AwaitRunning,
                 AwaitAgent,
+                DeliverLicence,
                 UnlockDisk,
                 StartPayload,
                 AwaitPayload,
@@ -292,6 +301,7 @@ impl Op {
                 LaunchVm,
                 AwaitRunning,
                 AwaitAgent,
+                DeliverLicence,
                 UnlockDisk,
                 StartPayload,
                 AwaitPayload,
