@@ -42,8 +42,8 @@ pub use licence::{
     MAX_LICENCE_LEN,
 };
 pub use load::{
-    LoadKind, LoadReport, LoadSpec, LoadSpecError, LoadState, MAX_LOAD_DISK_MIB, MAX_LOAD_GPU_MIB,
-    MAX_LOAD_MEMORY_MIB, MAX_LOAD_SECONDS, MAX_LOAD_THREADS,
+    LoadKind, LoadReport, LoadSpec, LoadSpecError, LoadState, MAX_LOAD_DISK_MIB,
+    MAX_LOAD_GPU_BLOCKS, MAX_LOAD_GPU_MIB, MAX_LOAD_MEMORY_MIB, MAX_LOAD_SECONDS, MAX_LOAD_THREADS,
 };
 pub use message::{
     salvage_id, AgentFailure, DiskKey, DiskState, ErrorCode, HttpHead, HttpRequest, HttpResponse,
