@@ -98,8 +98,15 @@ tvm create --name bob --image hello --memory-mib 32 --token-out "$work/bob.token
 bold "Both run, each as its own uid in its own cgroup"
 tvm list
 tvm status alice
-echo "cgroup memory limit of alice: $(cat /sys/fs/cgroup/memory/tenantvm/alice/memory.limit_in_bytes 2>/dev/null \
-      || cat /sys/fs/cgroup/tenantvm/alice/memory.max 2>/dev/null || echo '?') bytes"
+# The tenant's cgroup is in this daemon's own subtree, which it names in its log at start.
+subtree="$(sed -n 's/.*tenant cgroups subtree=\([^ ]*\).*/\1/p' "$work/tenantvmd.log" | head -n 1)"
+limit="$(cat "/sys/fs/cgroup/memory/$subtree/alice/memory.limit_in_bytes" 2>/dev/null \
+    || cat "/sys/fs/cgroup/$subtree/alice/memory.max" 2>/dev/null || true)"
+if [ -n "$limit" ]; then
+    echo "cgroup memory limit of alice ($subtree/alice): $limit bytes"
+else
+    echo "cgroup memory limit of alice: no memory cgroup found for $subtree/alice"
+fi
 
 bold "Logs: alice's serial console and lifecycle events"
 # The guest calibrates its timer first (a few seconds here); wait for its first ticks.

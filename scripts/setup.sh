@@ -2,13 +2,26 @@
 # Sets up a fresh Debian 12 machine to build, test, benchmark and demo tenantvm.
 # Idempotent: run it as often as you like. Needs root (or sudo) for apt.
 #
+# usage: scripts/setup.sh [--dev]
+#
 # What it does:
 #   1. installs the Debian packages the build, tests and demo need;
-#   2. adds the Rust target the no_std test guests are built for, and the cargo tools the
-#      checks use (cargo-fuzz for scripts/fuzz.sh, cargo-machete for .ci/run);
+#   2. adds the Rust target the no_std test guests are built for, and rustfmt and clippy;
 #   3. fetches the stock Debian kernel package (linux-image-amd64) into .cache/kernel/
-#      and extracts its ELF vmlinux next to the bzImage. Nothing fetched is committed.
+#      and extracts its ELF vmlinux next to the bzImage. Nothing fetched is committed;
+#   4. with --dev only (.ci/run passes it): the developer tools the CI checks use and that
+#      take minutes to compile, which nobody who only wants the demo or the tests needs:
+#      a nightly toolchain and cargo-fuzz (scripts/fuzz.sh), cargo-machete (unused
+#      dependencies), Schemathesis (scripts/api-fuzz.sh).
 set -euo pipefail
+
+dev=0
+for arg in "$@"; do
+    case "$arg" in
+        --dev) dev=1 ;;
+        *) echo "usage: scripts/setup.sh [--dev]" >&2; exit 2 ;;
+    esac
+done
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache="$root/.cache"
@@ -68,6 +81,10 @@ if command -v rustup >/dev/null 2>&1; then
     for c in rustfmt clippy; do
         rustup component list --installed | grep -q "^$c" || rustup component add "$c"
     done
+fi
+
+# Developer tools (--dev): the CI's checks, not the demo's or the tests' needs.
+if [ "$dev" = 1 ] && command -v rustup >/dev/null 2>&1; then
     # The fuzz targets (scripts/fuzz.sh) need a nightly toolchain and cargo-fuzz. They are
     # optional: without them scripts/fuzz.sh says why and skips.
     if ! rustup toolchain list | grep -q '^nightly'; then
@@ -79,6 +96,17 @@ if command -v rustup >/dev/null 2>&1; then
         say "installing cargo-fuzz"
         cargo install cargo-fuzz --locked --quiet ||
             say "warning: cargo-fuzz did not install; the fuzz targets will not be built"
+    fi
+    # The API fuzzer (scripts/api-fuzz.sh): Schemathesis, pinned, in a virtual environment
+    # of its own under .cache/ (never committed).
+    schemathesis_version=4.32.5
+    if ! "$cache/schemathesis/bin/schemathesis" --version 2>/dev/null | grep -q " $schemathesis_version$"; then
+        say "installing Schemathesis $schemathesis_version"
+        dpkg-query -W -f='${Status}' python3-venv 2>/dev/null | grep -q "install ok installed" ||
+            DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
+        { python3 -m venv "$cache/schemathesis" &&
+            "$cache/schemathesis/bin/pip" install --quiet "schemathesis==$schemathesis_version"; } ||
+            say "warning: Schemathesis did not install; scripts/api-fuzz.sh will skip"
     fi
     # The unused-dependency check (.ci/run). Pinned so every machine judges alike.
     machete_version=0.9.2
@@ -110,4 +138,7 @@ if [ ! -f "$kdir/vmlinux" ] || [ ! -f "$kdir/vmlinuz" ]; then
     rm -rf "$kdir.tmp"
 fi
 say "kernel $(cat "$kdir/version"): $kdir/vmlinux (ELF), $kdir/vmlinuz (bzImage)"
+if [ "$dev" = 0 ]; then
+    say "developer tools (nightly, cargo-fuzz, cargo-machete, Schemathesis) not installed; scripts/setup.sh --dev adds them"
+fi
 say "done"

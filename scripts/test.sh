@@ -20,6 +20,9 @@ export TENANTVM_SKIP_LOG="$work/skips"
 : >"$TENANTVM_SKIP_LOG"
 log="$work/output"
 
+started=$SECONDS
+phase() { printf '==== test.sh: %s (%d s in)\n' "$*" "$((SECONDS - started))"; }
+
 # Runs a test command, its output shown and kept for the summary; remembers a failure.
 failed_commands=0
 run_tests() {
@@ -32,6 +35,7 @@ run_tests() {
 
 # The no_std test guests are their own workspace (own target, own profiles).
 if [ -x scripts/build-test-guests.sh ]; then
+    phase "the test guests"
     scripts/build-test-guests.sh
     # The guests' parsers (boot info, MP table, memory spans) have host unit tests.
     run_tests bash -c 'cd tests/guests && cargo test --quiet --target "$(rustc -vV | sed -n "s/^host: //p")"'
@@ -41,13 +45,16 @@ fi
 # the debug profile the tests already build), then run everything. The test-hooks feature
 # gives tenantvmd the crash hook the crash-safety tests use, test-model-gpu gives tenantvm-vmm
 # `--device model-gpu` (the model GPU fake); neither is ever in a release build.
+phase "the binaries"
 cargo build --workspace --bins --features tenantvm/test-hooks,tenantvm-vmm/test-model-gpu
 if [ "${TENANTVM_NESTED:-1}" != 0 ]; then
+    phase "the nested host's inputs"
     tests/nested-host/prepare.sh --profile debug
     # The guest image it built serves the agent's image tests too.
     TENANTVM_GUEST_IMAGE="${TENANTVM_GUEST_IMAGE:-$(sed -n 's/^NH_GUEST_IMAGE=//p' target/nested-host/debug/inputs)}"
     export TENANTVM_GUEST_IMAGE
 fi
+phase "cargo test"
 run_tests cargo test --workspace --no-fail-fast --features tenantvm/test-hooks,tenantvm-vmm/test-model-gpu "$@"
 
 # The summary: libtest counts a skipped test as passed; the skip log says which ones were.
@@ -60,6 +67,7 @@ read -r passed failed < <(awk '/^test result:/ {
 ignored="$(awk '/^test result:/ { for (i = 1; i <= NF; i++) if ($(i) ~ /^ignored;?$/) n += $(i - 1) } END { print n + 0 }' "$log")"
 sort -u "$TENANTVM_SKIP_LOG" >"$work/skips.unique"
 skipped="$(wc -l <"$work/skips.unique")"
+phase "done"
 echo
 echo "$((passed - skipped)) passed, $failed failed, $skipped skipped"
 if [ "$skipped" -gt 0 ]; then

@@ -367,6 +367,17 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
             "cannot disable core dumps; set LimitCORE=0 in the unit"
         );
     }
+    // Descriptors: the front door sizes its connections from what this leaves
+    // (frontdoor::DoorLimits), keeping a reserve for the admin API, the store and launches.
+    match crate::fd_limit::raise_soft_limit() {
+        Ok(l) => tracing::info!(
+            was = l.was,
+            soft = l.soft,
+            hard = l.hard,
+            "file descriptors (RLIMIT_NOFILE)"
+        ),
+        Err(e) => tracing::warn!(error = %e, "cannot read RLIMIT_NOFILE"),
+    }
     make_state_dir(&args.state_dir)?;
     let store = Arc::new(
         Store::open(&args.state_dir.join("state.db")).context("Cannot open the state store")?,
@@ -380,6 +391,7 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
     let backend = make_backend(&args)?;
     let cgroups = runtime_config(&args.state_dir)?.cgroups;
     tracing::info!(subtree = %cgroups.subtree().display(), "tenant cgroups");
+    let own_cgroups = cgroups.clone();
     let mut cfg = ServiceConfig::new(args.state_dir.clone());
     cfg.image_dir = args.image_dir.clone();
     cfg.uid_first = args.uid_range.0;
@@ -503,6 +515,12 @@ pub async fn run(args: DaemonArgs) -> anyhow::Result<()> {
         tracing::warn!("operations still waiting on a guest or VMM after {DRAIN_OPERATIONS:?}; they resume at the next start");
     }
     let _ = std::fs::remove_file(&args.socket);
+    // A daemon that leaves no tenant's VM behind leaves no empty subtree behind either.
+    if idle {
+        for dir in own_cgroups.remove_subtree_if_empty() {
+            tracing::info!(dir = %dir.display(), "removed this daemon's empty cgroup subtree");
+        }
+    }
     served
         .context("API server task failed")?
         .context("API server failed")?;
@@ -535,9 +553,10 @@ async fn housekeeping(svc: TenantService) {
 
 /// Notices VMs that ended on their own, and keeps every tenant's logs under their caps,
 /// whatever its state: a guest writes its console while it boots (create waits minutes for
-/// an agent), while it stops, and a VMM may outlive its tenant's `running` state. A
-/// departing tenant is left to its departure, which stops the VM first and then removes
-/// the logs: housekeeping never creates files, and never races that removal.
+/// an agent), while it stops, while it departs, and a VMM may outlive its tenant's
+/// `running` state. A departing tenant's logs are only emptied in place when over their
+/// caps (its departure stops the VM, then removes the logs): housekeeping never creates a
+/// file there, so it cannot leave one behind that removal.
 pub fn housekeeping_pass(svc: &TenantService) {
     match svc.check_vms() {
         Ok(marked) if !marked.is_empty() => {
@@ -548,13 +567,16 @@ pub fn housekeeping_pass(svc: &TenantService) {
     }
     let root = svc.config().tenants_dir();
     for t in svc.store().list_tenants(false).unwrap_or_default() {
-        if t.state == LifecycleState::Destroying {
-            continue;
-        }
         let logs =
             crate::logs::TenantLogs::existing(&root, &t.name, crate::logs::LogPolicy::default());
+        let departing = t.state == LifecycleState::Destroying;
         // No directory: nothing provisioned yet, or already removed; no logs to cap.
-        if let Err(e) = logs.and_then(|l| l.map_or(Ok(()), |l| l.enforce_caps())) {
+        let capped = logs.and_then(|l| match l {
+            None => Ok(()),
+            Some(l) if departing => l.truncate_over_caps().map(|_| ()),
+            Some(l) => l.enforce_caps(),
+        });
+        if let Err(e) = capped {
             tracing::warn!(tenant = %t.name, error = %e, "log rotation failed");
         }
     }
@@ -697,6 +719,22 @@ mod tests {
         }
         housekeeping_pass(&h.svc);
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+        // While it departs, a guest that floods its console is still held to the cap (in
+        // place: nothing new is made).
+        use crate::logs::DEFAULT_MAX_BYTES;
+        std::fs::write(
+            dir.join("serial.log"),
+            vec![b'x'; DEFAULT_MAX_BYTES as usize + 4096],
+        )
+        .unwrap();
+        housekeeping_pass(&h.svc);
+        let size = std::fs::metadata(dir.join("serial.log")).unwrap().len();
+        assert!(
+            size < DEFAULT_MAX_BYTES,
+            "serial.log is {size} bytes while departing"
+        );
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        std::fs::remove_file(dir.join("serial.log")).unwrap();
         // Nor is a tenant's directory created by housekeeping.
         std::fs::remove_dir(&dir).unwrap();
         h.svc

@@ -13,6 +13,7 @@ pub mod client;
 pub mod daemon;
 pub mod disk;
 pub mod domain;
+pub mod fd_limit;
 pub mod frontdoor;
 pub mod jail;
 pub mod keys;

@@ -218,7 +218,26 @@ fn recover_one(
                         None
                     }
                     Ok(s) => Some(format!("the VM ended while tenantvmd was down ({s:?})")),
-                    Err(e) => Some(format!("the recorded VM cannot be reached: {e}")),
+                    // A VMM that does not answer its socket may only be paused a while (load,
+                    // swap, a debugger): as long as its recorded process lives it is adopted,
+                    // and shown as unresponsive; killing it would end a running tenant.
+                    Err(e) => match ctx.backend.ended(vm) {
+                        Ok(None) => {
+                            let note = format!(
+                                "unresponsive: its VMM (pid {}) did not answer its control socket when tenantvmd recovered ({}); adopted, as its process runs",
+                                vm.pid,
+                                error_chain(&e)
+                            );
+                            tracing::warn!(tenant = %t.name, %note, "adopting an unresponsive VMM");
+                            store.add_event(Some(t.id), "adopt", &note)?;
+                            store.set_tenant_error(t.id, Some(&note))?;
+                            None
+                        }
+                        Ok(Some(s)) => {
+                            Some(format!("the VM ended while tenantvmd was down ({s:?})"))
+                        }
+                        Err(_) => Some(format!("the recorded VM cannot be reached: {e}")),
+                    },
                 },
             };
             match why {

@@ -1,8 +1,11 @@
 //! The test-only files of `tests/support/` that the library's own unit tests load too, in
 //! one place: the listener as a tenant's uid ([`peercred`]) and the self-signed TLS pair
-//! with its trusting client ([`tls_pair`]); the log capture and the file scan of the tests
-//! that check a secret never reaches a log or a file ([`captured_log`], [`files_holding`]).
+//! with its trusting client ([`tls_pair`]), a hostile flood of connections ([`flood`]), and
+//! the log capture and the file scan of the tests that check a secret never reaches a log
+//! or a file ([`captured_log`], [`files_holding`]).
 
+#[path = "../tests/support/flood.rs"]
+pub mod flood;
 #[path = "../tests/support/peercred.rs"]
 pub mod peercred;
 #[path = "../tests/support/tls_pair.rs"]

@@ -32,6 +32,29 @@ fn run_jailed(tag: &str, limits: ResourceLimits, script: &str) -> Run {
     run_jailed_with(tag, limits, script, |_, _| {})
 }
 
+/// The plan that runs `script` with /bin/sh as the first test uid, with /dev/null.
+fn shell_plan(
+    tenant: &str,
+    handle: tenantvm::jail::CgroupHandle,
+    dir: &Path,
+    script: &str,
+) -> JailPlan {
+    let uid = common::test_uid(0);
+    let mut plan = JailPlan::new(
+        tenant,
+        uid,
+        uid,
+        handle,
+        dir,
+        Path::new("/bin/sh"),
+        vec!["-c".into(), script.into()],
+        RLIMITS,
+    )
+    .unwrap();
+    plan.device(Path::new("/dev/null")).unwrap();
+    plan
+}
+
 /// As [`run_jailed`], letting `customize` adjust the plan (given the tenant dir) first.
 fn run_jailed_with(
     tag: &str,
@@ -45,19 +68,7 @@ fn run_jailed_with(
     let _cleanup = common::CleanupOnDrop::new(&tenant, &dir);
     let cgroups = Cgroups::detect().unwrap();
     let handle = cgroups.create(&tenant, &limits).unwrap();
-    let uid = common::test_uid(0);
-    let mut plan = JailPlan::new(
-        &tenant,
-        uid,
-        uid,
-        handle,
-        &dir,
-        Path::new("/bin/sh"),
-        vec!["-c".into(), script.into()],
-        RLIMITS,
-    )
-    .unwrap();
-    plan.device(Path::new("/dev/null")).unwrap();
+    let mut plan = shell_plan(&tenant, handle, &dir, script);
     customize(&mut plan, &dir);
     let log_path = dir.join("vmm.log");
     let log = OpenOptions::new()
@@ -209,6 +220,47 @@ fn jailed_program_has_no_network_but_its_own_loopback() {
         .filter(|n| n.ends_with(':'))
         .collect();
     assert_eq!(interfaces, vec!["lo:"], "{}", run.output);
+}
+
+#[test]
+fn the_launcher_leads_a_session_of_its_own_so_the_daemons_exit_sends_it_nothing() {
+    require_root!();
+    let tmp = tempfile::tempdir().unwrap();
+    let tenant = common::tenant("session");
+    let dir = common::tenant_dir(&tmp, &tenant);
+    let _cleanup = common::CleanupOnDrop::new(&tenant, &dir);
+    let cgroups = Cgroups::detect().unwrap();
+    let handle = cgroups.create(&tenant, &common::roomy_limits()).unwrap();
+    let plan = shell_plan(&tenant, handle, &dir, "while :; do :; done");
+    let log = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("vmm.log"))
+        .unwrap();
+    let launched =
+        spawn_launcher(Path::new(env!("CARGO_BIN_EXE_tenantvm-jail")), &plan, &log).unwrap();
+    // /proc/PID/stat after the command's name: state, ppid, pgrp, session.
+    let stat = fs::read_to_string(format!("/proc/{}/stat", launched.pid)).unwrap();
+    let fields: Vec<i32> = stat[stat.rfind(')').unwrap() + 2..]
+        .split(' ')
+        .skip(1)
+        .take(3)
+        .map(|f| f.parse().unwrap())
+        .collect();
+    cleanup_tenant(&cgroups, &tenant, &dir).unwrap();
+    let _ = process::wait_nohang(launched.pid);
+    // SAFETY: getsid(0) has no preconditions.
+    let ours = unsafe { libc::getsid(0) };
+    assert_ne!(
+        ours, launched.pid,
+        "the control: the test's own session is another"
+    );
+    assert_eq!(
+        (fields[1], fields[2]),
+        (launched.pid, launched.pid),
+        "the launcher's process group and session (its parent is {})",
+        fields[0]
+    );
 }
 
 #[test]

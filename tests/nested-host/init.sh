@@ -82,20 +82,56 @@ scratch_dev="$(wait_disk nh-scratch)" || die "no virtio disk with serial nh-scra
 $B mkdir -p /scratch
 $B mount -t ext4 "$scratch_dev" /scratch || die "cannot mount the scratch disk $scratch_dev"
 
-results=""
-i=0
-while [ -z "$results" ] && [ $i -lt 100 ]; do
-    for n in /sys/class/virtio-ports/*/name; do
-        [ -f "$n" ] || continue
-        if [ "$($B cat "$n")" = org.tenantvm.nested.results ]; then
-            p="${n%/name}"
-            results="/dev/${p##*/}"
-        fi
+# The virtio-serial port named $1 (QEMU's virtserialport,name=...), waiting up to 10 s.
+virtio_port() {
+    i=0
+    while [ $i -lt 100 ]; do
+        for n in /sys/class/virtio-ports/*/name; do
+            [ -f "$n" ] || continue
+            if [ "$($B cat "$n")" = "$1" ]; then
+                p="${n%/name}"
+                [ -c "/dev/${p##*/}" ] && echo "/dev/${p##*/}" && return 0
+            fi
+        done
+        $B sleep 0.1
+        i=$((i + 1))
     done
-    [ -n "$results" ] || $B sleep 0.1
-    i=$((i + 1))
-done
-[ -n "$results" ] && [ -c "$results" ] || die "no virtio-serial port org.tenantvm.nested.results"
+    return 1
+}
+results="$(virtio_port org.tenantvm.nested.results)" ||
+    die "no virtio-serial port org.tenantvm.nested.results"
+
+# The heartbeat: a line with the uptime every 5 s on a port of its own. It needs the kernel's
+# timers, its scheduler and an interrupt-driven virtio queue, so when the outer guest stops
+# (a lost timer, interrupts that never arrive) the host side sees the silence within seconds
+# and saves the guest's state. The host writes a byte a second the other way: that device
+# interrupt is what recovers a timer interrupt QEMU's TCG lost (docs/testing.md, "A frozen
+# outer guest").
+if heartbeat="$(virtio_port org.tenantvm.nested.heartbeat)"; then
+    (
+        trap '' HUP
+        exec 3<>"$heartbeat"
+        # The host's nudges (one byte a second: a device interrupt that recovers an interrupt
+        # QEMU lost; docs/testing.md) are read and dropped.
+        $B cat <&3 >/dev/null &
+        last=""
+        while :; do
+            now="$(uptime_s)"
+            echo "HB $now" >&3
+            # A gap the guest lived through (the host may not have caught it): its own view
+            # of its timers and interrupts then, on the console.
+            if [ -n "$last" ] && $B awk -v a="$last" -v b="$now" 'BEGIN { exit !(b - a > 20) }'; then
+                say "heartbeat gap: uptime $last -> $now s; timers and interrupts now:"
+                $B head -n 60 /proc/timer_list
+                $B cat /proc/interrupts
+            fi
+            last="$now"
+            $B sleep 5
+        done
+    ) </dev/null >/dev/console 2>&1 &
+else
+    say "no virtio-serial port org.tenantvm.nested.heartbeat: the host cannot tell a frozen guest early"
+fi
 
 run=""
 for arg in $($B cat /proc/cmdline); do

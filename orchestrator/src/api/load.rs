@@ -62,18 +62,20 @@ pub(super) async fn start(
     State(api): State<ApiState>,
     headers: HeaderMap,
     name: Result<Path<String>, PathRejection>,
-    spec: Result<Json<LoadSpec>, JsonRejection>,
+    spec: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let name = super::tenant_name(name)?;
     let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
     admin_only(&caller)?;
-    let Json(spec) = spec.map_err(|e| {
+    let bad = |e: &dyn std::fmt::Display| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
             "bad_request",
             format!("Send a load as JSON: {{\"kind\": \"memory|cpu|disk|gpu-memory|gpu-compute\", \"amount\": N, \"seconds\": S}} ({e})"),
         )
-    })?;
+    };
+    let Json(spec) = spec.map_err(|e| bad(&e))?;
+    let spec: LoadSpec = super::typed(spec).map_err(|e| bad(&e))?;
     spec.check()
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e.to_string()))?;
     let permit = api.lanes.enter(Lane::of(&caller))?;

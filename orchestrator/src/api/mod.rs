@@ -153,6 +153,42 @@ impl From<TenantServiceError> for ApiError {
     }
 }
 
+/// A JSON body read as `T`, with every number that has no fraction (`27.0`) read as the
+/// integer it is: the spec's `integer` (JSON Schema) admits such numbers, serde's integers
+/// do not.
+pub(super) fn typed<T: serde::de::DeserializeOwned>(
+    value: serde_json::Value,
+) -> Result<T, serde_json::Error> {
+    serde_json::from_value(integral_numbers(value))
+}
+
+/// `value` with each integral float (finite, no fraction, in `i64` or `u64` range) made an
+/// integer.
+fn integral_numbers(value: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        Value::Number(n) if n.is_f64() => {
+            let f = n.as_f64().unwrap_or(f64::NAN);
+            let whole = f.is_finite() && f.fract() == 0.0;
+            // 2^64 and -2^63 are exact in f64; a cast within them is exact too.
+            if whole && (0.0..2f64.powi(64)).contains(&f) {
+                Value::from(f as u64)
+            } else if whole && (-(2f64.powi(63))..0.0).contains(&f) {
+                Value::from(f as i64)
+            } else {
+                Value::Number(n)
+            }
+        }
+        Value::Array(a) => Value::Array(a.into_iter().map(integral_numbers).collect()),
+        Value::Object(o) => Value::Object(
+            o.into_iter()
+                .map(|(k, v)| (k, integral_numbers(v)))
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
 fn json_rejection(r: JsonRejection) -> ApiError {
     if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
         return ApiError::new(
@@ -200,6 +236,16 @@ async fn run(
     command: TenantCommand,
 ) -> Result<CommandOutcome, ApiError> {
     let caller: Caller = auth::authenticate(api.svc.store(), authorization(headers))?;
+    run_as(api, caller, command).await
+}
+
+/// [`run`] for a caller already authenticated (a handler with a body authenticates before
+/// it looks at the body: a request without a good token gets 401 whatever it sent).
+async fn run_as(
+    api: &ApiState,
+    caller: Caller,
+    command: TenantCommand,
+) -> Result<CommandOutcome, ApiError> {
     let permit = api.lanes.enter(Lane::of(&caller))?;
     let svc = api.svc.clone();
     offload(permit, move || svc.execute(&caller, command))
@@ -241,10 +287,18 @@ async fn health(State(api): State<ApiState>, headers: HeaderMap) -> Result<Respo
 async fn create(
     State(api): State<ApiState>,
     headers: HeaderMap,
-    spec: Result<Json<TenantSpec>, JsonRejection>,
+    spec: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> Result<Response, ApiError> {
+    let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
     let Json(spec) = spec.map_err(json_rejection)?;
-    let out = run(&api, &headers, TenantCommand::Create(spec)).await?;
+    let spec: TenantSpec = typed(spec).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_spec",
+            format!("Tenant spec is not valid JSON for this schema: {e}"),
+        )
+    })?;
+    let out = run_as(&api, caller, TenantCommand::Create(spec)).await?;
     Ok(respond(StatusCode::ACCEPTED, out))
 }
 
@@ -326,6 +380,7 @@ async fn infer(
     body: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let name = tenant_name(name)?;
+    let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
     let Json(body) = body.map_err(|r| match r.status() {
         StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -343,10 +398,9 @@ async fn infer(
             "The completion request is not valid JSON; send {\"prompt\": \"...\", \"max_tokens\": 16}",
         ),
     })?;
-    // Authenticated and admitted (the tenant's request rate and concurrency) here, before
-    // any blocking work; the guest's answer is then awaited on a thread of this request's
-    // own, holding the tenant's admission permit.
-    let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
+    // Authenticated (above, before the body was looked at) and admitted (the tenant's
+    // request rate and concurrency) here, before any blocking work; the guest's answer is
+    // then awaited on a thread of this request's own, holding the tenant's admission permit.
     let admitted = api.svc.admit_infer(&caller, &name)?;
     let svc = api.svc.clone();
     let answer = offload((), move || svc.infer_admitted(admitted, body)).await??;
@@ -365,6 +419,15 @@ async fn receipts(
             format!("Bad receipt query: {}", r.body_text()),
         )
     })?;
+    if let Some(name) = &query.tenant {
+        crate::domain::TenantName::check(name).map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                format!("Bad receipt query: `tenant` is not a tenant name: {e}"),
+            )
+        })?;
+    }
     let caller =
         crate::tenant::departure::receipt_caller(api.svc.store(), authorization(&headers))?;
     let permit = api.lanes.enter(Lane::of(&caller))?;
@@ -388,6 +451,7 @@ async fn rescrub(
     headers: HeaderMap,
     body: Result<Json<types::ScrubRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
+    let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
     let Json(body) = body.map_err(|r| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -400,7 +464,7 @@ async fn rescrub(
     })?;
     Ok(respond(
         StatusCode::OK,
-        run(&api, &headers, TenantCommand::Rescrub(body.slice)).await?,
+        run_as(&api, caller, TenantCommand::Rescrub(body.slice)).await?,
     ))
 }
 

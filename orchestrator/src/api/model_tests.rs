@@ -81,19 +81,24 @@ fn serve_guest(dir: PathBuf, listener: UnixListener) {
     });
 }
 
-#[test]
-fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        tenantvm_skip::skip!("needs root to serve agent sockets as tenant uids");
-    }
+/// A harness with `tenants` (name, disk GiB) created, the first running an inference guest
+/// (the stand-in over a model store directory), and the API served on a Unix socket: the
+/// harness, the tenants' tokens, the model store directory, the runtime and the socket.
+fn serve_tenants(
+    tenants: &[(&'static str, u32)],
+) -> (
+    Harness,
+    std::collections::HashMap<&'static str, String>,
+    PathBuf,
+    tokio::runtime::Runtime,
+    PathBuf,
+) {
     let h = Harness::new(FaultHook::default());
     h.host.state().agent_vsock = true;
     let mut tokens = std::collections::HashMap::new();
-    for name in ["alice", "bob"] {
+    for (name, disk) in tenants {
         let spec = TenantSpec::from_toml(&format!(
-            "name = \"{name}\"\ndisk_gib = {}\n[image]\nname = \"hello\"\n",
-            u32::from(name == "alice")
+            "name = \"{name}\"\ndisk_gib = {disk}\n[image]\nname = \"hello\"\n"
         ))
         .unwrap();
         match h
@@ -101,22 +106,32 @@ fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure(
             .execute(&Caller::Admin, TenantCommand::Create(spec))
             .unwrap()
         {
-            CommandOutcome::Created(c) => tokens.insert(name, c.token),
+            CommandOutcome::Created(c) => tokens.insert(*name, c.token),
             other => panic!("{other:?}"),
         };
     }
     h.svc.wait_idle();
-    // alice runs an inference guest (bob's is plain: no models).
     let store_dir = h.dir.path().join("guest-disk/models");
-    serve_guest(store_dir.clone(), fake_agent_socket(&h.svc, "alice"));
-
-    let rt = Arc::new(crate::daemon::runtime().unwrap());
+    serve_guest(store_dir.clone(), fake_agent_socket(&h.svc, tenants[0].0));
+    let rt = crate::daemon::runtime().unwrap();
     let api_sock = h.dir.path().join("api.sock");
     let listener = rt
         .block_on(async { tokio::net::UnixListener::bind(&api_sock) })
         .unwrap();
     let app = super::router(h.svc.clone());
     rt.spawn(async move { axum::serve(listener, app).await });
+    (h, tokens, store_dir, rt, api_sock)
+}
+
+#[test]
+fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        tenantvm_skip::skip!("needs root to serve agent sockets as tenant uids");
+    }
+    // alice runs an inference guest (bob's is plain: no models).
+    let (h, tokens, store_dir, rt, api_sock) = serve_tenants(&[("alice", 1), ("bob", 0)]);
+    let rt = Arc::new(rt);
     let cli = |token: &str, args: &[&str]| -> (u8, String) {
         let mut argv = vec![
             "tenantvm",
@@ -302,4 +317,102 @@ fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure(
             .is_some_and(|v| v.contains("model push")),
         "{shred:?}"
     );
+}
+
+/// A push by hand with `announced` bytes in Content-Length, of which only `sent` are sent
+/// before the client falls silent (it keeps the connection open): the answer's status and
+/// how long it took.
+fn silent_push(
+    rt: &tokio::runtime::Runtime,
+    api_sock: &Path,
+    token: &str,
+    tenant: &str,
+    announced: u64,
+    sent: usize,
+) -> (u16, std::time::Duration) {
+    rt.block_on(async {
+        let stream = tokio::net::UnixStream::connect(api_sock).await.unwrap();
+        let (mut tx, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .unwrap();
+        tokio::spawn(conn);
+        let (body_tx, body_rx) = tokio::sync::mpsc::channel(4);
+        if sent > 0 {
+            body_tx
+                .send(Ok(hyper::body::Bytes::from(vec![b'x'; sent])))
+                .await
+                .unwrap();
+        }
+        let req = hyper::Request::builder()
+            .method("PUT")
+            .uri(format!(
+                "http://localhost/v1/tenants/{tenant}/models/stalled"
+            ))
+            .header("authorization", format!("Bearer {token}"))
+            .header("content-length", announced)
+            .header("x-model-sha256", "0".repeat(64))
+            .body(crate::channel_body::ChannelBody::new(body_rx))
+            .unwrap();
+        let asked = std::time::Instant::now();
+        let resp = tokio::time::timeout(std::time::Duration::from_secs(30), tx.send_request(req))
+            .await
+            .expect("the push was never answered")
+            .unwrap();
+        drop(body_tx);
+        (resp.status().as_u16(), asked.elapsed())
+    })
+}
+
+#[test]
+fn a_stalled_or_bodiless_push_is_answered_and_one_larger_than_the_disk_gets_no_space() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        tenantvm_skip::skip!("needs root to serve agent sockets as tenant uids");
+    }
+    let (_h, tokens, store_dir, rt, api_sock) = serve_tenants(&[("alice", 1), ("plain", 0)]);
+
+    // Larger than the disk and than what a refused push has drained of its body: the
+    // refusal still reaches the CLI (NO_SPACE), not a reset connection.
+    let files = tempfile::tempdir().unwrap();
+    let big = files.path().join("huge.json");
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len(super::models::DRAIN_LIMIT + (16 << 20))
+        .unwrap();
+    let argv = [
+        "tenantvm",
+        "--socket",
+        api_sock.to_str().unwrap(),
+        "--token",
+        &tokens["alice"],
+        "model",
+        "push",
+        "alice",
+        big.to_str().unwrap(),
+    ];
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = rt.block_on(run_with(
+        Cli::try_parse_from(argv).unwrap(),
+        &mut out,
+        &mut err,
+    ));
+    assert_eq!(
+        code,
+        crate::cli::exit::NO_SPACE,
+        "{}{}",
+        String::from_utf8_lossy(&out),
+        String::from_utf8_lossy(&err)
+    );
+
+    // A push whose client falls silent: abandoned after the idle deadline (408), nothing
+    // stored.
+    let (status, took) = silent_push(&rt, &api_sock, &tokens["alice"], "alice", 1 << 20, 1000);
+    assert_eq!(status, 408);
+    assert!(took >= super::models::PUSH_IDLE_TIMEOUT, "{took:?}");
+    assert!(!store_dir.join("stalled").exists());
+    // A push refused before its data (a tenant without models) whose client sends no body
+    // at all is answered.
+    let (status, _) = silent_push(&rt, &api_sock, &tokens["plain"], "plain", 1 << 20, 0);
+    assert_eq!(status, 409);
 }

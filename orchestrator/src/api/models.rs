@@ -15,6 +15,8 @@
 //! an unknown model 404; the guest not answering 502.
 
 use std::io::Read;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -41,10 +43,18 @@ use crate::tenant::steps::guest;
 const MODEL_CALL_TIMEOUT: Duration = Duration::from_secs(120);
 /// Pieces of a push buffered between the client and the guest.
 const PUSH_PIPE: usize = 4;
-/// Most bytes of a refused push read and dropped before the refusal is sent.
-const DRAIN_LIMIT: u64 = 64 << 20;
-/// Longest a refused push's body is read and dropped.
+/// Most bytes of a refused push read and dropped after the refusal is sent.
+pub(super) const DRAIN_LIMIT: u64 = 64 << 20;
+/// Longest a refused push's body is read and dropped after the refusal is sent.
 const DRAIN_TIME: Duration = Duration::from_secs(10);
+/// Longest a push's client may send nothing: the push then fails (408) and frees its
+/// thread and its caller's request budget.
+#[cfg(not(test))]
+pub(super) const PUSH_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+#[cfg(test)]
+pub(super) const PUSH_IDLE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest a refused push's client may send nothing before the drain gives up.
+const DRAIN_IDLE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Answer of a push.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -250,15 +260,40 @@ pub(super) async fn push(
         })
     });
     // The body goes to the guest as it arrives; more than announced is cut off (the guest
-    // then refuses the push). A push refused before its data (a bad name, no room, a
-    // stopped tenant) has the rest of its body read and dropped, up to a bound, so the
-    // client reads the refusal instead of a broken connection.
+    // then refuses the push), and a client that sends nothing for PUSH_IDLE_TIMEOUT fails it.
+    // A push refused before its data (a bad name, no room, a stopped tenant) is answered at
+    // once; the rest of its body is read and dropped meanwhile, up to a bound, so that the
+    // client reads the refusal instead of a reset connection, and a client that sends no
+    // body at all is answered too.
+    let stalled = Arc::new(AtomicBool::new(false));
+    let stalled_flag = stalled.clone();
     let pump = async move {
         let mut body = body;
         let mut seen = 0u64;
         let mut draining = false;
-        let started = std::time::Instant::now();
-        while let Some(frame) = body.frame().await {
+        let mut drain_started = None;
+        loop {
+            let idle = if draining {
+                DRAIN_IDLE_TIMEOUT
+            } else {
+                PUSH_IDLE_TIMEOUT
+            };
+            let frame = match tokio::time::timeout(idle, body.frame()).await {
+                Ok(Some(frame)) => frame,
+                Ok(None) => return,
+                Err(_) => {
+                    if !draining {
+                        stalled_flag.store(true, Ordering::Relaxed);
+                        let _ = tx
+                            .send(Err(std::io::Error::new(
+                                std::io::ErrorKind::TimedOut,
+                                "the client sent nothing for too long",
+                            )))
+                            .await;
+                    }
+                    return;
+                }
+            };
             let piece = match frame {
                 Ok(f) => match f.into_data() {
                     Ok(d) => d,
@@ -271,6 +306,7 @@ pub(super) async fn push(
             };
             seen += piece.len() as u64;
             if draining {
+                let started = *drain_started.get_or_insert_with(std::time::Instant::now);
                 if seen > DRAIN_LIMIT || started.elapsed() > DRAIN_TIME {
                     return;
                 }
@@ -288,7 +324,26 @@ pub(super) async fn push(
             }
         }
     };
-    let (stored, ()) = tokio::join!(work, pump);
+    let pump = tokio::spawn(pump);
+    let stored = match work.await {
+        Ok(Err(_)) if stalled.load(Ordering::Relaxed) => {
+            return Err(err(
+                StatusCode::REQUEST_TIMEOUT,
+                "request_timeout",
+                format!(
+                    "The model's bytes stopped arriving for {} s; the push was abandoned and nothing was stored",
+                    PUSH_IDLE_TIMEOUT.as_secs()
+                ),
+            ))
+        }
+        Ok(Err(e)) => {
+            // Refused: answered now, the pump drains the rest meanwhile.
+            drop(pump);
+            return Err(e);
+        }
+        other => other,
+    };
+    let _ = pump.await;
     let stored = stored??;
     tracing::info!(tenant = %tenant, bytes = stored.bytes, "model stored");
     Ok((StatusCode::CREATED, Json(stored)).into_response())

@@ -107,6 +107,34 @@ fn spec_json(name: &str) -> String {
 }
 
 #[tokio::test]
+async fn a_body_is_looked_at_only_after_the_token() {
+    let api = Api::new();
+    // Without a good token, a bad body gets 401 like a good one (it was 400: parsed first).
+    for (uri, body) in [
+        ("/v1/tenants", "not json".to_string()),
+        ("/v1/tenants", spec_json("nobody")),
+        ("/v1/tenants/nobody/infer", "not json".to_string()),
+        ("/v1/gpu/quarantine/scrub", "{}".to_string()),
+    ] {
+        for token in [None, Some("wrong")] {
+            let (status, v) = api.call("POST", uri, token, Some(body.clone())).await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED, "{uri} {body}: {v}");
+        }
+    }
+    // The control: with the admin token the bad body is what is refused.
+    let (status, v) = api
+        .call(
+            "POST",
+            "/v1/tenants",
+            Some(&api.admin),
+            Some("not json".into()),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(api.tenant_count(), 0);
+}
+
+#[tokio::test]
 async fn lifecycle_responses_match_the_spec() {
     let api = Api::new();
     let admin = api.admin.clone();
@@ -811,4 +839,77 @@ async fn test_loads_are_for_the_admin_only_and_bad_loads_are_refused() {
         )
         .await;
     assert_eq!(s, StatusCode::CONFLICT, "{body}");
+    // An integer written with a zero fraction is the spec's `integer` too: the same 409
+    // (it reached the guest check), not a 400 for its type; a real fraction is refused.
+    let whole = json!({"kind": "memory", "amount": 64, "seconds": 27.0}).to_string();
+    let (s, body) = api
+        .checked(
+            "POST",
+            "/v1/tenants/alice/load",
+            "/v1/tenants/{name}/load",
+            a,
+            Some(whole),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CONFLICT, "{body}");
+    let part = json!({"kind": "memory", "amount": 64, "seconds": 27.5}).to_string();
+    let (s, _) = api
+        .call("POST", "/v1/tenants/alice/load", a, Some(part))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn what_the_spec_admits_the_server_takes_and_what_it_refuses_is_refused() {
+    let api = Api::new();
+    let a = Some(api.admin.as_str());
+    // `memory_mib: 64.0` is an integer by the spec.
+    let spec =
+        json!({"name": "whole", "vcpus": 1.0, "memory_mib": 64.0, "image": {"name": "hello"}});
+    let (s, body) = api
+        .checked(
+            "POST",
+            "/v1/tenants",
+            "/v1/tenants",
+            a,
+            Some(spec.to_string()),
+        )
+        .await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{body}");
+    api.idle().await;
+    // `image: {}` (and both name and kernel) break the spec's oneOf, and the server refuses them.
+    let spec_doc = &api.spec;
+    for image in [json!({}), json!({"name": "hello", "kernel": "/k"})] {
+        assert!(
+            spec_doc.check_schema("GuestImage", &image).is_err(),
+            "the spec admits {image}"
+        );
+        let bad = json!({"name": "noimage", "memory_mib": 64, "image": image});
+        let (s, body) = api
+            .call("POST", "/v1/tenants", a, Some(bad.to_string()))
+            .await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{image}: {body}");
+    }
+    // The control: each alternative alone is admitted.
+    for image in [
+        json!({"name": "hello"}),
+        json!({"kernel": "/boot/k", "cmdline": "x"}),
+    ] {
+        spec_doc.check_schema("GuestImage", &image).unwrap();
+    }
+    // A receipt query's tenant outside the name pattern (empty included): 400, as the spec says.
+    for tenant in ["", "..", "UPPER"] {
+        let (s, body) = api
+            .checked(
+                "GET",
+                &format!("/v1/receipts?tenant={tenant}"),
+                "/v1/receipts",
+                a,
+                None,
+            )
+            .await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{tenant:?}: {body}");
+    }
+    let (s, _) = api.call("GET", "/v1/receipts?tenant=whole", a, None).await;
+    assert_eq!(s, StatusCode::OK);
 }

@@ -56,7 +56,7 @@ pub struct TenantView {
 pub struct StepView {
     /// Step name (`launch-vm`, ...).
     pub step: String,
-    /// `started`, `done` or `failed`.
+    /// `started`, `done`, `skipped` (nothing to do for this tenant) or `failed`.
     pub status: String,
     /// Why it failed.
     pub error: Option<String>,

@@ -314,6 +314,10 @@ pub enum ExitReason {
     SeccompViolation,
     /// The jail could not be set up (status 120 of the jail launcher; details in vmm.log).
     JailFailure,
+    /// QEMU exited with status 0 on its own: the guest powered off, or QEMU was told to quit
+    /// (a quit command, or a terminating signal such as SIGTERM or SIGHUP: QEMU exits 0 on
+    /// both), and QEMU does not say which.
+    QemuExitedZero,
     /// Any other exit status.
     OtherStatus {
         /// The exit status.
@@ -501,12 +505,13 @@ impl ExitReason {
         }
     }
 
-    /// Decodes how a QEMU jail ended. QEMU exits 0 both when the guest powers off and on
-    /// `quit` (the backend's `stop` reports [`ExitReason::Stopped`] itself), and 1 on errors.
+    /// Decodes how a QEMU jail ended. QEMU exits 0 when the guest powers off, on `quit` and
+    /// on a terminating signal alike (the backend's `stop` reports [`ExitReason::Stopped`]
+    /// itself; any other status 0 is [`ExitReason::QemuExitedZero`]), and 1 on errors.
     pub fn from_qemu(record: ExitRecord) -> Self {
         match record {
             ExitRecord::Signal(signal) => ExitReason::Signaled { signal },
-            ExitRecord::Code(0) => ExitReason::PowerOff,
+            ExitRecord::Code(0) => ExitReason::QemuExitedZero,
             ExitRecord::Code(1) => ExitReason::VmmError,
             ExitRecord::Code(crate::jail::process::JAIL_SETUP_FAILED) => ExitReason::JailFailure,
             ExitRecord::Code(code) => ExitReason::OtherStatus { code },
@@ -534,6 +539,7 @@ impl ExitReason {
                 "a VMM thread made a system call its seccomp filter refuses (see vmm.log)".into()
             }
             ExitReason::JailFailure => "the jail could not be set up (see vmm.log)".into(),
+            ExitReason::QemuExitedZero => "QEMU exited with status 0: the guest powered off, or QEMU was told to quit (a quit command, or a signal such as SIGTERM or SIGHUP); QEMU does not say which".into(),
             ExitReason::OtherStatus { code } => format!("exited with status {code}"),
             ExitReason::Signaled { signal } => format!("killed by signal {signal}"),
         }
@@ -598,9 +604,14 @@ mod tests {
 
     #[test]
     fn qemu_statuses_map_to_reasons() {
-        assert_eq!(
-            ExitReason::from_qemu(ExitRecord::Code(0)),
-            ExitReason::PowerOff
+        // Status 0 is a power-off or a quit (a command, a SIGHUP): never claimed to be
+        // the guest's power-off.
+        let zero = ExitReason::from_qemu(ExitRecord::Code(0));
+        assert_eq!(zero, ExitReason::QemuExitedZero);
+        assert!(
+            !zero.describe().starts_with("the guest powered off"),
+            "{}",
+            zero.describe()
         );
         assert_eq!(
             ExitReason::from_qemu(ExitRecord::Code(1)),

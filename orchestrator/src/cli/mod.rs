@@ -647,6 +647,20 @@ async fn run_inner(cli: Cli, out: &mut dyn Write, err: &mut dyn Write) -> Result
         Command::Create(a) => Some(spec_from_args(a)?),
         _ => None,
     };
+    // The new tenant's token exists once: where it goes is checked before it is made.
+    if let Command::Create(a) = &cli.command {
+        if let Some(path) = &a.token_out {
+            crate::keys::check_secret_path(path).map_err(|e| {
+                fail(
+                    exit::INVALID,
+                    format!(
+                        "Cannot write the token to {}: {e}; nothing was created",
+                        path.display()
+                    ),
+                )
+            })?;
+        }
+    }
     let token = read_token(&cli)?;
     let client = Client::new(cli.socket.clone(), token.clone());
     match cli.command {
@@ -654,9 +668,24 @@ async fn run_inner(cli: Cli, out: &mut dyn Write, err: &mut dyn Write) -> Result
             let spec = spec.expect("parsed above");
             let created = client.create(&spec).await?;
             if let Some(path) = &a.token_out {
-                output::write_secret(path, &created.token).map_err(|e| {
-                    fail(exit::OTHER, format!("Cannot write {}: {e}", path.display()))
-                })?;
+                if let Err(e) = output::write_secret(path, &created.token) {
+                    // Never dropped: shown here, once, as without --token-out.
+                    writeln!(
+                        err,
+                        "tenant {}: cannot write its token to {} ({e}); here it is (shown once; keep it secret):",
+                        spec.name,
+                        path.display()
+                    )?;
+                    writeln!(out, "{}", created.token)?;
+                    return Err(fail(
+                        exit::OTHER,
+                        format!(
+                            "tenant {} was created but its token could not be written to {}: it was printed instead",
+                            spec.name,
+                            path.display()
+                        ),
+                    ));
+                }
             }
             if a.json {
                 output::print_json(out, &created)?;
@@ -889,6 +918,55 @@ mod tests {
         assert_eq!(err.code, exit::INVALID);
         assert!(err.message.contains("vgpu_licence"), "{}", err.message);
         assert!(!err.message.contains("cli-licence-secret"));
+    }
+
+    #[test]
+    fn a_token_out_path_that_cannot_be_written_is_refused_before_anything_is_created() {
+        let dir = tempfile::tempdir().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let socket = dir.path().join("no-daemon.sock");
+        let create = |token_out: &std::path::Path| -> (u8, String) {
+            let cli = parse(&[
+                "--socket",
+                socket.to_str().unwrap(),
+                "--token",
+                "x",
+                "create",
+                "--name",
+                "bob",
+                "--image",
+                "hello",
+                "--token-out",
+                token_out.to_str().unwrap(),
+            ])
+            .unwrap();
+            let (mut out, mut err) = (Vec::new(), Vec::new());
+            let code = rt.block_on(run_with(cli, &mut out, &mut err));
+            (code, String::from_utf8_lossy(&err).into_owned())
+        };
+        // No such directory: refused before the daemon is asked (there is none here).
+        let (code, text) = create(&dir.path().join("missing/t.token"));
+        assert_eq!(code, exit::INVALID, "{text}");
+        assert!(text.contains("nothing was created"), "{text}");
+        // A directory in the way, and a symbolic link, likewise.
+        let (code, _) = create(dir.path());
+        assert_eq!(code, exit::INVALID);
+        std::os::unix::fs::symlink("/etc/passwd", dir.path().join("link")).unwrap();
+        let (code, _) = create(&dir.path().join("link"));
+        assert_eq!(code, exit::INVALID);
+        // The control: a writable path goes on to the daemon (unreachable here), and the
+        // check leaves nothing behind.
+        let (code, text) = create(&dir.path().join("t.token"));
+        assert_eq!(code, exit::UNREACHABLE, "{text}");
+        let mut left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["link"]);
     }
 
     #[test]

@@ -41,10 +41,10 @@ pub struct Row {
     pub tokens_out: f64,
     first_byte: (f64, f64),
     total: (f64, f64),
-    /// The VM's CPU seconds.
-    pub cpu_s: f64,
-    /// The VM's memory.
-    pub memory_bytes: f64,
+    /// The VM's CPU seconds, if its cgroup was read.
+    pub cpu_s: Option<f64>,
+    /// The VM's memory, if its cgroup was read.
+    pub memory_bytes: Option<f64>,
     /// Bytes the VM's disks read, if its VMM reports them.
     pub disk_read_bytes: Option<f64>,
     /// Bytes the VM's disks wrote, if its VMM reports them.
@@ -115,8 +115,8 @@ pub fn parse(text: &str) -> BTreeMap<String, Row> {
             "tenantvm_frontdoor_first_byte_seconds_count" => row.first_byte.1 += value,
             "tenantvm_frontdoor_request_seconds_sum" => row.total.0 += value,
             "tenantvm_frontdoor_request_seconds_count" => row.total.1 += value,
-            "tenantvm_vm_cpu_seconds" => row.cpu_s = value,
-            "tenantvm_vm_memory_bytes" => row.memory_bytes = value,
+            "tenantvm_vm_cpu_seconds" => row.cpu_s = Some(value),
+            "tenantvm_vm_memory_bytes" => row.memory_bytes = Some(value),
             "tenantvm_vm_disk_bytes" => match label(labels, "op") {
                 Some("read") => row.disk_read_bytes = Some(value),
                 Some("write") => row.disk_write_bytes = Some(value),
@@ -142,6 +142,7 @@ pub fn parse(text: &str) -> BTreeMap<String, Row> {
     rows
 }
 
+/// A figure with one decimal, or `-` when it was not read (never a 0.0 that looks measured).
 fn ms(v: Option<f64>) -> String {
     v.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into())
 }
@@ -192,7 +193,7 @@ pub fn print(out: &mut dyn Write, rows: &BTreeMap<String, Row>) -> std::io::Resu
     for (tenant, r) in rows {
         writeln!(
             out,
-            "{:<20} {:>8} {:>6} {:>7} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8.1} {:>8.1} {:>11} {:>11} {:>8} {:>14} {:>5}",
+            "{:<20} {:>8} {:>6} {:>7} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>11} {:>11} {:>8} {:>14} {:>5}",
             tenant,
             r.requests,
             r.errors,
@@ -202,8 +203,8 @@ pub fn print(out: &mut dyn Write, rows: &BTreeMap<String, Row>) -> std::io::Resu
             r.tokens_out,
             ms(r.first_byte_ms()),
             ms(r.total_ms()),
-            r.cpu_s,
-            r.memory_bytes / (1024.0 * 1024.0),
+            ms(r.cpu_s),
+            mib(r.memory_bytes),
             mib(r.disk_read_bytes),
             mib(r.disk_write_bytes),
             r.disk_ops.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
@@ -284,11 +285,26 @@ mod tests {
         let text = String::from_utf8(text).unwrap();
         assert!(text.lines().nth(1).unwrap().starts_with("alice"), "{text}");
         assert!(parse("garbage\n# HELP x\nx{tenant=\"a\"} nan-ish\n").is_empty());
-        // No disk or GPU figures: shown as absent.
+        // No CPU, memory, disk or GPU figures: shown as absent, never as a measured 0.0.
         let line = text.lines().nth(1).unwrap();
-        let last: Vec<&str> = line.split_whitespace().rev().take(5).collect();
-        assert_eq!(last, ["-"; 5], "{text}");
+        let last: Vec<&str> = line.split_whitespace().rev().take(7).collect();
+        assert_eq!(last, ["-"; 7], "{text}");
         assert!(!text.contains("simulated"), "{text}");
+        // The control: figures that were read are shown.
+        let text = format!(
+            "{}tenantvm_vm_cpu_seconds{{tenant=\"alice\"}} 2.5\ntenantvm_vm_memory_bytes{{tenant=\"alice\"}} 1048576\n",
+            m.render(None)
+        );
+        let rows = parse(&text);
+        assert_eq!(
+            (rows["alice"].cpu_s, rows["alice"].memory_bytes),
+            (Some(2.5), Some(1_048_576.0))
+        );
+        let mut shown = Vec::new();
+        print(&mut shown, &rows).unwrap();
+        let shown = String::from_utf8(shown).unwrap();
+        let alice: Vec<&str> = shown.lines().nth(1).unwrap().split_whitespace().collect();
+        assert_eq!(&alice[9..11], ["2.5", "1.0"], "{shown}");
     }
 
     #[test]

@@ -87,7 +87,14 @@ impl CryptoShredReport {
     pub fn step_record(&self, started_at: String, finished_at: String) -> StepRecord {
         let i = &self.image;
         let mut e = std::collections::BTreeMap::new();
-        e.insert("image".to_string(), i.image.clone());
+        // Its name only: the receipt is the tenant's to read, the host's paths are not.
+        let name = Path::new(&i.image)
+            .file_name()
+            .map_or_else(|| "disk image".into(), |n| n.to_string_lossy().into_owned());
+        e.insert(
+            "image".to_string(),
+            format!("{name} (in the tenant's directory)"),
+        );
         e.insert(
             "header_bytes_overwritten".to_string(),
             i.header_bytes_overwritten.to_string(),

@@ -108,7 +108,7 @@ impl OpenAiError {
     }
 
     /// The key's tenant already holds its share of connections.
-    pub fn too_many_connections() -> Self {
+    pub fn too_many_connections(per_tenant: u32) -> Self {
         let mut e = Self::new(
             StatusCode::TOO_MANY_REQUESTS,
             "requests",
@@ -116,14 +116,15 @@ impl OpenAiError {
             format!(
                 "This key's tenant already holds {} open connections to this endpoint; \
                  reuse one (keep-alive) or close some",
-                super::MAX_TENANT_CONNECTIONS
+                per_tenant
             ),
         );
         e.retry_after = Some(1);
         e
     }
 
-    /// The front door is serving as many connections as it may.
+    /// The front door is serving as many authenticated connections as it may (or the
+    /// connection was evicted while its request was being checked).
     pub fn overloaded() -> Self {
         let mut e = Self::new(
             StatusCode::SERVICE_UNAVAILABLE,

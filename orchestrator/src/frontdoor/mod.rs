@@ -11,10 +11,15 @@
 //! [`forward_http`]: the payload's answer is passed through as the payload produces it
 //! (server-sent events for `stream: true`), never buffered whole.
 //!
-//! Threads and connections, so that no tenant's slow client holds anyone else's place:
-//! - connections: at most [`MAX_CONNECTIONS`] at once (more are closed at accept); the TLS
-//!   handshake has [`HANDSHAKE_TIMEOUT`], each request head [`HEADER_TIMEOUT`] (idle
-//!   keep-alive connections included) and each body [`BODY_TIMEOUT`];
+//! Threads and connections, so that no tenant's slow client and no anonymous one holds
+//! anyone else's place:
+//! - connections ([`connections`]): as many as the process's descriptors allow
+//!   ([`DoorLimits`]); the unauthenticated in a small pool with a share per source, where a
+//!   newcomer evicts the oldest instead of being refused, and which each must leave with a
+//!   good key soon ([`connections::UNAUTHENTICATED_LIFETIME`]) while sending at a minimum
+//!   rate; the authenticated in their tenant's own pool. Each request head has
+//!   [`HEADER_TIMEOUT`] (idle keep-alive connections included) and each body
+//!   [`BODY_TIMEOUT`];
 //! - a forwarded request runs on a thread of its own holding its tenant's admission
 //!   permit; it hands the answer to the connection through a channel of [`PIPE_CHUNKS`]
 //!   pieces, so a client that reads slowly stalls only its own request (and spends only
@@ -25,6 +30,7 @@
 //! event or quoted in an error: log records carry the tenant, the route, the status and
 //! the time taken.
 
+pub mod connections;
 mod errors;
 pub mod keys;
 mod workers;
@@ -45,25 +51,18 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use thiserror::Error;
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot};
 
+pub use connections::{DoorLimits, MAX_TENANT_CONNECTIONS};
 pub use errors::OpenAiError;
 
+use self::connections::{ClaimRefused, Connections, Counted, Received, Slot, Source};
 use crate::channel_body::ChannelBody;
 use crate::metrics::RefusalReason;
 use crate::tenant::admission::Refused;
 use crate::tenant::infer::{self, forward_http, InferError, PayloadRequest};
 use crate::tenant::service::TenantService;
 
-/// Most client connections open at once.
-pub const MAX_CONNECTIONS: usize = 1024;
-/// Most connections one tenant's clients may hold: a connection belongs to the tenant of
-/// the first key used on it; beyond this many, its request is refused (429) and it is
-/// closed, so no tenant can fill [`MAX_CONNECTIONS`] (its `max_concurrency` bounds its
-/// work; this bounds its idle sockets).
-pub const MAX_TENANT_CONNECTIONS: u32 = 64;
-/// How long a client has to complete the TLS handshake.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a client has to send a request's head (also how long an idle keep-alive
 /// connection is kept).
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
@@ -132,65 +131,118 @@ pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, FrontDoor
         .map_err(|source| FrontDoorError::Listen { addr, source })
 }
 
-/// Serves clients on `listener` until `shutdown` completes.
+/// Serves clients on `listener` until `shutdown` completes, with limits sized from the
+/// process's `RLIMIT_NOFILE` as it is now (the daemon raises it first,
+/// [`crate::fd_limit::raise_soft_limit`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     tls: Arc<rustls::ServerConfig>,
     svc: TenantService,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
+    let nofile = crate::fd_limit::soft_limit().unwrap_or(1024);
+    serve_with(
+        listener,
+        tls,
+        svc,
+        DoorLimits::for_fd_limit(nofile),
+        shutdown,
+    )
+    .await
+}
+
+/// How often a failing `accept` is logged at most (each failure waits [`ACCEPT_RETRY`]).
+const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(10);
+/// How long the door waits after a failed `accept` before the next.
+const ACCEPT_RETRY: Duration = Duration::from_millis(50);
+
+/// [`serve`] with the given limits.
+pub async fn serve_with(
+    listener: tokio::net::TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    svc: TenantService,
+    limits: DoorLimits,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    tracing::info!(?limits, "front door connection limits");
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
-    let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    let tenants = Arc::new(TenantConnections::default());
-    let shared = Shared::default();
+    let door = Connections::new(limits);
+    let shared = Shared::new(&svc);
+    let mut failures = AcceptFailures::default();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
+        // A place first: with every place taken, connections wait in the kernel's backlog
+        // rather than failing `accept` for lack of descriptors.
+        let place = tokio::select! {
+            () = &mut shutdown => return,
+            place = door.place() => place,
+        };
         let accepted = tokio::select! {
             () = &mut shutdown => return,
             accepted = listener.accept() => accepted,
         };
-        let tcp = match accepted {
-            Ok((tcp, _)) => tcp,
+        let (tcp, peer) = match accepted {
+            Ok(accepted) => accepted,
             Err(e) => {
-                tracing::warn!(error = %e, "front door: accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                failures.failed(&e);
+                tokio::time::sleep(ACCEPT_RETRY).await;
                 continue;
             }
         };
-        let Ok(place) = connections.clone().try_acquire_owned() else {
-            tracing::warn!("front door: {MAX_CONNECTIONS} connections open; closing a new one");
-            continue;
-        };
+        let received = Arc::new(Received::default());
+        let slot = Arc::new(door.admit(place, Source::of(peer.ip()), received.clone()));
         let _ = tcp.set_nodelay(true);
-        let (acceptor, svc, tenants, shared) = (
-            acceptor.clone(),
-            svc.clone(),
-            tenants.clone(),
-            shared.clone(),
-        );
+        let (acceptor, svc, shared) = (acceptor.clone(), svc.clone(), shared.clone());
         tokio::spawn(async move {
-            let _place = place;
-            // Whose connection this is, once a key was used on it (held until it closes).
-            let owner: Arc<std::sync::Mutex<Option<TenantConnection>>> = Arc::default();
-            let Ok(Ok(stream)) =
-                tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
-            else {
-                return;
-            };
-            let service = hyper::service::service_fn(move |req| {
-                let conn = Conn {
-                    tenants: tenants.clone(),
-                    owner: owner.clone(),
-                    shared: shared.clone(),
+            let stream = Counted::new(tcp, received.clone());
+            let conn_slot = slot.clone();
+            let served = async move {
+                let Ok(stream) = acceptor.accept(stream).await else {
+                    return;
                 };
-                handle(svc.clone(), conn, req)
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+                let service = hyper::service::service_fn(move |req| {
+                    let conn = Conn {
+                        slot: conn_slot.clone(),
+                        shared: shared.clone(),
+                    };
+                    handle(svc.clone(), conn, req)
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(HEADER_TIMEOUT)
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            };
+            tokio::select! {
+                () = served => {}
+                ended = connections::watch(&slot, &received) => {
+                    tracing::debug!(?ended, "front door: unauthenticated connection closed");
+                }
+            }
         });
+    }
+}
+
+/// Failed `accept`s, logged at most once per [`ACCEPT_LOG_EVERY`] with the count of those
+/// not logged (a full descriptor table fails every retry).
+#[derive(Default)]
+struct AcceptFailures {
+    last_logged: Option<Instant>,
+    unlogged: u64,
+}
+
+impl AcceptFailures {
+    fn failed(&mut self, e: &std::io::Error) {
+        if self
+            .last_logged
+            .is_some_and(|at| at.elapsed() < ACCEPT_LOG_EVERY)
+        {
+            self.unlogged += 1;
+            return;
+        }
+        tracing::warn!(error = %e, not_logged_since = self.unlogged, "front door: accept failed");
+        self.last_logged = Some(Instant::now());
+        self.unlogged = 0;
     }
 }
 
@@ -229,76 +281,39 @@ fn route(method: &Method, path: &str) -> Result<&'static str, OpenAiError> {
     Ok(target)
 }
 
-/// Connections per tenant (row id).
-#[derive(Default)]
-struct TenantConnections(std::sync::Mutex<std::collections::HashMap<i64, u32>>);
-
-impl TenantConnections {
-    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<i64, u32>> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-/// A connection counted against its tenant until dropped (when the connection closes).
-struct TenantConnection {
-    tenants: Arc<TenantConnections>,
-    tenant_id: i64,
-}
-
-impl Drop for TenantConnection {
-    fn drop(&mut self) {
-        let mut map = self.tenants.lock();
-        if let Some(n) = map.get_mut(&self.tenant_id) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                map.remove(&self.tenant_id);
-            }
-        }
-    }
-}
-
 /// What all of the front door's connections share.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 struct Shared {
     /// Keys' tenants, so that a request on a known key queries nothing.
     keys: Arc<keys::KeyCache>,
+    /// The store's read-only connection that keys are looked up on (on the async threads):
+    /// it never waits behind the store's own lock, however long a write holds it.
+    reader: Option<Arc<crate::store::Store>>,
     /// The threads forwarded requests run on.
     workers: workers::Workers,
 }
 
-/// What a request knows of its connection.
-struct Conn {
-    tenants: Arc<TenantConnections>,
-    owner: Arc<std::sync::Mutex<Option<TenantConnection>>>,
-    shared: Shared,
+impl Shared {
+    fn new(svc: &TenantService) -> Shared {
+        let reader = match svc.store().open_reader() {
+            Ok(reader) => Some(Arc::new(reader)),
+            Err(e) => {
+                tracing::warn!(error = %e, "front door: no read-only store connection; keys are looked up on the store's own");
+                None
+            }
+        };
+        Shared {
+            keys: Arc::default(),
+            reader,
+            workers: workers::Workers::default(),
+        }
+    }
 }
 
-impl Conn {
-    /// Counts the connection against `tenant_id` if it is not counted yet; false when that
-    /// tenant already holds [`MAX_TENANT_CONNECTIONS`].
-    fn claim(&self, tenant_id: i64) -> bool {
-        let mut owner = self
-            .owner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if owner.is_some() {
-            return true;
-        }
-        let mut map = self.tenants.lock();
-        let n = map.entry(tenant_id).or_insert(0);
-        if *n >= MAX_TENANT_CONNECTIONS {
-            return false;
-        }
-        *n += 1;
-        drop(map);
-        *owner = Some(TenantConnection {
-            tenants: self.tenants.clone(),
-            tenant_id,
-        });
-        true
-    }
+/// What a request knows of its connection.
+struct Conn {
+    slot: Arc<Slot>,
+    shared: Shared,
 }
 
 async fn handle(
@@ -313,7 +328,7 @@ async fn handle(
         Ok((resp, tenant)) => (resp, Some(tenant)),
         Err((e, tenant)) => {
             let mut resp = error_response(&e);
-            if e.code == "too_many_connections" {
+            if e.code == "too_many_connections" || e.code == "overloaded" {
                 resp.headers_mut()
                     .insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
             }
@@ -364,16 +379,25 @@ async fn answer(
         .headers()
         .get(hyper::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
+    let keys_store = conn.shared.reader.as_deref().unwrap_or(svc.store());
     let record = conn
         .shared
         .keys
-        .authenticate(svc.store(), authorization)
+        .authenticate(keys_store, authorization)
         .map_err(|e| (e, None))?;
     let name = record.name.to_string();
     svc.metrics().claim(&name, record.id);
     let fail = |e: OpenAiError| (e, Some(name.clone()));
-    if !conn.claim(record.id) {
-        return Err(fail(OpenAiError::too_many_connections()));
+    match conn.slot.claim(record.id) {
+        Ok(()) => {}
+        Err(ClaimRefused::TenantFull) => {
+            return Err(fail(OpenAiError::too_many_connections(
+                conn.slot.limits().per_tenant,
+            )))
+        }
+        Err(ClaimRefused::DoorFull | ClaimRefused::Evicted) => {
+            return Err(fail(OpenAiError::overloaded()))
+        }
     }
     if is_metrics {
         let text = tenant_metrics(svc.clone(), record).await;

@@ -48,6 +48,10 @@ pub enum CgroupLayout {
         /// [`crate::jail::devices`]).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         devices: Option<PathBuf>,
+        /// The cpuacct controller's mount where it is a hierarchy apart from cpu's (some
+        /// hosts mount `cpu` and `cpuacct` separately); none where cpu's carries it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cpuacct: Option<PathBuf>,
     },
     /// cgroup v2: the unified hierarchy.
     V2 {
@@ -74,6 +78,10 @@ pub enum CgroupHandle {
         /// Directory in the devices hierarchy, where the host mounts one.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         devices: Option<PathBuf>,
+        /// Directory in the cpuacct hierarchy, where it is apart from cpu's (the VM's CPU
+        /// time is read there, `cpuacct.usage`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cpuacct: Option<PathBuf>,
     },
     /// cgroup v2: one directory.
     V2 {
@@ -154,6 +162,11 @@ impl Cgroups {
         let devices = root.join("devices");
         let devices = (devices.join("devices.allow").exists() || is_cgroup_v1_mount(&devices))
             .then_some(devices);
+        // cpuacct mounted apart from cpu: the CPU time is only there.
+        let cpuacct = root.join("cpuacct");
+        let cpuacct = (!cpu.join("cpuacct.usage").exists()
+            && cpuacct.join("cpuacct.usage").exists())
+        .then_some(cpuacct);
         Ok(Self {
             layout: CgroupLayout::V1 {
                 memory,
@@ -161,6 +174,7 @@ impl Cgroups {
                 pids,
                 blkio,
                 devices,
+                cpuacct,
             },
             subtree: PathBuf::from(PARENT),
         })
@@ -206,12 +220,14 @@ impl Cgroups {
                 pids,
                 blkio,
                 devices,
+                cpuacct,
             } => CgroupHandle::V1 {
                 memory: memory.join(sub).join(tenant),
                 cpu: cpu.join(sub).join(tenant),
                 pids: pids.join(sub).join(tenant),
                 blkio: blkio.as_ref().map(|b| b.join(sub).join(tenant)),
                 devices: devices.as_ref().map(|d| d.join(sub).join(tenant)),
+                cpuacct: cpuacct.as_ref().map(|c| c.join(sub).join(tenant)),
             },
             CgroupLayout::V2 { root } => CgroupHandle::V2 {
                 path: root.join(sub).join(tenant),
@@ -241,6 +257,7 @@ impl Cgroups {
                 pids,
                 blkio,
                 devices,
+                cpuacct,
             } => {
                 for dir in [
                     Some(memory),
@@ -248,6 +265,7 @@ impl Cgroups {
                     Some(pids),
                     blkio.as_ref(),
                     devices.as_ref(),
+                    cpuacct.as_ref(),
                 ]
                 .into_iter()
                 .flatten()
@@ -267,32 +285,53 @@ impl Cgroups {
         Ok(handle)
     }
 
-    /// Names of the tenants that have a cgroup in this daemon's subtree (in any hierarchy),
-    /// sorted: for reconcile. Other daemons' subtrees are never listed.
-    pub fn list_tenants(&self) -> Result<Vec<String>, JailError> {
+    /// This daemon's subtree in each hierarchy.
+    fn subtree_dirs(&self) -> Vec<PathBuf> {
         let sub = &self.subtree;
-        let parents: Vec<PathBuf> = match &self.layout {
+        match &self.layout {
             CgroupLayout::V1 {
                 memory,
                 cpu,
                 pids,
                 blkio,
                 devices,
+                cpuacct,
             } => [
                 Some(memory),
                 Some(cpu),
                 Some(pids),
                 blkio.as_ref(),
                 devices.as_ref(),
+                cpuacct.as_ref(),
             ]
             .into_iter()
             .flatten()
             .map(|d| d.join(sub))
             .collect(),
             CgroupLayout::V2 { root } => vec![root.join(sub)],
-        };
+        }
+    }
+
+    /// Removes this daemon's subtree from each hierarchy where it holds no tenant's cgroup
+    /// (rmdir of a cgroup fails while it has children, so one in use stays), for a daemon
+    /// that stops: nothing of it is left on the host. The shared `tenantvm` parent stays
+    /// (another daemon may be making its subtree in it). Returns the directories removed.
+    pub fn remove_subtree_if_empty(&self) -> Vec<PathBuf> {
+        if self.subtree == Path::new(PARENT) {
+            // The unscoped tree of tools and tests: shared, never removed here.
+            return Vec::new();
+        }
+        self.subtree_dirs()
+            .into_iter()
+            .filter(|dir| fs::remove_dir(dir).is_ok())
+            .collect()
+    }
+
+    /// Names of the tenants that have a cgroup in this daemon's subtree (in any hierarchy),
+    /// sorted: for reconcile. Other daemons' subtrees are never listed.
+    pub fn list_tenants(&self) -> Result<Vec<String>, JailError> {
         let mut names = Vec::new();
-        for parent in parents {
+        for parent in self.subtree_dirs() {
             let entries = match fs::read_dir(&parent) {
                 Ok(entries) => entries,
                 Err(e) if e.kind() == ErrorKind::NotFound => continue,
@@ -334,12 +373,14 @@ impl CgroupHandle {
                 pids,
                 blkio,
                 devices,
+                cpuacct,
             } => [
                 Some(memory),
                 Some(cpu),
                 Some(pids),
                 blkio.as_ref(),
                 devices.as_ref(),
+                cpuacct.as_ref(),
             ]
             .into_iter()
             .flatten()
@@ -705,6 +746,64 @@ mod tests {
         let tree = fake_v1_tree();
         let cgroups = Cgroups::detect_at(tree.path()).unwrap();
         assert!(matches!(cgroups.layout(), CgroupLayout::V1 { .. }));
+    }
+
+    #[test]
+    fn a_cpuacct_hierarchy_apart_from_cpu_gets_the_tenants_cgroup_too() {
+        let tree = fake_v1_tree();
+        // Where cpu carries cpuacct (`cpu,cpuacct`), nothing apart.
+        fs::write(tree.path().join("cpu/cpuacct.usage"), "0\n").unwrap();
+        fs::create_dir(tree.path().join("cpuacct")).unwrap();
+        fs::write(tree.path().join("cpuacct/cpuacct.usage"), "0\n").unwrap();
+        let together = Cgroups::detect_at(tree.path()).unwrap();
+        assert!(
+            matches!(together.layout(), CgroupLayout::V1 { cpuacct: None, .. }),
+            "{:?}",
+            together.layout()
+        );
+        // Apart (this host's layout): the tenant's cgroup is made there too, and its pid
+        // goes there with the others.
+        fs::remove_file(tree.path().join("cpu/cpuacct.usage")).unwrap();
+        let apart = Cgroups::detect_at(tree.path()).unwrap();
+        let handle = apart.create("alpha", &LIMITS).unwrap();
+        let CgroupHandle::V1 {
+            cpuacct: Some(dir), ..
+        } = &handle
+        else {
+            panic!("{handle:?}")
+        };
+        assert_eq!(dir, &tree.path().join("cpuacct/tenantvm/alpha"));
+        assert!(dir.is_dir());
+        assert!(handle.dirs().contains(&dir));
+    }
+
+    #[test]
+    fn a_stopping_daemons_subtree_goes_when_empty_and_stays_while_used() {
+        let tree = fake_v1_tree();
+        let state = tempfile::tempdir().unwrap();
+        let cgroups = Cgroups::detect_at(tree.path())
+            .unwrap()
+            .for_state_dir(state.path())
+            .unwrap();
+        let handle = cgroups.create("alpha", &LIMITS).unwrap();
+        let subtree = tree.path().join("memory").join(cgroups.subtree());
+        // A tenant's cgroup in it: nothing removed (a fake tree's rmdir fails as the
+        // kernel's does on a cgroup with children).
+        assert!(cgroups.remove_subtree_if_empty().is_empty());
+        assert!(subtree.is_dir());
+        // Emptied (the fake tree holds the limits as files; the kernel's has none left).
+        for dir in handle.dirs() {
+            fs::remove_dir_all(dir).unwrap();
+        }
+        assert_eq!(cgroups.remove_subtree_if_empty().len(), 3);
+        assert!(!subtree.exists());
+        assert!(
+            tree.path().join("memory").join(PARENT).is_dir(),
+            "the shared parent went"
+        );
+        // The unscoped tree of tools and tests is never removed.
+        let unscoped = Cgroups::detect_at(tree.path()).unwrap();
+        assert!(unscoped.remove_subtree_if_empty().is_empty());
     }
 
     #[test]

@@ -343,6 +343,7 @@ mod tests {
             pids: tmp.path().join("p"),
             blkio: None,
             devices: Some(dir.clone()),
+            cpuacct: None,
         };
         fs::write(dir.join("devices.list"), "c 1:3 rwm\nc 1:9 rwm\n").unwrap();
         let out = handle
@@ -372,6 +373,7 @@ mod tests {
             pids: tmp.path().join("p"),
             blkio: None,
             devices: None,
+            cpuacct: None,
         };
         assert!(matches!(
             none.allow_only_devices(&[PathBuf::from("/dev/null")])
@@ -421,6 +423,7 @@ mod tests {
                 pids: dir.clone(),
                 blkio: None,
                 devices: Some(dir.clone()),
+                cpuacct: None,
             };
             check_real(&handle, &dir.join("cgroup.procs"));
             let _ = fs::remove_dir(&dir);

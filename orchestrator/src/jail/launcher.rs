@@ -425,10 +425,6 @@ const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
 /// no_new_privs, and exec. Returns only on failure.
 fn enter_and_exec(plan: &JailPlan, cap_last: u32) -> JailError {
     let run = || -> Result<std::convert::Infallible, JailError> {
-        setup(
-            "set the parent-death signal",
-            prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong),
-        )?;
         setup("chroot", chroot(&plan.root).map_err(nix_io))?;
         setup("chdir /", chdir("/").map_err(nix_io))?;
         let rl = plan.rlimits;
@@ -469,6 +465,12 @@ fn enter_and_exec(plan: &JailPlan, cap_last: u32) -> JailError {
         let uid = Uid::from_raw(plan.uid);
         // Leaving uid 0 without SECBIT_KEEP_CAPS clears the permitted and effective sets.
         setup("setresuid", setresuid(uid, uid, uid).map_err(nix_io))?;
+        // After the uid change, which clears the parent-death signal (an earlier one was
+        // lost); execve of the program keeps it.
+        setup(
+            "set the parent-death signal",
+            prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong),
+        )?;
         setup("clear inheritable capabilities", clear_capabilities())?;
         setup("set no_new_privs", prctl(libc::PR_SET_NO_NEW_PRIVS, 1))?;
         let program = cstring(plan.program.as_os_str().as_bytes())?;

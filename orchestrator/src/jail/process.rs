@@ -114,16 +114,29 @@ pub fn spawn_launcher(
         path: jail_binary.to_path_buf(),
         source,
     };
-    let child = Command::new(jail_binary)
+    let mut command = Command::new(jail_binary);
+    command
         .arg("--plan")
         .arg(json)
         .env_clear()
         .stdin(Stdio::null())
         .stdout(log.try_clone().map_err(io)?)
-        .stderr(log.try_clone().map_err(io)?)
-        .process_group(0)
-        .spawn()
-        .map_err(io)?;
+        .stderr(log.try_clone().map_err(io)?);
+    // A session of its own (and so a process group of its own), apart from the daemon's:
+    // when the daemon exits, its session's process groups that are left without a parent
+    // in the session get SIGHUP and SIGCONT if any member is stopped, which ended a VMM
+    // that was stopped (a debugger, SIGSTOP) with the daemon. A group in a session of its
+    // own is orphaned from the start, so nothing is sent when the daemon goes.
+    // SAFETY: setsid(2) is async-signal-safe and touches only the child.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::setsid() == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = command.spawn().map_err(io)?;
     let pid =
         i32::try_from(child.id()).map_err(|_| JailError::InvalidPlan("pid out of range".into()))?;
     // The Child handle is dropped without waiting: the backend reaps the launcher through

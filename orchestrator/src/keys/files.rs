@@ -76,7 +76,24 @@ pub(crate) fn write_public(path: &Path, contents: &[u8]) -> io::Result<()> {
     write_atomic(path, contents, 0o644, Existing::Replace).map(|_| ())
 }
 
-fn write_atomic(path: &Path, contents: &[u8], mode: u32, existing: Existing) -> io::Result<bool> {
+/// Whether [`write_secret`] could write `path` now: it is no symbolic link and no other
+/// kind of file than a regular one, and a file can be made beside it (one is made and
+/// removed). For a secret that exists only once (a new tenant's token), checked before it
+/// is asked for, so that it is never made only to be lost.
+pub fn check_secret_path(path: &Path) -> io::Result<()> {
+    let (dir, name) = dir_and_name(path)?;
+    check_target(path)?;
+    let probe = dir.join(format!(".{}.probe.tmp", name.to_string_lossy()));
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&probe)?;
+    fs::remove_file(&probe)
+}
+
+fn dir_and_name(path: &Path) -> io::Result<(&Path, &std::ffi::OsStr)> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
@@ -84,26 +101,34 @@ fn write_atomic(path: &Path, contents: &[u8], mode: u32, existing: Existing) -> 
     let name = path
         .file_name()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
+    Ok((dir, name))
+}
+
+/// Refuses a symbolic link or another kind of file than a regular one at `path`; true when
+/// a file is there.
+fn check_target(path: &Path) -> io::Result<bool> {
     match fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_symlink() => {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "{} is a symbolic link; a secret is never written through one (remove it, or give another path)",
-                    path.display()
-                ),
-            ))
-        }
-        Ok(meta) if !meta.is_file() => {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("{} exists and is not a regular file", path.display()),
-            ))
-        }
-        Ok(_) if existing == Existing::Keep => return Ok(false),
-        Ok(_) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
+        Ok(meta) if meta.file_type().is_symlink() => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "{} is a symbolic link; a secret is never written through one (remove it, or give another path)",
+                path.display()
+            ),
+        )),
+        Ok(meta) if !meta.is_file() => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} exists and is not a regular file", path.display()),
+        )),
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+fn write_atomic(path: &Path, contents: &[u8], mode: u32, existing: Existing) -> io::Result<bool> {
+    let (dir, name) = dir_and_name(path)?;
+    if check_target(path)? && existing == Existing::Keep {
+        return Ok(false);
     }
     let mut suffix = [0u8; 8];
     rand::RngCore::fill_bytes(&mut rand::rng(), &mut suffix);

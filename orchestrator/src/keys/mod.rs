@@ -24,11 +24,11 @@ use zeroize::Zeroize;
 
 use crate::domain::TenantName;
 
+pub use files::{check_secret_path, write_secret, Existing, PrivateFileError};
 pub(crate) use files::{
     create_private_dir, create_private_new, read_private, sync_dir, write_private_atomic,
     write_public,
 };
-pub use files::{write_secret, Existing, PrivateFileError};
 pub use licence::{LICENCE_SUFFIX, MAX_LICENCE_BYTES};
 pub use rotate::{next_kek_path, rotate_kek, RotationReport};
 pub use secret::Secret;

@@ -274,6 +274,41 @@ impl TenantLogs {
         Ok(())
     }
 
+    /// Empties every live log over its cap in place, creating nothing (no rotated copy):
+    /// for a tenant whose departure may remove its files at any moment (a departure stops
+    /// the VM first, and a guest keeps writing its console until then). What is cut is
+    /// about to be destroyed anyway. Returns the logs emptied.
+    pub fn truncate_over_caps(&self) -> Result<Vec<LogKind>, LogError> {
+        let mut emptied = Vec::new();
+        for kind in LogKind::ALL {
+            let path = self.path(kind);
+            // Opened without create and without following a link: a file the departure
+            // removed is not made again.
+            let file = match OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&path)
+            {
+                Ok(f) => f,
+                Err(e) if e.kind() == ErrorKind::NotFound => continue,
+                Err(source) => return Err(LogError::Io { path, source }),
+            };
+            let len = file
+                .metadata()
+                .map_err(|source| LogError::Io {
+                    path: path.clone(),
+                    source,
+                })?
+                .len();
+            if len >= self.policy.max_bytes {
+                file.set_len(0)
+                    .map_err(|source| LogError::Io { path, source })?;
+                emptied.push(kind);
+            }
+        }
+        Ok(emptied)
+    }
+
     /// Rotates `kind` now: shifts `.1..` up (dropping the oldest), copies the live file to
     /// `.1`, truncates the live file in place, and bumps the generation.
     pub fn rotate(&self, kind: LogKind) -> Result<(), LogError> {

@@ -492,8 +492,15 @@ fn read_cgroup(cgroup: &CgroupHandle) -> (Option<f64>, Option<u64>) {
                 .map(|us| us as f64 / 1e6);
             (cpu, read_number(&path.join("memory.current")))
         }
-        CgroupHandle::V1 { memory, cpu, .. } => (
-            read_number(&cpu.join("cpuacct.usage")).map(|ns| ns as f64 / 1e9),
+        CgroupHandle::V1 {
+            memory,
+            cpu,
+            cpuacct,
+            ..
+        } => (
+            // Where cpuacct is mounted apart from cpu, the CPU time is only there.
+            read_number(&cpuacct.as_ref().unwrap_or(cpu).join("cpuacct.usage"))
+                .map(|ns| ns as f64 / 1e9),
             read_number(&memory.join("memory.usage_in_bytes")),
         ),
     }
@@ -582,13 +589,34 @@ mod tests {
         std::fs::write(cpu.join("cpuacct.usage"), "1500000000\n").unwrap();
         std::fs::write(mem.join("memory.usage_in_bytes"), "8192\n").unwrap();
         let v1 = CgroupHandle::V1 {
-            memory: mem,
+            memory: mem.clone(),
             cpu,
             pids: dir.path().join("pids"),
             blkio: None,
             devices: None,
+            cpuacct: None,
         };
         assert_eq!(read_cgroup(&v1), (Some(1.5), Some(8192)));
+        // A host with cpuacct mounted apart from cpu: the time is read from cpuacct's.
+        let apart = dir.path().join("cpuacct");
+        std::fs::create_dir_all(&apart).unwrap();
+        std::fs::write(
+            apart.join("cpuacct.usage"),
+            "2500000000
+",
+        )
+        .unwrap();
+        let cpu_alone = dir.path().join("cpu-alone");
+        std::fs::create_dir_all(&cpu_alone).unwrap();
+        let separate = CgroupHandle::V1 {
+            memory: mem.clone(),
+            cpu: cpu_alone,
+            pids: dir.path().join("pids"),
+            blkio: None,
+            devices: None,
+            cpuacct: Some(apart),
+        };
+        assert_eq!(read_cgroup(&separate), (Some(2.5), Some(8192)));
         let m = Metrics::default();
         m.sample_cgroup("carol", &v1);
         let text = m.render(Some("carol"));

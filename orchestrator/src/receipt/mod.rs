@@ -30,6 +30,10 @@ pub const DEFAULT_SIGNING_KEY: &str = "/var/lib/tenantvm/audit/receipt-signing.k
 pub const RECEIPT_VERSION: u32 = 1;
 /// The most steps a receipt keeps (a departure has seven kinds).
 pub const MAX_STEPS: usize = 32;
+/// The most pieces of evidence a step's record keeps.
+pub const MAX_EVIDENCE: usize = 64;
+/// The evidence entry that counts the pieces a bounded record dropped.
+const EVIDENCE_DROPPED: &str = "evidence_dropped";
 
 /// Errors of receipts and the audit log.
 #[derive(Debug, thiserror::Error)]
@@ -201,6 +205,48 @@ pub struct VerificationSummary {
 }
 
 impl StepRecord {
+    /// This record with every string as a [`GuestLine`] of at most `field_bytes` (keys of
+    /// evidence 128, times 64) and at most `max_evidence` pieces of evidence (the rest
+    /// counted in an `evidence_dropped` entry).
+    pub fn bounded(&self, field_bytes: usize, max_evidence: usize) -> StepRecord {
+        let line = |s: &str, max: usize| GuestLine::bounded(s, max).into_string();
+        let mut evidence: BTreeMap<String, String> = self
+            .evidence
+            .iter()
+            .filter(|(k, _)| k.as_str() != EVIDENCE_DROPPED)
+            .take(max_evidence)
+            .map(|(k, v)| (line(k, 128), line(v, field_bytes)))
+            .collect();
+        let kept = self
+            .evidence
+            .keys()
+            .filter(|k| k.as_str() != EVIDENCE_DROPPED)
+            .count();
+        // A record bounded before keeps the count it dropped then.
+        let before: usize = self
+            .evidence
+            .get(EVIDENCE_DROPPED)
+            .and_then(|v| v.split(' ').next()?.parse().ok())
+            .unwrap_or(0);
+        let dropped = kept.saturating_sub(max_evidence) + before;
+        if dropped > 0 {
+            evidence.insert(
+                EVIDENCE_DROPPED.into(),
+                format!("{dropped} more entries, over the receipt's limit"),
+            );
+        }
+        StepRecord {
+            step: self.step,
+            method: line(&self.method, field_bytes),
+            result: self.result,
+            assurance: self.assurance,
+            started_at: line(&self.started_at, 64),
+            finished_at: line(&self.finished_at, 64),
+            evidence,
+            error: self.error.as_deref().map(|e| line(e, field_bytes)),
+        }
+    }
+
     /// A record without evidence, for steps whose outcome is a plain fact (route removed,
     /// agent stopped); add evidence with [`StepRecord::with_evidence`].
     pub fn new(
@@ -263,8 +309,13 @@ impl Receipt {
     }
 
     /// Appends a step record (replacing an earlier record of the same step, which a resumed
-    /// departure produces when it re-runs a step) and moves `finished_at` to its end.
+    /// departure produces when it re-runs a step) and moves `finished_at` to its end. The
+    /// record is bounded as the audit log would bound it ([`StepRecord::bounded`] with
+    /// [`MAX_FIELD_BYTES`](crate::untrusted::MAX_FIELD_BYTES) and [`MAX_EVIDENCE`]), so that
+    /// the stored receipt a departure rewrites at every step stays small whatever a guest
+    /// answered.
     pub fn record(&mut self, step: StepRecord) {
+        let step = step.bounded(crate::untrusted::MAX_FIELD_BYTES, MAX_EVIDENCE);
         self.finished_at.clone_from(&step.finished_at);
         self.steps.retain(|s| s.step != step.step);
         self.steps.push(step);
@@ -299,31 +350,7 @@ impl Receipt {
                 .steps
                 .iter()
                 .take(MAX_STEPS)
-                .map(|s| {
-                    let mut evidence: BTreeMap<String, String> = s
-                        .evidence
-                        .iter()
-                        .take(max_evidence)
-                        .map(|(k, v)| (line(k, 128), line(v, field_bytes)))
-                        .collect();
-                    let dropped = s.evidence.len().saturating_sub(max_evidence);
-                    if dropped > 0 {
-                        evidence.insert(
-                            "evidence_dropped".into(),
-                            format!("{dropped} more entries, over the receipt's limit"),
-                        );
-                    }
-                    StepRecord {
-                        step: s.step,
-                        method: line(&s.method, field_bytes),
-                        result: s.result,
-                        assurance: s.assurance,
-                        started_at: line(&s.started_at, 64),
-                        finished_at: line(&s.finished_at, 64),
-                        evidence,
-                        error: s.error.as_deref().map(|e| line(e, field_bytes)),
-                    }
-                })
+                .map(|s| s.bounded(field_bytes, max_evidence))
                 .collect(),
             verification: self.verification.as_ref().map(|v| VerificationSummary {
                 run_id: line(&v.run_id, 64),

@@ -146,4 +146,23 @@ CREATE TABLE vsock_cids (
     created_ms  INTEGER NOT NULL
 );
 "#,
+    // A step with nothing to do for its tenant (a GPU step of a tenant without a GPU, a
+    // departure step its receipt records as skipped) is `skipped`, not `done`: SQLite
+    // changes a CHECK only by rebuilding the table.
+    r#"
+CREATE TABLE steps_new (
+    id          INTEGER PRIMARY KEY,
+    op_id       INTEGER NOT NULL REFERENCES ops(id),
+    tenant_id   INTEGER NOT NULL REFERENCES tenants(id),
+    step        TEXT    NOT NULL,
+    status      TEXT    NOT NULL CHECK (status IN ('started', 'done', 'skipped', 'failed')),
+    error       TEXT,
+    started_ms  INTEGER NOT NULL,
+    finished_ms INTEGER,
+    UNIQUE (op_id, step)
+);
+INSERT INTO steps_new SELECT id, op_id, tenant_id, step, status, error, started_ms, finished_ms FROM steps;
+DROP TABLE steps;
+ALTER TABLE steps_new RENAME TO steps;
+"#,
 ];

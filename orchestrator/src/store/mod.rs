@@ -182,6 +182,7 @@ pub fn now_ms() -> i64 {
 /// A connection to the state database.
 pub struct Store {
     conn: Mutex<Connection>,
+    path: std::path::PathBuf,
 }
 
 impl Store {
@@ -194,9 +195,28 @@ impl Store {
         conn.pragma_update(None, "foreign_keys", "ON")?;
         let store = Store {
             conn: Mutex::new(conn),
+            path: path.to_path_buf(),
         };
         store.migrate()?;
         Ok(store)
+    }
+
+    /// A second, read-only connection to the same database, for readers that must not wait
+    /// behind this connection's lock (the front door's key lookups on the async threads): in
+    /// WAL mode a reader never waits for a writer, and its [`Store::change_stamp`] still
+    /// changes with every commit of this connection (`PRAGMA data_version`). Its writes
+    /// fail.
+    pub fn open_reader(&self) -> Result<Store, StoreError> {
+        let conn = Connection::open_with_flags(
+            &self.path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        // A reader waits only for a checkpoint's brief exclusive moments.
+        conn.busy_timeout(Duration::from_secs(5))?;
+        Ok(Store {
+            conn: Mutex::new(conn),
+            path: self.path.clone(),
+        })
     }
 
     fn migrate(&self) -> Result<(), StoreError> {
@@ -217,6 +237,13 @@ impl Store {
         }
         tx.commit()?;
         Ok(())
+    }
+
+    /// Runs `f` while holding this connection's lock, as a long write would (tests only).
+    #[cfg(test)]
+    pub(crate) fn while_locked<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _held = self.lock();
+        f()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Connection> {
@@ -378,18 +405,39 @@ impl Store {
         step: &str,
         error: Option<&str>,
     ) -> Result<(), StoreError> {
+        self.step_ended(tenant_id, op_id, step, error, false)
+    }
+
+    /// Records that `step` finished with nothing to do for its tenant (`skipped`; it counts
+    /// as done for a resumed operation).
+    pub fn step_skipped(&self, tenant_id: i64, op_id: i64, step: &str) -> Result<(), StoreError> {
+        self.step_ended(tenant_id, op_id, step, None, true)
+    }
+
+    fn step_ended(
+        &self,
+        tenant_id: i64,
+        op_id: i64,
+        step: &str,
+        error: Option<&str>,
+        skipped: bool,
+    ) -> Result<(), StoreError> {
         // Errors quote guests: bounded, on one line (crate::untrusted).
         let error = error.map(crate::untrusted::one_line);
         let error = error.as_deref();
         let conn = self.lock();
-        let status = if error.is_some() { "failed" } else { "done" };
+        let status = match (error, skipped) {
+            (Some(_), _) => "failed",
+            (None, true) => "skipped",
+            (None, false) => "done",
+        };
         conn.execute(
             "UPDATE steps SET status = ?3, error = ?4, finished_ms = ?5 WHERE op_id = ?1 AND step = ?2",
             params![op_id, step, status, error, now_ms()],
         )?;
         let msg = match error {
             Some(e) => format!("{step} failed: {e}"),
-            None => format!("{step} done"),
+            None => format!("{step} {status}"),
         };
         insert_event(&conn, Some(tenant_id), "step", &msg)?;
         Ok(())

@@ -44,7 +44,35 @@ pub struct ChannelKey {
 pub struct MuxChannels {
     channels: Mutex<HashMap<ChannelKey, Arc<MuxChannel>>>,
     /// Per VM, held while its channel is negotiated.
-    negotiating: Mutex<HashMap<ChannelKey, Arc<Mutex<()>>>>,
+    negotiating: Mutex<HashMap<ChannelKey, Arc<Gate>>>,
+}
+
+/// One VM's negotiation: a turn at a time, and how the failed ones ended, so that the
+/// requests that queued behind a negotiation that failed fail with it at once instead of
+/// each trying (and timing out) in turn.
+#[derive(Default)]
+struct Gate {
+    turn: Mutex<()>,
+    /// Negotiations that failed so far, and why the last one did.
+    failed: Mutex<(u64, String)>,
+}
+
+impl Gate {
+    fn failures(&self) -> u64 {
+        self.failed.lock().unwrap_or_else(|p| p.into_inner()).0
+    }
+
+    /// Why a negotiation failed since `seen` failures, if one did.
+    fn failed_since(&self, seen: u64) -> Option<String> {
+        let failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        (failed.0 > seen).then(|| failed.1.clone())
+    }
+
+    fn record_failure(&self, e: &AgentClientError) {
+        let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        failed.0 += 1;
+        failed.1 = e.to_string();
+    }
 }
 
 /// The daemon's channels.
@@ -85,21 +113,34 @@ impl MuxChannels {
         }
         // One negotiation per VM at a time, under that VM's own lock: others of the same
         // VM wait (bounded by the `timeout` of the one negotiating) and then find its
-        // channel; other tenants never wait for it.
+        // channel, or fail with it at once if it failed (a wedged VM: 64 requests queued
+        // behind it would otherwise time out one after the other, and a departure's
+        // shutdown behind them all); other tenants never wait for it.
         let gate = {
             let mut gates = self.negotiating.lock().unwrap_or_else(|p| p.into_inner());
             Arc::clone(gates.entry(key.clone()).or_default())
         };
-        let _turn = gate.lock().unwrap_or_else(|p| p.into_inner());
+        let seen = gate.failures();
+        let _turn = gate.turn.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(ch) = self.live(key) {
             return stream_client(&ch);
+        }
+        if let Some(why) = gate.failed_since(seen) {
+            return Err(AgentClientError::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the agent channel's negotiation this request waited for failed: {why}"),
+            )));
         }
         let cfg = MuxConfig {
             max_streams: MAX_STREAMS,
             idle: Some(IDLE),
             ..MuxConfig::default()
         };
-        match negotiate(connect()?, cfg, timeout)? {
+        let negotiated = connect().and_then(|c| negotiate(c, cfg, timeout));
+        if let Err(e) = &negotiated {
+            gate.record_failure(e);
+        }
+        match negotiated? {
             Negotiated::Mux(ch) => {
                 let ch = Arc::new(ch);
                 {
@@ -293,5 +334,45 @@ mod tests {
             "the ended channel and its gate were kept"
         );
         assert!(chans.is_multiplexed(&new));
+    }
+
+    #[test]
+    fn requests_queued_behind_a_failing_negotiation_fail_with_it_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let k = key(dir.path());
+        // A wedged guest: its port takes connections and never answers the hello.
+        let listener = UnixListener::bind(&k.socket).unwrap();
+        let attempts = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = Arc::clone(&attempts);
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for conn in listener.incoming() {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                held.push(conn);
+            }
+        });
+        let chans = Arc::new(MuxChannels::default());
+        let t = Duration::from_secs(1);
+        const WAITERS: usize = 12;
+        let started = std::time::Instant::now();
+        let results: Vec<_> = (0..WAITERS)
+            .map(|_| {
+                let (chans, k) = (Arc::clone(&chans), k.clone());
+                std::thread::spawn(move || chans.client(&k, || plain_connect(&k, t), t).is_err())
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+        let took = started.elapsed();
+        assert!(results.iter().all(|failed| *failed));
+        // One negotiation (or a few, for requests that came after a failure) was tried,
+        // not one per request in turn, each its full timeout.
+        let tried = attempts.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(
+            tried < WAITERS / 2,
+            "{tried} negotiations tried in {took:?}"
+        );
+        assert!(took < t * (WAITERS as u32) / 2, "{took:?}");
     }
 }

@@ -323,3 +323,113 @@ fn a_running_vm_whose_control_socket_is_silent_is_not_recorded_as_not_running() 
     assert!(line.evidence["ended"].contains("signal 9"), "{line:#?}");
     assert!(line.method.contains("SIGKILL"), "{line:#?}");
 }
+
+/// A FAKE agent for `name` that answers every request with an error of `bytes` bytes of
+/// text (newlines and escapes included), as a hostile guest would at its departure.
+fn serve_a_verbose_agent(h: &Harness, name: &str, bytes: usize) {
+    use tenantvm_agent_protocol::{
+        encode_frame, read_frame, AgentFailure, ErrorCode, Outcome, RequestFrame, ResponseFrame,
+    };
+    let listener = crate::tenant::test_utils::fake_agent_socket(&h.svc, name);
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(mut s) = s else { return };
+            std::thread::spawn(move || {
+                let mut line = [0u8; 13];
+                if std::io::Read::read_exact(&mut s, &mut line).is_err() {
+                    return;
+                }
+                let _ = std::io::Write::write_all(&mut s, b"OK 1\n");
+                while let Ok(body) = read_frame(&mut s) {
+                    let Ok(req) = tenantvm_agent_protocol::decode_body::<RequestFrame>(&body)
+                    else {
+                        return;
+                    };
+                    let message = "mallory says:\n\x1b[2K".repeat(bytes / 20);
+                    let frame = encode_frame(&ResponseFrame {
+                        id: req.id,
+                        outcome: Outcome::Err(AgentFailure {
+                            code: ErrorCode::BadRequest,
+                            message,
+                        }),
+                    })
+                    .unwrap();
+                    if std::io::Write::write_all(&mut s, &frame).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn a_departing_guest_that_answers_with_megabytes_of_text_gets_a_bounded_receipt_row() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        tenantvm_skip::skip!("needs root to serve agent sockets as tenant uids");
+    }
+    let h = Harness::new(FaultHook::default());
+    h.host.state().agent_vsock = true;
+    run(
+        &h,
+        TenantCommand::Create(spec("verbose", "{ kind = \"none\" }", 0)),
+    );
+    let t = h.svc.store().tenant("verbose").unwrap().unwrap();
+    // Within one 4 MiB frame of the agent protocol.
+    serve_a_verbose_agent(&h, "verbose", 3 << 20);
+    run(&h, TenantCommand::Destroy("verbose".into()));
+    let (receipt, _) = h.svc.store().departure(t.id).unwrap().unwrap();
+    let row = serde_json::to_string(&receipt).unwrap();
+    let line = stop_line(&h, "verbose");
+    // The control: the guest's text did reach the stop's record.
+    assert!(line.method.contains("mallory says"), "{line:#?}");
+    assert!(
+        row.len() < 64 * 1024,
+        "the stored receipt is {} bytes",
+        row.len()
+    );
+    // Escaped where it was recorded, not only in the audit log.
+    let stored_line = receipt
+        .steps
+        .iter()
+        .find(|s| s.step == DepartureStep::AgentShutdown)
+        .unwrap();
+    assert!(
+        !stored_line.method.contains('\n') && !stored_line.method.contains('\x1b'),
+        "{:?}",
+        &stored_line.method[..200.min(stored_line.method.len())]
+    );
+}
+
+#[test]
+fn the_receipt_a_tenant_reads_names_no_host_path() {
+    let h = Harness::new(FaultHook::default());
+    run(
+        &h,
+        TenantCommand::Create(spec(
+            "alice",
+            "{ kind = \"mig\", profile = \"1g.10gb\" }",
+            1,
+        )),
+    );
+    let id = h.svc.store().tenant("alice").unwrap().unwrap().id;
+    run(&h, TenantCommand::Destroy("alice".into()));
+    let CommandOutcome::Receipts(entries) = h
+        .svc
+        .execute(&Caller::Tenant(id), TenantCommand::Receipts(None))
+        .unwrap()
+    else {
+        panic!("not receipts")
+    };
+    assert_eq!(entries.len(), 1);
+    let text = serde_json::to_string(&entries).unwrap();
+    // The control: the shred's evidence names the image it destroyed.
+    assert!(text.contains("disk.img"), "{text}");
+    let state = h.svc.config().state_dir.display().to_string();
+    let root = h.dir.path().display().to_string();
+    assert!(
+        !text.contains(&state) && !text.contains(&root),
+        "a host path in the tenant's receipt: {text}"
+    );
+}

@@ -62,7 +62,7 @@ pub fn run(
     let done: Vec<String> = match ctx.store.steps(op_id) {
         Ok(steps) => steps
             .into_iter()
-            .filter(|s| s.status == "done")
+            .filter(|s| s.status == "done" || s.status == "skipped")
             .map(|s| s.step)
             .collect(),
         Err(e) => return failed(op.name(), &e),
@@ -79,18 +79,26 @@ pub fn run(
             return failed(def.name, &e);
         }
         let started_at = now_rfc3339();
+        // Nothing to do for this tenant: a GPU step of a tenant that wants no GPU (it runs
+        // anyway, as a no-op), or a step whose receipt line says skipped.
+        let mut skipped = def.step.is_gpu() && !t.spec.gpu.wants_gpu();
         let result = match (def.run)(ctx, t, op) {
             Err(StepError::Cancelled) => {
                 return Ended::Abandoned(StepError::Cancelled.to_string());
             }
-            Ok(record) => match record {
-                Some(rec) if op.keeps_receipt() => ctx
-                    .store
-                    .record_departure_step(t.id, &t.name, rec)
-                    .map(|_| ())
-                    .map_err(StepError::from),
-                _ => Ok(()),
-            },
+            Ok(record) => {
+                skipped |= record
+                    .as_ref()
+                    .is_some_and(|r| r.result == StepResult::Skipped);
+                match record {
+                    Some(rec) if op.keeps_receipt() => ctx
+                        .store
+                        .record_departure_step(t.id, &t.name, rec)
+                        .map(|_| ())
+                        .map_err(StepError::from),
+                    _ => Ok(()),
+                }
+            }
             Err(e) => {
                 if let (true, Some(line)) = (op.keeps_receipt(), def.receipt) {
                     // The receipt says the step failed, and why, until a resumed run of it
@@ -112,10 +120,13 @@ pub fn run(
             }
         };
         let error = result.err().map(|e| e.to_string());
-        if let Err(e) = ctx
-            .store
-            .step_finished(t.id, op_id, def.name, error.as_deref())
-        {
+        let recorded = if skipped && error.is_none() {
+            ctx.store.step_skipped(t.id, op_id, def.name)
+        } else {
+            ctx.store
+                .step_finished(t.id, op_id, def.name, error.as_deref())
+        };
+        if let Err(e) = recorded {
             return failed(def.name, &e);
         }
         if let Some(message) = error {

@@ -362,6 +362,39 @@ fn reconcile_adopts_live_vms_and_fails_dead_ones() {
 }
 
 #[test]
+fn reconcile_adopts_a_live_vmm_that_does_not_answer_and_says_so() {
+    let mut h = Harness::new(FaultHook::default());
+    create(&h, "paused");
+    h.svc.wait_idle();
+    let pid = h
+        .host
+        .state()
+        .processes
+        .iter()
+        .find(|(_, t)| *t == "paused")
+        .map(|(p, _)| *p)
+        .unwrap();
+    // Its process runs, its control socket is silent (a VMM paused for a while).
+    h.host.state().unresponsive.insert(pid);
+    h.restart(FaultHook::default());
+    let report = reconcile(&h.svc, &ReconcileOptions::default()).unwrap();
+    assert_eq!(report.adopted, vec!["paused".to_string()], "{report:?}");
+    assert_eq!(state(&h, "paused"), Some(LifecycleState::Running));
+    assert!(
+        h.host.state().processes.contains_key(&pid),
+        "the VM was killed"
+    );
+    let t = h.svc.store().tenant("paused").unwrap().unwrap();
+    assert!(
+        t.error
+            .as_deref()
+            .is_some_and(|e| e.starts_with("unresponsive")),
+        "{:?}",
+        t.error
+    );
+}
+
+#[test]
 fn reconcile_removes_unknown_cgroups_and_their_processes() {
     let mut h = Harness::new(FaultHook::default());
     {
@@ -651,4 +684,58 @@ fn checking_vms_reads_the_process_table_only_so_a_wedged_vmm_delays_no_one() {
     assert!(host.ended_calls >= 2, "{}", host.ended_calls);
     drop(host);
     h.host.state().stalled.clear();
+}
+
+#[test]
+fn gpu_steps_of_a_tenant_without_a_gpu_are_recorded_as_skipped_not_done() {
+    let h = Harness::new(FaultHook::default());
+    create(&h, "plain");
+    h.svc
+        .execute(
+            &Caller::Admin,
+            TenantCommand::Create(spec("gpu", "{ kind = \"mig\", profile = \"1g.10gb\" }")),
+        )
+        .unwrap();
+    h.svc.wait_idle();
+    let statuses = |name: &str| -> Vec<(String, String)> {
+        let t = h.svc.store().tenant(name).unwrap().unwrap();
+        h.svc
+            .store()
+            .steps(t.op_id.unwrap())
+            .unwrap()
+            .into_iter()
+            .map(|s| (s.step, s.status))
+            .collect()
+    };
+    let status_of = |all: &[(String, String)], step: &str| {
+        all.iter()
+            .find(|(s, _)| s == step)
+            .map(|(_, st)| st.clone())
+            .unwrap_or_else(|| panic!("no {step} in {all:?}"))
+    };
+    let plain = statuses("plain");
+    for step in [
+        "reserve-gpu",
+        "create-gpu-instance",
+        "bind-gpu",
+        "attach-gpu",
+    ] {
+        assert_eq!(status_of(&plain, step), "skipped", "{plain:?}");
+    }
+    assert_eq!(status_of(&plain, "launch-vm"), "done");
+    // The control: the same steps of a tenant with a GPU are done.
+    let gpu = statuses("gpu");
+    assert_eq!(status_of(&gpu, "reserve-gpu"), "done", "{gpu:?}");
+    // A departure: the GPU steps its receipt records as skipped are skipped too.
+    h.svc
+        .execute(&Caller::Admin, TenantCommand::Destroy("plain".into()))
+        .unwrap();
+    h.svc.wait_idle();
+    let t = h.svc.store().list_tenants(true).unwrap();
+    let plain = t.iter().find(|t| t.name.as_str() == "plain").unwrap();
+    let steps = h.svc.store().steps(plain.op_id.unwrap()).unwrap();
+    let scrub = steps.iter().find(|s| s.step == "scrub-gpu").unwrap();
+    assert_eq!(scrub.status, "skipped", "{steps:?}");
+    let shred = steps.iter().find(|s| s.step == "remove-files").unwrap();
+    assert_eq!(shred.status, "done", "{steps:?}");
 }

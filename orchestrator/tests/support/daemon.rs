@@ -81,6 +81,7 @@ pub struct TestDaemon {
     child: Option<Child>,
     extra_args: Vec<String>,
     uid_first: u32,
+    nofile: Option<(u64, u64)>,
 }
 
 /// Distinct uid ranges for the daemons of one test process.
@@ -120,7 +121,15 @@ impl TestDaemon {
             child: None,
             extra_args: Vec::new(),
             uid_first: 1_000_000 + slot * 64,
+            nofile: None,
         }
+    }
+
+    /// Starts the daemon at these `RLIMIT_NOFILE` soft and hard limits (as systemd starts a
+    /// service at a soft 1,024).
+    pub fn with_nofile(mut self, soft: u64, hard: u64) -> TestDaemon {
+        self.nofile = Some((soft, hard));
+        self
     }
 
     /// Adds daemon arguments for every start.
@@ -241,6 +250,23 @@ impl TestDaemon {
             .stderr(log);
         if let Some(at) = crash_at {
             cmd.env("TENANTVM_TEST_CRASH_AT", at);
+        }
+        if let Some((soft, hard)) = self.nofile {
+            use std::os::unix::process::CommandExt;
+            let limit = libc::rlimit {
+                rlim_cur: soft,
+                rlim_max: hard,
+            };
+            // SAFETY: setrlimit is async-signal-safe and changes only the child's limits;
+            // `limit` is a plain value copied into the closure.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
         }
         let child = cmd.spawn().unwrap();
         self.child = Some(child);

@@ -67,69 +67,80 @@ impl FrontDoorTls {
         body: Option<&serde_json::Value>,
         timeout: Duration,
     ) -> (u16, Vec<u8>) {
-        let tcp = TcpStream::connect(self.addr).unwrap();
-        tcp.set_read_timeout(Some(timeout)).unwrap();
-        let conn =
-            rustls::ClientConnection::new(self.client.clone(), "localhost".try_into().unwrap())
-                .unwrap();
-        let mut s = rustls::StreamOwned::new(conn, tcp);
-        let mut head = match body {
-            Some(_) => format!("POST {path} HTTP/1.1\r\n"),
-            None => format!("GET {path} HTTP/1.1\r\n"),
-        };
-        head.push_str("Host: localhost\r\nConnection: close\r\n");
-        if let Some(k) = key {
-            head.push_str(&format!("Authorization: Bearer {k}\r\n"));
+        request_to(self.addr, &self.client, path, key, body, timeout)
+    }
+}
+
+/// [`FrontDoorTls::request`] to the door at `addr` with `client`, from any thread.
+pub fn request_to(
+    addr: SocketAddr,
+    client: &Arc<rustls::ClientConfig>,
+    path: &str,
+    key: Option<&str>,
+    body: Option<&serde_json::Value>,
+    timeout: Duration,
+) -> (u16, Vec<u8>) {
+    let tcp = TcpStream::connect(addr).unwrap();
+    tcp.set_read_timeout(Some(timeout)).unwrap();
+    let conn =
+        rustls::ClientConnection::new(client.clone(), "localhost".try_into().unwrap()).unwrap();
+    let mut s = rustls::StreamOwned::new(conn, tcp);
+    let mut head = match body {
+        Some(_) => format!("POST {path} HTTP/1.1\r\n"),
+        None => format!("GET {path} HTTP/1.1\r\n"),
+    };
+    head.push_str("Host: localhost\r\nConnection: close\r\n");
+    if let Some(k) = key {
+        head.push_str(&format!("Authorization: Bearer {k}\r\n"));
+    }
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    if !body.is_empty() {
+        head.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        ));
+    }
+    write!(s, "{head}\r\n{body}").unwrap();
+    s.flush().unwrap();
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    let status = line.split(' ').nth(1).unwrap().parse().unwrap();
+    let (mut chunked, mut len) = (false, None);
+    loop {
+        let mut h = String::new();
+        r.read_line(&mut h).unwrap();
+        if h.trim().is_empty() {
+            break;
         }
-        let body = body.map(|b| b.to_string()).unwrap_or_default();
-        if !body.is_empty() {
-            head.push_str(&format!(
-                "Content-Type: application/json\r\nContent-Length: {}\r\n",
-                body.len()
-            ));
+        if let Some((n, v)) = h.split_once(':') {
+            if n.eq_ignore_ascii_case("content-length") {
+                len = Some(v.trim().parse::<usize>().unwrap());
+            } else if n.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked") {
+                chunked = true;
+            }
         }
-        write!(s, "{head}\r\n{body}").unwrap();
-        s.flush().unwrap();
-        let mut r = BufReader::new(s);
-        let mut line = String::new();
-        r.read_line(&mut line).unwrap();
-        let status = line.split(' ').nth(1).unwrap().parse().unwrap();
-        let (mut chunked, mut len) = (false, None);
+    }
+    let mut out = Vec::new();
+    if chunked {
         loop {
-            let mut h = String::new();
-            r.read_line(&mut h).unwrap();
-            if h.trim().is_empty() {
+            let mut size = String::new();
+            r.read_line(&mut size).unwrap();
+            let n = usize::from_str_radix(size.trim(), 16).unwrap();
+            let mut chunk = vec![0u8; n + 2];
+            r.read_exact(&mut chunk).unwrap();
+            if n == 0 {
                 break;
             }
-            if let Some((n, v)) = h.split_once(':') {
-                if n.eq_ignore_ascii_case("content-length") {
-                    len = Some(v.trim().parse::<usize>().unwrap());
-                } else if n.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked") {
-                    chunked = true;
-                }
-            }
+            out.extend_from_slice(&chunk[..n]);
         }
-        let mut out = Vec::new();
-        if chunked {
-            loop {
-                let mut size = String::new();
-                r.read_line(&mut size).unwrap();
-                let n = usize::from_str_radix(size.trim(), 16).unwrap();
-                let mut chunk = vec![0u8; n + 2];
-                r.read_exact(&mut chunk).unwrap();
-                if n == 0 {
-                    break;
-                }
-                out.extend_from_slice(&chunk[..n]);
-            }
-        } else if let Some(n) = len {
-            out.resize(n, 0);
-            r.read_exact(&mut out).unwrap();
-        } else {
-            let _ = r.read_to_end(&mut out);
-        }
-        (status, out)
+    } else if let Some(n) = len {
+        out.resize(n, 0);
+        r.read_exact(&mut out).unwrap();
+    } else {
+        let _ = r.read_to_end(&mut out);
     }
+    (status, out)
 }
 
 impl TestDaemon {

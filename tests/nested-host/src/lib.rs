@@ -14,6 +14,7 @@
 
 pub mod catalog;
 pub mod cpio;
+pub mod heartbeat;
 pub mod inputs;
 pub mod outer;
 pub mod real;

@@ -11,12 +11,16 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::catalog::Scenario;
+use crate::heartbeat::HeartbeatPump;
 use crate::inputs::{check_kernel, kernel_dir, Inputs};
-use crate::watch::{watch_with, Outcome, Progress, WatchConfig};
+use crate::watch::{watch_with, Heartbeat, Outcome, Progress, Stop, WatchConfig, Watched};
 use crate::HarnessError;
 
 /// The name of the virtio-serial port the results come back on (init.sh looks for it).
 pub const RESULTS_PORT: &str = "org.tenantvm.nested.results";
+
+/// The name of the virtio-serial port the outer guest's heartbeat comes on (init.sh).
+pub const HEARTBEAT_PORT: &str = "org.tenantvm.nested.heartbeat";
 
 /// How the outer root file system is packed (build-rootfs.sh --format).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,6 +70,19 @@ pub struct OuterConfig {
     pub grace: Duration,
     /// Where the run's files go (console.log, results, the disks).
     pub work_dir: PathBuf,
+    /// How long the guest's heartbeat may stay silent before it counts as frozen.
+    pub heartbeat_silence: Duration,
+    /// How often the host nudges the guest with a device interrupt on the heartbeat port
+    /// (none: never). The nudge is the cure for the outer guest's freeze: see
+    /// [`crate::heartbeat`] and docs/testing.md.
+    pub nudge: Option<Duration>,
+    /// How many times the outer guest may be booted for one run: after a freeze, a hang or
+    /// a crash, the scenarios that had not started run in a fresh guest.
+    pub max_boots: u32,
+    /// Extra words for the outer kernel's command line (experiments: timer modes, ...).
+    pub extra_append: Vec<String>,
+    /// Extra QEMU arguments (experiments: `-accel tcg,...`, `-icount ...`).
+    pub extra_qemu_args: Vec<String>,
 }
 
 impl OuterConfig {
@@ -87,6 +104,11 @@ impl OuterConfig {
             boot_timeout: Duration::from_secs(300),
             grace: Duration::from_secs(120),
             work_dir,
+            heartbeat_silence: Duration::from_secs(30),
+            nudge: Some(Duration::from_secs(1)),
+            max_boots: 3,
+            extra_append: Vec::new(),
+            extra_qemu_args: Vec::new(),
         }
     }
 }
@@ -150,6 +172,10 @@ pub fn qemu_args(
     if cfg.format == RootFormat::Initramfs {
         cmdline.push_str(" rdinit=/init");
     }
+    for word in &cfg.extra_append {
+        cmdline.push(' ');
+        cmdline.push_str(word);
+    }
     let mut args: Vec<OsString> = Vec::new();
     let mut push = |a: String| args.push(a.into());
     for a in [
@@ -201,6 +227,15 @@ pub fn qemu_args(
     push(format!(
         "virtserialport,bus=vser0.0,chardev=results,name={RESULTS_PORT}"
     ));
+    push("-chardev".into());
+    push(format!(
+        "socket,id=heartbeat,path={},server=on,wait=off",
+        w.join("heartbeat.sock").display()
+    ));
+    push("-device".into());
+    push(format!(
+        "virtserialport,bus=vser0.0,chardev=heartbeat,name={HEARTBEAT_PORT}"
+    ));
     if cfg.format == RootFormat::Ext4 {
         push("-drive".into());
         push(format!(
@@ -235,30 +270,43 @@ pub fn qemu_args(
         "unix:{},server=on,wait=off",
         w.join("qmp.sock").display()
     ));
+    for a in &cfg.extra_qemu_args {
+        push(a.clone());
+    }
     args
 }
 
-/// Asks QEMU (over QMP) for every vCPU's registers and where each is, and writes the answer
-/// to `out`: what a hung outer guest was doing.
-pub fn save_cpu_state(qmp: &Path, out: &Path) -> std::io::Result<()> {
-    use std::io::{BufRead, BufReader, Write};
-    let stream = std::os::unix::net::UnixStream::connect(qmp)?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    let mut reader = BufReader::new(stream.try_clone()?);
-    let mut writer = stream;
-    let mut line = String::new();
-    reader.read_line(&mut line)?; // the greeting
-    let mut text = String::new();
-    for cmd in [
-        r#"{"execute":"qmp_capabilities"}"#,
-        r#"{"execute":"human-monitor-command","arguments":{"command-line":"info cpus"}}"#,
-        r#"{"execute":"human-monitor-command","arguments":{"command-line":"info registers -a"}}"#,
-    ] {
-        writeln!(writer, "{cmd}")?;
+/// A QMP connection to the outer guest's QEMU, for looking inside when it stops answering.
+struct Qmp {
+    reader: std::io::BufReader<std::os::unix::net::UnixStream>,
+    writer: std::os::unix::net::UnixStream,
+}
+
+impl Qmp {
+    fn connect(path: &Path) -> std::io::Result<Self> {
+        use std::io::BufRead;
+        let stream = std::os::unix::net::UnixStream::connect(path)?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let mut qmp = Qmp {
+            reader: std::io::BufReader::new(stream.try_clone()?),
+            writer: stream,
+        };
+        let mut greeting = String::new();
+        qmp.reader.read_line(&mut greeting)?;
+        qmp.execute(r#"{"execute":"qmp_capabilities"}"#)?;
+        Ok(qmp)
+    }
+
+    /// Sends one command; returns its answer's `return` (a string as is, anything else as
+    /// JSON) or the error line.
+    fn execute(&mut self, cmd: &str) -> std::io::Result<String> {
+        use std::io::{BufRead, Write};
+        writeln!(self.writer, "{cmd}")?;
+        let mut line = String::new();
         loop {
             line.clear();
-            if reader.read_line(&mut line)? == 0 {
-                break;
+            if self.reader.read_line(&mut line)? == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
             }
             // Asynchronous events come in between; the answer has "return" or "error".
             if line.contains("\"return\"") || line.contains("\"error\"") {
@@ -266,13 +314,97 @@ pub fn save_cpu_state(qmp: &Path, out: &Path) -> std::io::Result<()> {
             }
         }
         let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
-        match v.get("return").and_then(|r| r.as_str()) {
-            Some(r) => text.push_str(r),
-            None => text.push_str(&line),
-        }
-        text.push('\n');
+        Ok(match v.get("return") {
+            Some(serde_json::Value::String(text)) => text.clone(),
+            Some(other) => other.to_string(),
+            None => line.trim().to_string(),
+        })
     }
-    std::fs::write(out, text)
+
+    /// A human monitor command (`info registers -a`, `info lapic`, ...).
+    fn hmp(&mut self, command: &str) -> std::io::Result<String> {
+        let cmd = serde_json::json!({
+            "execute": "human-monitor-command",
+            "arguments": {"command-line": command}
+        });
+        self.execute(&cmd.to_string())
+    }
+}
+
+/// The monitor commands whose answers say what a stopped outer guest's CPU and interrupt
+/// controllers were doing: the registers (HLT, RFLAGS.IF, the SVM state), the local APIC
+/// (timer mode and count, IRR/ISR/TPR), the legacy PIC.
+const STATE_COMMANDS: [&str; 4] = ["info cpus", "info registers -a", "info lapic", "info pic"];
+
+/// Saves every answer of [`STATE_COMMANDS`] under a heading to `out`.
+fn dump_state(qmp: &mut Qmp, out: &mut String) {
+    for command in STATE_COMMANDS {
+        out.push_str(&format!("==== {command}\n"));
+        match qmp.hmp(command) {
+            Ok(text) => out.push_str(&text),
+            Err(e) => out.push_str(&format!("(no answer: {e})\n")),
+        }
+        out.push('\n');
+    }
+}
+
+/// What the outer guest was doing when it stopped answering, written to `dir/cpu-state.txt`:
+/// the state of its CPU and interrupt controllers. For a frozen guest, two probes follow,
+/// each with the state again: an NMI (does the CPU run at all?), then one device interrupt
+/// (a key press on the i8042: QEMU's I/O thread raises it at the local APIC, which makes the
+/// vCPU look at the APIC again). A heartbeat that comes back after the device interrupt is
+/// the lost interrupt request of docs/testing.md ("A frozen outer guest"). Returns one line
+/// for the failure's reason.
+pub fn diagnose(dir: &Path, stop: &Stop) -> Option<String> {
+    let state = dir.join("cpu-state.txt");
+    let mut qmp = match Qmp::connect(&dir.join("qmp.sock")) {
+        Ok(qmp) => qmp,
+        Err(e) => return Some(format!("its state could not be read over QMP: {e}")),
+    };
+    let mut text = String::new();
+    dump_state(&mut qmp, &mut text);
+    let mut found = String::new();
+    if matches!(stop, Stop::Froze { .. }) {
+        let heartbeat = dir.join("heartbeat");
+        let beats = || std::fs::metadata(&heartbeat).map(|m| m.len()).unwrap_or(0);
+        let probes = [
+            ("an NMI", r#"{"execute":"inject-nmi"}"#),
+            (
+                "a device interrupt (a key press)",
+                r#"{"execute":"send-key","arguments":{"keys":[{"type":"qcode","data":"shift"}]}}"#,
+            ),
+        ];
+        let mut woke_by = None;
+        for (what, cmd) in probes {
+            let before = beats();
+            text.push_str(&format!("==== {what}: {cmd}\n"));
+            text.push_str(&qmp.execute(cmd).unwrap_or_else(|e| e.to_string()));
+            text.push('\n');
+            // The heartbeat beats every 5 s; give it two beats.
+            std::thread::sleep(Duration::from_secs(11));
+            let woke = beats() > before;
+            text.push_str(&format!(
+                "==== 11 s after {what}: the heartbeat {}\n",
+                if woke { "came back" } else { "stayed silent" }
+            ));
+            dump_state(&mut qmp, &mut text);
+            if woke {
+                woke_by = Some(what);
+                break;
+            }
+        }
+        found = match woke_by {
+            Some(what) => format!("; {what} woke it"),
+            None => "; neither an NMI nor a device interrupt woke it".to_string(),
+        };
+    }
+    match std::fs::write(&state, text) {
+        Ok(()) => Some(format!("its state is in {}{found}", state.display())),
+        Err(e) => Some(format!(
+            "its state could not be saved to {}: {e}",
+            state.display()
+        )),
+    }
 }
 
 fn make_disks(cfg: &OuterConfig) -> Result<(), HarnessError> {
@@ -307,15 +439,19 @@ fn make_disks(cfg: &OuterConfig) -> Result<(), HarnessError> {
     std::fs::File::create(cfg.work_dir.join("nvme.img"))
         .and_then(|f| f.set_len(64 << 20))
         .map_err(|e| setup("create the nvme backing file", e))?;
-    for f in ["console.log", "results"] {
+    for f in ["console.log", "results", "heartbeat"] {
         std::fs::write(cfg.work_dir.join(f), b"").map_err(|e| setup("create the logs", e))?;
     }
     Ok(())
 }
 
-/// Boots the outer guest once and runs `scenarios` in it, in order; calls `report` with each
-/// outcome as it arrives. The scratch disk is deleted afterwards; console.log and results
-/// stay in the work folder.
+/// Boots the outer guest and runs `scenarios` in it, in order; calls `report` with each
+/// outcome as it arrives. When the guest freezes, hangs or crashes, the scenario it was
+/// running fails with the reason (and, for a freeze or a hang, where its state was saved);
+/// the scenarios that had not started then run in a fresh guest, up to `cfg.max_boots`
+/// boots in all. Nothing is run twice. Each boot's files (console.log, results, heartbeat,
+/// cpu-state.txt) stay in the work folder (`boot-N/` for the second and later boots); the
+/// disks are deleted.
 pub fn run(
     cfg: &OuterConfig,
     inputs: &Inputs,
@@ -332,12 +468,67 @@ pub fn run(
     }
     let started = Instant::now();
     let root = build_root(inputs, cfg.format, scenarios)?;
-    make_disks(cfg)?;
-    let args = qemu_args(cfg, &kdir.join("vmlinuz"), &root, scenarios);
     eprintln!(
-        "nested-host: booting the outer guest (root {} ready after {:.1} s; console: {})",
+        "nested-host: outer root {} ready after {:.1} s",
         root.display(),
-        started.elapsed().as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
+    let mut outcomes: Vec<Outcome> = Vec::new();
+    let mut pending: Vec<Scenario> = scenarios.to_vec();
+    for boot in 1..=cfg.max_boots.max(1) {
+        let mut boot_cfg = cfg.clone();
+        if boot > 1 {
+            boot_cfg.work_dir = cfg.work_dir.join(format!("boot-{boot}"));
+            eprintln!(
+                "nested-host: booting a fresh outer guest (boot {boot} of at most {}) for {}",
+                cfg.max_boots,
+                pending
+                    .iter()
+                    .map(|s| s.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        let watched = boot_once(&boot_cfg, &kdir, &root, &pending, report)?;
+        let last_boot = boot == cfg.max_boots.max(1);
+        if watched.not_run.is_empty() || last_boot {
+            watched.report_not_run(report);
+            outcomes.extend(watched.outcomes);
+            break;
+        }
+        outcomes.extend(
+            watched
+                .outcomes
+                .into_iter()
+                .filter(|o| !watched.not_run.contains(&o.name)),
+        );
+        pending.retain(|s| watched.not_run.contains(&s.name));
+    }
+    // In the order asked for.
+    let ordered = scenarios
+        .iter()
+        .filter_map(|s| outcomes.iter().find(|o| o.name == s.name).cloned())
+        .collect();
+    eprintln!(
+        "nested-host: outer guest done after {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(ordered)
+}
+
+/// One boot of the outer guest running `scenarios`.
+fn boot_once(
+    cfg: &OuterConfig,
+    kdir: &Path,
+    root: &Path,
+    scenarios: &[Scenario],
+    report: &mut dyn FnMut(&Progress),
+) -> Result<Watched, HarnessError> {
+    let started = Instant::now();
+    make_disks(cfg)?;
+    let args = qemu_args(cfg, &kdir.join("vmlinuz"), root, scenarios);
+    eprintln!(
+        "nested-host: booting the outer guest (console: {})",
         cfg.work_dir.join("console.log").display()
     );
     let mut child = Command::new(&cfg.qemu)
@@ -350,29 +541,30 @@ pub fn run(
         )
         .spawn()
         .map_err(|e| HarnessError::Setup(format!("cannot start {}: {e}", cfg.qemu.display())))?;
+    let pump = HeartbeatPump::start(
+        cfg.work_dir.join("heartbeat.sock"),
+        cfg.work_dir.join("heartbeat"),
+        cfg.nudge,
+    );
     let watch_cfg = WatchConfig {
         results: cfg.work_dir.join("results"),
         console: cfg.work_dir.join("console.log"),
         boot_timeout: cfg.boot_timeout,
         grace: cfg.grace,
         what: "the outer guest",
+        heartbeat: Some(Heartbeat {
+            path: cfg.work_dir.join("heartbeat"),
+            silence: cfg.heartbeat_silence,
+        }),
     };
-    let qmp = cfg.work_dir.join("qmp.sock");
-    let cpu_state = cfg.work_dir.join("cpu-state.txt");
-    let outcomes =
-        watch_with(
-            &mut child,
-            scenarios,
-            &watch_cfg,
-            report,
-            &mut || match save_cpu_state(&qmp, &cpu_state) {
-                Ok(()) => eprintln!(
-                    "nested-host: the outer guest's CPU state is in {}",
-                    cpu_state.display()
-                ),
-                Err(e) => eprintln!("nested-host: could not read the CPU state over QMP: {e}"),
-            },
-        );
+    let dir = cfg.work_dir.clone();
+    let watched = watch_with(&mut child, scenarios, &watch_cfg, report, &mut |stop| {
+        let found = diagnose(&dir, stop);
+        if let Some(line) = &found {
+            eprintln!("nested-host: {line}");
+        }
+        found
+    });
     // After DONE the guest powers off; give it a moment, then make sure it is gone.
     let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline && child.try_wait().ok().flatten().is_none() {
@@ -380,11 +572,13 @@ pub fn run(
     }
     let _ = child.kill();
     let _ = child.wait();
+    let nudges = pump.nudges();
+    drop(pump);
     let _ = std::fs::remove_file(cfg.work_dir.join("scratch.img"));
     let _ = std::fs::remove_file(cfg.work_dir.join("nvme.img"));
     eprintln!(
-        "nested-host: outer guest done after {:.1} s",
+        "nested-host: the outer guest ran {:.1} s ({nudges} nudges)",
         started.elapsed().as_secs_f64()
     );
-    Ok(outcomes)
+    Ok(watched)
 }

@@ -63,6 +63,7 @@ pub fn run(
         boot_timeout: Duration::from_secs(60),
         grace: Duration::from_secs(60),
         what: "the scenario runner",
+        heartbeat: None,
     };
     let outcomes = watch(&mut child, scenarios, &cfg, report);
     let _ = child.wait();

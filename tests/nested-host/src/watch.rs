@@ -220,6 +220,50 @@ pub struct WatchConfig {
     pub grace: Duration,
     /// What the process is, in messages ("the outer guest", "the scenario runner").
     pub what: &'static str,
+    /// The outer guest's heartbeat, when it has one.
+    pub heartbeat: Option<Heartbeat>,
+}
+
+/// A file the watched process appends a line to every few seconds while it lives (the outer
+/// guest's `HB <uptime>` lines, init.sh). Once the first line is there, a silence longer than
+/// `silence` means the process froze: it is stopped without waiting for the scenario's limit.
+#[derive(Clone, Debug)]
+pub struct Heartbeat {
+    /// The file.
+    pub path: std::path::PathBuf,
+    /// How long it may stay silent.
+    pub silence: Duration,
+}
+
+/// Why the watched process was stopped before it said `DONE`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Stop {
+    /// Its heartbeat fell silent: the outer guest froze.
+    Froze {
+        /// The scenario running then, if any.
+        during: Option<String>,
+        /// The guest's uptime in its last heartbeat.
+        last_beat_uptime_s: Option<f64>,
+        /// How long it had been silent.
+        silent_s: u64,
+    },
+    /// No result within a scenario's limit plus the grace, or no scenario started in time.
+    Hung,
+    /// The process ended on its own (a crash, a panic).
+    Exited,
+}
+
+/// What [`watch_with`] saw: every scenario's outcome in the order asked for, how the run
+/// ended early if it did, and the scenarios that never started then (the caller may run them
+/// again in a fresh guest).
+#[derive(Clone, Debug)]
+pub struct Watched {
+    /// One outcome per scenario, in order.
+    pub outcomes: Vec<Outcome>,
+    /// Why the process was stopped before `DONE`, if it was.
+    pub stop: Option<Stop>,
+    /// The scenarios that never started because of that stop.
+    pub not_run: Vec<String>,
 }
 
 /// Follows `child` (QEMU, or the runner on a real host) running `scenarios` until `DONE`, a
@@ -231,18 +275,21 @@ pub fn watch(
     cfg: &WatchConfig,
     report: &mut dyn FnMut(&Progress),
 ) -> Vec<Outcome> {
-    watch_with(child, scenarios, cfg, report, &mut || ())
+    let watched = watch_with(child, scenarios, cfg, report, &mut |_| None);
+    watched.report_not_run(report);
+    watched.outcomes
 }
 
-/// [`watch`], calling `before_kill` when the process stopped answering, before it is killed
-/// (the outer guest saves its CPU state then).
+/// [`watch`], calling `before_kill` when the process froze or stopped answering, before it
+/// is killed (the outer guest saves its state then); what it returns is added to the
+/// failure's reason.
 pub fn watch_with(
     child: &mut Child,
     scenarios: &[Scenario],
     cfg: &WatchConfig,
     report: &mut dyn FnMut(&Progress),
-    before_kill: &mut dyn FnMut(),
-) -> Vec<Outcome> {
+    before_kill: &mut dyn FnMut(&Stop) -> Option<String>,
+) -> Watched {
     let console_tail = || tail(&cfg.console, CONSOLE_TAIL_LINES);
     let started = Instant::now();
     let mut reader = LineReader::default();
@@ -252,8 +299,13 @@ pub fn watch_with(
     let mut since = started;
     let mut done = false;
     let mut stopped: Option<String> = None;
+    let mut stop: Option<Stop> = None;
+    let mut beats = BeatWatch::default();
     loop {
         let exited = child.try_wait().ok().flatten();
+        if let Some(hb) = &cfg.heartbeat {
+            beats.poll(&hb.path);
+        }
         // Read after try_wait, so that a process that ended has nothing more to say.
         for line in reader.read_lines(&cfg.results) {
             match parse_event(&line, console_tail) {
@@ -284,6 +336,35 @@ pub fn watch_with(
                 "{} stopped ({status}) before all scenarios ran",
                 cfg.what
             ));
+            stop = Some(Stop::Exited);
+            break;
+        }
+        if let Some(hb) = cfg
+            .heartbeat
+            .as_ref()
+            .filter(|hb| beats.silent_for() >= hb.silence)
+        {
+            let froze = Stop::Froze {
+                during: current.as_ref().map(|(name, _)| name.clone()),
+                last_beat_uptime_s: beats.last_uptime_s,
+                silent_s: hb.silence.as_secs(),
+            };
+            let mut why = format!(
+                "{} froze: no heartbeat for {} s (its last at uptime {}); killed it",
+                cfg.what,
+                hb.silence.as_secs(),
+                beats
+                    .last_uptime_s
+                    .map_or("unknown".to_string(), |u| format!("{u:.1} s"))
+            );
+            if let Some(more) = before_kill(&froze) {
+                why.push_str("; ");
+                why.push_str(&more);
+            }
+            stopped = Some(why);
+            stop = Some(froze);
+            let _ = child.kill();
+            let _ = child.wait();
             break;
         }
         let deadline = match &current {
@@ -309,7 +390,13 @@ pub fn watch_with(
                     cfg.grace.as_secs()
                 ),
             });
-            before_kill();
+            if let Some(more) = before_kill(&Stop::Hung) {
+                if let Some(why) = stopped.as_mut() {
+                    why.push_str("; ");
+                    why.push_str(&more);
+                }
+            }
+            stop = Some(Stop::Hung);
             let _ = child.kill();
             let _ = child.wait();
             break;
@@ -319,6 +406,7 @@ pub fn watch_with(
     // Every scenario gets exactly one outcome, in the order asked for.
     let tail_now = console_tail();
     let mut ordered = Vec::new();
+    let mut not_run = Vec::new();
     for s in scenarios {
         if let Some(o) = outcomes.iter().find(|o| o.name == s.name) {
             ordered.push(o.clone());
@@ -326,7 +414,10 @@ pub fn watch_with(
         }
         let reason = match (&stopped, &current) {
             (Some(why), Some((name, _))) if *name == s.name => why.clone(),
-            (Some(why), _) => format!("not run: {why}"),
+            (Some(why), _) => {
+                not_run.push(s.name.clone());
+                format!("not run: {why}")
+            }
             (None, _) => format!("no result: {} finished without running it", cfg.what),
         };
         let outcome = Outcome {
@@ -337,10 +428,62 @@ pub fn watch_with(
                 console_tail: tail_now.clone(),
             },
         };
-        report(&Progress::Outcome(outcome.clone()));
         ordered.push(outcome);
     }
-    ordered
+    // The scenarios that never started are reported by the caller, which may still run
+    // them; the one the stop cut short is reported now.
+    for o in &ordered {
+        if !outcomes.iter().any(|seen| seen.name == o.name) && !not_run.contains(&o.name) {
+            report(&Progress::Outcome(o.clone()));
+        }
+    }
+    Watched {
+        outcomes: ordered,
+        stop,
+        not_run,
+    }
+}
+
+impl Watched {
+    /// Reports the outcomes of the scenarios that never started (when they are not run
+    /// again elsewhere).
+    pub fn report_not_run(&self, report: &mut dyn FnMut(&Progress)) {
+        for o in self
+            .outcomes
+            .iter()
+            .filter(|o| self.not_run.contains(&o.name))
+        {
+            report(&Progress::Outcome(o.clone()));
+        }
+    }
+}
+
+/// Follows the heartbeat file: when it last grew, and the uptime its last line gave.
+#[derive(Default)]
+struct BeatWatch {
+    len: u64,
+    changed: Option<Instant>,
+    last_uptime_s: Option<f64>,
+}
+
+impl BeatWatch {
+    fn poll(&mut self, path: &Path) {
+        let Ok(len) = std::fs::metadata(path).map(|m| m.len()) else {
+            return;
+        };
+        if len != self.len {
+            self.len = len;
+            self.changed = Some(Instant::now());
+            self.last_uptime_s = tail(path, 1)
+                .strip_prefix("HB ")
+                .and_then(|u| u.trim().parse().ok());
+        }
+    }
+
+    /// How long since the heartbeat last grew; zero before its first line.
+    fn silent_for(&self) -> Duration {
+        self.changed.map_or(Duration::ZERO, |t| t.elapsed())
+    }
 }
 
 /// Reads whole lines appended to a file since the last call.
@@ -446,9 +589,20 @@ mod tests {
 
     /// Runs a shell script as the "guest" that writes `results` lines and `console` lines.
     fn run_fake(script: &str, names: &[&str]) -> Vec<Outcome> {
+        run_fake_watched(script, names, &mut |_| None).0.outcomes
+    }
+
+    /// [`run_fake`] with a heartbeat file (`$3`, 2 s of silence allowed) and a
+    /// `before_kill`; also returns how often each outcome was reported.
+    fn run_fake_watched(
+        script: &str,
+        names: &[&str],
+        before_kill: &mut dyn FnMut(&Stop) -> Option<String>,
+    ) -> (Watched, Vec<String>) {
         let dir = tempfile::tempdir().unwrap();
         let results = dir.path().join("results");
         let console = dir.path().join("console");
+        let heartbeat = dir.path().join("heartbeat");
         let mut child = Command::new("sh")
             .args([
                 "-c",
@@ -456,6 +610,7 @@ mod tests {
                 "fake",
                 results.to_str().unwrap(),
                 console.to_str().unwrap(),
+                heartbeat.to_str().unwrap(),
             ])
             .spawn()
             .unwrap();
@@ -465,18 +620,36 @@ mod tests {
             boot_timeout: Duration::from_secs(3),
             grace: Duration::from_secs(1),
             what: "the outer guest",
+            heartbeat: Some(Heartbeat {
+                path: heartbeat,
+                silence: Duration::from_secs(2),
+            }),
         };
         let scenarios: Vec<Scenario> = names.iter().map(|n| scenario(n)).collect();
         let mut seen = Vec::new();
-        let out = watch(&mut child, &scenarios, &cfg, &mut |p| {
+        let mut record = |p: &Progress| {
             if let Progress::Outcome(o) = p {
                 seen.push(o.name.clone())
             }
-        });
+        };
+        let watched = watch_with(&mut child, &scenarios, &cfg, &mut record, before_kill);
+        watched.report_not_run(&mut record);
         let _ = child.kill();
         let _ = child.wait();
-        assert_eq!(seen.len(), names.len(), "each outcome is reported once");
-        out
+        let mut sorted = seen.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(
+            sorted.len(),
+            seen.len(),
+            "each outcome is reported once: {seen:?}"
+        );
+        assert_eq!(
+            seen.len(),
+            names.len(),
+            "every outcome is reported: {seen:?}"
+        );
+        (watched, seen)
     }
 
     #[test]
@@ -537,5 +710,69 @@ mod tests {
             "{:?}",
             out[0]
         );
+    }
+
+    #[test]
+    fn a_silent_heartbeat_is_a_frozen_guest_stopped_long_before_the_scenarios_limit() {
+        let started = Instant::now();
+        let mut stops = Vec::new();
+        let (watched, _) = run_fake_watched(
+            // The scenario's limit is 300 s; the heartbeat stops after two beats.
+            r#"printf 'START a 300\n' >>"$1"; echo "a runs" >>"$2"
+               echo "HB 10.0" >>"$3"; sleep 0.5; echo "HB 15.0" >>"$3"; sleep 300"#,
+            &["a", "b", "c"],
+            &mut |stop| {
+                stops.push(stop.clone());
+                Some("its state is in cpu-state.txt".into())
+            },
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "stopped at the silence, not the limit"
+        );
+        assert_eq!(
+            stops,
+            vec![Stop::Froze {
+                during: Some("a".into()),
+                last_beat_uptime_s: Some(15.0),
+                silent_s: 2
+            }]
+        );
+        assert_eq!(watched.stop, stops.first().cloned());
+        match &watched.outcomes[0].verdict {
+            Verdict::Fail {
+                reason,
+                console_tail,
+            } => {
+                assert!(
+                    reason.starts_with("the outer guest froze: no heartbeat for 2 s (its last at uptime 15.0 s); killed it; its state is in cpu-state.txt"),
+                    "{reason}"
+                );
+                assert_eq!(console_tail, "a runs");
+            }
+            v => panic!("{v:?}"),
+        }
+        assert_eq!(watched.not_run, vec!["b".to_string(), "c".to_string()]);
+    }
+
+    #[test]
+    fn a_beating_guest_is_not_frozen_and_no_heartbeat_at_all_never_arms_the_check() {
+        // Beats every 0.5 s through a 4 s scenario: twice the allowed silence in all.
+        let (watched, _) = run_fake_watched(
+            r#"printf 'START a 10\n' >>"$1"
+               for i in 1 2 3 4 5 6 7 8; do echo "HB $i" >>"$3"; sleep 0.5; done
+               printf 'PASS a 4.0\nDONE\n' >>"$1"; sleep 60"#,
+            &["a"],
+            &mut |_| panic!("a beating guest must not be stopped"),
+        );
+        assert_eq!(watched.stop, None);
+        assert_eq!(watched.outcomes[0].verdict, Verdict::Pass);
+        // A guest without the heartbeat port: only the limits apply.
+        let (watched, _) = run_fake_watched(
+            r#"printf 'START a 10\n' >>"$1"; sleep 4; printf 'PASS a 4.0\nDONE\n' >>"$1"; sleep 60"#,
+            &["a"],
+            &mut |_| panic!("no heartbeat, no freeze"),
+        );
+        assert_eq!(watched.outcomes[0].verdict, Verdict::Pass);
     }
 }

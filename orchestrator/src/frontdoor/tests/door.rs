@@ -110,6 +110,23 @@ impl Response {
         (size > 0).then_some(data)
     }
 
+    /// The body (a whole `Content-Length` one, or every chunk) and the connection, for the
+    /// next request on it.
+    pub(super) fn try_body(mut self) -> Result<(Vec<u8>, BufReader<Tls>), String> {
+        if let Some(len) = self.header("content-length") {
+            let mut data = vec![0u8; len.parse().map_err(|_| format!("length {len:?}"))?];
+            self.r
+                .read_exact(&mut data)
+                .map_err(|e| format!("reading the body: {e}"))?;
+            return Ok((data, self.r));
+        }
+        let mut all = Vec::new();
+        while let Some(c) = self.next_chunk() {
+            all.extend(c);
+        }
+        Ok((all, self.r))
+    }
+
     pub(super) fn body(mut self) -> Vec<u8> {
         if let Some(len) = self.header("content-length") {
             let mut data = vec![0u8; len.parse().unwrap()];
@@ -130,12 +147,18 @@ impl Response {
 
 impl Door {
     pub(super) fn connect(&self) -> Tls {
-        let tcp = TcpStream::connect(self.addr).unwrap();
-        tcp.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        self.try_connect().unwrap()
+    }
+
+    /// A TLS connection to the door (the handshake happens with the first write).
+    pub(super) fn try_connect(&self) -> Result<Tls, String> {
+        let tcp = TcpStream::connect(self.addr).map_err(|e| format!("connect: {e}"))?;
+        tcp.set_read_timeout(Some(Duration::from_secs(20)))
+            .map_err(|e| e.to_string())?;
         let conn =
             rustls::ClientConnection::new(self.client.clone(), "localhost".try_into().unwrap())
-                .unwrap();
-        rustls::StreamOwned::new(conn, tcp)
+                .map_err(|e| e.to_string())?;
+        Ok(rustls::StreamOwned::new(conn, tcp))
     }
 
     pub(super) fn send(
@@ -145,40 +168,15 @@ impl Door {
         key: Option<&str>,
         body: Option<&[u8]>,
     ) -> Response {
-        let mut s = self.connect();
-        let mut head =
-            format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
-        if let Some(k) = key {
-            head.push_str(&format!("Authorization: Bearer {k}\r\n"));
-        }
-        if let Some(b) = body {
-            head.push_str(&format!(
-                "Content-Type: application/json\r\nContent-Length: {}\r\n",
-                b.len()
-            ));
-        }
-        head.push_str("\r\n");
-        s.write_all(head.as_bytes()).unwrap();
-        if let Some(b) = body {
-            s.write_all(b).unwrap();
-        }
-        s.flush().unwrap();
-        let mut r = BufReader::new(s);
-        let mut status_line = String::new();
-        r.read_line(&mut status_line).unwrap();
-        let status: u16 = status_line.split(' ').nth(1).unwrap().parse().unwrap();
-        let mut headers = Vec::new();
-        loop {
-            let mut line = String::new();
-            r.read_line(&mut line).unwrap();
-            let line = line.trim_end();
-            if line.is_empty() {
-                break;
-            }
-            let (n, v) = line.split_once(':').unwrap();
-            headers.push((n.to_string(), v.trim().to_string()));
-        }
-        Response { status, headers, r }
+        request_on(
+            BufReader::new(self.connect()),
+            method,
+            path,
+            key,
+            body,
+            true,
+        )
+        .unwrap()
     }
 
     pub(super) fn post(&self, path: &str, tenant: &str, body: Value) -> Response {
@@ -189,6 +187,60 @@ impl Door {
             Some(body.to_string().as_bytes()),
         )
     }
+}
+
+/// Sends one request on `r`'s connection (asking the door to close it after the answer if
+/// `close`) and reads the answer's head.
+pub(super) fn request_on(
+    mut r: BufReader<Tls>,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: Option<&[u8]>,
+    close: bool,
+) -> Result<Response, String> {
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\n");
+    if close {
+        head.push_str("Connection: close\r\n");
+    }
+    if let Some(k) = key {
+        head.push_str(&format!("Authorization: Bearer {k}\r\n"));
+    }
+    if let Some(b) = body {
+        head.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            b.len()
+        ));
+    }
+    head.push_str("\r\n");
+    let s = r.get_mut();
+    s.write_all(head.as_bytes())
+        .and_then(|()| body.map_or(Ok(()), |b| s.write_all(b)))
+        .and_then(|()| s.flush())
+        .map_err(|e| format!("sending: {e}"))?;
+    let mut status_line = String::new();
+    r.read_line(&mut status_line)
+        .map_err(|e| format!("reading the status: {e}"))?;
+    let status: u16 = status_line
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("no status line: {status_line:?}"))?;
+    let mut headers = Vec::new();
+    loop {
+        let mut line = String::new();
+        r.read_line(&mut line)
+            .map_err(|e| format!("reading the head: {e}"))?;
+        let line = line.trim_end();
+        if line.is_empty() {
+            break;
+        }
+        let (n, v) = line
+            .split_once(':')
+            .ok_or_else(|| format!("bad header line {line:?}"))?;
+        headers.push((n.to_string(), v.trim().to_string()));
+    }
+    Ok(Response { status, headers, r })
 }
 
 pub(super) fn error_code(v: &Value) -> &str {

@@ -141,3 +141,57 @@ fn keys_are_managed_through_the_api_by_their_tenant_and_revoked_at_departure() {
         "{shown}"
     );
 }
+
+#[test]
+fn keys_are_checked_without_waiting_behind_a_long_store_write() {
+    use std::time::{Duration, Instant};
+    let Some(d) = super::door::door(&[("alice", "requests_per_s = 1000")]) else {
+        return;
+    };
+    // A known key, remembered by the door's cache before the write begins.
+    assert_eq!(
+        d.send("GET", "/v1/models", Some(&d.keys["alice"]), None)
+            .status,
+        200
+    );
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let (held_tx, held) = std::sync::mpsc::channel::<()>();
+    let svc = d.h.svc.clone();
+    let writer = std::thread::spawn(move || {
+        svc.store().while_locked(|| {
+            held_tx.send(()).unwrap();
+            // As a write of a large receipt row would, for up to 10 s.
+            let _ = released.recv_timeout(Duration::from_secs(10));
+        })
+    });
+    held.recv().unwrap();
+    // Known keys' requests in flight meanwhile (each may wait for the store later, on a
+    // thread of its own).
+    let waiting: Vec<_> = (0..3)
+        .map(|_| {
+            let to = (d.addr, d.client.clone(), d.keys["alice"].clone());
+            std::thread::spawn(move || {
+                super::door::Door::detached(to).status_of(
+                    "/v1/completions",
+                    r#"{"model": "alice-model", "prompt": "x"}"#,
+                )
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    // An unknown key is looked up and refused while the write holds the store.
+    let asked = Instant::now();
+    let unknown = format!("tvk-{}", "0".repeat(64));
+    let status = d.send("GET", "/v1/models", Some(&unknown), None).status;
+    let took = asked.elapsed();
+    let _ = release.send(());
+    writer.join().unwrap();
+    assert_eq!(status, 401);
+    assert!(
+        took < Duration::from_secs(5),
+        "the key was checked only after the store's write ended ({took:?})"
+    );
+    for w in waiting {
+        assert_eq!(w.join().unwrap(), 200);
+    }
+}

@@ -5,11 +5,12 @@
 //!
 //! Shared pieces: [`guests`] (the fake guest agents) and [`door`] (the running front door and
 //! its test client). The tests, by topic: [`routes`], [`keys`], [`quotas`], [`hostile`],
-//! [`privacy`], [`tls`].
+//! [`flood`], [`privacy`], [`tls`].
 
 mod door;
 mod guests;
 
+mod flood;
 mod hostile;
 mod keys;
 mod privacy;

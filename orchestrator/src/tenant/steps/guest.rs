@@ -452,6 +452,7 @@ mod tests {
                 pids: "/nonexistent".into(),
                 blkio: None,
                 devices: None,
+                cpuacct: None,
             },
             uid: me.wrapping_add(1),
         };
@@ -524,6 +525,7 @@ mod tests {
                 pids: "/nonexistent".into(),
                 blkio: None,
                 devices: None,
+                cpuacct: None,
             },
             uid: me,
         };

@@ -246,6 +246,27 @@ const fn row(
 }
 
 impl Step {
+    /// Whether the step deals with the tenant's GPU share only (nothing to do for a tenant
+    /// that wants no GPU: recorded as `skipped`). The vGPU licence is one: only a GPU tenant
+    /// may have one.
+    pub fn is_gpu(self) -> bool {
+        matches!(
+            self,
+            Step::ReserveGpu
+                | Step::CreateGpuInstance
+                | Step::DeviceReset
+                | Step::ScrubGpu
+                | Step::DestroyGpuInstance
+                | Step::ReleaseGpu
+                | Step::PrepareGpuHost
+                | Step::BindGpu
+                | Step::AttachGpu
+                | Step::RebindGpu
+                | Step::DetachGpu
+                | Step::DeliverLicence
+        )
+    }
+
     /// Its row of [`TABLE`].
     pub fn def(self) -> &'static StepDef {
         &TABLE[self as usize]

@@ -56,6 +56,27 @@ enum Cmd {
         /// Seconds beyond a scenario's limit before the outer guest counts as hung.
         #[arg(long, default_value_t = 120)]
         grace: u64,
+        /// Seconds the outer guest's heartbeat may stay silent before it counts as frozen
+        /// (its state is then saved and it is stopped).
+        #[arg(long, default_value_t = 30)]
+        heartbeat_silence: u64,
+        /// Seconds between the host's nudges (a device interrupt on the heartbeat port that
+        /// recovers an interrupt QEMU's TCG lost; docs/testing.md); 0: no nudges (to measure
+        /// the freeze rate without them).
+        #[arg(long, default_value_t = 1)]
+        nudge_interval: u64,
+        /// Boots of the outer guest allowed for one run: after a freeze, hang or crash the
+        /// scenarios that had not started run in a fresh one (none is run twice).
+        #[arg(long, default_value_t = 3)]
+        max_boots: u32,
+        /// An extra word for the outer kernel's command line (repeatable), for experiments,
+        /// e.g. --append lapic=notscdeadline.
+        #[arg(long = "append", value_name = "WORD")]
+        append: Vec<String>,
+        /// An extra QEMU argument (repeatable), for experiments, e.g.
+        /// --qemu-arg=-icount --qemu-arg=shift=auto.
+        #[arg(long = "qemu-arg", value_name = "ARG", allow_hyphen_values = true)]
+        qemu_args: Vec<String>,
         /// Folder for the run's files (console.log, results) [default: target/nested-host/runs/PID].
         #[arg(long)]
         work_dir: Option<PathBuf>,
@@ -111,6 +132,11 @@ fn main() -> ExitCode {
             vcpus,
             boot_timeout,
             grace,
+            heartbeat_silence,
+            nudge_interval,
+            max_boots,
+            append,
+            qemu_args,
             work_dir,
             json,
             check_names,
@@ -129,6 +155,12 @@ fn main() -> ExitCode {
             cfg.vcpus = vcpus;
             cfg.boot_timeout = std::time::Duration::from_secs(boot_timeout);
             cfg.grace = std::time::Duration::from_secs(grace);
+            cfg.heartbeat_silence = std::time::Duration::from_secs(heartbeat_silence);
+            cfg.max_boots = max_boots;
+            cfg.nudge =
+                (nudge_interval > 0).then(|| std::time::Duration::from_secs(nudge_interval));
+            cfg.extra_append = append;
+            cfg.extra_qemu_args = qemu_args;
             let outcomes =
                 tenantvm_nested_host::run(&cfg, &inputs, &chosen, &mut |p| println!("{p}"))
                     .map_err(|e| e.to_string())?;
