@@ -132,13 +132,15 @@ fn serve(mut s: UnixStream, guest: Arc<Mutex<Guest>>, power_off: impl Fn()) {
 }
 
 /// Once tenant `name`'s VM is recorded, serves its agent channel as the tenant's uid, on
-/// a thread, for each VM it gets (a restart makes a new one).
+/// a thread, for each VM it gets (a restart makes a new one). A new VM's listener is bound
+/// beside the socket and renamed over it, so a connection never finds the path missing;
+/// `shutdown` powers off whichever VM the tenant has.
 fn fake_agent(h: &Harness, name: &'static str, guest: Arc<Mutex<Guest>>) {
     let svc = h.svc.clone();
     let host = h.host.clone();
     std::thread::spawn(move || {
         let mut served_pid = None;
-        let deadline = Instant::now() + Duration::from_secs(120);
+        let deadline = Instant::now() + Duration::from_secs(300);
         while Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
             let Ok(Some(t)) = svc.store().tenant(name) else {
@@ -159,20 +161,21 @@ fn fake_agent(h: &Harness, name: &'static str, guest: Arc<Mutex<Guest>>) {
                 .unwrap()
                 .to_path_buf();
             std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
-            let _ = std::fs::remove_file(&sock);
+            let fresh = sock.with_extension("new");
+            let _ = std::fs::remove_file(&fresh);
             let listener: UnixListener =
-                crate::test_support::peercred::listen_as(&sock, vm.uid).unwrap();
+                crate::test_support::peercred::listen_as(&fresh, vm.uid).unwrap();
+            std::fs::rename(&fresh, &sock).unwrap();
             served_pid = Some(vm.pid);
             let guest = guest.clone();
             let host = host.clone();
-            let pid = vm.pid;
             std::thread::spawn(move || {
                 for s in listener.incoming() {
                     let Ok(s) = s else { return };
                     let (guest, host) = (guest.clone(), host.clone());
                     std::thread::spawn(move || {
                         serve(s, guest, || {
-                            host.state().processes.remove(&pid);
+                            host.state().processes.retain(|_, t| t != name);
                         })
                     });
                 }
@@ -243,7 +246,12 @@ fn the_licence_is_sealed_delivered_at_each_boot_never_shown_and_shredded_at_depa
     // A restart of the VM: the guest's RAM is new, the token is delivered again.
     run(&h, TenantCommand::Stop("lic".into()));
     run(&h, TenantCommand::Start("lic".into()));
-    assert_eq!(state(&h, "lic"), Some(LifecycleState::Running));
+    assert_eq!(
+        state(&h, "lic"),
+        Some(LifecycleState::Running),
+        "{:?}",
+        h.svc.store().tenant("lic").unwrap().and_then(|t| t.error)
+    );
     assert_eq!(guest.lock().unwrap().licences.len(), 2);
 
     // Departure: the sealed copy destroyed, and the receipt says so.
