@@ -234,3 +234,25 @@ fn real_driver_allocates_and_frees() {
     let got = last_progress(&out);
     assert!((64..=1024).contains(&got), "{got} MiB");
 }
+
+/// The compute load on a real driver (TENANTVM_TEST_GPU set, on a host or in a guest whose
+/// CUDA driver sees a GPU): the driver's JIT takes the PTX, and a second of launches does
+/// at least one launch's multiply-adds. What no fake can show: that the kernel text is
+/// valid PTX for this GPU.
+#[test]
+fn real_driver_runs_the_compute_kernel() {
+    if std::env::var_os("TENANTVM_TEST_GPU").is_none() {
+        tenantvm_skip::skip!("set TENANTVM_TEST_GPU=<index> on a host with a CUDA driver to run the GPU compute load test");
+    }
+    let mut out = Vec::new();
+    gpu_compute(&mut out, CUDA_LIBRARY, 1024, Duration::from_secs(1)).unwrap();
+    let done = last_progress(&out);
+    assert!(
+        done >= fmas_per_launch(1024) / 1_000_000,
+        "{done} million multiply-adds"
+    );
+    eprintln!(
+        "gpu-compute on device 0: {done} million multiply-adds in 1 s ({:.2} TFMA/s)",
+        done as f64 / 1e6
+    );
+}
