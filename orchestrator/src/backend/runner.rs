@@ -153,7 +153,7 @@ impl<D: VmmDriver> Runner<D> {
                 .stop_requests()
                 .iter()
                 .find(|r| r.name == by.trim())
-                .and_then(|r| r.clean_exit.clone())
+                .and_then(|r| r.clean_exit)
             {
                 return clean;
             }
@@ -270,7 +270,7 @@ impl<D: VmmDriver> VmBackend for Runner<D> {
             {
                 Ok(()) => match wait_exit(vm, wait)? {
                     ProcessStatus::Exited(record) => {
-                        return Ok(match (record, request.clean_exit.clone()) {
+                        return Ok(match (record, request.clean_exit) {
                             (ExitRecord::Code(0), Some(clean)) => {
                                 let marker = vm.tenant_dir.join(STOPPED_BY_FILE);
                                 if let Err(e) = fs::write(&marker, request.name) {
