@@ -14,11 +14,14 @@
 # every mtime set to SOURCE_DATE_EPOCH, gzip -n. The same inputs give the same hashes
 # (guest-image/agent/tests/image_reproducible.rs checks it).
 #
-# usage: guest-image/build.sh [--payload-dir DIR --payload-config FILE] [--prefix-cache on|off] [OUT_DIR]
+# usage: guest-image/build.sh [--payload-dir DIR --payload-config FILE [--payload-manifest JSON]]
+#                             [--prefix-cache on|off] [OUT_DIR]
 #        OUT_DIR defaults to .cache/guest-image. With --payload-dir, DIR (a root file system
 #        directory, e.g. an OCI image unpacked with `umoci unpack`) becomes /payload instead of
 #        the CI payload, and FILE (JSON: the agent config's "payload" object) says how to run
-#        it; see docs/guest-image.md. --prefix-cache on builds the CI payload with its prefix
+#        it; see docs/guest-image.md. --payload-manifest JSON (a file) is recorded in
+#        manifest.json under "payload" (the llama-cpp variant: the engine's version and
+#        packages). --prefix-cache on builds the CI payload with its prefix
 #        cache on (default off): the positive control of `tenantvm verify`'s timing check.
 # env:   SOURCE_DATE_EPOCH (default: the last commit time of guest-image/, else 0)
 #        TENANTVM_KERNEL_DIR (default: .cache/kernel)
@@ -28,11 +31,12 @@ export LC_ALL=C TZ=UTC
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
-payload_dir="" payload_config="" out="" prefix_cache="off"
+payload_dir="" payload_config="" payload_manifest="" out="" prefix_cache="off"
 while [ $# -gt 0 ]; do
     case "$1" in
         --payload-dir) payload_dir="${2:?--payload-dir needs a directory}"; shift 2 ;;
         --payload-config) payload_config="${2:?--payload-config needs a file}"; shift 2 ;;
+        --payload-manifest) payload_manifest="${2:?--payload-manifest needs a file}"; shift 2 ;;
         --prefix-cache) prefix_cache="${2:?--prefix-cache needs on or off}"; shift 2 ;;
         -*) echo "guest-image: unknown option $1" >&2; exit 2 ;;
         *) out="$1"; shift ;;
@@ -46,6 +50,10 @@ esac
 if [ -n "$payload_dir" ] || [ -n "$payload_config" ]; then
     [ -d "$payload_dir" ] || { echo "guest-image: --payload-dir must name a directory" >&2; exit 2; }
     [ -f "$payload_config" ] || { echo "guest-image: --payload-config must name a JSON file" >&2; exit 2; }
+fi
+if [ -n "$payload_manifest" ]; then
+    [ -n "$payload_dir" ] || { echo "guest-image: --payload-manifest goes with --payload-dir" >&2; exit 2; }
+    [ -f "$payload_manifest" ] || { echo "guest-image: --payload-manifest must name a JSON file" >&2; exit 2; }
 fi
 kdir="${TENANTVM_KERNEL_DIR:-$root/.cache/kernel}"
 target=x86_64-unknown-linux-gnu
@@ -79,7 +87,7 @@ bin="${CARGO_TARGET_DIR:-$root/target}/$target/release"
 mkdir -p "$out"
 stage="$out/initramfs.root"
 rm -rf "$stage"
-mkdir -p "$stage"/{bin,sbin,etc/tenantvm,lib64,lib/x86_64-linux-gnu,proc,sys,dev,run,tmp,data,payload/bin,root}
+mkdir -p "$stage"/{bin,sbin,etc/tenantvm,lib64,lib/x86_64-linux-gnu,proc,sys,dev,run,tmp,data,payload,root}
 
 # 2. PID 1 and the payload.
 install -m 0755 "$bin/tenantvm-agent" "$stage/init"
@@ -88,6 +96,7 @@ if [ -n "$payload_dir" ]; then
     say "payload: $payload_dir"
     cp -a "$payload_dir/." "$stage/payload/"
 else
+    mkdir -p "$stage/payload/bin"
     install -m 0755 "$bin/tenantvm-ngram" "$stage/payload/bin/tenantvm-ngram"
     strip --strip-all "$stage/payload/bin/tenantvm-ngram"
     say "training the CI payload's model from guest-image/corpus"
@@ -218,9 +227,9 @@ pkgs="$(dpkg-query -W -f='${Package}=${Version}\n' busybox-static cryptsetup-bin
     libcryptsetup12 libdevmapper1.02.1 libssl3 libargon2-1 libjson-c5 libblkid1 libuuid1 \
     libudev1 libpopt0 libselinux1 libpcre2-8-0 libc6 libgcc-s1 libext2fs2 libcom-err2 libe2p2 \
     2>/dev/null | sort || true)"
-python3 - "$out" "$kver" "$(cat "$kdir/package" 2>/dev/null || echo unknown)" "$pkgs" <<'EOF'
-import hashlib, json, os, sys
-out, kver, kpkg, pkgs = sys.argv[1:5]
+python3 - "$out" "$kver" "$(cat "$kdir/package" 2>/dev/null || echo unknown)" "$pkgs" "$payload_manifest" <<'EOF'
+import hashlib, json, os, stat, sys
+out, kver, kpkg, pkgs, payload_manifest = sys.argv[1:6]
 def sha(p):
     h = hashlib.sha256()
     with open(p, "rb") as f:
@@ -234,7 +243,9 @@ contents = {}
 for d, _, names in os.walk(stage):
     for n in names:
         p = os.path.join(d, n)
-        if not os.path.islink(p):
+        # Regular files only: a payload root may hold links and device nodes (reading
+        # /dev/zero would never end).
+        if stat.S_ISREG(os.lstat(p).st_mode):
             contents["/" + os.path.relpath(p, stage)] = sha(p)
 manifest = {
     "format": 1,
@@ -244,6 +255,9 @@ manifest = {
     "files": files,
     "initramfs_contents": dict(sorted(contents.items())),
 }
+if payload_manifest:
+    with open(payload_manifest) as f:
+        manifest["payload"] = json.load(f)
 with open(os.path.join(out, "manifest.json"), "w") as f:
     json.dump(manifest, f, indent=2, sort_keys=True)
     f.write("\n")

@@ -3,7 +3,9 @@
 # directory, creates two tenants that each run a test guest in their own jailed KVM VM,
 # shows list, status and logs, destroys one, shows what is left, then runs a Linux guest
 # tenant (guest image, encrypted disk, inference) under QEMU software emulation through
-# create, infer, a second request refused by its rate quota, destroy and its receipt, then
+# create, infer, a second request refused by its rate quota, destroy and its receipt, and,
+# when guest-image/variants/llama-cpp/prepare.sh has built it, a tenant whose engine is
+# Debian's llama-server (model push, payload restart, a completion, destroy), then
 # stops the daemons and removes everything. In between, a GPU tenant on a SIMULATED GPU host
 # (8 H100s described in a file; no GPU is touched and the output and receipt say so): the
 # planner places it, the daemon records the route, and its departure is receipted.
@@ -205,6 +207,27 @@ TOML
     bold "Destroying carol: agent shutdown (disk closed), crypto-shred, receipt"
     tvm destroy carol
     tvm receipt show carol
+    # A real engine: llama.cpp's llama-server from Debian, in its own root inside the guest
+    # (guest-image/variants/llama-cpp, built with the test model by its prepare.sh).
+    llama_image="$root/.cache/guest-image-llama-cpp"
+    llama_model="$root/.cache/llama-cpp/test-model.gguf"
+    if [ -f "$llama_image/manifest.json" ] && [ -f "$llama_model" ]; then
+        mkdir -p "$work/images/llama"
+        cp "$llama_image"/{vmlinuz,initramfs.cpio.gz,cmdline,manifest.json} "$work/images/llama/"
+        printf 'name = "dora"\nvcpus = 1\nmemory_mib = 1024\ndisk_gib = 1\n[image]\nname = "llama"\n' >"$work/dora.toml"
+        bold "Creating dora: llama.cpp's llama-server ($(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["payload"]["engine"]["version"])' "$llama_image/manifest.json")), confined in its own root, no model yet"
+        tvm create "$work/dora.toml" --token-out "$work/dora.token" --timeout-s 900
+        bold "Pushing a model onto dora's encrypted disk, then restarting its engine to serve it"
+        run "$bin/tenantvm" --token-file "$work/dora.token" model push dora "$llama_model" --name tiny-llama
+        run "$bin/tenantvm" --token-file "$work/dora.token" payload restart dora
+        bold "A completion from llama-server (the test model's weights are random: its text is noise)"
+        run "$bin/tenantvm" --token-file "$work/dora.token" infer dora "four score and seven years" --max-tokens 12
+        bold "Destroying dora: the receipt covers the pushed model"
+        tvm destroy dora
+        tvm receipt show dora
+    else
+        echo "demo: skipping the llama.cpp tenant: its image set or test model is not built (run guest-image/variants/llama-cpp/prepare.sh)" >&2
+    fi
     kill -TERM "$daemon_pid"
     wait "$daemon_pid" || true
     daemon_pid=""

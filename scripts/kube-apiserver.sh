@@ -2,7 +2,8 @@
 # A real Kubernetes API server on loopback, for the Kubernetes tier's tests and benchmark
 # (orchestrator/kube, docs/kubernetes.md). No registry ships a kube-apiserver binary, so this
 # builds one from Debian bookworm's `kubernetes` source package (1.20.2, vendored) with
-# Debian's Go 1.19, once, into .cache/kube/ (never committed; a rerun finds it and takes
+# Debian's Go 1.19, once, into .cache/kube/ and this machine's ~/.cache/tenantvm/ (never
+# committed; a rerun or another clone on the machine finds it and takes
 # seconds), and runs it over Debian's etcd-server 3.4 with a throwaway CA and a token file.
 #
 # usage: scripts/kube-apiserver.sh build            # build (or find) the binary; prints its path
@@ -24,6 +25,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache="$root/.cache/kube"
 bin="$cache/bin/kube-apiserver"
+# The build takes half an hour on two cores: a copy is kept per machine too (like cargo's
+# registry cache), so a fresh clone on the same machine (CI's) finds it in seconds.
+machine_copy="${TENANTVM_MACHINE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tenantvm}/kube-apiserver-1.20.2-bookworm"
 say() { printf '\033[1mkube-apiserver:\033[0m %s\n' "$*" >&2; }
 
 sudo_cmd=()
@@ -41,10 +45,23 @@ install_packages() {
     fi
 }
 
+keep_machine_copy() {
+    [ -x "$machine_copy" ] && return
+    mkdir -p "$(dirname "$machine_copy")" &&
+        cp "$bin" "$machine_copy.tmp.$$" && mv "$machine_copy.tmp.$$" "$machine_copy" ||
+        say "could not keep a copy at $machine_copy (the next clone builds again)"
+}
+
 build() {
     # What running it needs, whether the binary is cached or not.
     install_packages etcd-server openssl curl python3
+    if [ ! -x "$bin" ] && [ -x "$machine_copy" ]; then
+        say "found this machine's copy: $machine_copy"
+        mkdir -p "$cache/bin"
+        cp "$machine_copy" "$bin.tmp" && mv "$bin.tmp" "$bin"
+    fi
     if [ -x "$bin" ]; then
+        keep_machine_copy
         echo "$bin"
         return
     fi
@@ -90,6 +107,7 @@ build() {
     cp "$built" "$bin.tmp" && mv "$bin.tmp" "$bin"
     # The tree and Go's cache are large; the binary is all we keep.
     rm -rf "$src" "$gopath" "$cache/gocache" "$apt"
+    keep_machine_copy
     say "built in $((SECONDS - started)) s: $bin"
     echo "$bin"
 }

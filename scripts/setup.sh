@@ -59,6 +59,10 @@ packages=(
     # modules (kvm-amd, vfio-pci, vhost_vsock, dm-crypt: all in linux-image-amd64) and the
     # build; strip and ldd come with build-essential and libc-bin.
     qemu-system-x86 e2fsprogs busybox-static cpio kmod
+    # The llama.cpp engine variant (guest-image/variants/llama-cpp/prepare.sh, run by
+    # scripts/test.sh): mmdebstrap unpacks Debian's llama.cpp into the payload's root; a
+    # Python virtual environment holds the pinned gguf writer and OpenAI client.
+    mmdebstrap python3-venv
 )
 
 missing=()

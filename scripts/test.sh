@@ -10,6 +10,7 @@
 #
 # usage: scripts/test.sh [extra cargo test arguments]
 # env:   TENANTVM_NESTED=0 leaves out the nested host's preparation (its test then skips)
+#        TENANTVM_LLAMA=0 leaves out the llama.cpp engine's preparation (its tests then skip)
 #        TENANTVM_KUBE=0 leaves out the Kubernetes API server's build (its test then skips)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -54,6 +55,14 @@ if [ "${TENANTVM_NESTED:-1}" != 0 ]; then
     # The guest image it built serves the agent's image tests too.
     TENANTVM_GUEST_IMAGE="${TENANTVM_GUEST_IMAGE:-$(sed -n 's/^NH_GUEST_IMAGE=//p' target/nested-host/debug/inputs)}"
     export TENANTVM_GUEST_IMAGE
+fi
+# The llama.cpp engine's variant image, test model and pinned OpenAI client
+# (e2e_llama_engine, llama_test_model), built into .cache: about 4 minutes the first time,
+# seconds when guest-image/ is unchanged since (docs/guest-image.md). Without
+# a Debian mirror the preparation fails and those tests say SKIP naming it.
+if [ "${TENANTVM_LLAMA:-1}" != 0 ]; then
+    phase "the llama.cpp variant"
+    run_tests nice guest-image/variants/llama-cpp/prepare.sh
 fi
 # The Kubernetes tier's API server (orchestrator/kube/tests/apiserver.rs, docs/kubernetes.md):
 # kube-apiserver 1.20 built from Debian's source package into .cache/kube the first time

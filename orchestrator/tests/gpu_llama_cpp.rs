@@ -3,6 +3,11 @@
 //! tenant pushed with `tenantvm model push`, on a whole GPU, through the TLS front door with
 //! a key from `tenantvm key create`: `GET /v1/models` names the pushed model, a completion
 //! and a streamed completion (ending in `data: [DONE]`) come back with text, then destroy.
+//! An answer is not enough: llama.cpp falls back to the CPU silently when it cannot use the
+//! GPU, so the test also requires the engine's own log line that it offloaded every layer
+//! to a CUDA device (`offloaded N/N layers to GPU`, on the guest's console) and, from the
+//! guest's `nvidia-smi` (`tenantvm gpu-info`), GPU memory in use while it serves. The image
+//! is the variant built with `--cuda`.
 //!
 //! Gated: runs only with all of
 //!   TENANTVM_TEST_GPU=<nvml index>          a GPU host (docs/gpu.md)
@@ -95,7 +100,7 @@ fn llama_cpp_variant_serves_a_pushed_model_through_the_front_door() {
     .unwrap();
     let token = d.dir.path().join("t.token");
     // No model yet: the payload answers its health probe and an empty model list, so the
-    // tenant reaches running; the pushed model is served after a stop and start.
+    // tenant reaches running; the pushed model is served after a payload restart.
     let created = tenantvm(
         &d,
         &admin,
@@ -126,13 +131,12 @@ fn llama_cpp_variant_serves_a_pushed_model_through_the_front_door() {
         &d,
     );
     must(
-        tenantvm(&d, &admin, &["stop", &name, "--timeout-s", "600"]),
-        "stop",
-        &d,
-    );
-    must(
-        tenantvm(&d, &admin, &["start", &name, "--timeout-s", "900"]),
-        "start",
+        tenantvm(
+            &d,
+            &admin,
+            &["payload", "restart", &name, "--timeout-s", "900"],
+        ),
+        "payload restart",
         &d,
     );
     let key = must(
@@ -160,6 +164,42 @@ fn llama_cpp_variant_serves_a_pushed_model_through_the_front_door() {
     assert!(
         events.trim_end().ends_with("data: [DONE]"),
         "the stream must end in data: [DONE]: {events}"
+    );
+    // On the GPU, not beside it: every layer offloaded (the engine's own words) ...
+    let log = must(
+        tenantvm(&d, &admin, &["logs", &name, "--tail", "2000"]),
+        "logs",
+        &d,
+    );
+    let log = String::from_utf8_lossy(&log.stdout).into_owned();
+    let offload = log
+        .lines()
+        .rev()
+        .find_map(|l| l.split("offloaded ").nth(1))
+        .unwrap_or_else(|| panic!("llama-server never said it offloaded layers:\n{log}"));
+    let (done, total) = offload
+        .split_whitespace()
+        .next()
+        .and_then(|f| f.split_once('/'))
+        .map(|(a, b)| (a.parse::<u32>().unwrap(), b.parse::<u32>().unwrap()))
+        .unwrap_or_else(|| panic!("unreadable offload line: {offload}"));
+    assert!(
+        total > 0 && done == total,
+        "only {done}/{total} layers on the GPU: the engine runs (partly) on the CPU"
+    );
+    // ... and GPU memory in use while it serves, from the guest's nvidia-smi.
+    let info = must(
+        tenantvm(&d, &admin, &["gpu-info", &name, "--json"]),
+        "gpu-info",
+        &d,
+    );
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    let used = info["guest"]["nvidia_smi"]["gpus"][0]["memory_used_mib"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no GPU memory figure from the guest: {info}"));
+    assert!(
+        used >= 64,
+        "the guest's GPU holds {used} MiB while the model is served: not on the GPU"
     );
     must(
         tenantvm(&d, &admin, &["destroy", &name, "--timeout-s", "600"]),

@@ -1,19 +1,15 @@
 //! The agent's state machine: one [`Agent`] owns the disk and payload state and answers
 //! each [`Request`]. Channels (server.rs) only move frames.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
-
 use tenantvm_agent_protocol::{
-    encode_data, AgentFailure, DiskKey, DiskState, ErrorCode, HttpHead, HttpRequest, Outcome,
-    PayloadState, Reply, Request, ResponseFrame, ShutdownReport, StatusReply, MAX_BODY_LEN,
-    MAX_DATA_LEN, PROTOCOL_VERSION,
+    encode_data, AgentFailure, DiskKey, DiskState, ErrorCode, HttpHead, HttpRequest, LicenceToken,
+    Outcome, PayloadState, Reply, Request, ResponseFrame, ShutdownReport, StatusReply,
+    MAX_BODY_LEN, MAX_DATA_LEN, PROTOCOL_VERSION,
 };
 
 use crate::config::AgentConfig;
@@ -45,8 +41,6 @@ pub enum After {
 
 struct State {
     disk: DiskState,
-    payload_pid: Option<u32>,
-    payload_exit: Option<i32>,
     shutting_down: bool,
 }
 
@@ -58,12 +52,16 @@ pub struct Agent {
     started: Instant,
     channel: Mutex<String>,
     state: Mutex<State>,
+    /// Starts, restarts and stops the payload.
+    payload: crate::payload::Supervisor,
     /// Kept-alive connections to the payload for streamed requests.
     payload_conns: crate::payload_pool::PayloadPool,
     /// The bounded test loads (`load`, `load-status`).
     loads: crate::load::Loads,
     /// Reads the guest's devices (`gpu-info`).
     gpu: crate::gpu::GpuProbe,
+    /// Where `install-licence` writes the vGPU licence token.
+    licence_dir: std::path::PathBuf,
 }
 
 fn failure(code: ErrorCode, message: impl Into<String>) -> Outcome {
@@ -90,6 +88,13 @@ impl Agent {
             payload_conns: crate::payload_pool::PayloadPool::new(payload_addr),
             loads: crate::load::Loads::default(),
             gpu: crate::gpu::GpuProbe::guest(&cfg.payload.env),
+            payload: crate::payload::Supervisor::new(
+                cfg.payload.clone(),
+                cfg.disk.mount_point.clone(),
+                reaper.clone(),
+                Arc::clone(&logs),
+            ),
+            licence_dir: tenantvm_agent_protocol::LICENCE_DIR.into(),
             cfg,
             reaper,
             logs,
@@ -97,8 +102,6 @@ impl Agent {
             channel: Mutex::new("none".into()),
             state: Mutex::new(State {
                 disk: DiskState::Locked,
-                payload_pid: None,
-                payload_exit: None,
                 shutting_down: false,
             }),
         }
@@ -107,6 +110,11 @@ impl Agent {
     /// Replaces the device probe (tests point it at a fake sysfs tree and `nvidia-smi`).
     pub fn set_gpu_probe(&mut self, probe: crate::gpu::GpuProbe) {
         self.gpu = probe;
+    }
+
+    /// Replaces where the vGPU licence token is written (tests point it at a temp dir).
+    pub fn set_licence_dir(&mut self, dir: &std::path::Path) {
+        self.licence_dir = dir.to_path_buf();
     }
 
     /// Records which channel serves requests (reported by `status`).
@@ -140,10 +148,12 @@ impl Agent {
         match req {
             Request::Status => (Outcome::Ok(Reply::Status(self.status())), After::Continue),
             Request::UnlockDisk { key } => (self.unlock(&key), After::Continue),
+            Request::InstallLicence { token } => (self.install_licence(&token), After::Continue),
             Request::Mount { format_if_missing } => {
                 (self.mount(format_if_missing), After::Continue)
             }
             Request::StartPayload => (self.start_payload(), After::Continue),
+            Request::RestartPayload => (self.restart_payload(), After::Continue),
             Request::Health => (
                 Outcome::Ok(Reply::Health {
                     payload: self.payload_state(),
@@ -230,6 +240,22 @@ impl Agent {
         }
     }
 
+    fn install_licence(&self, token: &LicenceToken) -> Outcome {
+        match crate::licence::install(&self.licence_dir, token) {
+            Ok(path) => {
+                self.log(&format!(
+                    "vGPU licence token installed at {}",
+                    path.display()
+                ));
+                Outcome::Ok(Reply::LicenceInstalled)
+            }
+            Err(e) => {
+                self.log(&format!("installing the vGPU licence token failed: {e}"));
+                failure(ErrorCode::Internal, e.to_string())
+            }
+        }
+    }
+
     fn mount(&self, format_if_missing: bool) -> Outcome {
         match self.state().disk {
             DiskState::Locked => {
@@ -255,84 +281,64 @@ impl Agent {
     }
 
     fn start_payload(&self) -> Outcome {
-        let mut st = self.state();
-        if st.disk != DiskState::Mounted {
+        if self.state().disk != DiskState::Mounted {
             return failure(
                 ErrorCode::WrongState,
                 "Mount the data disk before starting the payload",
             );
         }
-        if st.payload_pid.is_some() && st.payload_exit.is_none() {
-            return failure(ErrorCode::WrongState, "The payload is already running");
-        }
-        let p = &self.cfg.payload;
-        let mut cmd = Command::new(&p.command[0]);
-        cmd.args(&p.command[1..])
-            .env_clear()
-            .env("PATH", "/payload/bin:/sbin:/bin:/usr/sbin:/usr/bin")
-            .envs(&p.env)
-            .current_dir(&p.workdir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = match self.reaper.spawn(&mut cmd) {
-            Ok(c) => c,
+        match self.payload.start() {
+            Ok(pid) => {
+                self.log(&format!("payload started, pid {pid}"));
+                Outcome::Ok(Reply::PayloadStarted { pid })
+            }
+            Err(e @ crate::payload::PayloadError::Running) => {
+                failure(ErrorCode::WrongState, e.to_string())
+            }
             Err(e) => {
-                return failure(
-                    ErrorCode::Internal,
-                    format!("Starting the payload {} failed: {e}", p.command[0]),
-                )
-            }
-        };
-        let pid = child.pid;
-        for (source, stream) in [
-            (
-                "payload-stdout",
-                child
-                    .stdout
-                    .take()
-                    .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
-            ),
-            (
-                "payload-stderr",
-                child
-                    .stderr
-                    .take()
-                    .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
-            ),
-        ] {
-            if let Some(stream) = stream {
-                let logs = Arc::clone(&self.logs);
-                let _ = std::thread::Builder::new()
-                    .name(source.into())
-                    .spawn(move || {
-                        for line in BufReader::new(stream).split(b'\n').map_while(Result::ok) {
-                            logs.push(source, &String::from_utf8_lossy(&line));
-                        }
-                    });
+                self.log(&e.to_string());
+                failure(ErrorCode::Internal, e.to_string())
             }
         }
-        st.payload_pid = Some(pid);
-        st.payload_exit = None;
-        drop(st);
-        self.log(&format!("payload started, pid {pid}"));
-        Outcome::Ok(Reply::PayloadStarted { pid })
+    }
+
+    fn restart_payload(&self) -> Outcome {
+        if self.state().disk != DiskState::Mounted {
+            return failure(
+                ErrorCode::WrongState,
+                "Mount the data disk before starting the payload",
+            );
+        }
+        // Kept connections lead to the old process.
+        self.payload_conns.clear();
+        match self.payload.restart(PAYLOAD_STOP_GRACE) {
+            Ok(pid) => {
+                self.log(&format!("payload restarted on request, pid {pid}"));
+                Outcome::Ok(Reply::PayloadStarted { pid })
+            }
+            Err(e) => {
+                self.log(&e.to_string());
+                failure(ErrorCode::Internal, e.to_string())
+            }
+        }
     }
 
     /// The payload's state, probing readiness with a GET of the health path.
     fn payload_state(&self) -> PayloadState {
-        let pid = {
-            let mut st = self.state();
-            let Some(pid) = st.payload_pid else {
-                return PayloadState::NotStarted;
-            };
-            if st.payload_exit.is_none() {
-                st.payload_exit = self.reaper.try_status(pid);
+        let (pid, restarts) = match self.payload.observe() {
+            crate::payload::Observed::NotStarted => return PayloadState::NotStarted,
+            crate::payload::Observed::Exited {
+                code,
+                restarts,
+                restart_in,
+            } => {
+                return PayloadState::Exited {
+                    code,
+                    restarts,
+                    restart_in_ms: restart_in.map(|d| d.as_millis() as u64),
+                }
             }
-            if let Some(code) = st.payload_exit {
-                return PayloadState::Exited { code };
-            }
-            pid
+            crate::payload::Observed::Running { pid, restarts } => (pid, restarts),
         };
         let probe = HttpRequest {
             method: "GET".into(),
@@ -343,7 +349,11 @@ impl Agent {
         let ready = self
             .exchange(&probe, Duration::from_secs(2))
             .is_ok_and(|r| r.status == 200);
-        PayloadState::Running { pid, ready }
+        PayloadState::Running {
+            pid,
+            ready,
+            restarts,
+        }
     }
 
     fn exchange(
@@ -548,29 +558,20 @@ impl Agent {
 
     /// Stops the payload, unmounts, closes dm-crypt and syncs. The caller powers off.
     pub fn shutdown(&self) -> ShutdownReport {
-        let (pid, disk) = {
+        let disk = {
             let mut st = self.state();
             st.shutting_down = true;
-            (
-                st.payload_pid.filter(|_| st.payload_exit.is_none()),
-                st.disk,
-            )
+            st.disk
         };
         self.log("shutdown requested");
         // A disk load holds a file on the data disk: stop every load before unmounting.
         self.loads.stop_all(Duration::from_secs(5));
-        let mut payload_stopped = false;
-        if let Some(pid) = pid {
-            let target = Pid::from_raw(pid as i32);
-            let _ = kill(target, Signal::SIGTERM);
-            let code = self.reaper.wait(pid, PAYLOAD_STOP_GRACE).or_else(|| {
-                self.log("payload ignored SIGTERM, killing it");
-                let _ = kill(target, Signal::SIGKILL);
-                self.reaper.wait(pid, Duration::from_secs(5))
-            });
-            payload_stopped = code.is_some();
-            self.state().payload_exit = code;
-        }
+        let was_running = matches!(
+            self.payload.observe(),
+            crate::payload::Observed::Running { .. }
+        );
+        let code = self.payload.stop(PAYLOAD_STOP_GRACE);
+        let payload_stopped = was_running && code.is_some();
         let mut unmounted = false;
         if disk == DiskState::Mounted {
             match disk::unmount_data(&self.cfg.disk) {
@@ -625,6 +626,7 @@ mod tests {
                 workdir: dir.to_path_buf(),
                 port: 1,
                 health_path: "/health".into(),
+                confine: None,
             },
         };
         Agent::new(cfg, Reaper::start().unwrap(), Arc::new(LogBuffer::new(100)))
@@ -656,6 +658,42 @@ mod tests {
             a.handle(Request::Status).0,
             Outcome::Ok(Reply::Status(_))
         ));
+    }
+
+    #[test]
+    fn install_licence_writes_the_token_and_logs_only_where() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut a = agent(dir.path());
+        let tokens = dir.path().join("etc/nvidia/ClientConfigToken");
+        a.set_licence_dir(&tokens);
+        let secret = b"licence-secret-4f1c9e\n";
+        let token = LicenceToken::new(secret).unwrap();
+        let (outcome, after) = a.handle(Request::InstallLicence { token });
+        assert_eq!(outcome, Outcome::Ok(Reply::LicenceInstalled));
+        assert_eq!(after, After::Continue);
+        let file = tokens.join(tenantvm_agent_protocol::LICENCE_FILE);
+        assert_eq!(std::fs::read(&file).unwrap(), secret);
+        let (lines, _) = a.logs().wait_since(0, 100, Duration::ZERO);
+        assert!(lines
+            .iter()
+            .any(|l| l.line.contains("licence token installed")));
+        assert!(
+            lines.iter().all(|l| !l.line.contains("licence-secret")),
+            "{lines:?}"
+        );
+        // A directory that cannot be made is an internal error, not a panic.
+        std::fs::write(dir.path().join("blocker"), b"").unwrap();
+        a.set_licence_dir(&dir.path().join("blocker/sub"));
+        let token = LicenceToken::new(secret).unwrap();
+        let (outcome, _) = a.handle(Request::InstallLicence { token });
+        assert!(
+            matches!(
+                &outcome,
+                Outcome::Err(AgentFailure { code: ErrorCode::Internal, message })
+                    if !message.contains("licence-secret")
+            ),
+            "{outcome:?}"
+        );
     }
 
     #[test]

@@ -77,6 +77,11 @@ pub struct PayloadConfig {
     pub port: u16,
     /// Path answered with 200 once the server is ready.
     pub health_path: String,
+    /// Run it in its own root as an unprivileged user ([`crate::confine`]); `command` and
+    /// `workdir` are then paths inside that root. Absent: it runs in the initramfs as the
+    /// agent does (the CI n-gram payload).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confine: Option<crate::confine::ConfineConfig>,
 }
 
 impl AgentConfig {
@@ -107,6 +112,12 @@ impl AgentConfig {
             return Err(AgentConfigError::Invalid(
                 "payload.health_path must start with '/'",
             ));
+        }
+        if let Some(c) = &self.payload.confine {
+            c.validate().map_err(|e| match e {
+                crate::confine::ConfineError::Invalid(why) => AgentConfigError::Invalid(why),
+                _ => AgentConfigError::Invalid("payload.confine is invalid"),
+            })?;
         }
         let name = &self.disk.mapper_name;
         if name.is_empty()
@@ -141,6 +152,17 @@ mod tests {
         std::fs::write(&p, GOOD).unwrap();
         let cfg = AgentConfig::load(&p).unwrap();
         assert_eq!(cfg.payload.port, 8000);
+        assert_eq!(cfg.payload.confine, None);
+        std::fs::write(
+            &p,
+            GOOD.replace(
+                "\"health_path\": \"/health\"",
+                "\"health_path\": \"/health\", \"confine\": {\"root\": \"/payload\", \"uid\": 1000}",
+            ),
+        )
+        .unwrap();
+        let cfg = AgentConfig::load(&p).unwrap();
+        assert_eq!(cfg.payload.confine.unwrap().uid, 1000);
     }
 
     #[test]
@@ -165,6 +187,14 @@ mod tests {
             ("8000", "0"),
             ("\"/health\"", "\"health\""),
             ("\"tenantdata\"", "\"../x\""),
+            (
+                "\"health_path\": \"/health\"",
+                "\"health_path\": \"/health\", \"confine\": {\"root\": \"/payload\", \"uid\": 0}",
+            ),
+            (
+                "\"health_path\": \"/health\"",
+                "\"health_path\": \"/health\", \"confine\": {\"root\": \"/\", \"uid\": 1000}",
+            ),
         ] {
             std::fs::write(&p, GOOD.replace(from, to)).unwrap();
             assert!(

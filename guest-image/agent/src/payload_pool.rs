@@ -46,6 +46,11 @@ impl PayloadPool {
         self.lock().len()
     }
 
+    /// Drops every kept connection (the payload is being replaced).
+    pub fn clear(&self) {
+        self.lock().clear();
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<TcpStream>> {
         self.idle.lock().unwrap_or_else(PoisonError::into_inner)
     }

@@ -480,6 +480,7 @@ mod tests {
                 workdir: dir.to_path_buf(),
                 port: 1,
                 health_path: "/health".into(),
+                confine: None,
             },
         };
         std::fs::write(dir.join("disk.img"), [0u8; 4096]).unwrap();

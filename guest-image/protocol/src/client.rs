@@ -269,8 +269,10 @@ fn what(req: &Request) -> &'static str {
     match req {
         Request::Status => "status",
         Request::UnlockDisk { .. } => "unlock-disk",
+        Request::InstallLicence { .. } => "install-licence",
         Request::Mount { .. } => "mount",
         Request::StartPayload => "start-payload",
+        Request::RestartPayload => "restart-payload",
         Request::Health => "health",
         Request::Logs { .. } => "logs",
         Request::Infer(_) => "infer",
@@ -1542,6 +1544,7 @@ mod tests {
                     payload = PayloadState::Running {
                         pid: 9,
                         ready: true,
+                        restarts: 0,
                     };
                     Outcome::Ok(Reply::PayloadStarted { pid: 9 })
                 }
@@ -1598,6 +1601,7 @@ mod tests {
                 PayloadState::Running {
                     pid: 3,
                     ready: true,
+                    restarts: 0,
                 },
             )
         });

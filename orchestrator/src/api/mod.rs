@@ -14,6 +14,7 @@ pub mod lanes;
 pub mod load;
 mod metrics;
 pub mod models;
+pub mod payload;
 pub mod types;
 
 use std::sync::Arc;
@@ -523,6 +524,7 @@ pub fn router(svc: TenantService) -> Router {
             axum::routing::delete(keys::revoke),
         )
         .route("/v1/tenants/{name}/models", get(models::list))
+        .route("/v1/tenants/{name}/payload/restart", post(payload::restart))
         .route("/v1/tenants/{name}/gpu", get(gpu_info::get))
         .route("/v1/tenants/{name}/load", post(load::start))
         .route("/v1/tenants/{name}/load/{kind}", get(load::status))
@@ -551,5 +553,7 @@ mod isolation_tests;
 mod metrics_tests;
 #[cfg(test)]
 mod model_tests;
+#[cfg(test)]
+mod payload_tests;
 #[cfg(test)]
 mod tests;

@@ -1,7 +1,8 @@
 //! The front door: each tenant's clients reach its inference server here, on TCP with TLS
 //! (`tenantvmd --listen ADDR:PORT --tls-cert FILE --tls-key FILE`), apart from the admin's
-//! Unix socket. OpenAI-compatible: `GET /v1/models`, `POST /v1/completions` and
-//! `POST /v1/chat/completions` with an inference key (`tenantvm key create TENANT`) as the
+//! Unix socket. OpenAI-compatible: `GET /v1/models`, `POST /v1/completions`,
+//! `POST /v1/chat/completions` and `POST /v1/embeddings` (the table `ROUTES`) with an
+//! inference key (`tenantvm key create TENANT`) as the
 //! bearer token; the key alone picks the tenant, so a client written for OpenAI works by
 //! changing its base URL and key, and a key can only run its own tenant's inference.
 //!
@@ -267,13 +268,21 @@ fn error_response(e: &OpenAiError) -> Response<Body> {
     resp
 }
 
-/// The routes, and the payload path each is forwarded to.
+/// The OpenAI routes an engine serves, each with its method: passed to the payload at the
+/// same path, the answer (the engine's own, errors included) passed back unchanged. An
+/// engine that does not serve one (llama-server without `--embeddings`) answers with its
+/// own OpenAI-shaped error.
+const ROUTES: &[(&str, &str)] = &[
+    ("/v1/models", "GET"),
+    ("/v1/completions", "POST"),
+    ("/v1/chat/completions", "POST"),
+    ("/v1/embeddings", "POST"),
+];
+
+/// The route of `path`, and the payload path it is forwarded to (the same).
 fn route(method: &Method, path: &str) -> Result<&'static str, OpenAiError> {
-    let (target, allowed) = match path {
-        "/v1/models" => ("/v1/models", "GET"),
-        "/v1/completions" => ("/v1/completions", "POST"),
-        "/v1/chat/completions" => ("/v1/chat/completions", "POST"),
-        _ => return Err(OpenAiError::unknown_route(method.as_str(), path)),
+    let Some(&(target, allowed)) = ROUTES.iter().find(|(p, _)| *p == path) else {
+        return Err(OpenAiError::unknown_route(method.as_str(), path));
     };
     if method.as_str() != allowed {
         return Err(OpenAiError::wrong_method(method.as_str(), target, allowed));
@@ -356,6 +365,7 @@ fn route_label(path: &str) -> &'static str {
         "/v1/models" => "models",
         "/v1/completions" => "completions",
         "/v1/chat/completions" => "chat.completions",
+        "/v1/embeddings" => "embeddings",
         "/metrics" => "metrics",
         _ => "unknown",
     }

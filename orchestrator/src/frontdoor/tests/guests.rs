@@ -18,6 +18,18 @@ use tenantvm_agent_protocol::{
 /// What the fake guests answer to a prompt starting `secret-prompt`.
 pub(super) const COMPLETION_MARKER: &str = "secret-completion-5e1f9c";
 
+/// What the fake guests answer on `/v1/embeddings` (llama-server without `--embeddings`).
+pub(super) const EMBEDDINGS_REFUSAL: &str = r#"{"error":{"code":501,"message":"This server does not support embeddings. Start it with `--embeddings`","type":"not_supported_error"}}"#;
+
+/// The events of a streamed answer to the prompt `bytes`: raw bytes that are not valid
+/// UTF-8 on their own (the first two split "é", 0xC3 0xA9; the third holds 0xFF).
+pub(super) const BYTE_TOKEN_EVENTS: [&[u8]; 4] = [
+    b"data: {\"choices\":[{\"text\":\"\xC3",
+    b"\xA9\"}]}\n\n",
+    b"data: {\"choices\":[{\"text\":\"\xFF\"}]}\n\n",
+    b"data: [DONE]\n\n",
+];
+
 /// What the fake guests saw, shared with the test.
 #[derive(Default)]
 pub(super) struct Guests {
@@ -77,6 +89,13 @@ fn serve_request(tenant: &str, guests: &Guests, mut s: UnixStream) -> std::io::R
         http.headers
     );
     let body: Value = serde_json::from_str(&http.body).unwrap();
+    if http.path == "/v1/embeddings" {
+        // As llama-server started without --embeddings answers: its own OpenAI-shaped
+        // error, which must reach the client unchanged.
+        write_head(&mut s, id, 501, "application/json; charset=utf-8")?;
+        write_data(&mut s, EMBEDDINGS_REFUSAL.as_bytes())?;
+        return write_data(&mut s, b"");
+    }
     if body["model"] != model.as_str() {
         write_head(&mut s, id, 404, "application/json")?;
         let name = body["model"].as_str().unwrap_or("");
@@ -138,6 +157,14 @@ fn serve_request(tenant: &str, guests: &Guests, mut s: UnixStream) -> std::io::R
                     }
                     std::thread::sleep(Duration::from_millis(20));
                 }
+            }
+            if prompt == "bytes" {
+                // A random-weight model's byte tokens: one character's UTF-8 split across
+                // two events and frames, and a byte that is no UTF-8 at all.
+                for piece in BYTE_TOKEN_EVENTS {
+                    write_data(&mut s, piece)?;
+                }
+                return write_data(&mut s, b"");
             }
             let words = if prompt.starts_with("secret-prompt") {
                 [COMPLETION_MARKER; 3]

@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::door::{door, error_code};
+use super::guests::{BYTE_TOKEN_EVENTS, EMBEDDINGS_REFUSAL};
 
 #[test]
 fn openai_routes_stream_through_and_every_bad_request_gets_openais_error_shape() {
@@ -168,4 +169,45 @@ fn openai_routes_stream_through_and_every_bad_request_gets_openais_error_shape()
             .status,
         401
     );
+}
+
+#[test]
+fn engine_routes_and_answers_pass_through_unchanged() {
+    let Some(d) = door(&[("alice", "")]) else {
+        return;
+    };
+    // /v1/embeddings reaches the engine; its own refusal (status, OpenAI-shaped body)
+    // comes back as it wrote it.
+    let r = d.post(
+        "/v1/embeddings",
+        "alice",
+        json!({"model": "alice-model", "input": "hi"}),
+    );
+    assert_eq!(r.status, 501);
+    let body = r.body();
+    assert_eq!(body, EMBEDDINGS_REFUSAL.as_bytes());
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["error"]["type"], "not_supported_error");
+    assert_eq!(
+        d.send("GET", "/v1/embeddings", Some(&d.keys["alice"]), None)
+            .status,
+        405
+    );
+    // A path the engine may serve but that is no OpenAI route stays closed.
+    let r = d.send("GET", "/props", Some(&d.keys["alice"]), None);
+    assert_eq!(r.status, 404);
+    assert_eq!(error_code(&r.json()), "unknown_url");
+
+    // Byte tokens that are not UTF-8 on their own pass through byte for byte.
+    let mut s = d.post(
+        "/v1/completions",
+        "alice",
+        json!({"model": "alice-model", "prompt": "bytes", "stream": true}),
+    );
+    assert_eq!(s.status, 200);
+    let mut got = Vec::new();
+    while let Some(chunk) = s.next_chunk() {
+        got.extend_from_slice(&chunk);
+    }
+    assert_eq!(got, BYTE_TOKEN_EVENTS.concat());
 }
