@@ -67,6 +67,9 @@ pub fn host_spec(tenant: &Tenant) -> Result<HostSpec, SpecError> {
         image: s.image.clone(),
         quotas: s.quotas.clone(),
         hugepages,
+        // A vGPU licence is a secret: a `Tenant` would name a Secret that the node agent
+        // reads, which is not built yet (docs/kubernetes.md), so none is passed on.
+        vgpu_licence: None,
     };
     spec.validate()?;
     Ok(spec)
