@@ -11,6 +11,7 @@
 # usage: scripts/test.sh [extra cargo test arguments]
 # env:   TENANTVM_NESTED=0 leaves out the nested host's preparation (its test then skips)
 #        TENANTVM_LLAMA=0 leaves out the llama.cpp engine's preparation (its tests then skip)
+#        TENANTVM_KUBE=0 leaves out the Kubernetes API server's build (its test then skips)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -62,6 +63,14 @@ fi
 if [ "${TENANTVM_LLAMA:-1}" != 0 ]; then
     phase "the llama.cpp variant"
     run_tests nice guest-image/variants/llama-cpp/prepare.sh
+fi
+# The Kubernetes tier's API server (orchestrator/kube/tests/apiserver.rs, docs/kubernetes.md):
+# kube-apiserver 1.20 built from Debian's source package into .cache/kube the first time
+# (minutes), found there after; without it that test skips, naming the script.
+if [ "${TENANTVM_KUBE:-1}" != 0 ]; then
+    phase "the Kubernetes API server"
+    scripts/kube-apiserver.sh build >/dev/null ||
+        echo "test.sh: the API server did not build; the Kubernetes tier will skip"
 fi
 phase "cargo test"
 run_tests cargo test --workspace --no-fail-fast --features tenantvm/test-hooks,tenantvm-vmm/test-model-gpu "$@"

@@ -162,6 +162,25 @@ impl Client {
         self.call(Method::POST, "/v1/tenants", Some(body)).await
     }
 
+    /// `GET /v1/host`: the host's GPUs, the shares its ledger holds and the room its tenants
+    /// hold (admin).
+    pub async fn host(&self) -> Result<crate::api::host::HostView, ClientError> {
+        self.call(Method::GET, "/v1/host", None).await
+    }
+
+    /// `POST /v1/tenants/{name}/keys`: a new inference key for the front door (shown once).
+    pub async fn create_key(
+        &self,
+        name: &str,
+    ) -> Result<crate::api::keys::KeyCreated, ClientError> {
+        self.call(
+            Method::POST,
+            &format!("/v1/tenants/{}/keys", encode(name)),
+            None,
+        )
+        .await
+    }
+
     /// `GET /v1/tenants`.
     pub async fn list(&self) -> Result<TenantList, ClientError> {
         self.call(Method::GET, "/v1/tenants", None).await

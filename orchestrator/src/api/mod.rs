@@ -8,6 +8,7 @@
 //! gate for inference, the caller's lane otherwise); the health check does no blocking work.
 
 pub mod gpu_info;
+pub mod host;
 pub mod keys;
 pub mod lanes;
 pub mod load;
@@ -533,6 +534,7 @@ pub fn router(svc: TenantService) -> Router {
                 .delete(models::remove)
                 .layer(DefaultBodyLimit::disable()),
         )
+        .route("/v1/host", get(host::get))
         .route("/v1/metrics", get(metrics::metrics))
         .route("/v1/receipts", get(receipts))
         .route("/v1/gpu/quarantine", get(quarantine))

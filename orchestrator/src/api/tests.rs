@@ -935,3 +935,39 @@ async fn what_the_spec_admits_the_server_takes_and_what_it_refuses_is_refused() 
     let (s, _) = api.call("GET", "/v1/receipts?tenant=whole", a, None).await;
     assert_eq!(s, StatusCode::OK);
 }
+
+#[tokio::test]
+async fn the_host_inventory_is_the_admins_and_counts_what_tenants_hold() {
+    let api = Api::new();
+    let a = Some(api.admin.as_str());
+    let (s, before) = api.checked("GET", "/v1/host", "/v1/host", a, None).await;
+    assert_eq!(s, StatusCode::OK, "{before}");
+    assert!(before["tenants"].as_array().unwrap().is_empty());
+    let (_, created) = api
+        .checked(
+            "POST",
+            "/v1/tenants",
+            "/v1/tenants",
+            a,
+            Some(spec_json("inv")),
+        )
+        .await;
+    let tenant = created["token"].as_str().unwrap().to_string();
+    let (s, after) = api.checked("GET", "/v1/host", "/v1/host", a, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(after["tenants"], json!(["inv"]));
+    let overhead = after["vmm_overhead_mib"].as_u64().unwrap();
+    assert_eq!(
+        after["memory_held_mib"].as_u64().unwrap(),
+        before["memory_held_mib"].as_u64().unwrap() + 64 + overhead
+    );
+    assert_eq!(after["vcpus_held"].as_u64().unwrap(), 1);
+    // A tenant's token may not read the host's.
+    let (s, _) = api
+        .checked("GET", "/v1/host", "/v1/host", Some(&tenant), None)
+        .await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+    let (s, _) = api.checked("GET", "/v1/host", "/v1/host", None, None).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    api.idle().await;
+}

@@ -157,6 +157,19 @@ struct SignedPart<'a> {
 }
 
 impl LogEntry {
+    /// Whether `key` signed this entry as it is: a reader that got the entry through the
+    /// API rather than the log file (the Kubernetes node agent, before it lets a `Tenant`
+    /// go) checks it against the daemon's public key.
+    pub fn signed_by(&self, key: &VerifyingKey) -> bool {
+        self.signature_valid(key)
+    }
+
+    /// SHA-256 (hex) of the entry's line in the log: what the next entry's `prev_hash`
+    /// names, so the digest ties a copy of the receipt to the chain.
+    pub fn digest(&self) -> Result<String, serde_json::Error> {
+        Ok(hex::encode(Sha256::digest(serde_json::to_vec(self)?)))
+    }
+
     fn signed_message(&self) -> Result<Vec<u8>, serde_json::Error> {
         let mut msg = ENTRY_DOMAIN.to_vec();
         serde_json::to_writer(

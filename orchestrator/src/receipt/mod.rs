@@ -19,7 +19,9 @@ use serde::{Deserialize, Serialize};
 use crate::untrusted::GuestLine;
 
 pub use cli::{run_show, run_verify, write_entries, ReceiptShowArgs, ReceiptVerifyArgs};
-pub use log::{AuditLog, ChainProblem, LogEntry, ReceiptSigner, VerifyReport, MAX_LINE};
+pub use log::{
+    load_verifying_key, AuditLog, ChainProblem, LogEntry, ReceiptSigner, VerifyReport, MAX_LINE,
+};
 pub use time::{now_rfc3339, rfc3339, rfc3339_from_millis};
 
 /// Default audit log location.

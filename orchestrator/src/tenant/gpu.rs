@@ -247,6 +247,10 @@ impl GpuPlanner for BackendPlanner {
         self.describe_slice(placement, record)
     }
 
+    fn gpus(&self) -> Result<Vec<GpuInfo>, GpuPlanError> {
+        self.backend.gpus().map_err(plan_err)
+    }
+
     fn usage(&self, placement: &GpuPlacement) -> Result<Option<SliceUsage>, GpuPlanError> {
         let gpus = self.backend.gpus().map_err(plan_err)?;
         let info = find_gpu(&gpus, &placement.gpu)

@@ -226,6 +226,12 @@ pub trait GpuPlanner: Send + Sync {
     ) -> Result<Option<tenantvm_gpu::backend::SliceUsage>, GpuPlanError> {
         Ok(None)
     }
+
+    /// The host's GPUs with their instances, as the GPU backend lists them (`GET /v1/host`,
+    /// for a placer of many hosts); none from a planner without a backend.
+    fn gpus(&self) -> Result<Vec<tenantvm_gpu::backend::GpuInfo>, GpuPlanError> {
+        Ok(Vec::new())
+    }
 }
 
 /// The planner of a daemon started with `--gpu-backend none`: every GPU request is refused.

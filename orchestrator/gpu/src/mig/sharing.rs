@@ -15,12 +15,12 @@
 
 use std::sync::Mutex;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::{model_by_pci_device, GpuModel};
 
 /// How MIG instances of a GPU can reach a VM.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum VgpuSupport {
     /// SR-IOV virtual functions with NVIDIA's vGPU manager (vendor-specific VFIO, vGPU 17+).

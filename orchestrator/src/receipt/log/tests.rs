@@ -411,3 +411,21 @@ fn a_damaged_entry_never_blocks_later_departures() {
     assert_eq!(again.receipt.departure_id, "d3");
     assert_eq!(f.log.verify(&f.signer.verifying_key()).unwrap().entries, 1);
 }
+
+#[test]
+fn an_entry_read_through_the_api_checks_against_the_key_and_the_chain() {
+    let f = fixture();
+    let entries = f.log.entries().unwrap();
+    let key = f.signer.verifying_key();
+    assert!(entries.iter().all(|e| e.signed_by(&key)));
+    // Its digest is what the next entry chains to.
+    assert_eq!(entries[0].digest().unwrap(), entries[1].prev_hash);
+    // Controls: an edited entry, or another key, does not check.
+    let mut edited = entries[1].clone();
+    edited.receipt.tenant = "mallory".into();
+    assert!(!edited.signed_by(&key));
+    let dir = tempfile::tempdir().unwrap();
+    let other = ReceiptSigner::load_or_create(&dir.path().join("other.key")).unwrap();
+    assert!(!entries[1].signed_by(&other.verifying_key()));
+    assert_ne!(edited.digest().unwrap(), entries[1].digest().unwrap());
+}
