@@ -22,50 +22,14 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use support::cli::{must, tenantvm};
 use support::daemon::{self, TestDaemon};
-use support::guest_image::{have, install_image, repo_root};
+use support::guest_image::repo_root;
+use support::llama::{llama_daemon, prepared};
 use support::tls::FrontDoorTls;
-
-/// What prepare.sh builds.
-struct Prepared {
-    image: PathBuf,
-    model: PathBuf,
-    python: PathBuf,
-}
-
-fn prepared() -> Result<Prepared, String> {
-    let cache = repo_root().join(".cache");
-    let p = Prepared {
-        image: cache.join("guest-image-llama-cpp"),
-        model: cache.join("llama-cpp/test-model.gguf"),
-        python: cache.join("llama-cpp/venv/bin/python"),
-    };
-    // SAFETY: geteuid has no preconditions and touches no memory.
-    if unsafe { libc::geteuid() } != 0 {
-        return Err("needs root (jails set uids, cgroups and namespaces)".into());
-    }
-    if !have("qemu-system-x86_64") {
-        return Err("qemu-system-x86_64 is not installed (run scripts/setup.sh)".into());
-    }
-    for (what, path) in [
-        ("the llama-cpp image set", p.image.join("manifest.json")),
-        ("the test model", p.model.clone()),
-        ("the pinned OpenAI client", p.python.clone()),
-    ] {
-        if !path.is_file() {
-            return Err(format!(
-                "{what} is not built ({} missing): run guest-image/variants/llama-cpp/prepare.sh",
-                path.display()
-            ));
-        }
-    }
-    Ok(p)
-}
 
 fn secs(t: Instant) -> String {
     format!("{:.1} s", t.elapsed().as_secs_f64())
@@ -111,20 +75,7 @@ fn llama_server_serves_a_pushed_model_through_the_front_door_to_the_openai_clien
         .to_string();
 
     let door = FrontDoorTls::new();
-    let mut d = TestDaemon::new()
-        .with_args(&[
-            "--backend",
-            "qemu-tcg",
-            "--boot-timeout-s",
-            "300",
-            "--agent-timeout-s",
-            "600",
-            "--stop-grace-s",
-            "30",
-        ])
-        .with_front_door(&door);
-    install_image(&p.image, &d.dir.path().join("img"), "llama");
-    d.start(None);
+    let mut d = llama_daemon(&p, &door);
     let admin = d.admin_token_file();
     let name = daemon::unique("llama");
     let spec = d.dir.path().join("t.toml");
