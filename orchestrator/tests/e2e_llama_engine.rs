@@ -10,8 +10,10 @@
 //! engine and its own OpenAI-shaped refusal comes back. The engine's prompt cache answers a
 //! repeated prefix (its own `cache_n`). Bad input: a pushed file that is not GGUF and a
 //! truncated GGUF each make the restart fail with the engine's exit code, and the tenant
-//! serves again once a good model replaces them. Departure's receipt covers the pushed
-//! model and the disk is gone.
+//! serves again once a good model replaces them. The engine dying under load (stopped with
+//! three long completions in flight) gives each client an OpenAI-shaped error, not a hang,
+//! and the engine comes back serving the model still on the disk. Departure's receipt
+//! covers the pushed model and the disk is gone.
 //!
 //! Worth its time (about a minute under TCG here, half of it the guest's boot): it is the
 //! only test in which a real engine serves a tenant.
@@ -296,6 +298,61 @@ fn llama_server_serves_a_pushed_model_through_the_front_door_to_the_openai_clien
         a["timings"]["prompt_ms"].as_f64().unwrap(),
         b["timings"]["prompt_ms"].as_f64().unwrap()
     );
+
+    // The engine dies under load: three long completions in flight (two in its slots,
+    // one waiting its turn) when its process is stopped (a payload restart: SIGTERM to its group,
+    // SIGKILL after 10 s; to the clients the same as a crash). Each client gets an answer,
+    // an OpenAI-shaped error, within its deadline (none hangs); the agent brings the
+    // engine back, the pushed model is still on the disk and served.
+    let long = serde_json::json!({"model": "tiny-llama", "prompt": "once upon a time",
+        "max_tokens": 3000, "temperature": 0.8});
+    let t = Instant::now();
+    let answers = std::thread::scope(|scope| {
+        let flights: Vec<_> = (0..3)
+            .map(|_| scope.spawn(|| post("/v1/completions", long.clone())))
+            .collect();
+        // Let them reach the engine (decoding 3,000 tokens takes minutes under TCG).
+        std::thread::sleep(Duration::from_secs(3));
+        let o = restart(&d, &token, &name);
+        assert!(
+            o.status.success(),
+            "payload restart under load: {}",
+            text(&o)
+        );
+        flights
+            .into_iter()
+            .map(|f| f.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    eprintln!("engine stopped under load and back: {}", secs(t));
+    for (status, body) in &answers {
+        let body = String::from_utf8_lossy(body);
+        assert!(
+            *status >= 500,
+            "a request in flight when the engine died got {status}: {body}"
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"));
+        assert!(
+            v["error"]["message"].is_string(),
+            "not OpenAI's shape: {body}"
+        );
+        eprintln!(
+            "in flight when the engine died: {status} {}",
+            v["error"]["message"]
+        );
+    }
+    let (s, body) = post(
+        "/v1/completions",
+        serde_json::json!({"model": "tiny-llama", "prompt": "again", "max_tokens": 2}),
+    );
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&body));
+    let listed = must(
+        tenantvm(&d, &token, &["model", "list", &name]),
+        "model list",
+        &d,
+    );
+    assert!(text(&listed).contains("tiny-llama"), "{}", text(&listed));
 
     // Departure: the receipt covers the pushed model, the disk is gone.
     let img = d.state_dir().join("tenants").join(&name).join("disk.img");
