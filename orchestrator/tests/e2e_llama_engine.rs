@@ -7,7 +7,8 @@
 //! tokens that are not UTF-8 on their own must not break it), gets a completion with a usage
 //! block the engine counted, and sees llama-server's own fields (`system_fingerprint` of the
 //! Debian build, `timings`) that the n-gram server never sends; `/v1/embeddings` reaches the
-//! engine and its own OpenAI-shaped refusal comes back. The engine's prompt cache answers a
+//! engine and its own OpenAI-shaped refusal comes back. The good model goes as a model
+//! directory (GGUF, config, tokenizer config: `model-push-dir` through a real guest). The engine's prompt cache answers a
 //! repeated prefix (its own `cache_n`). Bad input: a pushed file that is not GGUF and a
 //! truncated GGUF each make the restart fail with the engine's exit code, and the tenant
 //! serves again once a good model replaces them. The engine dying under load (stopped with
@@ -177,26 +178,40 @@ fn llama_server_serves_a_pushed_model_through_the_front_door_to_the_openai_clien
         "serve.sh's refusal is not in the tenant's log:\n{serial}"
     );
 
-    // The good model replaces the bad one under the same name, atomically.
+    // The good model replaces the bad one under the same name, atomically, pushed as a
+    // model directory (the GGUF beside a config and a tokenizer file, as a model
+    // repository holds them; serve.sh serves its model.gguf): one stream through the
+    // daemon and the guest's channel, the directory exchanged with the bad file in one step.
+    let dir = d.dir.path().join("tiny-llama");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(&p.model, dir.join("model.gguf")).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        b"{\"architectures\": [\"LlamaForCausalLM\"]}",
+    )
+    .unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), b"{}").unwrap();
     let t = Instant::now();
     let pushed = must(
         tenantvm(
             &d,
             &token,
-            &[
-                "model",
-                "push",
-                &name,
-                p.model.to_str().unwrap(),
-                "--name",
-                "tiny-llama",
-            ],
+            &["model", "push", &name, dir.to_str().unwrap(), "--json"],
         ),
-        "model push",
+        "model push (directory)",
         &d,
     );
-    eprintln!("model push ({} bytes): {}", model_bytes.len(), secs(t));
-    assert!(text(&pushed).contains("stored"), "{}", text(&pushed));
+    eprintln!(
+        "model push of a directory ({} bytes): {}",
+        model_bytes.len(),
+        secs(t)
+    );
+    let stored: serde_json::Value = serde_json::from_slice(&pushed.stdout).unwrap();
+    assert_eq!(stored["name"], "tiny-llama", "{stored}");
+    assert!(
+        stored["bytes"].as_u64().unwrap() > model_bytes.len() as u64,
+        "{stored}"
+    );
     let t = Instant::now();
     let o = restart(&d, &token, &name);
     assert!(o.status.success(), "payload restart: {}", text(&o));
