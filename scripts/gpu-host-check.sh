@@ -70,6 +70,7 @@ run_test "database vs NVML profiles" -p tenantvm-gpu --lib live_gpu_profiles_mat
 run_test "plan on the live host" -p tenantvm-gpu --test plan live_host_planning
 run_test "gpu hardware tests" -p tenantvm-gpu --test hardware
 run_test "scrub zeroes residue" -p tenantvm --lib scrub_zeroes_residue
+run_test "agent GPU loads on the real driver" -p tenantvm-agent --test cuda_fake real_driver
 run_test "guest sees its slice (gpu-info)" -p tenantvm --test e2e_gpu_info nvidia_smi_in_the_guest_sees_exactly_its_slice
 
 # The scrub benchmark: zeroing bandwidth as a fraction of the device's memory bandwidth

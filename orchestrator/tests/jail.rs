@@ -394,3 +394,41 @@ fn a_jailed_program_cannot_grow_a_file_past_the_file_size_limit() {
         run.output
     );
 }
+
+#[test]
+fn a_process_that_joins_the_cgroup_during_teardown_is_killed_and_the_cgroup_goes() {
+    require_root!();
+    let cgroups = Cgroups::detect().unwrap();
+    let tenant = common::tenant("latejoin");
+    let handle = cgroups.create(&tenant, &common::roomy_limits()).unwrap();
+    let dirs: Vec<std::path::PathBuf> = handle.dirs().into_iter().cloned().collect();
+    let mut late = std::process::Command::new("/bin/sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    // A launcher joins its cgroup itself, after the daemon forked it. The window is
+    // reproduced exactly: the first sweep has found the cgroup empty, and before any
+    // directory is removed, a live process joins every controller's directory.
+    let mut joined = false;
+    let result = handle.destroy(|_| {
+        if !joined {
+            joined = true;
+            for dir in &dirs {
+                fs::write(dir.join("cgroup.procs"), late.id().to_string()).unwrap();
+            }
+        }
+    });
+    let status = late.wait().unwrap();
+    assert!(joined, "the control: the late joiner was added");
+    assert!(result.is_ok(), "teardown: {result:?}");
+    assert!(
+        dirs.iter().all(|d| !d.exists()),
+        "every cgroup directory is gone"
+    );
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGKILL),
+        "the late joiner was killed, not left to run: {status:?}"
+    );
+}

@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tenantvm_agent_protocol::{
-    encode_data, AgentFailure, DiskKey, DiskState, ErrorCode, HttpHead, HttpRequest, ModelFile,
-    Outcome, PayloadState, Reply, Request, ResponseFrame, ShutdownReport, StatusReply,
+    encode_data, AgentFailure, DiskKey, DiskState, ErrorCode, HttpHead, HttpRequest, LicenceToken,
+    ModelFile, Outcome, PayloadState, Reply, Request, ResponseFrame, ShutdownReport, StatusReply,
     MAX_BODY_LEN, MAX_DATA_LEN, PROTOCOL_VERSION,
 };
 
@@ -60,6 +60,8 @@ pub struct Agent {
     loads: crate::load::Loads,
     /// Reads the guest's devices (`gpu-info`).
     gpu: crate::gpu::GpuProbe,
+    /// Where `install-licence` writes the vGPU licence token.
+    licence_dir: std::path::PathBuf,
 }
 
 fn failure(code: ErrorCode, message: impl Into<String>) -> Outcome {
@@ -92,6 +94,7 @@ impl Agent {
                 reaper.clone(),
                 Arc::clone(&logs),
             ),
+            licence_dir: tenantvm_agent_protocol::LICENCE_DIR.into(),
             cfg,
             reaper,
             logs,
@@ -107,6 +110,11 @@ impl Agent {
     /// Replaces the device probe (tests point it at a fake sysfs tree and `nvidia-smi`).
     pub fn set_gpu_probe(&mut self, probe: crate::gpu::GpuProbe) {
         self.gpu = probe;
+    }
+
+    /// Replaces where the vGPU licence token is written (tests point it at a temp dir).
+    pub fn set_licence_dir(&mut self, dir: &std::path::Path) {
+        self.licence_dir = dir.to_path_buf();
     }
 
     /// Records which channel serves requests (reported by `status`).
@@ -140,6 +148,7 @@ impl Agent {
         match req {
             Request::Status => (Outcome::Ok(Reply::Status(self.status())), After::Continue),
             Request::UnlockDisk { key } => (self.unlock(&key), After::Continue),
+            Request::InstallLicence { token } => (self.install_licence(&token), After::Continue),
             Request::Mount { format_if_missing } => {
                 (self.mount(format_if_missing), After::Continue)
             }
@@ -227,6 +236,22 @@ impl Agent {
             Err(e) => {
                 self.log(&format!("unlock failed: {e}"));
                 disk_failure(e)
+            }
+        }
+    }
+
+    fn install_licence(&self, token: &LicenceToken) -> Outcome {
+        match crate::licence::install(&self.licence_dir, token) {
+            Ok(path) => {
+                self.log(&format!(
+                    "vGPU licence token installed at {}",
+                    path.display()
+                ));
+                Outcome::Ok(Reply::LicenceInstalled)
+            }
+            Err(e) => {
+                self.log(&format!("installing the vGPU licence token failed: {e}"));
+                failure(ErrorCode::Internal, e.to_string())
             }
         }
     }
@@ -673,6 +698,42 @@ mod tests {
             a.handle(Request::Status).0,
             Outcome::Ok(Reply::Status(_))
         ));
+    }
+
+    #[test]
+    fn install_licence_writes_the_token_and_logs_only_where() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut a = agent(dir.path());
+        let tokens = dir.path().join("etc/nvidia/ClientConfigToken");
+        a.set_licence_dir(&tokens);
+        let secret = b"licence-secret-4f1c9e\n";
+        let token = LicenceToken::new(secret).unwrap();
+        let (outcome, after) = a.handle(Request::InstallLicence { token });
+        assert_eq!(outcome, Outcome::Ok(Reply::LicenceInstalled));
+        assert_eq!(after, After::Continue);
+        let file = tokens.join(tenantvm_agent_protocol::LICENCE_FILE);
+        assert_eq!(std::fs::read(&file).unwrap(), secret);
+        let (lines, _) = a.logs().wait_since(0, 100, Duration::ZERO);
+        assert!(lines
+            .iter()
+            .any(|l| l.line.contains("licence token installed")));
+        assert!(
+            lines.iter().all(|l| !l.line.contains("licence-secret")),
+            "{lines:?}"
+        );
+        // A directory that cannot be made is an internal error, not a panic.
+        std::fs::write(dir.path().join("blocker"), b"").unwrap();
+        a.set_licence_dir(&dir.path().join("blocker/sub"));
+        let token = LicenceToken::new(secret).unwrap();
+        let (outcome, _) = a.handle(Request::InstallLicence { token });
+        assert!(
+            matches!(
+                &outcome,
+                Outcome::Err(AgentFailure { code: ErrorCode::Internal, message })
+                    if !message.contains("licence-secret")
+            ),
+            "{outcome:?}"
+        );
     }
 
     #[test]

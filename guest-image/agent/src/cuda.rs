@@ -4,7 +4,8 @@
 //! driver). [`Cuda::open`] resolves the symbols, [`Cuda::context`] creates a context on a
 //! device, and [`fill`] allocates device memory in chunks until the driver answers out of
 //! memory (or a cap is reached), which is how `tenantvm verify` check 4 measures what a
-//! tenant's GPU slice really lets it take.
+//! tenant's GPU slice really lets it take. [`crate::cuda_compute`] adds the module and
+//! launch entry points the `gpu-compute` load needs.
 
 use std::ffi::{c_int, c_uint, c_void, CStr, CString};
 
@@ -16,7 +17,7 @@ pub const FIRST_CHUNK: u64 = 256 << 20;
 pub const MIN_CHUNK: u64 = 1 << 20;
 
 /// `CUresult`: 0 is success.
-type CuResult = c_int;
+pub type CuResult = c_int;
 /// `CUDA_SUCCESS`.
 const CUDA_SUCCESS: CuResult = 0;
 /// `CUDA_ERROR_OUT_OF_MEMORY`.
@@ -26,7 +27,7 @@ type CuDevice = c_int;
 /// `CUcontext`: opaque.
 type CuContext = *mut c_void;
 /// `CUdeviceptr`: a device address.
-type CuDevicePtr = u64;
+pub type CuDevicePtr = u64;
 
 /// Why the CUDA driver could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -83,7 +84,7 @@ fn dl_error() -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
-fn check(call: &'static str, code: CuResult) -> Result<(), CudaError> {
+pub(crate) fn check(call: &'static str, code: CuResult) -> Result<(), CudaError> {
     if code == CUDA_SUCCESS {
         Ok(())
     } else {
@@ -194,6 +195,23 @@ impl Cuda {
     }
 }
 
+impl Cuda {
+    /// Resolves `name` in the loaded driver (for entry points only some loads need).
+    pub(crate) fn symbol(&self, name: &'static str) -> Result<*mut c_void, CudaError> {
+        let c = CString::new(name).map_err(|_| CudaError::Name(name.into()))?;
+        // SAFETY: `self.handle` is open for as long as `self` lives; `c` is a valid C string.
+        let p = unsafe { libc::dlsym(self.handle, c.as_ptr()) };
+        if p.is_null() {
+            Err(CudaError::Symbol {
+                library: "the CUDA driver".into(),
+                symbol: name,
+            })
+        } else {
+            Ok(p)
+        }
+    }
+}
+
 impl Drop for Cuda {
     fn drop(&mut self) {
         // SAFETY: `handle` came from dlopen and is closed once; every Context borrowing
@@ -213,6 +231,12 @@ impl Context<'_> {
     /// Allocates `bytes`: `Ok(true)` when it got them, `Ok(false)` when the driver answered
     /// out of memory.
     pub fn alloc(&mut self, bytes: u64) -> Result<bool, CudaError> {
+        self.alloc_at(bytes).map(|p| p.is_some())
+    }
+
+    /// Allocates `bytes` and returns their device address (`None`: out of memory); freed
+    /// with the rest of the context's memory.
+    pub fn alloc_at(&mut self, bytes: u64) -> Result<Option<CuDevicePtr>, CudaError> {
         let size = usize::try_from(bytes).map_err(|_| CudaError::Call {
             call: "cuMemAlloc_v2",
             code: CUDA_ERROR_OUT_OF_MEMORY,
@@ -223,9 +247,9 @@ impl Context<'_> {
         match unsafe { (self.cuda.mem_alloc)(&mut ptr, size) } {
             CUDA_SUCCESS => {
                 self.held.push((ptr, bytes));
-                Ok(true)
+                Ok(Some(ptr))
             }
-            CUDA_ERROR_OUT_OF_MEMORY => Ok(false),
+            CUDA_ERROR_OUT_OF_MEMORY => Ok(None),
             code => Err(CudaError::Call {
                 call: "cuMemAlloc_v2",
                 code,

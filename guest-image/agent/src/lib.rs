@@ -9,18 +9,20 @@
 //! `tenantvm-agent-protocol` crate that the orchestrator shares. [`http1`] is shared by
 //! the agent's forwarder and the CI payload server. [`models`] stores the tenant's own
 //! models on its disk. [`load`] runs the bounded test loads of `tenantvm verify` ([`cuda`]
-//! loads the CUDA driver for its GPU memory load). [`gpu`] reports the guest's devices
-//! (`gpu-info`).
+//! loads the CUDA driver for its GPU memory load, [`cuda_compute`] runs its GPU compute load). [`gpu`] reports the guest's devices
+//! (`gpu-info`). [`licence`] installs the tenant's vGPU licence token.
 
 pub mod agent;
 pub mod config;
 pub mod confine;
 pub mod cuda;
+pub mod cuda_compute;
 pub mod disk;
 pub mod gpu;
 pub mod http1;
 pub mod init;
 pub mod kmod;
+pub mod licence;
 pub mod load;
 pub mod logbuf;
 pub mod models;

@@ -8,7 +8,8 @@
 //! load touches every page of what it allocates, so the memory is really taken; a CPU load
 //! spins threads; a disk load rewrites and fsyncs one file on the data disk and removes it;
 //! a GPU memory load allocates device memory through the CUDA driver ([`crate::cuda`])
-//! until the driver says out of memory, holds it, and frees it.
+//! until the driver says out of memory, holds it, and frees it; a GPU compute load keeps
+//! the GPU busy with a multiply-add kernel ([`crate::cuda_compute`]).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
@@ -306,7 +307,7 @@ pub fn classify(code: i32, stopped_by_agent: bool) -> LoadState {
 pub enum WorkerError {
     /// Bad arguments.
     #[error(
-        "usage: tenantvm-agent load-worker memory|cpu|disk|gpu-memory AMOUNT SECONDS DIR ({0})"
+        "usage: tenantvm-agent load-worker memory|cpu|disk|gpu-memory|gpu-compute AMOUNT SECONDS DIR ({0})"
     )]
     Usage(String),
     /// The CUDA driver is absent or failed (GPU memory load).
@@ -354,6 +355,7 @@ pub fn run_worker(args: &[String]) -> Result<(), WorkerError> {
         LoadKind::Cpu => cpu(&mut out, spec.amount, wall),
         LoadKind::Disk => disk(&mut out, Path::new(dir), spec.amount, wall),
         LoadKind::GpuMemory => gpu_memory(&mut out, crate::cuda::CUDA_LIBRARY, spec.amount, wall),
+        LoadKind::GpuCompute => gpu_compute(&mut out, crate::cuda::CUDA_LIBRARY, spec.amount, wall),
     }
 }
 
@@ -371,6 +373,18 @@ pub fn gpu_memory(
     progress(out, held >> 20);
     std::thread::sleep(hold);
     ctx.free_all();
+    Ok(())
+}
+
+/// The GPU compute load: device 0 of `library`'s driver kept busy with `blocks` blocks per
+/// launch for `wall`; progress in millions of multiply-adds done.
+pub fn gpu_compute(
+    out: &mut impl Write,
+    library: &str,
+    blocks: u32,
+    wall: Duration,
+) -> Result<(), WorkerError> {
+    crate::cuda_compute::spin(library, blocks, wall, |m| progress(out, m))?;
     Ok(())
 }
 

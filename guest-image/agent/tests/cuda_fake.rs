@@ -1,7 +1,8 @@
 //! The agent's GPU memory load against a FAKE CUDA driver (tests/fake_cuda/fake_libcuda_alloc.c,
 //! built here with `cc`; it counts bytes against `FAKE_CUDA_MEMORY_MIB` and takes no memory):
 //! the real dlopen/dlsym loading, the chunked allocation with its out-of-memory back-off, the
-//! cap, freeing everything, and the plain error when there is no driver. Skips with a printed
+//! cap, freeing everything, and the plain error when there is no driver; and the compute
+//! load's module, launches and clean-up. Skips with a printed
 //! reason when no C compiler is present. The hardware test runs with TENANTVM_TEST_GPU.
 
 use std::ffi::CString;
@@ -10,7 +11,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use tenantvm_agent::cuda::{CudaError, CUDA_LIBRARY};
-use tenantvm_agent::load::{gpu_memory, WorkerError};
+use tenantvm_agent::cuda_compute::{fmas_per_launch, FMAS_PER_ROUND, KERNEL, PTX};
+use tenantvm_agent::load::{gpu_compute, gpu_memory, WorkerError};
 
 /// Builds the fake driver into `dir`; `None` (after recording why) without a C compiler.
 fn build_fake(dir: &Path) -> Option<PathBuf> {
@@ -56,22 +58,23 @@ impl FakeCounters {
         FakeCounters { handle }
     }
 
-    fn outstanding(&self) -> u64 {
+    /// Calls the fake's counter `name`, a `T name(void)` function.
+    fn read<T>(&self, name: &std::ffi::CStr) -> T {
         // SAFETY: a live handle and a valid C string.
-        let f = unsafe { libc::dlsym(self.handle, c"fake_cuda_outstanding".as_ptr()) };
-        assert!(!f.is_null());
-        // SAFETY: the fake defines `unsigned long long fake_cuda_outstanding(void)`.
-        let f: extern "C" fn() -> u64 = unsafe { std::mem::transmute(f) };
+        let f = unsafe { libc::dlsym(self.handle, name.as_ptr()) };
+        assert!(!f.is_null(), "{name:?}");
+        // SAFETY: the fake defines each counter read here as `T name(void)`, with T an
+        // `unsigned long long` (u64) or an `int` (i32) as the caller names it.
+        let f: extern "C" fn() -> T = unsafe { std::mem::transmute_copy(&f) };
         f()
     }
 
+    fn outstanding(&self) -> u64 {
+        self.read(c"fake_cuda_outstanding")
+    }
+
     fn contexts(&self) -> i32 {
-        // SAFETY: a live handle and a valid C string.
-        let f = unsafe { libc::dlsym(self.handle, c"fake_cuda_contexts".as_ptr()) };
-        assert!(!f.is_null());
-        // SAFETY: the fake defines `int fake_cuda_contexts(void)`.
-        let f: extern "C" fn() -> i32 = unsafe { std::mem::transmute(f) };
-        f()
+        self.read(c"fake_cuda_contexts")
     }
 }
 
@@ -82,10 +85,13 @@ impl Drop for FakeCounters {
     }
 }
 
-// One test sets FAKE_CUDA_MEMORY_MIB, and runs its cases in turn: the environment is the
-// process's, and the fake reads it at cuCtxCreate.
+/// Held by each test that sets FAKE_CUDA_MEMORY_MIB: the environment is the process's,
+/// and the fake reads it at cuCtxCreate.
+static ENV: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn fake_driver_allocation_stops_at_its_limit_or_the_cap_and_frees_everything() {
+    let _env = ENV.lock().unwrap_or_else(|p| p.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let Some(lib) = build_fake(dir.path()) else {
         return;
@@ -119,6 +125,55 @@ fn fake_driver_allocation_stops_at_its_limit_or_the_cap_and_frees_everything() {
 }
 
 #[test]
+fn the_compute_load_launches_the_ptx_kernel_until_its_deadline_and_cleans_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(lib) = build_fake(dir.path()) else {
+        return;
+    };
+    let counters = FakeCounters::open(&lib);
+    let _env = ENV.lock().unwrap_or_else(|p| p.into_inner());
+    std::env::set_var("FAKE_CUDA_MEMORY_MIB", "1000");
+    let mut out = Vec::new();
+    gpu_compute(
+        &mut out,
+        lib.to_str().unwrap(),
+        64,
+        Duration::from_millis(300),
+    )
+    .unwrap();
+    let launches: u64 = counters.read(c"fake_cuda_launches");
+    let fmas: u64 = counters.read(c"fake_cuda_fmas");
+    assert!(launches >= 1);
+    assert_eq!(counters.read::<u64>(c"fake_cuda_blocks"), launches * 64);
+    assert_eq!(
+        fmas,
+        launches * fmas_per_launch(64),
+        "the rounds the kernel was given"
+    );
+    // The last progress line is every launch's multiply-adds, in millions.
+    assert_eq!(last_progress(&out), fmas / 1_000_000);
+    assert_eq!(
+        counters.read::<i32>(c"fake_cuda_modules"),
+        0,
+        "module unloaded"
+    );
+    assert_eq!(counters.outstanding(), 0, "output buffer freed");
+    assert_eq!(counters.contexts(), 0, "context destroyed");
+}
+
+#[test]
+fn the_compute_kernel_is_ptx_for_the_jit_with_the_parameters_it_is_launched_with() {
+    // What the fake driver cannot check: the text a real driver's JIT compiles.
+    assert!(PTX.starts_with(".version 6.0\n.target sm_50\n.address_size 64\n"));
+    assert!(PTX.contains(&format!(".visible .entry {KERNEL}(")));
+    assert!(PTX.contains(".param .u32 tenantvm_spin_rounds"));
+    assert!(PTX.contains(".param .u64 tenantvm_spin_out"));
+    assert_eq!(PTX.matches("fma.rn.f32").count() as u64, FMAS_PER_ROUND);
+    assert_eq!(PTX.matches('{').count(), PTX.matches('}').count());
+    assert!(!PTX.contains('\0'));
+}
+
+#[test]
 fn no_cuda_driver_is_said_plainly() {
     let mut out = Vec::new();
     let err = gpu_memory(
@@ -128,6 +183,19 @@ fn no_cuda_driver_is_said_plainly() {
         Duration::from_millis(1),
     )
     .unwrap_err();
+    let compute = gpu_compute(
+        &mut out,
+        "/nonexistent/libcuda.so.1",
+        64,
+        Duration::from_millis(1),
+    )
+    .unwrap_err();
+    assert!(
+        compute
+            .to_string()
+            .starts_with("no CUDA driver in the guest"),
+        "{compute}"
+    );
     assert!(
         matches!(err, WorkerError::Cuda(CudaError::Missing { .. })),
         "{err:?}"
@@ -165,4 +233,26 @@ fn real_driver_allocates_and_frees() {
     gpu_memory(&mut out, CUDA_LIBRARY, 1024, Duration::from_millis(100)).unwrap();
     let got = last_progress(&out);
     assert!((64..=1024).contains(&got), "{got} MiB");
+}
+
+/// The compute load on a real driver (TENANTVM_TEST_GPU set, on a host or in a guest whose
+/// CUDA driver sees a GPU): the driver's JIT takes the PTX, and a second of launches does
+/// at least one launch's multiply-adds. What no fake can show: that the kernel text is
+/// valid PTX for this GPU.
+#[test]
+fn real_driver_runs_the_compute_kernel() {
+    if std::env::var_os("TENANTVM_TEST_GPU").is_none() {
+        tenantvm_skip::skip!("set TENANTVM_TEST_GPU=<index> on a host with a CUDA driver to run the GPU compute load test");
+    }
+    let mut out = Vec::new();
+    gpu_compute(&mut out, CUDA_LIBRARY, 1024, Duration::from_secs(1)).unwrap();
+    let done = last_progress(&out);
+    assert!(
+        done >= fmas_per_launch(1024) / 1_000_000,
+        "{done} million multiply-adds"
+    );
+    eprintln!(
+        "gpu-compute on device 0: {done} million multiply-adds in 1 s ({:.2} TFMA/s)",
+        done as f64 / 1e6
+    );
 }

@@ -1,7 +1,7 @@
 //! The agent binary's `load-worker gpu-memory` (what the agent runs as its child for the
 //! load) against the FAKE CUDA driver of tests/fake_cuda/fake_libcuda_alloc.c, installed as
-//! `libcuda.so.1` on the worker's library path: the worker dispatch, its progress lines and
-//! exit status, and the plain error and exit 1 without a driver.
+//! `libcuda.so.1` on the worker's library path: the worker dispatch (and `gpu-compute`'s), its
+//! progress lines and exit status, and the plain error and exit 1 without a driver.
 
 use std::path::Path;
 use std::process::Command;
@@ -9,8 +9,17 @@ use std::process::Command;
 const AGENT: &str = env!("CARGO_BIN_EXE_tenantvm-agent");
 
 fn worker(lib_dir: Option<&Path>, limit_mib: &str) -> std::process::Output {
+    worker_of("gpu-memory", "4096", lib_dir, limit_mib)
+}
+
+fn worker_of(
+    kind: &str,
+    amount: &str,
+    lib_dir: Option<&Path>,
+    limit_mib: &str,
+) -> std::process::Output {
     let mut cmd = Command::new(AGENT);
-    cmd.args(["load-worker", "gpu-memory", "4096", "1", "/"])
+    cmd.args(["load-worker", kind, amount, "1", "/"])
         .env_clear()
         .env("FAKE_CUDA_MEMORY_MIB", limit_mib);
     if let Some(d) = lib_dir {
@@ -36,6 +45,18 @@ fn the_worker_allocates_to_the_fake_drivers_limit_and_says_plainly_when_there_is
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
     assert_eq!(text.lines().last(), Some("progress 1500"), "{text}");
+    // The compute load: a second of launches, each 64 blocks' multiply-adds.
+    let out = worker_of("gpu-compute", "64", Some(dir.path()), "1500");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    let done: u64 = text
+        .lines()
+        .last()
+        .and_then(|l| l.strip_prefix("progress "))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    let per_launch = tenantvm_agent::cuda_compute::fmas_per_launch(64) / 1_000_000;
+    assert!(done >= per_launch, "{text}");
 
     // An empty directory on the path: no driver anywhere the worker looks, unless this
     // host has a real one on its default path.

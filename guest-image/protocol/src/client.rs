@@ -269,6 +269,7 @@ fn what(req: &Request) -> &'static str {
     match req {
         Request::Status => "status",
         Request::UnlockDisk { .. } => "unlock-disk",
+        Request::InstallLicence { .. } => "install-licence",
         Request::Mount { .. } => "mount",
         Request::StartPayload => "start-payload",
         Request::RestartPayload => "restart-payload",

@@ -8,6 +8,7 @@
 //! - [`gpu`]: the guest's view of its devices (`gpu-info`) and the caps on it;
 //! - [`load`]: the bounded test loads `tenantvm verify` asks a guest to run;
 //! - [`model`]: a model directory's manifest and the rule its paths follow;
+//! - [`licence`]: the tenant's vGPU licence token and where the guest keeps it;
 //! - [`image`]: opening a guest image set and verifying it against its manifest.
 //!
 //! The agent binary links this crate for [`frame`] and [`message`]; the orchestrator for
@@ -20,10 +21,12 @@ pub mod client;
 pub mod frame;
 pub mod gpu;
 pub mod image;
+pub mod licence;
 pub mod load;
 pub mod message;
 pub mod model;
 pub mod mux;
+mod secret_hex;
 
 pub use client::{AgentClient, AgentClientError, AgentEndpoint, BringUp, InferBody};
 pub use frame::{
@@ -36,9 +39,13 @@ pub use gpu::{
     NVIDIA_SMI_DEADLINE_SECS, NVIDIA_SMI_QUERY,
 };
 pub use image::{ImageSet, ImageSetError, SetKernel};
+pub use licence::{
+    LicenceError, LicenceToken, LICENCE_DIR, LICENCE_DIR_MODE, LICENCE_FILE, LICENCE_FILE_MODE,
+    MAX_LICENCE_LEN,
+};
 pub use load::{
-    LoadKind, LoadReport, LoadSpec, LoadSpecError, LoadState, MAX_LOAD_DISK_MIB, MAX_LOAD_GPU_MIB,
-    MAX_LOAD_MEMORY_MIB, MAX_LOAD_SECONDS, MAX_LOAD_THREADS,
+    LoadKind, LoadReport, LoadSpec, LoadSpecError, LoadState, MAX_LOAD_DISK_MIB,
+    MAX_LOAD_GPU_BLOCKS, MAX_LOAD_GPU_MIB, MAX_LOAD_MEMORY_MIB, MAX_LOAD_SECONDS, MAX_LOAD_THREADS,
 };
 pub use message::{
     salvage_id, AgentFailure, DiskKey, DiskState, ErrorCode, HttpHead, HttpRequest, HttpResponse,

@@ -17,6 +17,9 @@ pub const MAX_LOAD_DISK_MIB: u32 = 1024;
 /// Most GPU memory one GPU memory load may try to allocate, MiB (above any card's memory:
 /// the load allocates until the driver says out of memory or this much is held).
 pub const MAX_LOAD_GPU_MIB: u32 = 1 << 20;
+/// Most thread blocks one GPU compute load launches per kernel (CUDA's grid x limit on
+/// the oldest targets).
+pub const MAX_LOAD_GPU_BLOCKS: u32 = 65_535;
 /// Longest a load may run, seconds (a memory load holds what it took this long).
 pub const MAX_LOAD_SECONDS: u32 = 120;
 
@@ -36,6 +39,12 @@ pub enum LoadKind {
     /// holds it for `seconds`, then frees it. Progress: MiB allocated. Without a CUDA
     /// driver in the guest the load fails with an error that says so.
     GpuMemory,
+    /// Keeps device 0 busy through the CUDA driver for `seconds`: a PTX kernel of fused
+    /// multiply-adds, `amount` thread blocks of 256 threads per launch, launched again as
+    /// soon as the last one ends. Progress: millions of multiply-adds done (the slice's
+    /// compute rate, which `tenantvm verify` check 8 compares across a saturated
+    /// neighbour). Without a CUDA driver the load fails with an error that says so.
+    GpuCompute,
 }
 
 impl LoadKind {
@@ -46,6 +55,7 @@ impl LoadKind {
             LoadKind::Cpu => "cpu",
             LoadKind::Disk => "disk",
             LoadKind::GpuMemory => "gpu-memory",
+            LoadKind::GpuCompute => "gpu-compute",
         }
     }
 
@@ -56,6 +66,7 @@ impl LoadKind {
             "cpu" => Some(LoadKind::Cpu),
             "disk" => Some(LoadKind::Disk),
             "gpu-memory" => Some(LoadKind::GpuMemory),
+            "gpu-compute" => Some(LoadKind::GpuCompute),
             _ => None,
         }
     }
@@ -65,6 +76,7 @@ impl LoadKind {
         match self {
             LoadKind::Memory | LoadKind::Disk | LoadKind::GpuMemory => "MiB",
             LoadKind::Cpu => "threads",
+            LoadKind::GpuCompute => "blocks",
         }
     }
 
@@ -75,6 +87,7 @@ impl LoadKind {
             LoadKind::Cpu => MAX_LOAD_THREADS,
             LoadKind::Disk => MAX_LOAD_DISK_MIB,
             LoadKind::GpuMemory => MAX_LOAD_GPU_MIB,
+            LoadKind::GpuCompute => MAX_LOAD_GPU_BLOCKS,
         }
     }
 }
@@ -85,7 +98,8 @@ impl LoadKind {
 pub struct LoadSpec {
     /// What to exercise.
     pub kind: LoadKind,
-    /// MiB (memory, disk) or threads (cpu); 1 to the kind's maximum.
+    /// MiB (memory, disk, gpu-memory), threads (cpu) or thread blocks per launch
+    /// (gpu-compute); 1 to the kind's maximum.
     pub amount: u32,
     /// 1 to [`MAX_LOAD_SECONDS`].
     pub seconds: u32,
@@ -161,7 +175,7 @@ pub struct LoadReport {
     pub elapsed_ms: u64,
     /// Progress the worker reported last: MiB touched (memory), busy-loop rounds in
     /// millions (cpu), MiB written and fsynced (disk), MiB of GPU memory allocated
-    /// (gpu-memory).
+    /// (gpu-memory), millions of fused multiply-adds done on the GPU (gpu-compute).
     pub progress: u64,
     /// Exit code, or 128 + signal (absent while running).
     pub exit_code: Option<i32>,
@@ -192,6 +206,8 @@ mod tests {
             (LoadKind::Disk, MAX_LOAD_DISK_MIB + 1, 5),
             (LoadKind::GpuMemory, MAX_LOAD_GPU_MIB + 1, 5),
             (LoadKind::GpuMemory, 0, 5),
+            (LoadKind::GpuCompute, 0, 5),
+            (LoadKind::GpuCompute, MAX_LOAD_GPU_BLOCKS + 1, 5),
             (LoadKind::Cpu, 2, 0),
             (LoadKind::Cpu, 2, MAX_LOAD_SECONDS + 1),
         ] {
@@ -211,6 +227,7 @@ mod tests {
             LoadKind::Cpu,
             LoadKind::Disk,
             LoadKind::GpuMemory,
+            LoadKind::GpuCompute,
         ] {
             assert_eq!(LoadKind::parse(k.as_str()), Some(k));
         }

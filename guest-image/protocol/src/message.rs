@@ -6,9 +6,10 @@ use std::fmt;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use thiserror::Error;
-use zeroize::{Zeroize, Zeroizing};
+use zeroize::Zeroizing;
 
 use crate::gpu::GpuInfoReply;
+use crate::licence::LicenceToken;
 use crate::load::{LoadKind, LoadReport, LoadSpec};
 
 /// The vsock port the agent listens on.
@@ -57,47 +58,23 @@ impl fmt::Debug for DiskKey {
 }
 
 fn key_from_hex(s: &str) -> Result<DiskKey, KeyError> {
-    if s.len() % 2 != 0 {
-        return Err(KeyError::NotHex);
-    }
-    let n = s.len() / 2;
-    if !(MIN_KEY_LEN..=MAX_KEY_LEN).contains(&n) {
-        return Err(KeyError::Length(n));
-    }
-    // Decoded straight into the zeroized buffer: no other copy of the key is made.
-    let mut out = Zeroizing::new(vec![0u8; n]);
-    hex::decode_to_slice(s, &mut out).map_err(|_| KeyError::NotHex)?;
-    Ok(DiskKey(out))
+    crate::secret_hex::decode(s, MIN_KEY_LEN, MAX_KEY_LEN)
+        .map(DiskKey)
+        .map_err(|e| match e {
+            crate::secret_hex::HexError::Length(n) => KeyError::Length(n),
+            crate::secret_hex::HexError::NotHex => KeyError::NotHex,
+        })
 }
 
 impl Serialize for DiskKey {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut digits = Zeroizing::new(vec![0u8; self.0.len() * 2]);
-        hex::encode_to_slice(&*self.0, &mut digits).map_err(serde::ser::Error::custom)?;
-        // Hex digits are ASCII, so this never fails.
-        let text = std::str::from_utf8(&digits).map_err(serde::ser::Error::custom)?;
-        s.serialize_str(text)
+        crate::secret_hex::serialize(&self.0, s)
     }
 }
 
 impl<'de> Deserialize<'de> for DiskKey {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct KeyVisitor;
-        impl serde::de::Visitor<'_> for KeyVisitor {
-            type Value = DiskKey;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a hexadecimal disk key")
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<DiskKey, E> {
-                key_from_hex(v).map_err(E::custom)
-            }
-            fn visit_string<E: serde::de::Error>(self, mut v: String) -> Result<DiskKey, E> {
-                let key = key_from_hex(&v).map_err(E::custom);
-                v.zeroize();
-                key
-            }
-        }
-        d.deserialize_str(KeyVisitor)
+        crate::secret_hex::deserialize(d, "a hexadecimal disk key", key_from_hex)
     }
 }
 
@@ -150,6 +127,14 @@ pub enum Request {
     UnlockDisk {
         /// The LUKS2 key (raw bytes, hex on the wire).
         key: DiskKey,
+    },
+    /// Write the tenant's NVIDIA vGPU licence token where the guest's licensing client
+    /// reads it ([`crate::licence`]: `/etc/nvidia/ClientConfigToken`, mode 0744), replacing
+    /// the one delivered before; answered [`Reply::LicenceInstalled`]. Sent before the
+    /// payload starts. An agent older than the request answers `bad-request`.
+    InstallLicence {
+        /// The token (raw bytes, hex on the wire).
+        token: LicenceToken,
     },
     /// Mount the unlocked disk at the data directory.
     Mount {
@@ -375,6 +360,8 @@ pub enum Reply {
     Status(StatusReply),
     /// Answer to [`Request::UnlockDisk`].
     Unlocked,
+    /// Answer to [`Request::InstallLicence`]: the token is in place.
+    LicenceInstalled,
     /// Answer to [`Request::Mount`].
     Mounted {
         /// A new file system was created.

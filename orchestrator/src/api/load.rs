@@ -1,7 +1,7 @@
 //! Bounded test loads inside a tenant's guest, for `tenantvm verify` (the admin token
 //! only; a tenant's token is refused with 403, and the front door has no such route):
 //!
-//! - `POST /v1/tenants/{name}/load` with a [`LoadSpec`] (`{"kind": "memory"|"cpu"|"disk"|"gpu-memory",
+//! - `POST /v1/tenants/{name}/load` with a [`LoadSpec`] (`{"kind": "memory"|"cpu"|"disk"|"gpu-memory"|"gpu-compute",
 //!   "amount": N, "seconds": S}`, capped by [`tenantvm_agent_protocol::load`]): the guest
 //!   agent starts it and the answer (202) carries its pid in the guest;
 //! - `GET /v1/tenants/{name}/load/{kind}`: the latest load of that kind, its state and
@@ -71,7 +71,7 @@ pub(super) async fn start(
         ApiError::new(
             StatusCode::BAD_REQUEST,
             "bad_request",
-            format!("Send a load as JSON: {{\"kind\": \"memory|cpu|disk|gpu-memory\", \"amount\": N, \"seconds\": S}} ({e})"),
+            format!("Send a load as JSON: {{\"kind\": \"memory|cpu|disk|gpu-memory|gpu-compute\", \"amount\": N, \"seconds\": S}} ({e})"),
         )
     };
     let Json(spec) = spec.map_err(|e| bad(&e))?;
@@ -106,7 +106,7 @@ pub(super) async fn status(
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
             "not_found",
-            "Give a tenant and a load kind (memory, cpu, disk or gpu-memory)",
+            "Give a tenant and a load kind (memory, cpu, disk, gpu-memory or gpu-compute)",
         ));
     };
     let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
@@ -115,7 +115,7 @@ pub(super) async fn status(
         ApiError::new(
             StatusCode::BAD_REQUEST,
             "bad_request",
-            "A load kind is memory, cpu, disk or gpu-memory",
+            "A load kind is memory, cpu, disk, gpu-memory or gpu-compute",
         )
     })?;
     let permit = api.lanes.enter(Lane::of(&caller))?;

@@ -59,23 +59,25 @@ pub(super) async fn restart(
     State(api): State<ApiState>,
     headers: HeaderMap,
     name: Result<Path<String>, PathRejection>,
-    body: Result<Json<RestartRequest>, JsonRejection>,
+    body: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let name = super::tenant_name(name)?;
-    let req = match body {
-        Ok(Json(r)) => r,
+    // Who asks comes first: an unauthenticated caller learns nothing about the body.
+    let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
+    let bad = |e: &dyn std::fmt::Display| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("The body must be {{\"wait_s\": N}} or empty: {e}"),
+        )
+    };
+    let req: RestartRequest = match body {
+        Ok(Json(value)) => super::typed(value).map_err(|e| bad(&e))?,
         // No body at all is the default request.
         Err(JsonRejection::MissingJsonContentType(_)) => RestartRequest::default(),
-        Err(e) => {
-            return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "bad_request",
-                format!("The body must be {{\"wait_s\": N}} or empty: {e}"),
-            ))
-        }
+        Err(e) => return Err(bad(&e)),
     };
     let wait = Duration::from_secs(req.wait_s.unwrap_or(DEFAULT_WAIT_S).min(MAX_WAIT_S));
-    let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
     let permit = api.lanes.enter(Lane::of(&caller))?;
     let svc = api.svc.clone();
     let started = std::time::Instant::now();

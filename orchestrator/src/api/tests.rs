@@ -114,6 +114,7 @@ async fn a_body_is_looked_at_only_after_the_token() {
         ("/v1/tenants", "not json".to_string()),
         ("/v1/tenants", spec_json("nobody")),
         ("/v1/tenants/nobody/infer", "not json".to_string()),
+        ("/v1/tenants/nobody/payload/restart", "not json".to_string()),
         ("/v1/gpu/quarantine/scrub", "{}".to_string()),
     ] {
         for token in [None, Some("wrong")] {
@@ -132,6 +133,27 @@ async fn a_body_is_looked_at_only_after_the_token() {
         .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
     assert_eq!(api.tenant_count(), 0);
+    // A payload restart's wait is an integer, and 3.0 is one (JSON Schema's `integer`):
+    // the admin gets past the body to the unknown tenant; a fraction is still refused.
+    let restart = "/v1/tenants/nobody/payload/restart";
+    let (status, v) = api
+        .call(
+            "POST",
+            restart,
+            Some(&api.admin),
+            Some(r#"{"wait_s": 3.0}"#.into()),
+        )
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
+    let (status, v) = api
+        .call(
+            "POST",
+            restart,
+            Some(&api.admin),
+            Some(r#"{"wait_s": 3.5}"#.into()),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
 }
 
 #[tokio::test]

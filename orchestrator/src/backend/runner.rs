@@ -37,6 +37,10 @@ pub const JAIL_SERIAL_LOG: &str = "/log/serial.log";
 /// launcher have all exited; on a loaded host (CI runs QEMU TCG guests beside it) that
 /// took more than a second. Only an error path waits this long.
 const EXIT_SETTLE: Duration = Duration::from_secs(5);
+/// In the tenant directory (the daemon's, not the VMM's): the name of the stop request an
+/// exit with status 0 followed, so a later `stop` or `state` reads that exit as the stop
+/// that caused it, as the first `stop` did. Removed at each launch.
+const STOPPED_BY_FILE: &str = "vmm.stopped-by";
 /// Open files a VMM may hold (vCPU fds, eventfds, disks, sockets).
 const VMM_NOFILE: u64 = 4096;
 /// What RLIMIT_MEMLOCK allows beyond guest RAM for a VM with passthrough devices: VFIO pins
@@ -132,10 +136,29 @@ impl<D: VmmDriver> Runner<D> {
         &self.config
     }
 
-    fn exited(&self, record: ExitRecord) -> VmState {
+    fn exited(&self, vm: &RunningVm, record: ExitRecord) -> VmState {
         VmState::Exited {
-            status: self.driver.decode_exit(record),
+            status: self.decode_recorded(vm, record),
         }
+    }
+
+    /// How an ended VM's exit reads: status 0 after one of our stop requests (recorded in
+    /// [`STOPPED_BY_FILE`] when it happened) is that request's clean end, whatever the
+    /// program says of status 0 on its own; anything else is the driver's reading.
+    fn decode_recorded(&self, vm: &RunningVm, record: ExitRecord) -> ExitReason {
+        if record == ExitRecord::Code(0) {
+            let by = fs::read_to_string(vm.tenant_dir.join(STOPPED_BY_FILE)).unwrap_or_default();
+            if let Some(clean) = self
+                .driver
+                .stop_requests()
+                .iter()
+                .find(|r| r.name == by.trim())
+                .and_then(|r| r.clean_exit)
+            {
+                return clean;
+            }
+        }
+        self.driver.decode_exit(record)
     }
 
     /// Kills the whole cgroup and reports how the process ended: its own exit if it got
@@ -204,7 +227,7 @@ impl<D: VmmDriver> VmBackend for Runner<D> {
 
     fn state(&self, vm: &RunningVm) -> Result<VmState, BackendError> {
         match process_status(vm)? {
-            ProcessStatus::Exited(record) => return Ok(self.exited(record)),
+            ProcessStatus::Exited(record) => return Ok(self.exited(vm, record)),
             ProcessStatus::Gone => return Ok(VmState::Gone),
             ProcessStatus::Alive => {}
         }
@@ -219,7 +242,7 @@ impl<D: VmmDriver> VmBackend for Runner<D> {
                     EXIT_SETTLE
                 };
                 match wait_exit(vm, settle)? {
-                    ProcessStatus::Exited(record) => Ok(self.exited(record)),
+                    ProcessStatus::Exited(record) => Ok(self.exited(vm, record)),
                     ProcessStatus::Gone => Ok(VmState::Gone),
                     ProcessStatus::Alive => Err(e),
                 }
@@ -229,7 +252,7 @@ impl<D: VmmDriver> VmBackend for Runner<D> {
 
     fn ended(&self, vm: &RunningVm) -> Result<Option<VmState>, BackendError> {
         Ok(match process_status(vm)? {
-            ProcessStatus::Exited(record) => Some(self.exited(record)),
+            ProcessStatus::Exited(record) => Some(self.exited(vm, record)),
             ProcessStatus::Gone => Some(VmState::Gone),
             ProcessStatus::Alive => None,
         })
@@ -237,7 +260,7 @@ impl<D: VmmDriver> VmBackend for Runner<D> {
 
     fn stop(&self, vm: &RunningVm, grace: Duration) -> Result<ExitReason, BackendError> {
         if let ProcessStatus::Exited(record) = process_status(vm)? {
-            return Ok(self.driver.decode_exit(record));
+            return Ok(self.decode_recorded(vm, record));
         }
         for request in self.driver.stop_requests() {
             let wait = grace * request.grace_percent / 100;
@@ -248,7 +271,13 @@ impl<D: VmmDriver> VmBackend for Runner<D> {
                 Ok(()) => match wait_exit(vm, wait)? {
                     ProcessStatus::Exited(record) => {
                         return Ok(match (record, request.clean_exit) {
-                            (ExitRecord::Code(0), Some(clean)) => clean,
+                            (ExitRecord::Code(0), Some(clean)) => {
+                                let marker = vm.tenant_dir.join(STOPPED_BY_FILE);
+                                if let Err(e) = fs::write(&marker, request.name) {
+                                    tracing::warn!(tenant = %vm.tenant, error = %e, "cannot record which stop request ended the VM");
+                                }
+                                clean
+                            }
                             (record, _) => self.driver.decode_exit(record),
                         });
                     }
@@ -456,6 +485,17 @@ fn prepare(
         let path = path.to_path_buf();
         move |source| BackendError::Io { path, source }
     };
+    // A new run: no earlier stop explains its exit.
+    match fs::remove_file(dir.join(STOPPED_BY_FILE)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(BackendError::Io {
+                path: dir.join(STOPPED_BY_FILE),
+                source,
+            })
+        }
+    }
     let run_dir = dir.join(RUN_DIR);
     match fs::DirBuilder::new().mode(0o700).create(&run_dir) {
         Ok(()) => {}

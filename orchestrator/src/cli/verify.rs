@@ -118,9 +118,13 @@ pub struct VerifyArgs {
     /// hundred: with 40 the p99 is the slowest request, one outlier decides the ratio).
     #[arg(long, default_value_t = 200)]
     pub latency_samples: usize,
-    /// Largest p99 latency ratio (neighbour loaded / idle) the noisy-neighbour check accepts.
+    /// Largest p99 latency ratio (neighbour loaded / idle) the noisy-neighbour check accepts,
+    /// and the largest slowdown of a GPU slice's compute rate beside a saturated neighbour.
     #[arg(long, default_value_t = 3.0)]
     pub max_latency_ratio: f64,
+    /// Seconds of each GPU compute-rate measurement of the noisy-neighbour check (1-30).
+    #[arg(long, default_value_t = 5)]
+    pub gpu_compute_seconds: u32,
     /// Most memory a tenant's cgroup may allow above its guest memory, MiB.
     #[arg(long, default_value_t = 512)]
     pub max_overhead_mib: u64,
@@ -141,7 +145,7 @@ pub struct VerifyArgs {
     /// they are inconclusive when tenants hold GPU shares).
     #[arg(long)]
     pub gpu_backend: Option<String>,
-    /// Whether checks 4 and 10 give their probes the smallest GPU slice the host can give
+    /// Whether checks 4, 8 and 10 give their probes the smallest GPU slice the host can give
     /// (`auto`: when --gpu-backend shows GPUs; `off`: never, their GPU halves not run).
     #[arg(long, value_name = "auto|off", default_value = "auto")]
     pub gpu_probes: crate::verify::gpu_probe::GpuProbes,
@@ -202,6 +206,12 @@ impl VerifyArgs {
                 format!("--prefix-words must be between 20 and {max_words} (a probe prompt must fit the probe tenant's 1 MiB request limit)"),
             ));
         }
+        if !(1..=30).contains(&self.gpu_compute_seconds) {
+            return Err(fail(
+                exit::INVALID,
+                "--gpu-compute-seconds must be between 1 and 30",
+            ));
+        }
         if self.latency_samples < 2
             || self.max_latency_ratio.is_nan()
             || self.max_latency_ratio < 1.0
@@ -225,6 +235,7 @@ impl VerifyArgs {
             seed: self.seed,
             probe_timeout: Duration::from_secs(self.probe_timeout_s),
             gpu_probes: self.gpu_probes,
+            gpu_compute_seconds: self.gpu_compute_seconds,
         })
     }
 }

@@ -1,6 +1,6 @@
 //! What a tenant is, independent of how it is stored, served or run: its validated name
 //! ([`name::TenantName`]), its spec ([`spec::TenantSpec`]), what runs in its guest
-//! ([`guest::GuestKind`]) and its lifecycle state machine ([`lifecycle::LifecycleState`]).
+//! ([`guest::GuestKind`]), the write-only vGPU licence token ([`licence::VgpuLicence`]) and its lifecycle state machine ([`lifecycle::LifecycleState`]).
 //!
 //! These are plain values with no I/O. Every other layer may use them; they use nothing of
 //! the crate but each other, so the store, the API types and the tenant layer can all depend
@@ -8,6 +8,7 @@
 
 pub mod gpu_request;
 pub mod guest;
+pub mod licence;
 pub mod lifecycle;
 pub mod name;
 pub mod spec;

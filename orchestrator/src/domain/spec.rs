@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use tenantvm_vmm_api::HugePages;
 use thiserror::Error;
 
+use super::licence::VgpuLicence;
 use super::name::TenantName;
 
 /// Largest vCPU count a spec may ask for.
@@ -65,6 +66,9 @@ pub enum TenantSpecError {
         /// The page size asked for.
         pages: HugePages,
     },
+    /// A vGPU licence for a tenant without a GPU.
+    #[error("vgpu_licence is for a tenant with a GPU share (a MIG-backed vGPU needs it): add a `gpu` request or leave the licence out")]
+    LicenceWithoutGpu,
     /// The TOML document did not parse (syntax, types, unknown fields).
     #[error("Tenant spec is not valid TOML for this schema: {0}")]
     Toml(String),
@@ -105,6 +109,13 @@ pub struct TenantSpec {
     /// (`backend::hugepages::choose`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hugepages: Option<HugePagesSetting>,
+    /// The tenant's NVIDIA vGPU licence: the text of the client configuration token
+    /// (`client_configuration_token_*.tok`) the guest's licensing client reads. Write-only:
+    /// at create the daemon takes it out of the spec, seals it under the host KEK and hands
+    /// it to the guest agent at each boot; it is never stored with the spec nor shown.
+    /// Needs a GPU request and a guest image with the agent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vgpu_licence: Option<VgpuLicence>,
 }
 
 /// A spec's `hugepages`: a page size, or `off`.
@@ -292,6 +303,9 @@ impl TenantSpec {
             self.gpu
                 .validate()
                 .map_err(|e| TenantSpecError::Gpu(e.to_string()))?;
+        }
+        if self.vgpu_licence.is_some() && !self.gpu.wants_gpu() {
+            return Err(TenantSpecError::LicenceWithoutGpu);
         }
         let image = &self.image;
         match (&image.name, &image.kernel) {

@@ -549,18 +549,24 @@ impl CgroupHandle {
     }
 
     /// Kills every member and removes the cgroup directories. Idempotent.
-    pub fn destroy(&self, reap: impl FnMut(&[i32])) -> Result<(), JailError> {
-        self.kill_all(reap)?;
+    ///
+    /// A process that was being started into the cgroup when the kill began (a launcher
+    /// that joins its cgroup itself, after the daemon forked it) can join after the first
+    /// sweep: while a directory is busy, its members are killed again.
+    pub fn destroy(&self, mut reap: impl FnMut(&[i32])) -> Result<(), JailError> {
+        self.kill_all(&mut reap)?;
         for dir in self.dirs() {
             let deadline = Instant::now() + DRAIN_TIMEOUT;
             loop {
                 match fs::remove_dir(dir) {
                     Ok(()) => break,
                     Err(e) if e.kind() == ErrorKind::NotFound => break,
-                    // Exiting tasks can keep a cgroup busy for a moment after SIGKILL.
+                    // Exiting tasks can keep a cgroup busy for a moment after SIGKILL, and
+                    // a late joiner keeps it busy until it is killed too.
                     Err(e)
                         if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline =>
                     {
+                        self.kill_all(&mut reap)?;
                         std::thread::sleep(Duration::from_millis(10));
                     }
                     Err(source) => {

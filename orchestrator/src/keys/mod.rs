@@ -5,9 +5,11 @@
 //! copied to another tenant's name does not open. The KEK is 32 random bytes in a root-only
 //! file created at daemon initialisation, or a systemd credential. Unwrapped keys exist only in
 //! memory, inside [`Secret`] (zeroized on drop, never printed); no error message carries key
-//! bytes.
+//! bytes. A tenant's vGPU licence token is sealed the same way, in a file of its own
+//! ([`KeyStore::store_licence`]).
 
 mod files;
+mod licence;
 mod rotate;
 mod secret;
 
@@ -27,6 +29,7 @@ pub(crate) use files::{
     create_private_dir, create_private_new, read_private, sync_dir, write_private_atomic,
     write_public,
 };
+pub use licence::{LICENCE_SUFFIX, MAX_LICENCE_BYTES};
 pub use rotate::{next_kek_path, rotate_kek, RotationReport};
 pub use secret::Secret;
 
@@ -241,6 +244,36 @@ impl HostKek {
     /// Seals `key` for `tenant`: the result is safe to store, and opens only under this KEK and
     /// with the same tenant id.
     pub fn wrap(&self, tenant: &str, key: &DiskKey) -> Result<Vec<u8>, KeyError> {
+        self.seal(&DISK_KEY_SEAL, tenant, key.expose())
+    }
+
+    /// Opens a blob made by [`HostKek::wrap`] for the same `tenant`.
+    pub fn unwrap(&self, tenant: &str, blob: &[u8]) -> Result<DiskKey, KeyError> {
+        check_tenant_id(tenant)?;
+        if blob.len() != WRAPPED_BYTES {
+            return Err(KeyError::Malformed {
+                tenant: tenant.to_string(),
+                reason: "wrong length",
+            });
+        }
+        let mut plain = self.open(&DISK_KEY_SEAL, tenant, blob)?;
+        let key = DiskKey::from_slice(&plain);
+        plain.zeroize();
+        key.ok_or_else(|| KeyError::Malformed {
+            tenant: tenant.to_string(),
+            reason: "wrong key length",
+        })
+    }
+
+    /// Seals `secret` for `tenant` as `kind` says: magic, KEK id, nonce, then the AES-GCM
+    /// ciphertext and tag, with the kind's label and the tenant bound in as associated data
+    /// (so one kind's blob never opens as another's, nor under another tenant's name).
+    pub(crate) fn seal(
+        &self,
+        kind: &SealKind,
+        tenant: &str,
+        secret: &[u8],
+    ) -> Result<Vec<u8>, KeyError> {
         use rand::TryRngCore;
         check_tenant_id(tenant)?;
         let mut nonce = [0u8; NONCE_BYTES];
@@ -248,36 +281,42 @@ impl HostKek {
             .try_fill_bytes(&mut nonce)
             .map_err(random_error)?;
         let cipher = Aes256Gcm::new(self.key.expose().into());
-        let aad = associated_data(tenant);
+        let aad = associated_data(kind, tenant);
         let sealed = cipher
             .encrypt(
                 Nonce::from_slice(&nonce),
                 Payload {
-                    msg: key.expose(),
+                    msg: secret,
                     aad: &aad,
                 },
             )
             .map_err(|_| KeyError::Seal(tenant.to_string()))?;
-        let mut blob = Vec::with_capacity(WRAPPED_BYTES);
-        blob.extend_from_slice(WRAP_MAGIC);
+        let mut blob = Vec::with_capacity(SEAL_OVERHEAD + secret.len());
+        blob.extend_from_slice(kind.magic);
         blob.extend_from_slice(&self.id);
         blob.extend_from_slice(&nonce);
         blob.extend_from_slice(&sealed);
         Ok(blob)
     }
 
-    /// Opens a blob made by [`HostKek::wrap`] for the same `tenant`.
-    pub fn unwrap(&self, tenant: &str, blob: &[u8]) -> Result<DiskKey, KeyError> {
+    /// Opens a blob made by [`HostKek::seal`] with the same `kind` and `tenant`; the
+    /// plaintext is the caller's to zeroize.
+    pub(crate) fn open(
+        &self,
+        kind: &SealKind,
+        tenant: &str,
+        blob: &[u8],
+    ) -> Result<Vec<u8>, KeyError> {
         check_tenant_id(tenant)?;
         let malformed = |reason| KeyError::Malformed {
             tenant: tenant.to_string(),
             reason,
         };
-        if blob.len() != WRAPPED_BYTES {
-            return Err(malformed("wrong length"));
+        if blob.len() < SEAL_OVERHEAD {
+            return Err(malformed("too short"));
         }
-        let (magic, rest) = blob.split_at(WRAP_MAGIC.len());
-        if magic != WRAP_MAGIC {
+        let (magic, rest) = blob.split_at(kind.magic.len());
+        if magic != kind.magic {
             return Err(malformed("unknown magic or version"));
         }
         let (id, rest) = rest.split_at(KEK_ID_BYTES);
@@ -286,8 +325,8 @@ impl HostKek {
         }
         let (nonce, sealed) = rest.split_at(NONCE_BYTES);
         let cipher = Aes256Gcm::new(self.key.expose().into());
-        let aad = associated_data(tenant);
-        let mut plain = cipher
+        let aad = associated_data(kind, tenant);
+        cipher
             .decrypt(
                 Nonce::from_slice(nonce),
                 Payload {
@@ -295,15 +334,28 @@ impl HostKek {
                     aad: &aad,
                 },
             )
-            .map_err(|_| KeyError::Unauthentic(tenant.to_string()))?;
-        let key = DiskKey::from_slice(&plain);
-        plain.zeroize();
-        key.ok_or_else(|| malformed("wrong key length"))
+            .map_err(|_| KeyError::Unauthentic(tenant.to_string()))
     }
 }
 
-fn associated_data(tenant: &str) -> Vec<u8> {
-    let mut aad = AAD_PREFIX.to_vec();
+/// What a sealed blob holds: its file magic and the label bound into its associated data.
+#[derive(Debug)]
+pub(crate) struct SealKind {
+    magic: &'static [u8; 8],
+    label: &'static [u8],
+}
+
+/// A tenant's disk key.
+const DISK_KEY_SEAL: SealKind = SealKind {
+    magic: WRAP_MAGIC,
+    label: AAD_PREFIX,
+};
+
+/// Bytes a sealed blob adds to its secret: magic, KEK id, nonce and tag.
+const SEAL_OVERHEAD: usize = 8 + KEK_ID_BYTES + NONCE_BYTES + TAG_BYTES;
+
+fn associated_data(kind: &SealKind, tenant: &str) -> Vec<u8> {
+    let mut aad = kind.label.to_vec();
     aad.extend_from_slice(tenant.as_bytes());
     aad
 }
@@ -381,12 +433,18 @@ impl KeyStore {
     /// syncs the directory. Returns whether there was a key; idempotent.
     pub fn delete(&self, tenant: &str) -> Result<bool, KeyError> {
         let path = self.path(tenant)?;
+        self.shred_file(&path)
+    }
+
+    /// Overwrites `path` (a file of this store) with zeroes, syncs, unlinks it and syncs the
+    /// directory. Returns whether it existed; idempotent.
+    fn shred_file(&self, path: &Path) -> Result<bool, KeyError> {
         let io_err = |action, source| KeyError::Io {
             action,
             path: path.display().to_string(),
             source,
         };
-        match OpenOptions::new().write(true).open(&path) {
+        match OpenOptions::new().write(true).open(path) {
             Ok(mut file) => {
                 let len = file.metadata().map_err(|e| io_err("stat", e))?.len();
                 let zeroes = vec![0u8; usize::try_from(len).unwrap_or(WRAPPED_BYTES)];
@@ -397,7 +455,7 @@ impl KeyStore {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
             Err(e) => return Err(io_err("open", e)),
         }
-        fs::remove_file(&path).map_err(|e| io_err("remove", e))?;
+        fs::remove_file(path).map_err(|e| io_err("remove", e))?;
         sync_dir(&self.dir).map_err(|e| io_err("sync the directory of", e))?;
         Ok(true)
     }

@@ -10,9 +10,12 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use zeroize::Zeroizing;
+
+use super::licence::{LICENCE_SEAL, LICENCE_SUFFIX, MAX_LICENCE_BYTES};
 use super::{
-    check_tenant_id, read_private, sync_dir, write_private_atomic, HostKek, KeyError, KEK_ID_BYTES,
-    WRAPPED_BYTES, WRAP_MAGIC,
+    check_tenant_id, read_private, sync_dir, write_private_atomic, HostKek, KeyError, SealKind,
+    DISK_KEY_SEAL, KEK_ID_BYTES, SEAL_OVERHEAD, WRAPPED_BYTES,
 };
 
 /// What [`rotate_kek`] did.
@@ -35,7 +38,16 @@ pub fn next_kek_path(kek: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// Re-seals every wrapped key in `key_dir` under a fresh KEK and makes that KEK the one at
+/// What a file in the key directory holds, by its suffix, and the most it may hold.
+fn sealed_kind(name: &str) -> Option<(&str, &'static SealKind, usize)> {
+    if let Some(t) = name.strip_suffix(".wrapped") {
+        return Some((t, &DISK_KEY_SEAL, WRAPPED_BYTES));
+    }
+    name.strip_suffix(LICENCE_SUFFIX)
+        .map(|t| (t, &LICENCE_SEAL, SEAL_OVERHEAD + MAX_LICENCE_BYTES))
+}
+
+/// Re-seals every wrapped key (and sealed vGPU licence) in `key_dir` under a fresh KEK and makes that KEK the one at
 /// `kek_path`. The tenant keys themselves do not change, so no disk needs touching.
 pub fn rotate_kek(kek_path: &Path, key_dir: &Path) -> Result<RotationReport, KeyError> {
     let io_err = |action, path: &Path, source| KeyError::Io {
@@ -55,22 +67,22 @@ pub fn rotate_kek(kek_path: &Path, key_dir: &Path) -> Result<RotationReport, Key
     let entries = fs::read_dir(key_dir).map_err(|e| io_err("list", key_dir, e))?;
     for entry in entries {
         let path = entry.map_err(|e| io_err("list", key_dir, e))?.path();
-        let Some(tenant) = path
+        let Some((tenant, kind, max)) = path
             .file_name()
             .and_then(|n| n.to_str())
-            .and_then(|n| n.strip_suffix(".wrapped"))
-            .filter(|t| check_tenant_id(t).is_ok())
+            .and_then(sealed_kind)
+            .filter(|(t, _, _)| check_tenant_id(t).is_ok())
         else {
             continue;
         };
-        let blob = read_private(&path, WRAPPED_BYTES as u64 + 1)?;
-        let id_range = WRAP_MAGIC.len()..WRAP_MAGIC.len() + KEK_ID_BYTES;
-        if blob.len() == WRAPPED_BYTES && blob[id_range] == new.id {
+        let blob = read_private(&path, max as u64 + 1)?;
+        let id_range = kind.magic.len()..kind.magic.len() + KEK_ID_BYTES;
+        if blob.len() >= SEAL_OVERHEAD && blob[id_range] == new.id {
             report.already_rewrapped += 1;
             continue;
         }
-        let key = old.unwrap(tenant, &blob)?;
-        let sealed = new.wrap(tenant, &key)?;
+        let secret = Zeroizing::new(old.open(kind, tenant, &blob)?);
+        let sealed = new.seal(kind, tenant, &secret)?;
         write_private_atomic(&path, &sealed).map_err(|e| io_err("rewrite", &path, e))?;
         report.rewrapped += 1;
     }
@@ -168,6 +180,26 @@ mod tests {
         let err = rotate_kek(&s.kek, &s.keys).unwrap_err();
         assert!(matches!(err, KeyError::Unauthentic(_)), "{err}");
         assert_eq!(HostKek::read(&s.kek).unwrap().id_hex(), old_id);
+    }
+
+    #[test]
+    fn rotation_reseals_the_vgpu_licences_too() {
+        let (s, _) = setup(&["a"]);
+        store(&s).store_licence("a", b"licence-token").unwrap();
+        let report = rotate_kek(&s.kek, &s.keys).unwrap();
+        assert_eq!(report.rewrapped, 2);
+        let after = store(&s);
+        assert_eq!(
+            after.licence("a").unwrap().unwrap().as_slice(),
+            b"licence-token"
+        );
+        // Another rotation seals both again, under yet another KEK.
+        let again = rotate_kek(&s.kek, &s.keys).unwrap();
+        assert_eq!(again.rewrapped, 2);
+        assert_eq!(
+            store(&s).licence("a").unwrap().unwrap().as_slice(),
+            b"licence-token"
+        );
     }
 
     #[test]

@@ -131,6 +131,17 @@ pub enum Assurance {
     NotApplicable,
 }
 
+impl Assurance {
+    /// `Verified` when a check on the real thing passed, else `Unverified`.
+    pub fn checked(passed: bool) -> Assurance {
+        if passed {
+            Assurance::Verified
+        } else {
+            Assurance::Unverified
+        }
+    }
+}
+
 /// One departure step as recorded.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -40,6 +40,8 @@ mod departure_tests;
 #[cfg(test)]
 mod device_tests;
 #[cfg(test)]
+mod licence_tests;
+#[cfg(test)]
 mod plan_tests;
 #[cfg(test)]
 pub(crate) mod test_utils;

@@ -437,13 +437,21 @@ impl TenantService {
         }
     }
 
-    fn create(&self, spec: TenantSpec) -> Result<CreateResponse, TenantServiceError> {
+    fn create(&self, mut spec: TenantSpec) -> Result<CreateResponse, TenantServiceError> {
         spec.validate()?;
+        // The vGPU licence is write-only: out of the spec before anything is recorded,
+        // sealed under the host KEK below.
+        let licence = spec.vgpu_licence.take();
         // Fail fast on what can be checked before anything is recorded. What runs in the
         // guest is decided here, once, and stored with the tenant.
         let guest = crate::tenant::image::guest_kind(&self.config, &spec);
         crate::tenant::image::check_create(&self.config, &spec, guest, self.backend.kind())
             .map_err(|e| TenantServiceError::Image(e.to_string()))?;
+        if licence.is_some() && guest != crate::domain::GuestKind::Agent {
+            return Err(TenantServiceError::Image(
+                "vgpu_licence is installed by the guest agent: give a guest image set (a named image with manifest.json, guest-image/build.sh), not a plain kernel".into(),
+            ));
+        }
         if spec.gpu.wants_gpu() {
             // A request this host could never meet (an unknown profile or model, a share of
             // a GPU without a partition, more than any GPU holds) is refused before anything
@@ -470,7 +478,21 @@ impl TenantService {
             self.config.vmm_overhead_mib,
             &spec,
         )?;
-        let record = self.store.insert_tenant(&spec, guest)?;
+        // The name is free (a live tenant of that name keeps its own licence): the sealed
+        // licence is written, or a stale one a crashed create left behind is removed, before
+        // the tenant is recorded, so its steps never see another create's.
+        if self.store.tenant(&spec.name)?.is_some() {
+            return Err(crate::store::StoreError::DuplicateName(spec.name.to_string()).into());
+        }
+        self.seal_licence(&spec.name, licence.as_ref())?;
+        drop(licence);
+        let record = match self.store.insert_tenant(&spec, guest) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = self.seal_licence(&spec.name, None);
+                return Err(e.into());
+            }
+        };
         let token = auth::new_token();
         self.store
             .insert_token(&auth::token_hash(&token), &TokenOwner::Tenant(record.id))?;
@@ -487,6 +509,25 @@ impl TenantService {
         let tenant = self.view(&record)?;
         self.spawn_op(guard, record, op_id, Op::Create);
         Ok(CreateResponse { tenant, token })
+    }
+
+    /// Stores `tenant`'s vGPU licence sealed under the host KEK, or removes a sealed one
+    /// when `licence` is `None`.
+    fn seal_licence(
+        &self,
+        tenant: &str,
+        licence: Option<&crate::domain::licence::VgpuLicence>,
+    ) -> Result<(), TenantServiceError> {
+        let done = match (licence, self.departure_kit()) {
+            (Some(l), kit) => kit?.keys.store_licence(tenant, l.expose()),
+            (None, Ok(kit)) => kit.keys.delete_licence(tenant).map(drop),
+            // Without the key store there is no sealed licence to remove either.
+            (None, Err(_)) => Ok(()),
+        };
+        done.map_err(|e| TenantServiceError::Step {
+            step: "seal-vgpu-licence",
+            message: e.to_string(),
+        })
     }
 
     /// Resumes a destroy that stopped at a failed step: same operation, same departure, from

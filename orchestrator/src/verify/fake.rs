@@ -91,6 +91,9 @@ pub struct Broken {
     pub no_cuda_in_guest: bool,
     /// No GPU slice is free: GPU requests are refused (409).
     pub gpu_full: bool,
+    /// Slices share the GPU's compute (time-slicing, MPS): a slice's compute load runs at
+    /// a quarter of its rate while another tenant's compute load runs.
+    pub gpu_compute_shared: bool,
 }
 
 #[derive(Debug)]
@@ -939,6 +942,40 @@ impl VerifyHost for FakeVerifyHost {
                 } else {
                     slice_mib.saturating_sub(400)
                 };
+            }
+            LoadKind::GpuCompute if self.broken.no_cuda_in_guest => {
+                r.state = LoadState::Failed;
+                r.exit_code = Some(1);
+                r.error = Some("no CUDA driver in the guest: cannot load libcuda.so.1: libcuda.so.1: cannot open shared object file: No such file or directory".into());
+            }
+            LoadKind::GpuCompute => {
+                let run = at
+                    .elapsed()
+                    .min(Duration::from_secs(u64::from(spec.seconds)));
+                // Another tenant's compute load running during this one's.
+                let start = *at;
+                let end = start + run;
+                let contended = st.loads.iter().any(|((n, k), (s, t))| {
+                    n != name
+                        && *k == LoadKind::GpuCompute.as_str()
+                        && *t < end
+                        && *t + Duration::from_secs(u64::from(s.seconds)) > start
+                });
+                // A slice's own rate: 1000 million multiply-adds per second per block
+                // batch, a quarter of it when its compute is shared with a busy neighbour.
+                let per_s: u64 = if self.broken.gpu_compute_shared && contended {
+                    250
+                } else {
+                    1000
+                };
+                r.elapsed_ms = run.as_millis() as u64;
+                r.progress = r.elapsed_ms * per_s / 1000 + 1;
+                r.state = if ran_out {
+                    LoadState::Finished
+                } else {
+                    LoadState::Running
+                };
+                r.exit_code = ran_out.then_some(0);
             }
             LoadKind::Memory => {
                 r.state = LoadState::Killed;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tenantvm_agent_protocol::{LoadKind, LoadReport, LoadState, MAX_LOAD_GPU_MIB};
 
 use super::gpu_probe::{describe, slice_memory_mib, GpuPlan};
-use super::guest_load::{judge_neighbour, spec, wait_end};
+use super::guest_load::{exit_and_error, judge_neighbour, spec, start_or_inconclusive, wait_end};
 use super::probe::Probe;
 use super::{Ctx, HostError, Outcome, Verdict};
 
@@ -83,13 +83,9 @@ pub fn judge_gpu_memory(out: &mut Outcome, name: &str, slice_mib: u64, r: &LoadR
         other => inconclusive(
             out,
             format!(
-                "the GPU memory load in {name} ended {other:?} at {} MiB (exit {:?}{}): it shows nothing",
+                "the GPU memory load in {name} ended {other:?} at {} MiB ({}): it shows nothing",
                 r.progress,
-                r.exit_code,
-                r.error
-                    .as_deref()
-                    .map(|e| format!(", {}", crate::untrusted::one_line(e)))
-                    .unwrap_or_default()
+                exit_and_error(r)
             ),
         ),
     }
@@ -154,17 +150,8 @@ pub fn gpu_half(
             }
         }
     }
-    if let Err(e) = ctx
-        .host
-        .guest_load(&a.name, spec(LoadKind::GpuMemory, cap, GPU_HOLD_S))
-    {
-        inconclusive(
-            out,
-            format!(
-                "the GPU memory load could not be started in {}: {e}",
-                a.name
-            ),
-        );
+    let load = spec(LoadKind::GpuMemory, cap, GPU_HOLD_S);
+    if !start_or_inconclusive(ctx.host, &a.name, load, "GPU memory", out) {
         return Ok(());
     }
     let mut during = Vec::new();

@@ -1,8 +1,9 @@
 //! Probe tenants with a GPU slice (`--gpu-probes auto|off`): on a host whose GPU backend
-//! shows GPUs, checks 4 and 10 ask for the smallest slice the host can give (the smallest
+//! shows GPUs, checks 4, 8 and 10 ask for the smallest slice the host can give (the smallest
 //! MIG profile on a MIG card; a whole non-MIG card only where no MIG card exists and that
 //! card is free), so that check 4 can drive GPU memory against the slice from inside the
-//! guest and check 10 can look for what a departed slice leaves. A host that has GPUs but no
+//! guest, check 8 can saturate one slice and time its neighbour's, and check 10 can look for
+//! what a departed slice leaves. A host that has GPUs but no
 //! free slice makes the GPU part inconclusive, with the daemon's refusal as the reason.
 
 use std::str::FromStr;
@@ -13,13 +14,13 @@ use super::Ctx;
 use crate::api::types::{GpuSlice, TenantView};
 use crate::domain::spec::{GpuRequest, TenantSpec};
 
-/// Whether checks 4 and 10 give their probes a GPU slice.
+/// Whether checks 4, 8 and 10 give their probes a GPU slice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GpuProbes {
     /// When the GPU backend (`--gpu-backend`) shows GPUs.
     #[default]
     Auto,
-    /// Never: the GPU halves of checks 4 and 10 are reported as not run.
+    /// Never: the GPU halves of checks 4, 8 and 10 are reported as not run.
     Off,
 }
 

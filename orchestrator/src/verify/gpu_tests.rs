@@ -80,6 +80,7 @@ fn the_smallest_slice_is_asked_for_and_a_full_host_says_so() {
             image: Default::default(),
             quotas: Default::default(),
             hugepages: None,
+            vgpu_licence: None,
         },
         1,
     );
@@ -440,4 +441,92 @@ fn a_missing_gpu_step_and_a_quarantine_the_daemon_does_not_list_fail() {
         .findings
         .iter()
         .any(|f| f.contains("does not list it as quarantined")));
+}
+
+fn noisy(broken: Broken, gpus: &[(&str, &str)]) -> CheckResult {
+    let cfg = VerifyConfig {
+        gpu_compute_seconds: 1,
+        ..config()
+    };
+    run(&host(broken, gpus), &cfg, CheckId::NoisyNeighbour)
+}
+
+#[test]
+fn check_8_gpu_half_measures_the_victims_compute_beside_a_saturated_slice() {
+    let r = noisy(Broken::default(), H100);
+    assert_eq!(r.outcome.verdict, Verdict::Pass, "{r:#?}");
+    let idle = r.outcome.value("gpu_victim_idle_mfma_per_s").unwrap();
+    let loaded = r.outcome.value("gpu_victim_loaded_mfma_per_s").unwrap();
+    assert!(idle > 0.0 && loaded > 0.0, "{r:#?}");
+    assert!(
+        r.outcome.value("gpu_victim_slowdown").unwrap() < 1.5,
+        "{r:#?}"
+    );
+    assert!(r.outcome.value("gpu_noisy_mfma").unwrap() > 0.0, "{r:#?}");
+    let slices = r
+        .outcome
+        .findings
+        .iter()
+        .filter(|f| f.contains("holds GPU slice"))
+        .count();
+    assert_eq!(slices, 2, "{r:#?}");
+    // Slices that share compute: the victim slows down with its neighbour, and the check
+    // fails, whatever its CPU half says.
+    let r = noisy(
+        Broken {
+            gpu_compute_shared: true,
+            ..Broken::default()
+        },
+        H100,
+    );
+    assert_eq!(r.outcome.verdict, Verdict::Fail, "{r:#?}");
+    assert!(
+        r.outcome.value("gpu_victim_slowdown").unwrap() > 2.0,
+        "{r:#?}"
+    );
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("the slices share compute")),
+        "{r:#?}"
+    );
+}
+
+#[test]
+fn check_8_gpu_half_is_not_applicable_without_a_gpu_and_inconclusive_when_it_cannot_run() {
+    // No GPU: the CPU half decides, and the report says the GPU half does not apply.
+    let r = noisy(Broken::default(), &[]);
+    assert_eq!(r.outcome.verdict, Verdict::Pass, "{r:#?}");
+    assert!(r.outcome.value("gpu_victim_slowdown").is_none());
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.starts_with("GPU half not applicable")),
+        "{r:#?}"
+    );
+    for broken in [
+        Broken {
+            no_cuda_in_guest: true,
+            ..Broken::default()
+        },
+        Broken {
+            gpu_full: true,
+            ..Broken::default()
+        },
+    ] {
+        let r = noisy(broken, H100);
+        assert_eq!(r.outcome.verdict, Verdict::Inconclusive, "{r:#?}");
+        assert!(r.outcome.value("gpu_victim_slowdown").is_none(), "{r:#?}");
+    }
+    // The judgement alone: a 1.2x slowdown passes, 4x fails, no rate under load fails.
+    let mut o = Outcome::new(Verdict::Pass);
+    super::noisy_gpu::judge_slowdown(&mut o, "v", 1200.0, 1000.0, 3.0);
+    assert_eq!(o.verdict, Verdict::Pass);
+    super::noisy_gpu::judge_slowdown(&mut o, "v", 4000.0, 1000.0, 3.0);
+    assert_eq!(o.verdict, Verdict::Fail);
+    let mut o = Outcome::new(Verdict::Pass);
+    super::noisy_gpu::judge_slowdown(&mut o, "v", 4000.0, 0.0, 3.0);
+    assert_eq!(o.verdict, Verdict::Fail);
 }

@@ -36,11 +36,45 @@ pub fn wait_end(
     }
 }
 
-fn inconclusive(out: &mut Outcome, finding: String) {
+/// How a load ended, in words: `exit N` and its error, if any (guest text, on one line).
+pub fn exit_and_error(r: &LoadReport) -> String {
+    format!(
+        "exit {:?}{}",
+        r.exit_code,
+        r.error
+            .as_deref()
+            .map(|e| format!(", {}", crate::untrusted::one_line(e)))
+            .unwrap_or_default()
+    )
+}
+
+/// Records `finding` and makes a passing `out` inconclusive.
+pub fn inconclusive(out: &mut Outcome, finding: String) {
     if out.verdict == Verdict::Pass {
         out.verdict = Verdict::Inconclusive;
     }
     out.findings.push(finding);
+}
+
+/// Starts `load` in `name`; a refusal makes `out` inconclusive, saying which load
+/// (`what`) could not start. Returns whether it started.
+pub fn start_or_inconclusive(
+    host: &dyn VerifyHost,
+    name: &str,
+    load: LoadSpec,
+    what: &str,
+    out: &mut Outcome,
+) -> bool {
+    match host.guest_load(name, load) {
+        Ok(()) => true,
+        Err(e) => {
+            inconclusive(
+                out,
+                format!("the {what} load could not be started in {name}: {e}"),
+            );
+            false
+        }
+    }
 }
 
 /// Judges a memory load that asked a guest of `guest_mib` for more than its RAM: the guest

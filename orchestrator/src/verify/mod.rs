@@ -37,6 +37,7 @@ pub mod live;
 mod live_gpu;
 pub mod memory;
 pub mod noisy;
+pub mod noisy_gpu;
 pub mod prefix;
 pub mod probe;
 mod procs;
@@ -310,8 +311,10 @@ pub struct VerifyConfig {
     pub seed: Option<u64>,
     /// How long to wait for a probe tenant to start or go.
     pub probe_timeout: Duration,
-    /// Whether checks 4 and 10 give their probes a GPU slice (`--gpu-probes`).
+    /// Whether checks 4, 8 and 10 give their probes a GPU slice (`--gpu-probes`).
     pub gpu_probes: gpu_probe::GpuProbes,
+    /// Seconds of each GPU compute measurement of check 8's GPU half.
+    pub gpu_compute_seconds: u32,
 }
 
 impl Default for VerifyConfig {
@@ -330,6 +333,7 @@ impl Default for VerifyConfig {
             seed: None,
             probe_timeout: Duration::from_secs(180),
             gpu_probes: gpu_probe::GpuProbes::Auto,
+            gpu_compute_seconds: 5,
         }
     }
 }

@@ -14,12 +14,17 @@
 //! agent's bounded `load` command): busy threads, twice its vCPUs, and a file on its data
 //! disk rewritten and fsynced; what they did is reported, and a load that did not run makes
 //! the check inconclusive (its latency ratio would not show a saturated neighbour).
+//!
+//! Where the host has GPUs, both probes hold a GPU slice and [`super::noisy_gpu`] measures
+//! the victim's GPU compute rate beside a saturated neighbour slice; without a GPU that half
+//! is reported not applicable.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tenantvm_agent_protocol::LoadKind;
 
+use super::gpu_probe::create_with_slice;
 use super::guest_load::{not_run, spec};
 use super::host::CpuOverrun;
 use super::stats::quantile;
@@ -199,14 +204,16 @@ impl Check for NoisyNeighbourCheck {
     }
 
     fn run(&self, ctx: &Ctx<'_>) -> Result<Outcome, HostError> {
-        // A disk of its own, for the in-guest disk I/O load.
-        let noisy = ctx
-            .probes
-            .create("noisy", |s| s.disk_gib = s.disk_gib.max(1))?;
+        // Each a GPU slice where the host has GPUs (the GPU half), the noisy one a disk of
+        // its own, for the in-guest disk I/O load.
+        let mut plan = super::gpu_probe::plan(ctx)?;
+        let noisy = create_with_slice(ctx.probes, "noisy", &mut plan, |s| {
+            s.disk_gib = s.disk_gib.max(1)
+        })?;
         // The victim's own rate quota must not throttle its latency samples.
-        let victim = ctx
-            .probes
-            .create("victim", |s| s.quotas.requests_per_s = 1000)?;
+        let victim = create_with_slice(ctx.probes, "victim", &mut plan, |s| {
+            s.quotas.requests_per_s = 1000
+        })?;
         let mut out = Outcome::new(Verdict::Pass);
         for p in [&noisy, &victim] {
             judge_cpu_quota(
@@ -239,6 +246,15 @@ impl Check for NoisyNeighbourCheck {
                 }
             }
         }
+        // The GPU half, before the latency phase's own loads start.
+        super::noisy_gpu::gpu_half(
+            ctx,
+            &plan,
+            &noisy,
+            &victim,
+            ctx.config.gpu_compute_seconds,
+            &mut out,
+        )?;
         let n = ctx.config.latency_samples.max(2);
         let sample = |into: &mut Vec<f64>| -> Result<(), HostError> {
             for _ in 0..n {

@@ -210,6 +210,7 @@ impl<'h> Probes<'h> {
             },
             quotas: Quotas::default(),
             hugepages: None,
+            vgpu_licence: None,
         };
         adjust(&mut spec);
         spec.name = name.clone();

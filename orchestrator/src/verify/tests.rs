@@ -96,6 +96,7 @@ fn spec(name: &str, gpu: GpuRequest) -> TenantSpec {
         },
         quotas: Quotas::default(),
         hugepages: None,
+        vgpu_licence: None,
     }
 }
 

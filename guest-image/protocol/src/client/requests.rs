@@ -26,6 +26,24 @@ impl AgentClient {
         }
     }
 
+    /// Delivers the tenant's vGPU licence token ([`crate::licence`]); the agent writes it
+    /// where NVIDIA's licensing client reads it. An agent older than the request answers
+    /// `bad-request`, returned as [`AgentClientError::Unsupported`].
+    pub fn install_licence(
+        &mut self,
+        token: &crate::licence::LicenceToken,
+        timeout: Duration,
+    ) -> Result<(), AgentClientError> {
+        let what = "install-licence";
+        let req = Request::InstallLicence {
+            token: token.clone(),
+        };
+        match self.call(&req, timeout).map_err(|e| older_agent(what, e))? {
+            Reply::LicenceInstalled => Ok(()),
+            _ => Err(AgentClientError::UnexpectedReply { what }),
+        }
+    }
+
     /// Mounts the unlocked disk; returns whether a file system was created.
     pub fn mount(
         &mut self,
@@ -356,21 +374,18 @@ impl AgentClient {
         timeout: Duration,
     ) -> Result<crate::gpu::GpuInfoReply, AgentClientError> {
         let what = "gpu-info";
-        match self.call(&Request::GpuInfo, timeout) {
-            Ok(Reply::GpuInfo(reply)) => {
+        match self
+            .call(&Request::GpuInfo, timeout)
+            .map_err(|e| older_agent(what, e))?
+        {
+            Reply::GpuInfo(reply) => {
                 reply.check().map_err(|e| AgentClientError::RefusedReply {
                     what,
                     reason: e.to_string(),
                 })?;
                 Ok(reply)
             }
-            Ok(_) => Err(AgentClientError::UnexpectedReply { what }),
-            Err(AgentClientError::Agent { failure, .. })
-                if failure.code == crate::message::ErrorCode::BadRequest =>
-            {
-                Err(AgentClientError::Unsupported { what })
-            }
-            Err(e) => Err(e),
+            _ => Err(AgentClientError::UnexpectedReply { what }),
         }
     }
 
@@ -380,6 +395,19 @@ impl AgentClient {
             Reply::ShuttingDown(report) => Ok(report),
             _ => Err(AgentClientError::UnexpectedReply { what: "shutdown" }),
         }
+    }
+}
+
+/// An agent's `bad-request` to a request it does not know (an agent older than it) as
+/// [`AgentClientError::Unsupported`]; other errors as they are.
+fn older_agent(what: &'static str, e: AgentClientError) -> AgentClientError {
+    match e {
+        AgentClientError::Agent { failure, .. }
+            if failure.code == crate::message::ErrorCode::BadRequest =>
+        {
+            AgentClientError::Unsupported { what }
+        }
+        e => e,
     }
 }
 

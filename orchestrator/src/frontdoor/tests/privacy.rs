@@ -1,59 +1,11 @@
 //! No prompt or completion text reaches the log, an event, a file in the state directory or
 //! an error body, whichever way a request ends.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
-
 use serde_json::json;
 
 use super::door::door;
 use super::guests::COMPLETION_MARKER;
-
-/// Everything the process logs from here on (all threads), for the no-prompt-in-logs test.
-fn captured_log() -> Arc<Mutex<Vec<u8>>> {
-    static LOG: std::sync::OnceLock<Arc<Mutex<Vec<u8>>>> = std::sync::OnceLock::new();
-    LOG.get_or_init(|| {
-        let buf = Arc::new(Mutex::new(Vec::new()));
-        let sink = buf.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::TRACE)
-            .with_ansi(false)
-            .with_writer(move || Sink(sink.clone()))
-            .finish();
-        tracing::subscriber::set_global_default(subscriber).expect("no other global subscriber");
-        buf
-    })
-    .clone()
-}
-
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Sink {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// Files under `dir` (the state directory, store, logs, everything) holding `needle`.
-fn files_holding(dir: &std::path::Path, needle: &[u8]) -> Vec<std::path::PathBuf> {
-    let mut found = Vec::new();
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return found;
-    };
-    for e in entries.flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            found.extend(files_holding(&p, needle));
-        } else if std::fs::read(&p).is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle)) {
-            found.push(p);
-        }
-    }
-    found
-}
+use crate::test_support::{captured_log, files_holding};
 
 #[test]
 fn no_prompt_or_completion_text_reaches_a_log_an_event_a_file_or_an_error() {

@@ -111,18 +111,33 @@ pub fn crypto_shred(
     let image = image_path(ctx.config, &t.name);
     let has_key = kit.keys.exists(&t.name).map_err(StepError::failed)?;
     if t.spec.disk_gib == 0 && !has_key && !image.exists() {
-        return Ok(Some(StepRecord::new(
-            DepartureStep::CryptoShred,
-            "no disk: the tenant had disk_gib = 0",
-            StepResult::Skipped,
-            Assurance::NotApplicable,
-            started,
-            now_rfc3339(),
-        )));
+        // The sealed vGPU licence token gets the disk key's treatment, named in the
+        // receipt whether or not there is a disk.
+        let licence = shred_licence(&kit.keys, &t.name)?;
+        let record = match licence {
+            None => StepRecord::new(
+                DepartureStep::CryptoShred,
+                "no disk: the tenant had disk_gib = 0",
+                StepResult::Skipped,
+                Assurance::NotApplicable,
+                started,
+                now_rfc3339(),
+            ),
+            Some(absent) => StepRecord::new(
+                DepartureStep::CryptoShred,
+                "no disk (disk_gib = 0); the sealed vGPU licence token destroyed",
+                StepResult::Ok,
+                Assurance::checked(absent),
+                started,
+                now_rfc3339(),
+            ),
+        };
+        return Ok(Some(with_licence_evidence(record, licence)));
     }
     let report = crate::disk::crypto_shred(&kit.keys, &t.name, &image)
         .map_err(|e| StepError::failed(error_chain(&e)))?;
-    let mut record = report.step_record(started, now_rfc3339());
+    let licence = shred_licence(&kit.keys, &t.name)?;
+    let mut record = with_licence_evidence(report.step_record(started, now_rfc3339()), licence);
     if t.has_agent() {
         // What the shredded disk held, in the receipt's words.
         record.evidence.insert(
@@ -133,6 +148,31 @@ pub fn crypto_shred(
         );
     }
     Ok(Some(record))
+}
+
+/// Destroys `tenant`'s sealed vGPU licence token: `None` when none was held (and none is
+/// left), else whether it is gone now. Idempotent: a step resumed after this ran finds
+/// none, and its receipt line says it may have been an earlier run's work.
+fn shred_licence(keys: &crate::keys::KeyStore, tenant: &str) -> Result<Option<bool>, StepError> {
+    let deleted = keys.delete_licence(tenant).map_err(StepError::failed)?;
+    let absent = !keys.has_licence(tenant).map_err(StepError::failed)?;
+    Ok((deleted || !absent).then_some(absent))
+}
+
+/// The receipt's words on the vGPU licence token.
+fn with_licence_evidence(record: StepRecord, licence: Option<bool>) -> StepRecord {
+    match licence {
+        None => record.with_evidence(
+            "vgpu_licence",
+            "none held: no vGPU licence token was given (or an earlier run of this step destroyed it)",
+        ),
+        Some(absent) => record
+            .with_evidence(
+                "vgpu_licence",
+                "the vGPU licence token, sealed under the host KEK, overwritten and removed; its only plaintext copy left was in the guest's RAM, gone with the VM",
+            )
+            .with_evidence("vgpu_licence_absent", absent),
+    }
 }
 
 /// remove-files: removes the tenant directory (serial, VMM and event logs, sockets, jail
@@ -157,11 +197,7 @@ pub fn remove_files(
             DepartureStep::LogsRemoved,
             "tenant directory removed: serial, VMM and event logs, sockets, jail root",
             StepResult::Ok,
-            if absent {
-                Assurance::Verified
-            } else {
-                Assurance::Unverified
-            },
+            Assurance::checked(absent),
             started,
             now_rfc3339(),
         )

@@ -2,10 +2,13 @@
 //! guest image set) boot, and once the VM runs, create and start
 //!
 //! 1. `await-agent`: wait until the agent answers `status` on its channel;
-//! 2. `unlock-disk`: deliver the disk key (unwrapped from the tenant's wrapped key, zeroized
+//! 2. `deliver-licence`: hand the tenant's vGPU licence token (unsealed from the key store,
+//!    zeroized after use) to the agent, which writes it where NVIDIA's licensing client
+//!    reads it; at every boot, since the token lives in guest RAM; a no-op without one;
+//! 3. `unlock-disk`: deliver the disk key (unwrapped from the tenant's wrapped key, zeroized
 //!    after use) if the guest reports the disk locked, and mount it if it is not mounted;
-//! 3. `start-payload`: start the inference server unless the guest reports it running;
-//! 4. `await-payload`: wait until the payload answers its health check.
+//! 4. `start-payload`: start the inference server unless the guest reports it running;
+//! 5. `await-payload`: wait until the payload answers its health check.
 //!
 //! For other tenants each is a no-op. Each asks the guest first and skips what it reports
 //! done, so re-running one after a daemon crash is safe. Stop and destroy ask the agent for
@@ -22,8 +25,8 @@
 use std::time::{Duration, Instant};
 
 use tenantvm_agent_protocol::{
-    AgentClient, AgentClientError, AgentEndpoint, DiskKey as AgentDiskKey, DiskState, PayloadState,
-    ShutdownReport,
+    AgentClient, AgentClientError, AgentEndpoint, DiskKey as AgentDiskKey, DiskState, LicenceToken,
+    PayloadState, ShutdownReport,
 };
 
 use crate::backend::{BackendError, RunningVm, VmBackend, VmState};
@@ -208,6 +211,37 @@ pub fn await_agent(
         after_ms = started.elapsed().as_millis() as u64,
         "guest agent ready"
     );
+    Ok(None)
+}
+
+/// deliver-licence: hands the tenant's vGPU licence token to the guest agent, which writes
+/// it where NVIDIA's licensing client reads it (before the payload starts). Runs at every
+/// boot (the token lives in guest RAM) and again on a resumed create (the agent replaces
+/// the file). A no-op for a tenant without a licence or without an agent.
+pub fn deliver_licence(
+    ctx: &StepCtx<'_>,
+    t: &mut Tenant,
+    _op: Op,
+) -> Result<Option<StepRecord>, StepError> {
+    let Some(vm) = agent_vm(t)? else {
+        return Ok(None);
+    };
+    let Some(sealed) = ctx
+        .kit()?
+        .keys
+        .licence(&t.name)
+        .map_err(StepError::failed)?
+    else {
+        return Ok(None);
+    };
+    let token = LicenceToken::new(&sealed).map_err(StepError::failed)?;
+    drop(sealed);
+    let mut agent = connect(ctx.backend, vm, CALL_TIMEOUT).map_err(StepError::failed)?;
+    agent
+        .install_licence(&token, CALL_TIMEOUT)
+        .map_err(StepError::failed)?;
+    // `token` and the unsealed copy are zeroized when dropped.
+    tracing::info!(tenant = %t.name, "vGPU licence token delivered to the guest");
     Ok(None)
 }
 

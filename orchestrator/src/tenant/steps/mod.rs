@@ -107,6 +107,8 @@ pub enum Step {
     RebindGpu,
     /// Departure: the vGPU type off its VF (type 0).
     DetachGpu,
+    /// Guest image: hand the tenant's vGPU licence token to the agent (no-op without one).
+    DeliverLicence,
 }
 
 /// Runs one step: the narrow context, the tenant (whose facts the step keeps current), and
@@ -127,7 +129,7 @@ pub struct StepDef {
 }
 
 /// Every step, in [`Step`] order: the one place a step is bound to its code.
-pub static TABLE: [StepDef; 28] = [
+pub static TABLE: [StepDef; 29] = [
     row(Step::AllocateUid, "allocate-uid", vm::allocate_uid, None),
     row(Step::ReserveGpu, "reserve-gpu", gpu::reserve, None),
     row(
@@ -221,6 +223,12 @@ pub static TABLE: [StepDef; 28] = [
     row(Step::AttachGpu, "attach-gpu", device::attach, None),
     row(Step::RebindGpu, "rebind-gpu", device::rebind, None),
     row(Step::DetachGpu, "detach-gpu", device::detach, None),
+    row(
+        Step::DeliverLicence,
+        "deliver-licence",
+        guest::deliver_licence,
+        None,
+    ),
 ];
 
 const fn row(
@@ -239,7 +247,8 @@ const fn row(
 
 impl Step {
     /// Whether the step deals with the tenant's GPU share only (nothing to do for a tenant
-    /// that wants no GPU: recorded as `skipped`).
+    /// that wants no GPU: recorded as `skipped`). The vGPU licence is one: only a GPU tenant
+    /// may have one.
     pub fn is_gpu(self) -> bool {
         matches!(
             self,
@@ -254,6 +263,7 @@ impl Step {
                 | Step::AttachGpu
                 | Step::RebindGpu
                 | Step::DetachGpu
+                | Step::DeliverLicence
         )
     }
 
@@ -303,6 +313,7 @@ impl Op {
                 LaunchVm,
                 AwaitRunning,
                 AwaitAgent,
+                DeliverLicence,
                 UnlockDisk,
                 StartPayload,
                 AwaitPayload,
@@ -311,6 +322,7 @@ impl Op {
                 LaunchVm,
                 AwaitRunning,
                 AwaitAgent,
+                DeliverLicence,
                 UnlockDisk,
                 StartPayload,
                 AwaitPayload,

@@ -21,11 +21,11 @@ pub mod region_index {
 }
 
 /// A region may be read.
-pub const REGION_FLAG_READ: u32 = 1 << 0;
+pub const REGION_FLAG_READ: u32 = super::abi::VFIO_REGION_INFO_FLAG_READ;
 /// A region may be written.
-pub const REGION_FLAG_WRITE: u32 = 1 << 1;
+pub const REGION_FLAG_WRITE: u32 = super::abi::VFIO_REGION_INFO_FLAG_WRITE;
 /// A region (or the sparse areas its capability lists) may be mmapped.
-pub const REGION_FLAG_MMAP: u32 = 1 << 2;
+pub const REGION_FLAG_MMAP: u32 = super::abi::VFIO_REGION_INFO_FLAG_MMAP;
 
 /// What the device says about one region.
 #[derive(Debug, Clone, PartialEq, Eq)]

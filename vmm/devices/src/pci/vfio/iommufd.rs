@@ -7,7 +7,8 @@
 //! This file has the pieces: which interface opens a device ([`select_interface`], from the
 //! configured [`VfioIommuMode`] and what the kernel offers), the iommufd ([`Iommufd`]: IOAS
 //! allocation, DMA map and unmap) and the device's bind and attach ([`bind_and_attach`]),
-//! with struct layouts from `<linux/iommufd.h>` and `<linux/vfio.h>`. The kernel backend
+//! with iommufd's struct layouts from `<linux/iommufd.h>` (written here: `vfio-bindings`
+//! does not cover that header) and VFIO's from `vfio-bindings` (`abi.rs`). The kernel backend
 //! (`kernel.rs`, `KernelVfioDevice::open_cdev`) uses them; the VMM keeps one [`Iommufd`] per
 //! VM, maps all guest RAM into its IOAS once (IOVA = guest physical address) and adds each
 //! device's cdev to the KVM VFIO pseudo-device before binding it (`KVM_DEV_VFIO_FILE_ADD`, the attribute
@@ -27,7 +28,14 @@ use super::kvm_files::KvmVfioFiles;
 
 pub use tenantvm_vmm_api::VfioIommuMode;
 
-/// `_IO(';', nr)`: iommufd's and VFIO's ioctls share the type and carry no size.
+use super::abi::{
+    vfio_device_attach_iommufd_pt, vfio_device_bind_iommufd, ATTACH_IOMMUFD_PT_ARGSZ,
+    BIND_IOMMUFD_ARGSZ,
+};
+pub use super::abi::{VFIO_DEVICE_ATTACH_IOMMUFD_PT, VFIO_DEVICE_BIND_IOMMUFD};
+
+/// `_IO(';', nr)`: iommufd's ioctls (`<linux/iommufd.h>`, which `vfio-bindings` does not
+/// cover) share VFIO's type and carry no size.
 const fn io(nr: u32) -> libc::c_ulong {
     ((b';' as libc::c_ulong) << 8) | nr as libc::c_ulong
 }
@@ -38,10 +46,6 @@ pub const IOMMU_IOAS_ALLOC: libc::c_ulong = io(0x81);
 pub const IOMMU_IOAS_MAP: libc::c_ulong = io(0x85);
 /// IOMMU_IOAS_UNMAP.
 pub const IOMMU_IOAS_UNMAP: libc::c_ulong = io(0x86);
-/// VFIO_DEVICE_BIND_IOMMUFD (VFIO_BASE 100 + 18).
-pub const VFIO_DEVICE_BIND_IOMMUFD: libc::c_ulong = io(100 + 18);
-/// VFIO_DEVICE_ATTACH_IOMMUFD_PT (VFIO_BASE 100 + 19).
-pub const VFIO_DEVICE_ATTACH_IOMMUFD_PT: libc::c_ulong = io(100 + 19);
 /// The ioctls of this path. All of them are issued while the VM is set up, before any
 /// thread installs its seccomp filter, so no filter allows them: a device thread or vCPU
 /// that asked for one would be stopped.
@@ -208,15 +212,23 @@ fn ioas_unmap_arg(ioas: u32, iova: u64, size: u64) -> [u64; 3] {
     [24 | (u64::from(ioas) << 32), iova, size]
 }
 
-/// `struct vfio_device_bind_iommufd` (argsz, flags, iommufd, out_devid): the 16-byte
-/// form every cdev kernel accepts (6.17 added an optional token pointer after it).
-fn bind_arg(iommufd: RawFd) -> [u32; 4] {
-    [16, 0, iommufd as u32, 0]
+/// `struct vfio_device_bind_iommufd`, its `argsz` covering up to `out_devid`: the form
+/// every cdev kernel accepts ([`BIND_IOMMUFD_ARGSZ`]).
+fn bind_arg(iommufd: RawFd) -> vfio_device_bind_iommufd {
+    vfio_device_bind_iommufd {
+        argsz: BIND_IOMMUFD_ARGSZ,
+        iommufd,
+        ..Default::default()
+    }
 }
 
-/// `struct vfio_device_attach_iommufd_pt` (argsz, flags, pt_id).
-fn attach_arg(pt_id: u32) -> [u32; 3] {
-    [12, 0, pt_id]
+/// `struct vfio_device_attach_iommufd_pt`, its `argsz` covering up to `pt_id`.
+fn attach_arg(pt_id: u32) -> vfio_device_attach_iommufd_pt {
+    vfio_device_attach_iommufd_pt {
+        argsz: ATTACH_IOMMUFD_PT_ARGSZ,
+        pt_id,
+        ..Default::default()
+    }
 }
 
 /// An open `/dev/iommu` with one IOAS for the VM's guest RAM.
@@ -315,31 +327,18 @@ pub fn bind_and_attach(
             })?;
     }
     let mut bind = bind_arg(iommufd.fd());
-    // SAFETY: `bind` is a struct vfio_device_bind_iommufd the kernel fills (out_devid).
-    if unsafe {
-        libc::ioctl(
-            file.as_raw_fd(),
-            VFIO_DEVICE_BIND_IOMMUFD,
-            bind.as_mut_ptr(),
-        )
-    } < 0
-    {
+    // SAFETY: `bind` is a struct vfio_device_bind_iommufd the kernel fills (out_devid);
+    // its `argsz` is within the struct.
+    if unsafe { libc::ioctl(file.as_raw_fd(), VFIO_DEVICE_BIND_IOMMUFD, &mut bind) } < 0 {
         return Err(ioctl_err("VFIO_DEVICE_BIND_IOMMUFD"));
     }
     let mut attach = attach_arg(iommufd.ioas());
     // SAFETY: `attach` is a struct vfio_device_attach_iommufd_pt (the kernel writes the
-    // attached page table id back into pt_id).
-    if unsafe {
-        libc::ioctl(
-            file.as_raw_fd(),
-            VFIO_DEVICE_ATTACH_IOMMUFD_PT,
-            attach.as_mut_ptr(),
-        )
-    } < 0
-    {
+    // attached page table id back into pt_id); its `argsz` is within the struct.
+    if unsafe { libc::ioctl(file.as_raw_fd(), VFIO_DEVICE_ATTACH_IOMMUFD_PT, &mut attach) } < 0 {
         return Err(ioctl_err("VFIO_DEVICE_ATTACH_IOMMUFD_PT"));
     }
-    Ok((file, bind[3]))
+    Ok((file, bind.out_devid))
 }
 
 #[cfg(test)]
@@ -426,8 +425,13 @@ mod tests {
         assert_eq!((map[2], map[3], map[4]), (0x7f00_0000_0000, 0x2000, 0x1000));
         let unmap = ioas_unmap_arg(7, 0x1000, 0x2000);
         assert_eq!((unmap[0] as u32, (unmap[0] >> 32) as u32), (24, 7));
-        assert_eq!(bind_arg(9), [16, 0, 9, 0]);
-        assert_eq!(attach_arg(7), [12, 0, 7]);
+        let bind = bind_arg(9);
+        assert_eq!(
+            (bind.argsz, bind.flags, bind.iommufd, bind.out_devid),
+            (16, 0, 9, 0)
+        );
+        let attach = attach_arg(7);
+        assert_eq!((attach.argsz, attach.flags, attach.pt_id), (12, 0, 7));
     }
 
     #[test]

@@ -12,11 +12,13 @@
 //! reset, VFIO_DEVICE_PCI_HOT_RESET, must present the fd of every affected group), checked
 //! return codes (vfio-ioctls ignores VFIO_DEVICE_RESET's, and its region read/write only
 //! logs failures), and the raw region-info capability chain, which goes through this
-//! crate's own bounded parser (`region_caps`). Struct layouts follow `<linux/vfio.h>`.
+//! crate's own bounded parser (`region_caps`). Struct layouts, flags and request numbers
+//! come from `vfio-bindings` (`abi.rs`); docs/vmm.md lists each call and why it is ours.
 
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
+use std::mem::{offset_of, size_of};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -35,29 +37,22 @@ use super::kvm_files::KvmVfioFiles;
 use super::region_caps::{parse_region_caps, RegionCapError, REGION_INFO_SIZE};
 use super::sysfs::{inspect, SysfsDevice, SysfsError};
 
-/// `_IO(VFIO_TYPE, VFIO_BASE + nr)`: VFIO's ioctls carry no size in their number.
-const fn vfio_io(nr: u32) -> libc::c_ulong {
-    ((b';' as u32) << 8 | (100 + nr)) as libc::c_ulong
-}
-const VFIO_GET_API_VERSION: libc::c_ulong = vfio_io(0);
-const VFIO_CHECK_EXTENSION: libc::c_ulong = vfio_io(1);
-const VFIO_SET_IOMMU: libc::c_ulong = vfio_io(2);
-const VFIO_GROUP_GET_STATUS: libc::c_ulong = vfio_io(3);
-const VFIO_GROUP_SET_CONTAINER: libc::c_ulong = vfio_io(4);
-const VFIO_GROUP_GET_DEVICE_FD: libc::c_ulong = vfio_io(6);
-const VFIO_DEVICE_GET_INFO: libc::c_ulong = vfio_io(7);
-const VFIO_DEVICE_GET_REGION_INFO: libc::c_ulong = vfio_io(8);
-const VFIO_DEVICE_GET_IRQ_INFO: libc::c_ulong = vfio_io(9);
-/// `VFIO_DEVICE_SET_IRQS` (the VMM's seccomp filters name it).
-pub const VFIO_DEVICE_SET_IRQS: libc::c_ulong = vfio_io(10);
-/// `VFIO_DEVICE_RESET` (the VMM's seccomp filters name it).
-pub const VFIO_DEVICE_RESET: libc::c_ulong = vfio_io(11);
-/// `VFIO_DEVICE_GET_PCI_HOT_RESET_INFO` (the VMM's seccomp filters name it).
-pub const VFIO_DEVICE_GET_PCI_HOT_RESET_INFO: libc::c_ulong = vfio_io(12);
-/// `VFIO_DEVICE_PCI_HOT_RESET` (the VMM's seccomp filters name it).
-pub const VFIO_DEVICE_PCI_HOT_RESET: libc::c_ulong = vfio_io(13);
-const VFIO_IOMMU_MAP_DMA: libc::c_ulong = vfio_io(13);
-const VFIO_IOMMU_UNMAP_DMA: libc::c_ulong = vfio_io(14);
+use super::abi::{
+    argsz, vfio_device_info, vfio_group_status, vfio_iommu_type1_dma_map,
+    vfio_iommu_type1_dma_unmap, vfio_irq_info, vfio_irq_set, vfio_pci_dependent_device,
+    vfio_pci_hot_reset, vfio_pci_hot_reset_info, vfio_region_info, VFIO_TYPE1v2_IOMMU,
+    VFIO_API_VERSION, VFIO_CHECK_EXTENSION, VFIO_DEVICE_FLAGS_PCI, VFIO_DEVICE_FLAGS_RESET,
+    VFIO_DEVICE_GET_INFO, VFIO_DEVICE_GET_IRQ_INFO, VFIO_DEVICE_GET_REGION_INFO,
+    VFIO_DMA_MAP_FLAG_READ, VFIO_DMA_MAP_FLAG_WRITE, VFIO_GET_API_VERSION, VFIO_GROUP_FLAGS_VIABLE,
+    VFIO_GROUP_GET_DEVICE_FD, VFIO_GROUP_GET_STATUS, VFIO_GROUP_SET_CONTAINER, VFIO_IOMMU_MAP_DMA,
+    VFIO_IOMMU_UNMAP_DMA, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_UNMASK,
+    VFIO_IRQ_SET_DATA_EVENTFD, VFIO_IRQ_SET_DATA_NONE, VFIO_PCI_HOT_RESET_FLAG_DEV_ID_OWNED,
+    VFIO_REGION_INFO_FLAG_CAPS, VFIO_SET_IOMMU,
+};
+pub use super::abi::{
+    VFIO_DEVICE_GET_PCI_HOT_RESET_INFO, VFIO_DEVICE_PCI_HOT_RESET, VFIO_DEVICE_RESET,
+    VFIO_DEVICE_SET_IRQS,
+};
 
 /// Every VFIO ioctl request number this backend issues (the VMM's seccomp filter allows
 /// exactly these on the device thread and vCPU threads). VFIO_IOMMU_MAP_DMA shares its
@@ -79,20 +74,6 @@ pub const VFIO_IOCTLS: [libc::c_ulong; 14] = [
     VFIO_IOMMU_UNMAP_DMA,
 ];
 
-const VFIO_API_VERSION: i32 = 0;
-const VFIO_TYPE1V2_IOMMU: libc::c_ulong = 3;
-const VFIO_GROUP_FLAGS_VIABLE: u32 = 1;
-const VFIO_DEVICE_FLAGS_RESET: u32 = 1;
-const VFIO_DEVICE_FLAGS_PCI: u32 = 2;
-const VFIO_REGION_INFO_FLAG_CAPS: u32 = 1 << 3;
-const VFIO_IRQ_SET_DATA_NONE: u32 = 1 << 0;
-const VFIO_IRQ_SET_DATA_EVENTFD: u32 = 1 << 2;
-const VFIO_IRQ_SET_ACTION_UNMASK: u32 = 1 << 4;
-const VFIO_IRQ_SET_ACTION_TRIGGER: u32 = 1 << 5;
-const VFIO_DMA_MAP_FLAG_READ_WRITE: u32 = 0b11;
-/// `VFIO_PCI_HOT_RESET_FLAG_DEV_ID_OWNED`: (cdev) every device a hot reset affects is owned
-/// through the calling device's iommufd.
-const VFIO_PCI_HOT_RESET_FLAG_DEV_ID_OWNED: u32 = 1 << 1;
 /// Largest region info (with capabilities) accepted from the kernel.
 const MAX_REGION_INFO: u32 = 64 * 1024;
 /// Most devices a hot reset may report as affected.
@@ -229,12 +210,17 @@ impl VfioContainer {
         let file = open_rw(&path)?;
         // SAFETY: VFIO_GET_API_VERSION takes no argument and touches no memory.
         let version = unsafe { libc::ioctl(file.as_raw_fd(), VFIO_GET_API_VERSION) };
-        if version != VFIO_API_VERSION {
+        if i64::from(version) != i64::from(VFIO_API_VERSION) {
             return Err(VfioKernelError::ApiVersion(version));
         }
         // SAFETY: VFIO_CHECK_EXTENSION takes an integer argument and touches no memory.
-        let type1 =
-            unsafe { libc::ioctl(file.as_raw_fd(), VFIO_CHECK_EXTENSION, VFIO_TYPE1V2_IOMMU) };
+        let type1 = unsafe {
+            libc::ioctl(
+                file.as_raw_fd(),
+                VFIO_CHECK_EXTENSION,
+                libc::c_ulong::from(VFIO_TYPE1v2_IOMMU),
+            )
+        };
         if type1 != 1 {
             return Err(VfioKernelError::NoType1);
         }
@@ -261,13 +247,15 @@ impl VfioContainer {
             return Ok(g.clone());
         }
         let file = open_rw(&self.dev_dir.join(id.to_string()))?;
-        let mut status = [8u32, 0];
-        // SAFETY: `status` is a `struct vfio_group_status` (argsz, flags) the kernel fills.
-        if unsafe { libc::ioctl(file.as_raw_fd(), VFIO_GROUP_GET_STATUS, status.as_mut_ptr()) } < 0
-        {
+        let mut status = vfio_group_status {
+            argsz: argsz::<vfio_group_status>(),
+            flags: 0,
+        };
+        // SAFETY: `status` is a `struct vfio_group_status` the kernel fills.
+        if unsafe { libc::ioctl(file.as_raw_fd(), VFIO_GROUP_GET_STATUS, &mut status) } < 0 {
             return Err(ioctl_err("VFIO_GROUP_GET_STATUS"));
         }
-        if status[1] & VFIO_GROUP_FLAGS_VIABLE == 0 {
+        if status.flags & VFIO_GROUP_FLAGS_VIABLE == 0 {
             return Err(VfioKernelError::GroupNotViable(id));
         }
         let container = self.file.as_raw_fd();
@@ -277,7 +265,9 @@ impl VfioContainer {
         }
         if groups.is_empty() {
             // SAFETY: VFIO_SET_IOMMU takes an integer argument and touches no memory.
-            if unsafe { libc::ioctl(container, VFIO_SET_IOMMU, VFIO_TYPE1V2_IOMMU) } < 0 {
+            let iommu = libc::c_ulong::from(VFIO_TYPE1v2_IOMMU);
+            // SAFETY: as above.
+            if unsafe { libc::ioctl(container, VFIO_SET_IOMMU, iommu) } < 0 {
                 return Err(ioctl_err("VFIO_SET_IOMMU"));
             }
         }
@@ -304,15 +294,16 @@ impl VfioContainer {
         size: u64,
         host_addr: u64,
     ) -> Result<(), VfioKernelError> {
-        // struct vfio_iommu_type1_dma_map: argsz, flags, vaddr, iova, size.
-        let mut map = [0u64; 4];
-        map[0] = u64::from(32u32) | (u64::from(VFIO_DMA_MAP_FLAG_READ_WRITE) << 32);
-        map[1] = host_addr;
-        map[2] = iova;
-        map[3] = size;
+        let map = vfio_iommu_type1_dma_map {
+            argsz: argsz::<vfio_iommu_type1_dma_map>(),
+            flags: VFIO_DMA_MAP_FLAG_READ | VFIO_DMA_MAP_FLAG_WRITE,
+            vaddr: host_addr,
+            iova,
+            size,
+        };
         // SAFETY: `map` is a valid vfio_iommu_type1_dma_map the kernel only reads; the
         // caller guarantees the mapped range's lifetime and aliasing rules.
-        if unsafe { libc::ioctl(self.file.as_raw_fd(), VFIO_IOMMU_MAP_DMA, map.as_ptr()) } < 0 {
+        if unsafe { libc::ioctl(self.file.as_raw_fd(), VFIO_IOMMU_MAP_DMA, &map) } < 0 {
             let source = std::io::Error::last_os_error();
             if source.raw_os_error() == Some(libc::ENOMEM) {
                 return Err(VfioKernelError::DmaMemlock { iova, size });
@@ -327,11 +318,15 @@ impl VfioContainer {
 
     /// Removes the DMA mapping at `iova`.
     pub fn unmap_dma(&self, iova: u64, size: u64) -> Result<(), VfioKernelError> {
-        // struct vfio_iommu_type1_dma_unmap: argsz, flags, iova, size.
-        let unmap = [u64::from(24u32), iova, size];
-        // SAFETY: `unmap` is a valid vfio_iommu_type1_dma_unmap (the kernel may write
-        // `size` back, within the buffer).
-        if unsafe { libc::ioctl(self.file.as_raw_fd(), VFIO_IOMMU_UNMAP_DMA, unmap.as_ptr()) } < 0 {
+        let mut unmap = vfio_iommu_type1_dma_unmap {
+            argsz: argsz::<vfio_iommu_type1_dma_unmap>(),
+            iova,
+            size,
+            ..Default::default()
+        };
+        // SAFETY: `unmap` is a valid vfio_iommu_type1_dma_unmap without flags (no bitmap
+        // follows it); the kernel may write `size` back, within the struct.
+        if unsafe { libc::ioctl(self.file.as_raw_fd(), VFIO_IOMMU_UNMAP_DMA, &mut unmap) } < 0 {
             return Err(ioctl_err("VFIO_IOMMU_UNMAP_DMA"));
         }
         Ok(())
@@ -371,13 +366,27 @@ pub struct KernelVfioDevice {
     sysfs: SysfsDevice,
 }
 
+/// The `u32` of `struct vfio_region_info` at `field` (an `offset_of!`) in `buf`.
+fn region_u32(buf: &[u8], field: usize) -> u32 {
+    u32::from_ne_bytes(buf[field..field + 4].try_into().unwrap_or_default())
+}
+
+/// The `u64` of `struct vfio_region_info` at `field` in `buf`.
+fn region_u64(buf: &[u8], field: usize) -> u64 {
+    u64::from_ne_bytes(buf[field..field + 8].try_into().unwrap_or_default())
+}
+
 fn region_info(file: &File, index: u32) -> Result<Option<Region>, VfioKernelError> {
+    // The fixed struct, then room for the capability chain the kernel appends: a byte
+    // buffer, read through the struct's field offsets.
     let mut buf = vec![0u8; REGION_INFO_SIZE];
     let mut argsz = REGION_INFO_SIZE as u32;
+    let at_argsz = offset_of!(vfio_region_info, argsz);
+    let at_index = offset_of!(vfio_region_info, index);
     for _ in 0..2 {
         buf.resize(argsz as usize, 0);
-        buf[0..4].copy_from_slice(&argsz.to_le_bytes());
-        buf[8..12].copy_from_slice(&index.to_le_bytes());
+        buf[at_argsz..at_argsz + 4].copy_from_slice(&argsz.to_ne_bytes());
+        buf[at_index..at_index + 4].copy_from_slice(&index.to_ne_bytes());
         // SAFETY: `buf` is at least `argsz` bytes, a vfio_region_info followed by room
         // for its capabilities; the kernel writes at most `argsz` bytes.
         if unsafe {
@@ -397,42 +406,40 @@ fn region_info(file: &File, index: u32) -> Result<Option<Region>, VfioKernelErro
                 source: e,
             });
         }
-        let needed = u32::from_le_bytes(buf[0..4].try_into().unwrap_or_default());
+        let needed = region_u32(&buf, at_argsz);
         if needed <= argsz || needed > MAX_REGION_INFO {
             break;
         }
         argsz = needed;
     }
-    let u32_at = |at: usize| u32::from_le_bytes(buf[at..at + 4].try_into().unwrap_or_default());
-    let u64_at = |at: usize| u64::from_le_bytes(buf[at..at + 8].try_into().unwrap_or_default());
-    let flags = u32_at(4);
+    let flags = region_u32(&buf, offset_of!(vfio_region_info, flags));
     let caps = if flags & VFIO_REGION_INFO_FLAG_CAPS != 0 {
-        parse_region_caps(&buf, u32_at(12))
-            .map_err(|source| VfioKernelError::RegionCaps { index, source })?
+        parse_region_caps(
+            &buf,
+            region_u32(&buf, offset_of!(vfio_region_info, cap_offset)),
+        )
+        .map_err(|source| VfioKernelError::RegionCaps { index, source })?
     } else {
         Vec::new()
     };
     Ok(Some(Region {
         info: RegionInfo {
-            size: u64_at(16),
+            size: region_u64(&buf, offset_of!(vfio_region_info, size)),
             flags,
             caps,
         },
-        offset: u64_at(24),
+        offset: region_u64(&buf, offset_of!(vfio_region_info, offset)),
     }))
 }
 
 fn irq_info(file: &File, index: IrqIndex) -> Result<Option<IrqInfo>, VfioKernelError> {
-    let mut info = [16u32, 0, index.vfio_index(), 0];
-    // SAFETY: `info` is a struct vfio_irq_info (argsz, flags, index, count) the kernel fills.
-    if unsafe {
-        libc::ioctl(
-            file.as_raw_fd(),
-            VFIO_DEVICE_GET_IRQ_INFO,
-            info.as_mut_ptr(),
-        )
-    } < 0
-    {
+    let mut info = vfio_irq_info {
+        argsz: argsz::<vfio_irq_info>(),
+        index: index.vfio_index(),
+        ..Default::default()
+    };
+    // SAFETY: `info` is a struct vfio_irq_info the kernel fills.
+    if unsafe { libc::ioctl(file.as_raw_fd(), VFIO_DEVICE_GET_IRQ_INFO, &mut info) } < 0 {
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() == Some(libc::EINVAL) {
             return Ok(None);
@@ -442,9 +449,9 @@ fn irq_info(file: &File, index: IrqIndex) -> Result<Option<IrqInfo>, VfioKernelE
             source: e,
         });
     }
-    Ok((info[3] > 0).then_some(IrqInfo {
-        count: info[3],
-        flags: info[1],
+    Ok((info.count > 0).then_some(IrqInfo {
+        count: info.count,
+        flags: info.flags,
     }))
 }
 
@@ -522,16 +529,19 @@ impl KernelVfioDevice {
         sysfs: SysfsDevice,
     ) -> Result<Self, VfioKernelError> {
         let fd = file.as_raw_fd();
-        let mut info = [24u32, 0, 0, 0, 0, 0];
+        let mut info = vfio_device_info {
+            argsz: argsz::<vfio_device_info>(),
+            ..Default::default()
+        };
         // SAFETY: `info` is a struct vfio_device_info the kernel fills.
-        if unsafe { libc::ioctl(fd, VFIO_DEVICE_GET_INFO, info.as_mut_ptr()) } < 0 {
+        if unsafe { libc::ioctl(fd, VFIO_DEVICE_GET_INFO, &mut info) } < 0 {
             return Err(ioctl_err("VFIO_DEVICE_GET_INFO"));
         }
-        let flags = info[1];
+        let flags = info.flags;
         if flags & VFIO_DEVICE_FLAGS_PCI == 0 {
             return Err(VfioKernelError::NotPci(path.to_path_buf()));
         }
-        let regions = (0..info[2].min(PCI_REGIONS))
+        let regions = (0..info.num_regions.min(PCI_REGIONS))
             .map(|i| region_info(&file, i))
             .collect::<Result<Vec<_>, _>>()?;
         let irqs = [
@@ -608,15 +618,23 @@ impl KernelVfioDevice {
         fds: &[i32],
         count: u32,
     ) -> std::io::Result<()> {
-        // struct vfio_irq_set: argsz, flags, index, start, count, then the data.
-        let mut buf = Vec::with_capacity(20 + fds.len() * 4);
-        let argsz = (20 + fds.len() * 4) as u32;
-        for v in [argsz, flags, index.vfio_index(), 0, count] {
-            buf.extend_from_slice(&v.to_le_bytes());
+        // struct vfio_irq_set, then its data: the eventfds.
+        let head = vfio_irq_set {
+            argsz: argsz::<vfio_irq_set>() + (fds.len() * 4) as u32,
+            flags,
+            index: index.vfio_index(),
+            start: 0,
+            count,
+            ..Default::default()
+        };
+        let mut buf = Vec::with_capacity(head.argsz as usize);
+        for v in [head.argsz, head.flags, head.index, head.start, head.count] {
+            buf.extend_from_slice(&v.to_ne_bytes());
         }
         for fd in fds {
-            buf.extend_from_slice(&fd.to_le_bytes());
+            buf.extend_from_slice(&fd.to_ne_bytes());
         }
+        debug_assert_eq!(buf.len(), head.argsz as usize);
         // SAFETY: `buf` is a complete vfio_irq_set of `argsz` bytes the kernel only reads.
         if unsafe { libc::ioctl(self.file.as_raw_fd(), VFIO_DEVICE_SET_IRQS, buf.as_ptr()) } < 0 {
             return Err(std::io::Error::last_os_error());
@@ -632,18 +650,24 @@ impl KernelVfioDevice {
     /// the reset is asked for with no group fds.
     fn hot_reset(&self) -> Result<(), String> {
         let fd = self.file.as_raw_fd();
-        // struct vfio_pci_hot_reset_info: argsz, flags, count, then 8-byte entries.
-        let mut head = [12u32, 0, 0];
+        let mut head = vfio_pci_hot_reset_info {
+            argsz: argsz::<vfio_pci_hot_reset_info>(),
+            ..Default::default()
+        };
         // SAFETY: `head` is a vfio_pci_hot_reset_info with no room for entries; the kernel
         // writes `count` and fails with ENOSPC.
-        let ret = unsafe { libc::ioctl(fd, VFIO_DEVICE_GET_PCI_HOT_RESET_INFO, head.as_mut_ptr()) };
+        let ret = unsafe { libc::ioctl(fd, VFIO_DEVICE_GET_PCI_HOT_RESET_INFO, &mut head) };
         let e = std::io::Error::last_os_error();
         if ret < 0 && e.raw_os_error() != Some(libc::ENOSPC) {
             return Err(format!("no bus reset possible: {e}"));
         }
-        let count = head[2].min(MAX_HOT_RESET_DEVICES);
-        let mut info = vec![0u32; 3 + 2 * count as usize];
-        info[0] = 12 + 8 * count;
+        let count = head.count.min(MAX_HOT_RESET_DEVICES);
+        // The header, then `count` struct vfio_pci_dependent_device entries, as u32 words
+        // (both are made of 4-byte-aligned words).
+        let head_words = size_of::<vfio_pci_hot_reset_info>() / 4;
+        let entry_words = size_of::<vfio_pci_dependent_device>() / 4;
+        let mut info = vec![0u32; head_words + entry_words * count as usize];
+        info[0] = (info.len() * 4) as u32;
         // SAFETY: `info` holds the header and `count` entries, `argsz` bytes in all.
         if unsafe { libc::ioctl(fd, VFIO_DEVICE_GET_PCI_HOT_RESET_INFO, info.as_mut_ptr()) } < 0 {
             return Err(format!(
@@ -651,11 +675,14 @@ impl KernelVfioDevice {
                 std::io::Error::last_os_error()
             ));
         }
+        let info_flags = info[offset_of!(vfio_pci_hot_reset_info, flags) / 4];
+        let info_count = info[offset_of!(vfio_pci_hot_reset_info, count) / 4];
         let reset: Vec<u32> = match &self.access {
             Access::Group { group, .. } => {
-                let affected = info[2].min(count) as usize;
+                let affected = info_count.min(count) as usize;
+                // Each entry starts with its group id (the union's `group_id`).
                 if let Some(other) = (0..affected)
-                    .map(|i| info[3 + 2 * i])
+                    .map(|i| info[head_words + entry_words * i])
                     .find(|&g| g != group.id)
                 {
                     return Err(format!(
@@ -663,17 +690,22 @@ impl KernelVfioDevice {
                          not own"
                     ));
                 }
-                // struct vfio_pci_hot_reset: argsz, flags, count, then the group fds.
-                vec![16, 0, 1, group.file.as_raw_fd() as u32]
+                // struct vfio_pci_hot_reset, then its one group fd.
+                vec![
+                    argsz::<vfio_pci_hot_reset>() + 4,
+                    0,
+                    1,
+                    group.file.as_raw_fd() as u32,
+                ]
             }
             Access::Cdev { .. } => {
-                if !hot_reset_owned(info[1]) {
+                if !hot_reset_owned(info_flags) {
                     return Err("a bus reset would also reset a device this VM's iommufd \
                                 does not own"
                         .into());
                 }
                 // struct vfio_pci_hot_reset with an empty group fd array.
-                vec![12, 0, 0]
+                vec![argsz::<vfio_pci_hot_reset>(), 0, 0]
             }
         };
         // SAFETY: `reset` is a complete vfio_pci_hot_reset (argsz covers it) the kernel
@@ -829,16 +861,6 @@ impl VfioBackend for KernelVfioDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn ioctl_numbers_match_linux_vfio_h() {
-        // _IO(';', 100) .. from <linux/vfio.h>
-        assert_eq!(VFIO_GET_API_VERSION, 0x3b64);
-        assert_eq!(VFIO_DEVICE_SET_IRQS, 0x3b6e);
-        assert_eq!(VFIO_DEVICE_RESET, 0x3b6f);
-        assert_eq!(VFIO_DEVICE_PCI_HOT_RESET, 0x3b71);
-        assert_eq!(VFIO_IOMMU_MAP_DMA, 0x3b71);
-    }
 
     #[test]
     fn missing_dev_vfio_names_the_fix() {

@@ -2,6 +2,7 @@
 //! device bound to a VFIO driver).
 //!
 //! One concern per file:
+//! - `abi`: the VFIO ABI from `vfio-bindings` (layouts, flags, request numbers);
 //! - `backend`: the [`VfioBackend`] trait between this logic and a device;
 //! - `model`: a software model GPU behind that trait, for tests (a fake, named so);
 //! - `capability`: walking a device's PCI capability lists (loop-guarded);
@@ -22,6 +23,7 @@
 //! The device is hostile input too: everything read from it (capability chains, region
 //! capabilities, sparse areas, BAR sizes) is checked before use.
 
+mod abi;
 mod areas;
 mod backend;
 mod capability;

@@ -4,17 +4,38 @@
 //! parser checks every offset and length, walks strictly forward (no loops) and stops
 //! after [`MAX_REGION_CAPS`] entries.
 
+use std::mem::{offset_of, size_of};
+
+use super::abi::{
+    vfio_info_cap_header, vfio_region_info, vfio_region_info_cap_sparse_mmap,
+    vfio_region_info_cap_type, vfio_region_sparse_mmap_area, VFIO_REGION_INFO_CAP_MSIX_MAPPABLE,
+    VFIO_REGION_INFO_CAP_SPARSE_MMAP, VFIO_REGION_INFO_CAP_TYPE,
+};
+
 /// Size of `struct vfio_region_info` (the fixed part before the capabilities).
-pub const REGION_INFO_SIZE: usize = 32;
+pub const REGION_INFO_SIZE: usize = size_of::<vfio_region_info>();
 /// Most capabilities one region may list.
 pub const MAX_REGION_CAPS: usize = 16;
 /// Most sparse mmap areas one region may list.
 pub const MAX_SPARSE_AREAS: u32 = 64;
 
-const CAP_SPARSE_MMAP: u16 = 1;
-const CAP_TYPE: u16 = 2;
-const CAP_MSIX_MAPPABLE: u16 = 3;
-const CAP_HEADER_SIZE: usize = 8;
+const CAP_SPARSE_MMAP: u16 = VFIO_REGION_INFO_CAP_SPARSE_MMAP as u16;
+const CAP_TYPE: u16 = VFIO_REGION_INFO_CAP_TYPE as u16;
+const CAP_MSIX_MAPPABLE: u16 = VFIO_REGION_INFO_CAP_MSIX_MAPPABLE as u16;
+/// `struct vfio_info_cap_header` (id, version, next) before each capability's body.
+const CAP_HEADER_SIZE: usize = size_of::<vfio_info_cap_header>();
+/// Where the header's `next` pointer is.
+const CAP_NEXT: usize = offset_of!(vfio_info_cap_header, next);
+/// Where a sparse mmap capability's `nr_areas` and areas are, from the body's start.
+const SPARSE_NR_AREAS: usize =
+    offset_of!(vfio_region_info_cap_sparse_mmap, nr_areas) - CAP_HEADER_SIZE;
+const SPARSE_AREAS: usize = offset_of!(vfio_region_info_cap_sparse_mmap, areas) - CAP_HEADER_SIZE;
+/// One `struct vfio_region_sparse_mmap_area` (offset, size).
+const SPARSE_AREA_SIZE: usize = size_of::<vfio_region_sparse_mmap_area>();
+const AREA_SIZE_FIELD: usize = offset_of!(vfio_region_sparse_mmap_area, size);
+/// Where a region type capability's `type` and `subtype` are, from the body's start.
+const TYPE_KIND: usize = offset_of!(vfio_region_info_cap_type, type_) - CAP_HEADER_SIZE;
+const TYPE_SUBTYPE: usize = offset_of!(vfio_region_info_cap_type, subtype) - CAP_HEADER_SIZE;
 
 /// One mmappable part of a region, relative to the region's start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,20 +124,20 @@ pub fn parse_region_caps(buf: &[u8], first: u32) -> Result<Vec<RegionCap>, Regio
             return Err(RegionCapError::TooMany);
         }
         let id = u16_at(buf, offset).ok_or(oob(offset))?;
-        let next = u32_at(buf, offset + 4).ok_or(oob(offset))? as usize;
+        let next = u32_at(buf, offset + CAP_NEXT).ok_or(oob(offset))? as usize;
         let body = offset + CAP_HEADER_SIZE;
         let cap = match id {
             CAP_SPARSE_MMAP => {
-                let count = u32_at(buf, body).ok_or(oob(offset))?;
+                let count = u32_at(buf, body + SPARSE_NR_AREAS).ok_or(oob(offset))?;
                 if count > MAX_SPARSE_AREAS {
                     return Err(RegionCapError::TooManyAreas(count));
                 }
                 let areas = (0..count as usize)
                     .map(|i| {
-                        let at = body + 8 + i * 16;
+                        let at = body + SPARSE_AREAS + i * SPARSE_AREA_SIZE;
                         Some(SparseArea {
                             offset: u64_at(buf, at)?,
-                            size: u64_at(buf, at + 8)?,
+                            size: u64_at(buf, at + AREA_SIZE_FIELD)?,
                         })
                     })
                     .collect::<Option<Vec<_>>>()
@@ -124,8 +145,8 @@ pub fn parse_region_caps(buf: &[u8], first: u32) -> Result<Vec<RegionCap>, Regio
                 RegionCap::SparseMmap(areas)
             }
             CAP_TYPE => RegionCap::Type {
-                kind: u32_at(buf, body).ok_or(oob(offset))?,
-                subtype: u32_at(buf, body + 4).ok_or(oob(offset))?,
+                kind: u32_at(buf, body + TYPE_KIND).ok_or(oob(offset))?,
+                subtype: u32_at(buf, body + TYPE_SUBTYPE).ok_or(oob(offset))?,
             },
             CAP_MSIX_MAPPABLE => RegionCap::MsixMappable,
             id => RegionCap::Other { id },
