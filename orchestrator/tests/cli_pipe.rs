@@ -33,6 +33,7 @@ fn view(name: &str) -> TenantView {
         recovering: false,
         agent_channel: None,
         vsock_cid: None,
+        guest: None,
     }
 }
 

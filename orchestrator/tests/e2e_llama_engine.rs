@@ -7,11 +7,14 @@
 //! tokens that are not UTF-8 on their own must not break it), gets a completion with a usage
 //! block the engine counted, and sees llama-server's own fields (`system_fingerprint` of the
 //! Debian build, `timings`) that the n-gram server never sends; `/v1/embeddings` reaches the
-//! engine and its own OpenAI-shaped refusal comes back. The engine's prompt cache answers a
+//! engine and its own OpenAI-shaped refusal comes back. The good model goes as a model
+//! directory (GGUF, config, tokenizer config: `model-push-dir` through a real guest). The engine's prompt cache answers a
 //! repeated prefix (its own `cache_n`). Bad input: a pushed file that is not GGUF and a
 //! truncated GGUF each make the restart fail with the engine's exit code, and the tenant
-//! serves again once a good model replaces them. Departure's receipt covers the pushed
-//! model and the disk is gone.
+//! serves again once a good model replaces them. The engine dying under load (stopped with
+//! three long completions in flight) gives each client an OpenAI-shaped error, not a hang,
+//! and the engine comes back serving the model still on the disk. Departure's receipt
+//! covers the pushed model and the disk is gone.
 //!
 //! Worth its time (about a minute under TCG here, half of it the guest's boot): it is the
 //! only test in which a real engine serves a tenant.
@@ -22,50 +25,14 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use support::cli::{must, tenantvm};
 use support::daemon::{self, TestDaemon};
-use support::guest_image::{have, install_image, repo_root};
+use support::guest_image::repo_root;
+use support::llama::{llama_daemon, prepared};
 use support::tls::FrontDoorTls;
-
-/// What prepare.sh builds.
-struct Prepared {
-    image: PathBuf,
-    model: PathBuf,
-    python: PathBuf,
-}
-
-fn prepared() -> Result<Prepared, String> {
-    let cache = repo_root().join(".cache");
-    let p = Prepared {
-        image: cache.join("guest-image-llama-cpp"),
-        model: cache.join("llama-cpp/test-model.gguf"),
-        python: cache.join("llama-cpp/venv/bin/python"),
-    };
-    // SAFETY: geteuid has no preconditions and touches no memory.
-    if unsafe { libc::geteuid() } != 0 {
-        return Err("needs root (jails set uids, cgroups and namespaces)".into());
-    }
-    if !have("qemu-system-x86_64") {
-        return Err("qemu-system-x86_64 is not installed (run scripts/setup.sh)".into());
-    }
-    for (what, path) in [
-        ("the llama-cpp image set", p.image.join("manifest.json")),
-        ("the test model", p.model.clone()),
-        ("the pinned OpenAI client", p.python.clone()),
-    ] {
-        if !path.is_file() {
-            return Err(format!(
-                "{what} is not built ({} missing): run guest-image/variants/llama-cpp/prepare.sh",
-                path.display()
-            ));
-        }
-    }
-    Ok(p)
-}
 
 fn secs(t: Instant) -> String {
     format!("{:.1} s", t.elapsed().as_secs_f64())
@@ -111,20 +78,7 @@ fn llama_server_serves_a_pushed_model_through_the_front_door_to_the_openai_clien
         .to_string();
 
     let door = FrontDoorTls::new();
-    let mut d = TestDaemon::new()
-        .with_args(&[
-            "--backend",
-            "qemu-tcg",
-            "--boot-timeout-s",
-            "300",
-            "--agent-timeout-s",
-            "600",
-            "--stop-grace-s",
-            "30",
-        ])
-        .with_front_door(&door);
-    install_image(&p.image, &d.dir.path().join("img"), "llama");
-    d.start(None);
+    let mut d = llama_daemon(&p, &door);
     let admin = d.admin_token_file();
     let name = daemon::unique("llama");
     let spec = d.dir.path().join("t.toml");
@@ -224,26 +178,40 @@ fn llama_server_serves_a_pushed_model_through_the_front_door_to_the_openai_clien
         "serve.sh's refusal is not in the tenant's log:\n{serial}"
     );
 
-    // The good model replaces the bad one under the same name, atomically.
+    // The good model replaces the bad one under the same name, atomically, pushed as a
+    // model directory (the GGUF beside a config and a tokenizer file, as a model
+    // repository holds them; serve.sh serves its model.gguf): one stream through the
+    // daemon and the guest's channel, the directory exchanged with the bad file in one step.
+    let dir = d.dir.path().join("tiny-llama");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(&p.model, dir.join("model.gguf")).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        b"{\"architectures\": [\"LlamaForCausalLM\"]}",
+    )
+    .unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), b"{}").unwrap();
     let t = Instant::now();
     let pushed = must(
         tenantvm(
             &d,
             &token,
-            &[
-                "model",
-                "push",
-                &name,
-                p.model.to_str().unwrap(),
-                "--name",
-                "tiny-llama",
-            ],
+            &["model", "push", &name, dir.to_str().unwrap(), "--json"],
         ),
-        "model push",
+        "model push (directory)",
         &d,
     );
-    eprintln!("model push ({} bytes): {}", model_bytes.len(), secs(t));
-    assert!(text(&pushed).contains("stored"), "{}", text(&pushed));
+    eprintln!(
+        "model push of a directory ({} bytes): {}",
+        model_bytes.len(),
+        secs(t)
+    );
+    let stored: serde_json::Value = serde_json::from_slice(&pushed.stdout).unwrap();
+    assert_eq!(stored["name"], "tiny-llama", "{stored}");
+    assert!(
+        stored["bytes"].as_u64().unwrap() > model_bytes.len() as u64,
+        "{stored}"
+    );
     let t = Instant::now();
     let o = restart(&d, &token, &name);
     assert!(o.status.success(), "payload restart: {}", text(&o));
@@ -345,6 +313,61 @@ fn llama_server_serves_a_pushed_model_through_the_front_door_to_the_openai_clien
         a["timings"]["prompt_ms"].as_f64().unwrap(),
         b["timings"]["prompt_ms"].as_f64().unwrap()
     );
+
+    // The engine dies under load: three long completions in flight (two in its slots,
+    // one waiting its turn) when its process is stopped (a payload restart: SIGTERM to its group,
+    // SIGKILL after 10 s; to the clients the same as a crash). Each client gets an answer,
+    // an OpenAI-shaped error, within its deadline (none hangs); the agent brings the
+    // engine back, the pushed model is still on the disk and served.
+    let long = serde_json::json!({"model": "tiny-llama", "prompt": "once upon a time",
+        "max_tokens": 3000, "temperature": 0.8});
+    let t = Instant::now();
+    let answers = std::thread::scope(|scope| {
+        let flights: Vec<_> = (0..3)
+            .map(|_| scope.spawn(|| post("/v1/completions", long.clone())))
+            .collect();
+        // Let them reach the engine (decoding 3,000 tokens takes minutes under TCG).
+        std::thread::sleep(Duration::from_secs(3));
+        let o = restart(&d, &token, &name);
+        assert!(
+            o.status.success(),
+            "payload restart under load: {}",
+            text(&o)
+        );
+        flights
+            .into_iter()
+            .map(|f| f.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    eprintln!("engine stopped under load and back: {}", secs(t));
+    for (status, body) in &answers {
+        let body = String::from_utf8_lossy(body);
+        assert!(
+            *status >= 500,
+            "a request in flight when the engine died got {status}: {body}"
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"));
+        assert!(
+            v["error"]["message"].is_string(),
+            "not OpenAI's shape: {body}"
+        );
+        eprintln!(
+            "in flight when the engine died: {status} {}",
+            v["error"]["message"]
+        );
+    }
+    let (s, body) = post(
+        "/v1/completions",
+        serde_json::json!({"model": "tiny-llama", "prompt": "again", "max_tokens": 2}),
+    );
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&body));
+    let listed = must(
+        tenantvm(&d, &token, &["model", "list", &name]),
+        "model list",
+        &d,
+    );
+    assert!(text(&listed).contains("tiny-llama"), "{}", text(&listed));
 
     // Departure: the receipt covers the pushed model, the disk is gone.
     let img = d.state_dir().join("tenants").join(&name).join("disk.img");

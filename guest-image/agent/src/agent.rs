@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tenantvm_agent_protocol::{
     encode_data, AgentFailure, DiskKey, DiskState, ErrorCode, HttpHead, HttpRequest, LicenceToken,
-    Outcome, PayloadState, Reply, Request, ResponseFrame, ShutdownReport, StatusReply,
+    ModelFile, Outcome, PayloadState, Reply, Request, ResponseFrame, ShutdownReport, StatusReply,
     MAX_BODY_LEN, MAX_DATA_LEN, PROTOCOL_VERSION,
 };
 
@@ -184,7 +184,7 @@ impl Agent {
                 After::Continue,
             ),
             // Answered by `infer_stream` / `model_push` on the connection itself (server.rs).
-            Request::InferStream(_) | Request::ModelPush { .. } => (
+            Request::InferStream(_) | Request::ModelPush { .. } | Request::ModelPushDir { .. } => (
                 failure(
                     ErrorCode::BadRequest,
                     "infer-stream and model-push take a connection of their own (vsock)",
@@ -521,6 +521,45 @@ impl Agent {
         r: &mut impl std::io::Read,
         w: &mut impl Write,
     ) {
+        self.store_model(
+            id,
+            name,
+            |dir, free| models::check(dir, name, size, sha256, free),
+            |dir, r| models::receive(dir, name, size, sha256, r),
+            r,
+            w,
+        );
+    }
+
+    /// Answers [`Request::ModelPushDir`] on its connection, as [`Agent::model_push`] does
+    /// for one file.
+    pub fn model_push_dir(
+        &self,
+        id: u64,
+        (name, files, size, sha256): (&str, &[ModelFile], u64, &str),
+        r: &mut impl std::io::Read,
+        w: &mut impl Write,
+    ) {
+        self.store_model(
+            id,
+            name,
+            |dir, free| models::check_dir(dir, name, files, size, sha256, free),
+            |dir, r| models::receive_dir(dir, name, files, sha256, r),
+            r,
+            w,
+        );
+    }
+
+    /// A push: `check` before the data is asked for, then `receive` of the data frames.
+    fn store_model<R: std::io::Read>(
+        &self,
+        id: u64,
+        name: &str,
+        check: impl FnOnce(&std::path::Path, u64) -> Result<(), models::ModelError>,
+        receive: impl FnOnce(&std::path::Path, &mut R) -> Result<(u64, String), models::ModelError>,
+        r: &mut R,
+        w: &mut impl Write,
+    ) {
         let send = |w: &mut dyn Write, outcome: Outcome| {
             crate::server::send(w, &ResponseFrame { id, outcome })
         };
@@ -532,14 +571,15 @@ impl Agent {
             }
         };
         let free = models::free_bytes(&self.cfg.disk.mount_point).unwrap_or(0);
-        if let Err(e) = models::check(&dir, name, size, sha256, free) {
+        if let Err(e) = check(&dir, free) {
+            self.log(&format!("model {name} refused: {e}"));
             send(w, failure(e.code(), e.to_string()));
             return;
         }
         if !send(w, Outcome::Ok(Reply::ModelReady)) {
             return;
         }
-        let outcome = match models::receive(&dir, name, size, sha256, r) {
+        let outcome = match receive(&dir, r) {
             Ok((bytes, sha256)) => {
                 self.log(&format!("model {name} stored ({bytes} bytes)"));
                 Outcome::Ok(Reply::ModelStored {

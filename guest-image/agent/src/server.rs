@@ -155,6 +155,19 @@ fn serve_stream_with(
             Ok(RequestFrame {
                 id,
                 request:
+                    Request::ModelPushDir {
+                        name,
+                        files,
+                        size,
+                        sha256,
+                    },
+            }) => {
+                agent.model_push_dir(id, (&name, &files, size, &sha256), &mut r, &mut writer);
+                return StreamEnd::Closed;
+            }
+            Ok(RequestFrame {
+                id,
+                request:
                     Request::Mux {
                         version,
                         max_streams,

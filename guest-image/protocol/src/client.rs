@@ -278,6 +278,7 @@ fn what(req: &Request) -> &'static str {
         Request::Infer(_) => "infer",
         Request::InferStream(_) => "infer-stream",
         Request::ModelPush { .. } => "model-push",
+        Request::ModelPushDir { .. } => "model-push-dir",
         Request::ModelList => "model-list",
         Request::ModelRemove { .. } => "model-remove",
         Request::Load(_) => "load",

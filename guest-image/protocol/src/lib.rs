@@ -7,6 +7,7 @@
 //!   and write and an optional peer-uid check (`SO_PEERCRED`);
 //! - [`gpu`]: the guest's view of its devices (`gpu-info`) and the caps on it;
 //! - [`load`]: the bounded test loads `tenantvm verify` asks a guest to run;
+//! - [`model`]: a model directory's manifest and the rule its paths follow;
 //! - [`licence`]: the tenant's vGPU licence token and where the guest keeps it;
 //! - [`image`]: opening a guest image set and verifying it against its manifest.
 //!
@@ -23,6 +24,7 @@ pub mod image;
 pub mod licence;
 pub mod load;
 pub mod message;
+pub mod model;
 pub mod mux;
 mod secret_hex;
 
@@ -51,3 +53,4 @@ pub use message::{
     ResponseFrame, ShutdownReport, StatusReply, AGENT_VSOCK_PORT, MAX_KEY_LEN, MIN_KEY_LEN,
     VIRTIO_SERIAL_PORT_NAME,
 };
+pub use model::{ManifestError, ModelFile, ModelManifest};

@@ -186,6 +186,25 @@ pub enum Request {
         /// SHA-256 of the bytes, lowercase hex.
         sha256: String,
     },
+    /// Store a model directory (`<data>/models/NAME/`, e.g. a Hugging-Face layout) as
+    /// [`Request::ModelPush`] stores a file: the agent checks the name, every path of
+    /// `files` ([`crate::model::check_files`]) and the room for `size` (the files' total)
+    /// before answering [`Reply::ModelReady`]; then the files' bytes arrive as one stream of
+    /// data frames in `files`' order, each file hashed and checked as it is written under a
+    /// temporary directory; `sha256` is the stream's. Once all match, the directory is
+    /// fsynced and put in place atomically (swapped with an old one of that name, which is
+    /// then removed): the payload sees the whole directory or none of it. Answered
+    /// [`Reply::ModelStored`]. An agent older than this answers `bad-request`.
+    ModelPushDir {
+        /// As [`Request::ModelPush`]'s.
+        name: String,
+        /// The files, in the order their bytes follow.
+        files: Vec<crate::model::ModelFile>,
+        /// The files' total size in bytes.
+        size: u64,
+        /// SHA-256 of all the files' bytes in order, lowercase hex.
+        sha256: String,
+    },
     /// List the stored models.
     ModelList,
     /// Remove a stored model.
@@ -369,9 +388,11 @@ pub enum Reply {
     Infer(HttpResponse),
     /// First answer to [`Request::InferStream`]; data frames follow.
     InferHead(HttpHead),
-    /// First answer to [`Request::ModelPush`]: send the data frames.
+    /// First answer to [`Request::ModelPush`] and [`Request::ModelPushDir`]: send the data
+    /// frames.
     ModelReady,
-    /// Last answer to [`Request::ModelPush`]: the model is in place.
+    /// Last answer to [`Request::ModelPush`] and [`Request::ModelPushDir`]: the model is in
+    /// place.
     ModelStored {
         /// Its name.
         name: String,

@@ -57,6 +57,25 @@ fn serve_one(dir: &Path, mut s: UnixStream) {
                 Err(e) => failed(e),
             }
         }
+        Request::ModelPushDir {
+            name,
+            files,
+            size,
+            sha256,
+        } => {
+            if let Err(e) = models::check_dir(dir, &name, &files, size, &sha256, FREE_BYTES) {
+                return reply(&mut s, req.id, failed(e));
+            }
+            reply(&mut s, req.id, Outcome::Ok(Reply::ModelReady));
+            match models::receive_dir(dir, &name, &files, &sha256, &mut s) {
+                Ok((bytes, sha256)) => Outcome::Ok(Reply::ModelStored {
+                    name,
+                    bytes,
+                    sha256,
+                }),
+                Err(e) => failed(e),
+            }
+        }
         Request::ModelList => match models::list(dir) {
             Ok(models) => Outcome::Ok(Reply::Models { models }),
             Err(e) => failed(e),
@@ -170,7 +189,7 @@ fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure(
     assert_eq!(code, 0, "{text}");
     assert!(text.contains("model poet stored (700000 bytes"), "{text}");
     assert_eq!(std::fs::read(store_dir.join("poet")).unwrap(), model);
-    // A directory's model.json, under another name.
+    // A model directory (the n-gram server's layout: model.json inside), under another name.
     let dir_model = files.path().join("bard");
     std::fs::create_dir_all(&dir_model).unwrap();
     std::fs::write(dir_model.join("model.json"), b"{\"small\": true}").unwrap();
@@ -246,35 +265,15 @@ fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure(
         .unwrap()
         .trim()
         .to_string();
-    let client = crate::client::Client::new(api_sock.clone(), admin.clone());
-    let (status, body) = rt
-        .block_on(async {
-            let stream = tokio::net::UnixStream::connect(&api_sock).await.unwrap();
-            let (mut tx, conn) =
-                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-                    .await
-                    .unwrap();
-            tokio::spawn(conn);
-            let req = hyper::Request::builder()
-                .method("PUT")
-                .uri("http://localhost/v1/tenants/alice/models/liar")
-                .header("authorization", format!("Bearer {admin}"))
-                .header("content-length", 5)
-                .header("x-model-sha256", "0".repeat(64))
-                .body(http_body_util::Full::new(hyper::body::Bytes::from_static(
-                    b"hello",
-                )))
-                .unwrap();
-            let resp = tx.send_request(req).await.unwrap();
-            let status = resp.status();
-            let body = http_body_util::BodyExt::collect(resp.into_body())
-                .await
-                .unwrap()
-                .to_bytes();
-            Ok::<_, ()>((status, body))
-        })
-        .unwrap();
-    assert_eq!(status.as_u16(), 422, "{}", String::from_utf8_lossy(&body));
+    let (status, body) = raw_push(
+        &rt,
+        &api_sock,
+        &admin,
+        ("alice", "liar"),
+        &[("x-model-sha256", &"0".repeat(64))],
+        b"hello".to_vec(),
+    );
+    assert_eq!(status, 422, "{body}");
     let mut visible: Vec<_> = std::fs::read_dir(&store_dir)
         .unwrap()
         .flatten()
@@ -286,7 +285,6 @@ fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure(
         ["bard-2", "poet"],
         "a failed push left something behind"
     );
-    drop(client);
 
     // Removal, then removing again is "not found".
     let (code, text) = cli(&alice, &["model", "rm", "alice", "bard-2"]);
@@ -415,4 +413,197 @@ fn a_stalled_or_bodiless_push_is_answered_and_one_larger_than_the_disk_gets_no_s
     // at all is answered.
     let (status, _) = silent_push(&rt, &api_sock, &tokens["plain"], "plain", 1 << 20, 0);
     assert_eq!(status, 409);
+}
+
+/// A push by hand: `PUT` of `body` as model `model` of `tenant` with `headers` besides the
+/// token and the length; the answer's status and body.
+fn raw_push(
+    rt: &tokio::runtime::Runtime,
+    api_sock: &Path,
+    token: &str,
+    (tenant, model): (&str, &str),
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+) -> (u16, String) {
+    rt.block_on(async {
+        let stream = tokio::net::UnixStream::connect(api_sock).await.unwrap();
+        let (mut tx, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .unwrap();
+        tokio::spawn(conn);
+        let mut req = hyper::Request::builder()
+            .method("PUT")
+            .uri(format!(
+                "http://localhost/v1/tenants/{tenant}/models/{model}"
+            ))
+            .header("authorization", format!("Bearer {token}"))
+            .header("content-length", body.len());
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req
+            .body(http_body_util::Full::new(hyper::body::Bytes::from(body)))
+            .unwrap();
+        let resp = tx.send_request(req).await.unwrap();
+        let status = resp.status().as_u16();
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    })
+}
+
+/// Every path under `dir`, relative, sorted (to show what a failed push left).
+fn tree(dir: &Path) -> Vec<String> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<String>) {
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            let p = e.path();
+            out.push(p.strip_prefix(root).unwrap().display().to_string());
+            if p.is_dir() {
+                walk(root, &p, out);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out);
+    out.sort();
+    out
+}
+
+#[test]
+fn a_model_directory_goes_as_one_stream_and_bad_ones_are_refused_leaving_the_disk_as_it_was() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        tenantvm_skip::skip!("needs root to serve agent sockets as tenant uids");
+    }
+    let (_h, tokens, store_dir, rt, api_sock) = serve_tenants(&[("alice", 1)]);
+    let alice = tokens["alice"].clone();
+    let cli = |args: &[&str]| -> (u8, String) {
+        let mut argv = vec![
+            "tenantvm",
+            "--socket",
+            api_sock.to_str().unwrap(),
+            "--token",
+            &alice,
+        ];
+        argv.extend_from_slice(args);
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = rt.block_on(run_with(
+            Cli::try_parse_from(argv).unwrap(),
+            &mut out,
+            &mut err,
+        ));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out),
+            String::from_utf8_lossy(&err)
+        );
+        (code, text)
+    };
+    // A Hugging-Face layout: config, tokenizer, two safetensors shards, a subdirectory,
+    // and a git clone's history (left out).
+    let files = tempfile::tempdir().unwrap();
+    let hf = files.path().join("tiny-hf");
+    std::fs::create_dir_all(hf.join("1_Pooling")).unwrap();
+    std::fs::create_dir_all(hf.join(".git/objects")).unwrap();
+    let shard = |n: u32| -> Vec<u8> { (0..300_000u32).map(|i| ((i * n) % 253) as u8).collect() };
+    std::fs::write(
+        hf.join("config.json"),
+        b"{\"architectures\": [\"LlamaForCausalLM\"]}",
+    )
+    .unwrap();
+    std::fs::write(hf.join("tokenizer.json"), b"{\"model\": {}}").unwrap();
+    std::fs::write(hf.join("model-00001-of-00002.safetensors"), shard(3)).unwrap();
+    std::fs::write(hf.join("model-00002-of-00002.safetensors"), shard(7)).unwrap();
+    std::fs::write(hf.join("1_Pooling/config.json"), b"{}").unwrap();
+    std::fs::write(hf.join(".git/objects/pack"), b"history").unwrap();
+    let (code, text) = cli(&["model", "push", "alice", hf.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("model tiny-hf stored (600"), "{text}");
+    let stored = tree(&store_dir);
+    assert_eq!(
+        stored,
+        [
+            "tiny-hf",
+            "tiny-hf/1_Pooling",
+            "tiny-hf/1_Pooling/config.json",
+            "tiny-hf/config.json",
+            "tiny-hf/model-00001-of-00002.safetensors",
+            "tiny-hf/model-00002-of-00002.safetensors",
+            "tiny-hf/tokenizer.json",
+        ]
+    );
+    assert_eq!(
+        std::fs::read(store_dir.join("tiny-hf/model-00002-of-00002.safetensors")).unwrap(),
+        shard(7)
+    );
+
+    // A symbolic link in the directory: refused by the CLI, nothing sent.
+    let linked = files.path().join("linked");
+    std::fs::create_dir_all(&linked).unwrap();
+    std::fs::write(linked.join("config.json"), b"{}").unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", linked.join("tokenizer.json")).unwrap();
+    let (code, text) = cli(&["model", "push", "alice", linked.to_str().unwrap()]);
+    assert_eq!(code, crate::cli::exit::INVALID, "{text}");
+    assert!(text.contains("is a symbolic link"), "{text}");
+    // A name the guest would not store.
+    let spaced = files.path().join("spaced");
+    std::fs::create_dir_all(&spaced).unwrap();
+    std::fs::write(spaced.join("my config.json"), b"{}").unwrap();
+    let (code, text) = cli(&["model", "push", "alice", spaced.to_str().unwrap()]);
+    assert_eq!(code, crate::cli::exit::INVALID, "{text}");
+    // Oversized (a shard larger than the disk's free space): refused before any byte is
+    // written, with the disk's own numbers.
+    let huge = files.path().join("huge");
+    std::fs::create_dir_all(&huge).unwrap();
+    std::fs::write(huge.join("config.json"), b"{}").unwrap();
+    std::fs::File::create(huge.join("model.gguf"))
+        .unwrap()
+        .set_len(FREE_BYTES + 1)
+        .unwrap();
+    let (code, text) = cli(&["model", "push", "alice", huge.to_str().unwrap()]);
+    assert_eq!(code, crate::cli::exit::NO_SPACE, "{text}");
+    assert!(text.contains("disk_gib"), "{text}");
+    // A manifest made by hand with a path that leaves the directory: the daemon refuses it
+    // (400) before the guest is asked.
+    let data = b"escaped!".to_vec();
+    let sha = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&data));
+    let manifest = format!(
+        "{{\"files\":[{{\"path\":\"../../escape\",\"size\":{},\"sha256\":\"{sha}\"}}]}}\n",
+        data.len()
+    );
+    let mut body = manifest.into_bytes();
+    body.extend_from_slice(&data);
+    let (status, answer) = raw_push(
+        &rt,
+        &api_sock,
+        &tokens["alice"],
+        ("alice", "evil"),
+        &[("x-model-sha256", &sha), ("x-model-layout", "directory")],
+        body,
+    );
+    assert_eq!(status, 400, "{answer}");
+    assert!(
+        answer.contains("not a path inside the model directory"),
+        "{answer}"
+    );
+    // A manifest whose sizes do not add up to the body.
+    let (status, answer) = raw_push(
+        &rt,
+        &api_sock,
+        &tokens["alice"],
+        ("alice", "short"),
+        &[("x-model-sha256", &sha), ("x-model-layout", "directory")],
+        format!(
+            "{{\"files\":[{{\"path\":\"a\",\"size\":99,\"sha256\":\"{sha}\"}}]}}\n{}",
+            "escaped!"
+        )
+        .into_bytes(),
+    );
+    assert_eq!(status, 400, "{answer}");
+    // Whatever failed, the tenant's disk holds what it held.
+    assert_eq!(tree(&store_dir), stored);
+    assert!(!store_dir.join("../../escape").exists());
 }

@@ -4,7 +4,10 @@
 //! - `PUT /v1/tenants/{name}/models/{model}` with `Content-Length` and
 //!   `X-Model-Sha256: <hex>`: the body is streamed to the agent as it arrives (never held
 //!   whole), which stores it under a temporary name, checks size and hash, fsyncs and
-//!   renames it (docs/guest-image.md, `model-push`); 201 when stored;
+//!   renames it (docs/guest-image.md, `model-push`); 201 when stored; with
+//!   `X-Model-Layout: directory` the body is a model directory as one stream: a manifest
+//!   line (`{"files": [{path, size, sha256}]}`) then the files' bytes in its order, stored
+//!   as `<data>/models/NAME/` (`model-push-dir`), `X-Model-Sha256` the files' bytes';
 //! - `GET /v1/tenants/{name}/models`: the stored models;
 //! - `DELETE /v1/tenants/{name}/models/{model}`: removes one.
 //!
@@ -189,6 +192,39 @@ impl Read for PipeReader {
     }
 }
 
+/// The header that says a push is a model directory (`directory`) rather than one file.
+pub const LAYOUT_HEADER: &str = "x-model-layout";
+
+/// Reads a directory push's manifest, its first line (at most
+/// [`tenantvm_agent_protocol::model::MAX_MANIFEST_BYTES`]); returns the files and the
+/// line's length with its newline.
+fn read_manifest(
+    r: &mut impl Read,
+) -> Result<(Vec<tenantvm_agent_protocol::ModelFile>, u64), ApiError> {
+    let limit = tenantvm_agent_protocol::model::MAX_MANIFEST_BYTES;
+    let bad = |why: String| err(StatusCode::BAD_REQUEST, "bad_request", why);
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    loop {
+        match r.read(&mut byte) {
+            Ok(0) => return Err(bad("The body ended before the manifest's line did".into())),
+            Ok(_) if byte[0] == b'\n' => break,
+            Ok(_) if line.len() >= limit => {
+                return Err(bad(format!("The manifest is longer than {limit} bytes")))
+            }
+            Ok(_) => line.push(byte[0]),
+            Err(e) => return Err(bad(format!("Reading the manifest: {e}"))),
+        }
+    }
+    let manifest: tenantvm_agent_protocol::ModelManifest =
+        serde_json::from_slice(&line).map_err(|e| {
+            bad(format!(
+                "The manifest is not {{\"files\": [{{path, size, sha256}}]}}: {e}"
+            ))
+        })?;
+    Ok((manifest.files, line.len() as u64 + 1))
+}
+
 fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())
 }
@@ -225,6 +261,20 @@ pub(super) async fn push(
                 "Send the model's SHA-256 (hex) in X-Model-Sha256",
             )
         })?;
+    let directory = match header(&headers, LAYOUT_HEADER) {
+        None | Some("file") => false,
+        Some("directory") => true,
+        Some(other) => {
+            return Err(err(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                format!(
+                    "{LAYOUT_HEADER} must be file or directory, not {:?}",
+                    crate::untrusted::one_line(other)
+                ),
+            ))
+        }
+    };
     let caller = auth::authenticate(api.svc.store(), authorization(&headers))?;
     let permit = api.lanes.enter(Lane::of(&caller))?;
     let svc = api.svc.clone();
@@ -239,14 +289,42 @@ pub(super) async fn push(
                 "Pushing a model needs a stream of its own to the guest (vsock, or a multiplexed virtio-serial port); this tenant's guest agent predates the mux and its QEMU virtio-serial channel has one for everything: rebuild its guest image",
             ));
         }
-        let agent = connect(&svc, &t)?;
         let mut reader = PipeReader {
             rx,
             piece: Bytes::new(),
         };
-        let (bytes, sha256) = agent
-            .model_push(&model, size, &sha256, &mut reader, MODEL_CALL_TIMEOUT)
-            .map_err(agent_error)?;
+        let (bytes, sha256) = if directory {
+            // The manifest comes first, on a line of its own; the files' bytes follow.
+            let (files, line) = read_manifest(&mut reader)?;
+            let total = tenantvm_agent_protocol::model::check_files(&files).map_err(|e| {
+                err(
+                    StatusCode::BAD_REQUEST,
+                    "bad_request",
+                    format!("The model directory is refused: {e}"),
+                )
+            })?;
+            if total.checked_add(line) != Some(size) {
+                return Err(err(
+                    StatusCode::BAD_REQUEST,
+                    "bad_request",
+                    format!("The manifest's files add up to {total} bytes, but the body holds {} after it", size.saturating_sub(line)),
+                ));
+            }
+            connect(&svc, &t)?
+                .model_push_dir(&model, &files, &sha256, &mut reader, MODEL_CALL_TIMEOUT)
+                .map_err(|e| match e {
+                    AgentClientError::Unsupported { .. } => err(
+                        StatusCode::CONFLICT,
+                        "agent_unsupported",
+                        format!("Tenant {name:?}'s guest agent cannot store a model directory: {e}; rebuild its guest image"),
+                    ),
+                    other => agent_error(other),
+                })?
+        } else {
+            connect(&svc, &t)?
+                .model_push(&model, size, &sha256, &mut reader, MODEL_CALL_TIMEOUT)
+                .map_err(agent_error)?
+        };
         let _ = svc.store().add_event(
             Some(t.id),
             "model",

@@ -48,6 +48,10 @@ pub struct TenantView {
     /// The guest's vsock CID while its VM runs with vhost-vsock.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vsock_cid: Option<u32>,
+    /// What runs in its guest: the agent (and so an inference engine) or a plain kernel;
+    /// absent for a tenant recorded before this was stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest: Option<crate::domain::GuestKind>,
 }
 
 /// One step of a tenant's operation.

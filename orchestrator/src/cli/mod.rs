@@ -154,7 +154,7 @@ pub enum Command {
     /// Per-tenant metrics as a live table (admin: every tenant; a tenant token: its own).
     Top(top::TopArgs),
     // Its help is VerifyArgs' own (a man page: the checks, probes, report, exit statuses).
-    Verify(verify::VerifyArgs),
+    Verify(Box<verify::VerifyArgs>),
     // Its help is GpuInfoArgs' own (what is compared, the tolerance, exit statuses).
     GpuInfo(gpu_info::GpuInfoArgs),
     /// Inspect this host.

@@ -22,7 +22,8 @@ pub const INTERRUPTED: u8 = 130;
 /// Needs the admin token, and must run on the daemon's host as root: besides the API it
 /// reads the tenants' cgroups, disk headers, wrapped keys, the state directory and /proc.
 /// It creates short-lived probe tenants named tvm-verify-<run id>-<role> from
-/// --probe-image (a named image whose payload is the n-gram server), destroys them
+/// --probe-image (a named image: the n-gram server, or an engine's variant with
+/// --probe-model), destroys them
 /// whatever happens (and sweeps those a killed run left, as recorded in --ledger), and
 /// never touches other tenants' data (it reads their cgroup limits, GPU slices and serving
 /// configuration only).
@@ -37,8 +38,10 @@ pub const INTERRUPTED: u8 = 130;
 ///    5 prefix-cache          timing test (one-sided KS, hit/miss pairs in random order)
 ///                            across two probes, after a positive control within one probe
 ///                            whose payload has its prefix cache on (--control-image)
-///    6 batching              each tenant's own server instance and batch scope, read
-///                            through its agent
+///    6 batching              each tenant's engine read through its agent (llama-server's
+///                            /props, the n-gram server's description); two probes shown
+///                            by effect (a prompt cached in one engine only) to reach
+///                            engines of their own
 ///    7 visibility            probe tokens refused on each other's logs and receipts; a
 ///                            marker prompt in no host file
 ///    8 noisy-neighbour       CPU quotas present and binding; victim p50/p99 idle vs.
@@ -58,6 +61,8 @@ pub const INTERRUPTED: u8 = 130;
 ///   tenantvm verify --threat-model threat.md --probe-image ngram --control-image ngram-cache
 ///   tenantvm verify --checks 1,2,3 --gpu-backend nvml --threat-model threat.md
 ///   tenantvm verify --checks prefix-cache --samples 50 --probe-image ngram --report out.json
+///   tenantvm verify --checks 5,6 --probe-image llama --probe-model tiny.gguf \
+///                   --probe-memory-mib 1024 --prefix-words 40 --samples 10
 ///
 /// Ctrl-C stops the run and destroys its probe tenants before exiting (130); a run killed
 /// outright leaves them to the next run's sweep.
@@ -85,6 +90,11 @@ pub struct VerifyArgs {
     /// Named image (the daemon's --image-dir) the probe tenants run.
     #[arg(long, value_name = "NAME")]
     pub probe_image: Option<String>,
+    /// A model file every probe serves (pushed onto its disk, its engine restarted), for a
+    /// --probe-image whose engine needs one: the llama-cpp variant with a small GGUF
+    /// (guest-image/variants/llama-cpp/make-test-model.py writes one). At most 1 GiB.
+    #[arg(long, value_name = "FILE")]
+    pub probe_model: Option<PathBuf>,
     /// Named image for the prefix-cache positive control (payload with --prefix-cache on);
     /// default: --probe-image.
     #[arg(long, value_name = "NAME")]
@@ -283,7 +293,13 @@ fn run_blocking(
         Some(ledger),
         config.probe_timeout,
     )
-    .with_cancel(cancel);
+    .with_cancel(cancel)
+    .with_model(
+        args.probe_model
+            .as_deref()
+            .map(crate::verify::probe::ProbeModel::read)
+            .transpose()?,
+    );
     let mut sweep = probes
         .sweep()
         .unwrap_or_else(|e| vec![format!("the sweep of earlier probes failed: {e}")]);

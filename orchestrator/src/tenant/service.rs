@@ -768,6 +768,7 @@ impl TenantService {
             recovering: self.is_recovering(&t.name),
             agent_channel,
             vsock_cid,
+            guest: t.guest,
         })
     }
 }

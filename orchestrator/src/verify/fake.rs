@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tenantvm_agent_protocol::{LoadKind, LoadReport, LoadSpec, LoadState};
 
 use super::gpu_departure::GpuSnapshot;
-use super::host::{CpuOverrun, GpuView, HostError, Overrun, VerifyHost};
+use super::host::{Answered, Caller, CpuOverrun, Engine, GpuView, HostError, Overrun, VerifyHost};
 use crate::api::types::{GpuSlice, LogStream, TenantView};
 use crate::backend::ResourceLimits;
 use crate::domain::lifecycle::LifecycleState;
@@ -131,6 +131,8 @@ struct State {
     models: BTreeMap<String, Vec<String>>,
     /// Inference keys: key -> tenant.
     inference_keys: BTreeMap<String, String>,
+    /// Payload restarts, in order.
+    restarts: Vec<String>,
     /// Requests answered per tenant (its metric).
     requests: BTreeMap<String, u64>,
     /// In-guest loads: (tenant, kind) -> spec and start.
@@ -141,11 +143,29 @@ struct State {
     slices: BTreeMap<String, SliceItems>,
 }
 
+/// Which engine the fake host's tenants run (all of them alike).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub enum FakeEngine {
+    /// The n-gram server: it describes itself (`instance_id`, scopes) and counts cached
+    /// prompt tokens.
+    #[default]
+    Ngram,
+    /// llama-server: `/props` (slots, context), no instance identity, cached prompt tokens
+    /// counted in its answers.
+    Llama,
+    /// llama-server whose answers count no cached tokens (a build without the field).
+    LlamaUncounted,
+    /// An engine none of the known routes reads (a payload verify does not know).
+    Unreadable,
+}
+
 /// The fake host.
 #[derive(Debug, Default)]
 pub struct FakeVerifyHost {
     /// What is broken.
     pub broken: Broken,
+    /// The engine its tenants run.
+    pub engine: FakeEngine,
     /// Its GPUs.
     pub gpus: Vec<GpuView>,
     state: Mutex<State>,
@@ -160,6 +180,15 @@ impl FakeVerifyHost {
     pub fn new(broken: Broken) -> FakeVerifyHost {
         FakeVerifyHost {
             broken,
+            ..FakeVerifyHost::default()
+        }
+    }
+
+    /// A host broken as `broken` says whose tenants run `engine`.
+    pub fn with_engine(broken: Broken, engine: FakeEngine) -> FakeVerifyHost {
+        FakeVerifyHost {
+            broken,
+            engine,
             ..FakeVerifyHost::default()
         }
     }
@@ -194,6 +223,16 @@ impl FakeVerifyHost {
                 disk: None,
             },
         );
+    }
+
+    /// Adds a running tenant whose guest is a plain kernel (no agent, no engine), as an
+    /// operator's test guest would be.
+    pub fn add_plain_tenant(&self, spec: TenantSpec) {
+        let name = spec.name.to_string();
+        self.add_tenant(spec, None);
+        if let Some(t) = self.st().tenants.get_mut(&name) {
+            t.view.guest = Some(crate::domain::GuestKind::Plain);
+        }
     }
 
     /// Places a GPU request as the daemon would: a MIG profile on the first GPU that has
@@ -320,6 +359,29 @@ impl FakeVerifyHost {
         steps.push(step(DepartureStep::GpuRelease, Assurance::Simulated));
     }
 
+    /// A completion's answer after `ms`: one token per word, the first 90 % cached on a hit
+    /// (as the fake's caches key prompts), counted as the engine kind counts.
+    fn answer(&self, ms: f64, prompt: &str, hit: bool) -> Answered {
+        let words = prompt.split(' ').count() as u64;
+        let cached = if hit { words * 9 / 10 } else { 0 };
+        let usage = match self.engine {
+            FakeEngine::LlamaUncounted => {
+                serde_json::json!({"prompt_tokens": words, "completion_tokens": 1})
+            }
+            _ => serde_json::json!({"prompt_tokens": words, "completion_tokens": 1,
+                "prompt_tokens_details": {"cached_tokens": cached}}),
+        };
+        Answered {
+            elapsed: Duration::from_secs_f64(ms / 1e3),
+            body: serde_json::json!({"object": "text_completion", "usage": usage}),
+        }
+    }
+
+    /// Tenants whose payload was restarted, in order.
+    pub fn restarts(&self) -> Vec<String> {
+        self.st().restarts.clone()
+    }
+
     fn instance(&self, name: &str) -> String {
         if self.broken.shared_payload {
             "shared-instance".into()
@@ -346,6 +408,7 @@ pub fn view_of(spec: &TenantSpec, uid: u32) -> TenantView {
         recovering: false,
         agent_channel: None,
         vsock_cid: None,
+        guest: Some(crate::domain::GuestKind::Agent),
     }
 }
 
@@ -551,31 +614,69 @@ impl VerifyHost for FakeVerifyHost {
         })
     }
 
-    fn serving(&self, name: &str) -> Result<serde_json::Value, HostError> {
-        if !self.st().tenants.contains_key(name) {
-            return Err(refused());
+    fn engine(&self, name: &str) -> Result<Engine, HostError> {
+        let st = self.st();
+        let t = st.tenants.get(name).ok_or_else(refused)?;
+        if t.view.guest == Some(crate::domain::GuestKind::Plain) {
+            return Ok(Engine::None);
         }
-        Ok(serde_json::json!({
-            "server": "tenantvm-ngram (fake)",
-            "instance_id": self.instance(name),
-            "prefix_cache": {"enabled": true, "scope": "this server only (one server per VM)"},
-            "batching": {"max_concurrency": 4, "scope": "one server per VM: requests of this VM only"},
-        }))
+        match self.engine {
+            FakeEngine::Ngram => Ok(Engine::Ngram(serde_json::json!({
+                "server": "tenantvm-ngram (fake)",
+                "instance_id": self.instance(name),
+                "prefix_cache": {"enabled": true, "scope": "this server only (one server per VM)"},
+                "batching": {"max_concurrency": 4, "scope": "one server per VM: requests of this VM only"},
+            }))),
+            FakeEngine::Llama | FakeEngine::LlamaUncounted => {
+                Ok(Engine::LlamaServer(serde_json::json!({
+                    "total_slots": 2,
+                    "default_generation_settings": {"n_ctx": 4096},
+                    "build_info": "b11669-fake",
+                    "model_alias": "probe",
+                })))
+            }
+            FakeEngine::Unreadable => Err(HostError::Failed(format!(
+                "{name}: its engine answered 404 to GET /props and 404 to GET /v1/tenantvm/serving"
+            ))),
+        }
     }
 
-    fn complete(
-        &self,
-        name: &str,
-        token: &str,
-        prompt: &str,
-        _max_tokens: u32,
-    ) -> Result<Duration, HostError> {
-        let instance = self.instance(name);
+    fn restart_payload(&self, name: &str, token: &str, _wait: Duration) -> Result<(), HostError> {
         let mut st = self.st();
         match st.tenants.get(name) {
             Some(t) if t.token == token => {}
             _ => return Err(refused()),
         }
+        st.restarts.push(name.to_string());
+        Ok(())
+    }
+
+    fn completion(
+        &self,
+        name: &str,
+        caller: Caller<'_>,
+        body: &serde_json::Value,
+    ) -> Result<Answered, HostError> {
+        let prompt = body["prompt"].as_str().unwrap_or_default();
+        let mut st = self.st();
+        // The front door picks the tenant from the key, as the real one does.
+        let name = match caller {
+            Caller::Token(token) => match st.tenants.get(name) {
+                Some(t) if t.token == token => name.to_string(),
+                _ => return Err(refused()),
+            },
+            Caller::Key(key) => match st.inference_keys.get(key) {
+                Some(n) => n.clone(),
+                None => {
+                    return Err(HostError::Api {
+                        status: 401,
+                        message: "invalid key".into(),
+                    })
+                }
+            },
+        };
+        let name = name.as_str();
+        let instance = self.instance(name);
         st.tick += 1;
         *st.requests.entry(name.to_string()).or_default() += 1;
         let jitter = (st.tick * 7919 % 13) as f64 * 0.1;
@@ -595,7 +696,7 @@ impl VerifyHost for FakeVerifyHost {
             st.last_noisy = Some(Instant::now());
             drop(st);
             std::thread::sleep(Duration::from_millis(1));
-            return Ok(Duration::from_millis(2));
+            return Ok(self.answer(2.0, prompt, false));
         }
         let words: Vec<&str> = prompt.split(' ').collect();
         let key = words[..words.len() * 9 / 10].join(" ");
@@ -620,7 +721,7 @@ impl VerifyHost for FakeVerifyHost {
         if self.broken.guest_ram_unbounded && pressure {
             ms *= 10.0;
         }
-        Ok(Duration::from_secs_f64(ms / 1e3))
+        Ok(self.answer(ms, prompt, hit))
     }
 
     fn gpus(&self) -> Result<Vec<GpuView>, HostError> {
@@ -740,13 +841,8 @@ impl VerifyHost for FakeVerifyHost {
         path: &str,
         body: Option<&serde_json::Value>,
     ) -> Result<(u16, String), HostError> {
-        let (name, token) = {
-            let st = self.st();
-            let Some(name) = st.inference_keys.get(key).cloned() else {
-                return Ok((401, "invalid key".into()));
-            };
-            let token = st.tenants.get(&name).map(|t| t.token.clone());
-            (name, token.unwrap_or_default())
+        let Some(name) = self.st().inference_keys.get(key).cloned() else {
+            return Ok((401, "invalid key".into()));
         };
         match (path, body) {
             ("/metrics", None) if self.broken.metrics_empty => Ok((200, String::new())),
@@ -761,9 +857,8 @@ impl VerifyHost for FakeVerifyHost {
                 Ok((200, serde_json::json!({ "data": models }).to_string()))
             }
             ("/v1/completions", Some(b)) => {
-                let prompt = b["prompt"].as_str().unwrap_or_default();
-                self.complete(&name, &token, prompt, 4)?;
-                Ok((200, "{}".into()))
+                let a = self.completion(&name, Caller::Key(key), b)?;
+                Ok((200, a.body.to_string()))
             }
             _ => Ok((404, "unknown route".into())),
         }

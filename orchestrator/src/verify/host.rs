@@ -104,6 +104,53 @@ pub struct CpuOverrun {
     pub inside_cpus: f64,
 }
 
+/// Who sends an inference request, and through which door.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Caller<'a> {
+    /// The tenant's own token on the daemon's API (`POST /v1/tenants/{name}/infer`).
+    Token(&'a str),
+    /// An inference key at the front door (`POST /v1/completions`), as a tenant's clients
+    /// call: the front door, not the caller, picks the tenant, from the key.
+    Key(&'a str),
+}
+
+/// A completion's answer, and how long the caller waited for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answered {
+    /// From the request's first byte sent to the answer read whole.
+    pub elapsed: Duration,
+    /// The answer (an OpenAI completion object).
+    pub body: serde_json::Value,
+}
+
+impl Answered {
+    /// Prompt tokens the engine counted (`usage.prompt_tokens`).
+    pub fn prompt_tokens(&self) -> Option<u64> {
+        self.body["usage"]["prompt_tokens"].as_u64()
+    }
+
+    /// Of those, the ones the engine took from its prompt cache: OpenAI's
+    /// `usage.prompt_tokens_details.cached_tokens` (llama-server, vLLM, the n-gram server),
+    /// else llama-server's own `timings.cache_n`.
+    pub fn cached_tokens(&self) -> Option<u64> {
+        self.body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .or_else(|| self.body["timings"]["cache_n"].as_u64())
+    }
+}
+
+/// What serves a tenant's inference, read from the engine itself through the tenant's
+/// guest agent.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Engine {
+    /// Its guest runs no agent, so no inference engine: a plain kernel or a test guest.
+    None,
+    /// llama.cpp's llama-server: its `GET /props` (slots, context per slot, build).
+    LlamaServer(serde_json::Value),
+    /// The project's n-gram server: its own description (`GET /v1/tenantvm/serving`).
+    Ngram(serde_json::Value),
+}
+
 /// What the checks ask of the host. Every wait has a deadline inside the implementation.
 pub trait VerifyHost: Sync {
     /// Every tenant (admin view).
@@ -133,9 +180,36 @@ pub trait VerifyHost: Sync {
         workers: u32,
         wall: Duration,
     ) -> Result<CpuOverrun, HostError>;
-    /// The serving configuration its payload reports through its agent
-    /// (`GET /v1/tenantvm/serving`).
-    fn serving(&self, name: &str) -> Result<serde_json::Value, HostError>;
+    /// What serves the tenant's inference, read from the engine through its agent
+    /// ([`Engine`]). An engine the verifier cannot read (none of the routes it knows
+    /// answers, the payload is down) is an error, never a guess.
+    fn engine(&self, name: &str) -> Result<Engine, HostError>;
+    /// Sends the completion `body` to tenant `name` as `caller`; the answer and its time.
+    fn completion(
+        &self,
+        name: &str,
+        caller: Caller<'_>,
+        body: &serde_json::Value,
+    ) -> Result<Answered, HostError>;
+    /// [`VerifyHost::completion`], retrying (up to `within`) while the tenant's request
+    /// rate refuses it (429): a timing sample is the answered attempt, never a refusal.
+    fn completion_paced(
+        &self,
+        name: &str,
+        caller: Caller<'_>,
+        body: &serde_json::Value,
+        within: Duration,
+    ) -> Result<Answered, HostError> {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            match self.completion(name, caller, body) {
+                Err(e) if e.status() == Some(429) && std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                other => return other,
+            }
+        }
+    }
     /// Sends a completion with the tenant's own token; returns the time to the answer.
     fn complete(
         &self,
@@ -143,9 +217,16 @@ pub trait VerifyHost: Sync {
         token: &str,
         prompt: &str,
         max_tokens: u32,
-    ) -> Result<Duration, HostError>;
+    ) -> Result<Duration, HostError> {
+        let body = serde_json::json!({
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        });
+        Ok(self.completion(name, Caller::Token(token), &body)?.elapsed)
+    }
     /// [`VerifyHost::complete`], retrying (up to `within`) while the tenant's request rate
-    /// refuses it (429): a timing sample is the answered attempt, never a refusal.
+    /// refuses it (429).
     fn complete_paced(
         &self,
         name: &str,
@@ -154,16 +235,18 @@ pub trait VerifyHost: Sync {
         max_tokens: u32,
         within: Duration,
     ) -> Result<Duration, HostError> {
-        let deadline = std::time::Instant::now() + within;
-        loop {
-            match self.complete(name, token, prompt, max_tokens) {
-                Err(e) if e.status() == Some(429) && std::time::Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                other => return other,
-            }
-        }
+        let body = serde_json::json!({
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        });
+        Ok(self
+            .completion_paced(name, Caller::Token(token), &body, within)?
+            .elapsed)
     }
+    /// Restarts the tenant's inference server (with its own `token`) and waits up to
+    /// `wait` until it answers its health check (to serve a model just pushed).
+    fn restart_payload(&self, name: &str, token: &str, wait: Duration) -> Result<(), HostError>;
     /// The GPUs of the host (from the GPU backend the operator named); empty when the host
     /// has none or none was named.
     fn gpus(&self) -> Result<Vec<GpuView>, HostError>;

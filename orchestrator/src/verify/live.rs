@@ -16,7 +16,7 @@ use tenantvm_agent_protocol::{
     AgentClient, AgentEndpoint, HttpRequest, LoadKind, LoadReport, LoadSpec,
 };
 
-use super::host::{CpuOverrun, GpuView, HostError, Overrun, VerifyHost};
+use super::host::{Answered, Caller, CpuOverrun, Engine, GpuView, HostError, Overrun, VerifyHost};
 use super::procs::{busy_cpus, processes_of};
 use super::scan::{scan, skip_real_disks};
 use crate::api::types::{LogQuery, LogStream, TenantView};
@@ -24,6 +24,7 @@ use crate::backend::ResourceLimits;
 use crate::client::{Client, ClientError};
 use crate::domain::lifecycle::LifecycleState;
 use crate::domain::spec::TenantSpec;
+use crate::domain::GuestKind;
 use crate::jail::Cgroups;
 use crate::receipt::LogEntry;
 
@@ -136,6 +137,31 @@ impl LiveHost {
             .map_err(|e| HostError::Unsupported(format!("cgroups: {e}")))
     }
 
+    /// A connection to the tenant's guest agent, straight to its socket (the peer's uid
+    /// checked where the socket has one): what it reads is that VM's own, whatever the
+    /// daemon's routing does.
+    fn agent_of(&self, view: &TenantView) -> Result<AgentClient, HostError> {
+        let name = &view.name;
+        let run = self.tenant_dir(name).join(crate::backend::runner::RUN_DIR);
+        let endpoint = match view.vsock_cid {
+            Some(cid) => AgentEndpoint::vhost_vsock(cid),
+            None => [
+                AgentEndpoint::vsock(run.join(crate::backend::vmm::VSOCK_SOCK)),
+                AgentEndpoint::Serial(run.join(crate::backend::qemu::AGENT_SOCK)),
+            ]
+            .into_iter()
+            .find(|e| e.path().is_some_and(Path::exists))
+            .ok_or_else(|| {
+                HostError::Unsupported(format!("{name}: no agent socket under {}", run.display()))
+            })?,
+        };
+        match view.uid {
+            Some(uid) => AgentClient::connect_checked(&endpoint, uid, AGENT_TIMEOUT),
+            None => AgentClient::connect(&endpoint, AGENT_TIMEOUT),
+        }
+        .map_err(agent_err(name))
+    }
+
     fn wait(
         &self,
         name: &str,
@@ -158,6 +184,36 @@ impl LiveHost {
             std::thread::sleep(POLL);
         }
     }
+}
+
+/// llama-server's configuration route.
+const LLAMA_PROPS: &str = "/props";
+/// The n-gram server's description of itself.
+const NGRAM_SERVING: &str = "/v1/tenantvm/serving";
+
+fn agent_err(name: &str) -> impl Fn(tenantvm_agent_protocol::AgentClientError) -> HostError + '_ {
+    move |e| {
+        HostError::Failed(format!(
+            "{name}: agent: {}",
+            crate::untrusted::one_line(&e.to_string())
+        ))
+    }
+}
+
+/// `GET path` of the tenant's engine through its agent: the status and the body.
+fn agent_get(agent: &mut AgentClient, name: &str, path: &str) -> Result<(u16, String), HostError> {
+    let answer = agent
+        .infer(
+            HttpRequest {
+                method: "GET".into(),
+                path: path.into(),
+                headers: Vec::new(),
+                body: String::new(),
+            },
+            AGENT_TIMEOUT,
+        )
+        .map_err(agent_err(name))?;
+    Ok((answer.status, answer.body))
 }
 
 fn failed_op(t: &TenantView) -> bool {
@@ -330,72 +386,83 @@ impl VerifyHost for LiveHost {
         })
     }
 
-    fn serving(&self, name: &str) -> Result<serde_json::Value, HostError> {
-        let run = self.tenant_dir(name).join(crate::backend::runner::RUN_DIR);
-        let view = self.tenant(name)?;
-        let uid = view.as_ref().and_then(|t| t.uid);
-        let endpoint = match view.as_ref().and_then(|t| t.vsock_cid) {
-            Some(cid) => AgentEndpoint::vhost_vsock(cid),
-            None => [
-                AgentEndpoint::vsock(run.join(crate::backend::vmm::VSOCK_SOCK)),
-                AgentEndpoint::Serial(run.join(crate::backend::qemu::AGENT_SOCK)),
-            ]
-            .into_iter()
-            .find(|e| e.path().is_some_and(Path::exists))
-            .ok_or_else(|| {
-                HostError::Unsupported(format!("{name}: no agent socket under {}", run.display()))
-            })?,
-        };
-        let agent_err = |e: tenantvm_agent_protocol::AgentClientError| {
-            HostError::Failed(format!(
-                "{name}: agent: {}",
-                crate::untrusted::one_line(&e.to_string())
-            ))
-        };
-        let mut agent = match uid {
-            Some(uid) => AgentClient::connect_checked(&endpoint, uid, AGENT_TIMEOUT),
-            None => AgentClient::connect(&endpoint, AGENT_TIMEOUT),
+    fn engine(&self, name: &str) -> Result<Engine, HostError> {
+        let view = self
+            .tenant(name)?
+            .ok_or_else(|| HostError::Failed(format!("{name}: no such tenant")))?;
+        if view.guest == Some(GuestKind::Plain) {
+            return Ok(Engine::None);
         }
-        .map_err(agent_err)?;
-        let answer = agent
-            .infer(
-                HttpRequest {
-                    method: "GET".into(),
-                    path: "/v1/tenantvm/serving".into(),
-                    headers: Vec::new(),
-                    body: String::new(),
-                },
-                AGENT_TIMEOUT,
-            )
-            .map_err(agent_err)?;
-        if answer.status != 200 {
-            return Err(HostError::Failed(format!(
-                "{name}: its payload answered {} to GET /v1/tenantvm/serving",
-                answer.status
-            )));
+        let mut agent = self.agent_of(&view)?;
+        // llama.cpp's llama-server describes its configuration at /props; the project's
+        // n-gram server at /v1/tenantvm/serving. Each answers 404 to the other's route.
+        let mut refused = Vec::new();
+        for path in [LLAMA_PROPS, NGRAM_SERVING] {
+            let (status, body) = agent_get(&mut agent, name, path)?;
+            if status != 200 {
+                refused.push(format!("{status} to GET {path}"));
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(&body).map_err(|e| {
+                HostError::Failed(format!("{name}: GET {path} answered no JSON: {e}"))
+            })?;
+            return Ok(if path == LLAMA_PROPS {
+                Engine::LlamaServer(v)
+            } else {
+                Engine::Ngram(v)
+            });
         }
-        serde_json::from_str(&answer.body)
-            .map_err(|e| HostError::Failed(format!("{name}: serving configuration: {e}")))
+        Err(HostError::Failed(format!(
+            "{name}: its engine answered {}: not an engine verify can read (llama-server, the n-gram server)",
+            refused.join(" and ")
+        )))
     }
 
-    fn complete(
+    fn completion(
         &self,
         name: &str,
-        token: &str,
-        prompt: &str,
-        max_tokens: u32,
-    ) -> Result<Duration, HostError> {
-        let client = self.as_tenant(token);
-        let body = serde_json::json!({
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-        });
+        caller: Caller<'_>,
+        body: &serde_json::Value,
+    ) -> Result<Answered, HostError> {
         let started = Instant::now();
-        self.rt
-            .block_on(client.infer(name, &body))
+        let body = match caller {
+            Caller::Token(token) => self
+                .rt
+                .block_on(self.as_tenant(token).infer(name, body))
+                .map_err(from_client)?,
+            Caller::Key(key) => {
+                let (status, text) = self.front_door(key, "/v1/completions", Some(body))?;
+                if status != 200 {
+                    return Err(HostError::Api {
+                        status,
+                        message: crate::untrusted::one_line(&text),
+                    });
+                }
+                serde_json::from_str(&text).map_err(|e| {
+                    HostError::Failed(format!("the front door's answer is no JSON: {e}"))
+                })?
+            }
+        };
+        Ok(Answered {
+            elapsed: started.elapsed(),
+            body,
+        })
+    }
+
+    fn restart_payload(&self, name: &str, token: &str, wait: Duration) -> Result<(), HostError> {
+        let body = serde_json::to_vec(&crate::api::payload::RestartRequest {
+            wait_s: Some(wait.as_secs().max(1)),
+        })
+        .map_err(|e| HostError::Failed(e.to_string()))?;
+        let _: crate::api::payload::PayloadRestarted = self
+            .rt
+            .block_on(self.as_tenant(token).call(
+                Method::POST,
+                &format!("/v1/tenants/{name}/payload/restart"),
+                Some(body),
+            ))
             .map_err(from_client)?;
-        Ok(started.elapsed())
+        Ok(())
     }
 
     fn gpus(&self) -> Result<Vec<GpuView>, HostError> {

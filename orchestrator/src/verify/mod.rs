@@ -23,6 +23,7 @@
 pub mod at_rest;
 pub mod audit;
 pub mod batching;
+pub mod callers;
 pub mod cross_key;
 pub mod departure;
 pub mod door;

@@ -20,6 +20,8 @@
 
 use rand::{Rng, SeedableRng};
 
+use super::callers::{callers, Door, ProbeCaller};
+use super::host::Engine;
 use super::stats::{
     ks_greater, median, median_diff_upper_bound, median_upper_bound, paired_differences,
     paired_order, Arm, KsResult,
@@ -70,7 +72,8 @@ pub struct ArmTimes {
     pub pairs: Vec<f64>,
 }
 
-fn random_words(rng: &mut impl Rng, n: usize) -> Vec<String> {
+/// `n` random three-letter words (17,576 distinct: a fresh prompt never repeats a block).
+pub(super) fn random_words(rng: &mut impl Rng, n: usize) -> Vec<String> {
     (0..n)
         .map(|_| {
             (0..WORD_LETTERS)
@@ -215,17 +218,35 @@ impl Check for PrefixCacheCheck {
             s.quotas.requests_per_s = PROBE_RATE;
             s.memory_mib = s.memory_mib.max(CONTROL_MEMORY_MIB);
         })?;
-        let serving = ctx.host.serving(&control.name)?;
-        if serving["prefix_cache"]["enabled"].as_bool() != Some(true) {
-            return Ok(Outcome::inconclusive(format!(
-                "the control probe's payload has its prefix cache off: give --control-image with an image whose payload runs with --prefix-cache on (image {:?})",
-                control_image.unwrap_or_default()
-            )));
+        // The engine itself says what it is; the n-gram server also whether its cache is on.
+        // A real engine's cache is shown by the control's own timing, or not at all.
+        let engine = ctx.host.engine(&control.name)?;
+        match &engine {
+            Engine::Ngram(v) if v["prefix_cache"]["enabled"].as_bool() != Some(true) => {
+                return Ok(Outcome::inconclusive(format!(
+                    "the control probe's payload has its prefix cache off: give --control-image with an image whose payload runs with --prefix-cache on (image {:?})",
+                    control_image.unwrap_or_default()
+                )));
+            }
+            Engine::None => {
+                return Ok(Outcome::inconclusive(format!(
+                    "the control probe runs no inference engine (image {:?} has no guest agent): give an image with one",
+                    control_image.unwrap_or_default()
+                )));
+            }
+            _ => {}
         }
-        let time = |name: &str, token: &str, prompt: &str| -> Result<f64, HostError> {
+        // The control: one engine with its cache on, called by two principals of its
+        // tenant (two inference keys at the front door), as two tenants sharing an engine
+        // would be.
+        let shared = callers(ctx.host, &control.name, &control.token, 2)?;
+        let door = shared[0].door;
+        let time = |c: &ProbeCaller, prompt: &str| -> Result<f64, HostError> {
+            let body = serde_json::json!({"prompt": prompt, "max_tokens": 1, "temperature": 0.0});
             Ok(ctx
                 .host
-                .complete_paced(name, token, prompt, 1, PACE_WITHIN)?
+                .completion_paced(&c.name, c.caller(), &body, PACE_WITHIN)?
+                .elapsed
                 .as_secs_f64()
                 * 1e3)
         };
@@ -234,27 +255,48 @@ impl Check for PrefixCacheCheck {
             &order,
             cfg.prefix_words,
             ctx.seed ^ 0xc0,
-            |p| time(&control.name, &control.token, p),
-            |p| time(&control.name, &control.token, p),
+            |p| time(&shared[0], p),
+            |p| time(&shared[1], p),
         )?;
-        drop(control);
-        let victim = ctx
-            .probes
-            .create("victim", |s| s.quotas.requests_per_s = PROBE_RATE)?;
-        let attacker = ctx
+        // The test: another tenant primes, the attacker is timed. When the control runs the
+        // probe image its engine is the victim (its cache is on: the control just showed
+        // it), which saves a probe's boot; otherwise a probe of the probe image primes.
+        let (_kept, victim) = if control_image == cfg.probe_image {
+            (Some(control), shared[0].clone())
+        } else {
+            drop(control);
+            let v = ctx
+                .probes
+                .create("victim", |s| s.quotas.requests_per_s = PROBE_RATE)?;
+            let caller = callers(ctx.host, &v.name, &v.token, 1)?.remove(0);
+            (Some(v), caller)
+        };
+        // The guard keeps the probe alive until the check returns.
+        let attacker_probe = ctx
             .probes
             .create("attacker", |s| s.quotas.requests_per_s = PROBE_RATE)?;
+        let attacker = callers(ctx.host, &attacker_probe.name, &attacker_probe.token, 1)?.remove(0);
         let order = paired_order(cfg.samples_per_arm, ctx.seed.rotate_left(17));
         let t = measure(
             &order,
             cfg.prefix_words,
             ctx.seed ^ 0x7e,
-            |p| time(&victim.name, &victim.token, p),
-            |p| time(&attacker.name, &attacker.token, p),
+            |p| time(&victim, p),
+            |p| time(&attacker, p),
         )?;
         let mut out = decide(&c, &t, cfg.alpha);
         // The seed itself is in the report (exact; a measure is a float).
         out.add("prefix_words", cfg.prefix_words as f64, "count");
+        out.add(
+            "timed_through_front_door",
+            f64::from(u8::from(door == Door::FrontDoor)),
+            "bool",
+        );
+        out.findings.push(format!(
+            "engine: {}; timed {}",
+            super::batching::engine_name(&engine),
+            door.describe()
+        ));
         Ok(out)
     }
 }

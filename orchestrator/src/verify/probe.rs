@@ -44,11 +44,46 @@ pub fn probe_name(run_id: &str, role: &str) -> Result<TenantName, HostError> {
         .map_err(|e| HostError::Failed(format!("probe name: {e}")))
 }
 
+/// A model every probe gets before it is used (`tenantvm verify --probe-model`): pushed onto
+/// its disk with its own token, then its engine restarted to serve it, as a tenant would.
+#[derive(Debug, Clone)]
+pub struct ProbeModel {
+    /// The name it is pushed under (the name the engine serves it as).
+    pub name: String,
+    /// Its bytes (a small model: the probes time prefill, they need no quality).
+    pub bytes: Arc<Vec<u8>>,
+}
+
+/// The name a probe model is pushed under.
+pub const PROBE_MODEL_NAME: &str = "verify-probe";
+
+/// The largest probe model read (into memory, once per run).
+pub const MAX_PROBE_MODEL_BYTES: u64 = 1 << 30;
+
+impl ProbeModel {
+    /// Reads the model file at `path` (at most [`MAX_PROBE_MODEL_BYTES`]).
+    pub fn read(path: &Path) -> Result<ProbeModel, HostError> {
+        let io = ledger_err(path);
+        let len = std::fs::metadata(path).map_err(&io)?.len();
+        if len > MAX_PROBE_MODEL_BYTES {
+            return Err(HostError::Failed(format!(
+                "the probe model {} has {len} bytes, more than {MAX_PROBE_MODEL_BYTES}: give a small model (the probes time prefill, they need no quality)",
+                path.display()
+            )));
+        }
+        Ok(ProbeModel {
+            name: PROBE_MODEL_NAME.into(),
+            bytes: Arc::new(std::fs::read(path).map_err(io)?),
+        })
+    }
+}
+
 /// The probe tenants of one run.
 pub struct Probes<'h> {
     host: &'h dyn VerifyHost,
     run_id: String,
     image: Option<String>,
+    model: Option<ProbeModel>,
     memory_mib: u32,
     ledger: Option<PathBuf>,
     timeout: Duration,
@@ -103,6 +138,7 @@ impl<'h> Probes<'h> {
             host,
             run_id: run_id.to_string(),
             image,
+            model: None,
             memory_mib,
             ledger,
             timeout,
@@ -116,6 +152,12 @@ impl<'h> Probes<'h> {
     /// The same, refusing new probes once `cancel` is set (the run was interrupted).
     pub fn with_cancel(mut self, cancel: Arc<AtomicBool>) -> Self {
         self.cancel = cancel;
+        self
+    }
+
+    /// The same, giving each probe `model` to serve before it is used.
+    pub fn with_model(mut self, model: Option<ProbeModel>) -> Self {
+        self.model = model;
         self
     }
 
@@ -145,7 +187,7 @@ impl<'h> Probes<'h> {
     ) -> Result<Probe<'_>, HostError> {
         let image = self.image.clone().ok_or_else(|| {
             HostError::Unsupported(
-                "this check needs probe tenants: give --probe-image NAME (a named image of the daemon's --image-dir with the n-gram payload)".into(),
+                "this check needs probe tenants: give --probe-image NAME (a named image of the daemon's --image-dir: the n-gram payload, or an engine's variant with --probe-model)".into(),
             )
         })?;
         if self.cancelled() {
@@ -197,13 +239,27 @@ impl<'h> Probes<'h> {
                 return Err(e);
             }
         };
-        Ok(Probe {
+        let probe = Probe {
             name: name.to_string(),
             token,
             spec,
             probes: self,
             released: false,
-        })
+        };
+        if let Some(model) = &self.model {
+            // Dropping the guard on an error destroys the probe.
+            self.host
+                .push_model(&probe.name, &probe.token, &model.name, &model.bytes)
+                .map_err(|e| HostError::Failed(format!("probe {name}: model push: {e}")))?;
+            self.host
+                .restart_payload(&probe.name, &probe.token, self.timeout)
+                .map_err(|e| {
+                    HostError::Failed(format!(
+                        "probe {name}: its engine did not serve the probe model: {e}"
+                    ))
+                })?;
+        }
+        Ok(probe)
     }
 
     /// Drops a name that was never created from the live set and the ledger.

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use super::fake::{view_of, Broken, FakeVerifyHost};
-use super::host::GpuView;
+use super::fake::{view_of, Broken, FakeEngine, FakeVerifyHost};
+use super::host::{Engine, GpuView, VerifyHost};
 use super::probe::{looks_like_probe, probe_name, PROBE_PREFIX};
 use super::*;
 use crate::api::types::GpuSlice;
@@ -373,6 +373,177 @@ fn check_6_two_tenants_routed_to_one_payload_fail() {
             ..Broken::default()
         },
     );
+}
+
+/// Every tenant routed to one engine (one shared prefix cache).
+fn shared_engine() -> Broken {
+    Broken {
+        shared_payload: true,
+        ..Broken::default()
+    }
+}
+
+fn on_engine(engine: FakeEngine, broken: Broken, id: CheckId) -> CheckResult {
+    let host = FakeVerifyHost::with_engine(broken, engine);
+    run_one(&host, &config(), id)
+}
+
+#[test]
+fn check_6_llama_engines_are_told_apart_by_effect_and_one_engine_for_two_fails() {
+    let r = on_engine(FakeEngine::Llama, Broken::default(), CheckId::Batching);
+    assert_eq!(r.outcome.verdict, Verdict::Pass, "{r:#?}");
+    // The control saw the repeat cached; the other probe's engine saw nothing of it.
+    assert_eq!(
+        r.outcome.value("effect.prompt_tokens"),
+        Some(32.0),
+        "{r:#?}"
+    );
+    assert_eq!(r.outcome.value("effect.control_cached_tokens"), Some(28.0));
+    assert_eq!(r.outcome.value("effect.cross_cached_tokens"), Some(0.0));
+    assert_eq!(r.outcome.value("effect.front_door"), Some(1.0));
+    assert_eq!(r.outcome.value("engines_read"), Some(2.0));
+    assert!(
+        r.outcome
+            .evidence
+            .iter()
+            .any(|m| m.name.ends_with(".slots") && m.value == 2.0),
+        "{r:#?}"
+    );
+    // The failing control: two tenants routed to one engine, which has no instance id
+    // to give it away: only the effect shows it.
+    let r = on_engine(FakeEngine::Llama, shared_engine(), CheckId::Batching);
+    assert_eq!(r.outcome.verdict, Verdict::Fail, "{r:#?}");
+    assert!(
+        r.outcome.findings[0].contains("one engine answers for"),
+        "{r:#?}"
+    );
+    assert_eq!(r.outcome.value("effect.cross_cached_tokens"), Some(28.0));
+}
+
+#[test]
+fn check_6_an_engine_it_cannot_read_or_tell_apart_is_inconclusive_never_pass() {
+    let r = on_engine(FakeEngine::Unreadable, Broken::default(), CheckId::Batching);
+    assert_eq!(r.outcome.verdict, Verdict::Inconclusive, "{r:#?}");
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("could not be read")),
+        "{r:#?}"
+    );
+    // Readable, but its answers count no cached tokens: the effect cannot tell engines
+    // apart, and llama-server has no instance id to fall back on.
+    let r = on_engine(
+        FakeEngine::LlamaUncounted,
+        Broken::default(),
+        CheckId::Batching,
+    );
+    assert_eq!(r.outcome.verdict, Verdict::Inconclusive, "{r:#?}");
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("control did not see")),
+        "{r:#?}"
+    );
+}
+
+#[test]
+fn check_6_a_tenant_without_an_engine_is_listed_and_an_unreadable_real_one_is_inconclusive() {
+    // A test-guest tenant (no agent) beside the probes: nothing to read, nothing wrong.
+    let host = FakeVerifyHost::new(Broken::default());
+    host.add_plain_tenant(spec("demo-test-guest", GpuRequest::default()));
+    let r = run_one(&host, &config(), CheckId::Batching);
+    assert_eq!(r.outcome.verdict, Verdict::Pass, "{r:#?}");
+    assert_eq!(r.outcome.value("without_engine"), Some(1.0), "{r:#?}");
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.starts_with("demo-test-guest: no inference engine")),
+        "{r:#?}"
+    );
+    // A real tenant with an agent whose engine cannot be read: not judged, so not a pass.
+    let probe = |n: &str| {
+        (
+            n.to_string(),
+            Ok(Engine::LlamaServer(serde_json::json!({"total_slots": 1}))),
+        )
+    };
+    let reads = vec![
+        probe("a"),
+        probe("b"),
+        (
+            "real".to_string(),
+            Err("its engine answered 404 to GET /props".to_string()),
+        ),
+    ];
+    let effect = batching::Effect {
+        prompt_tokens: 100,
+        control_cached: Some(99),
+        cross_cached: Some(1),
+        front_door: true,
+    };
+    let o = batching::judge(&reads, Ok(effect), ("a", "b"));
+    assert_eq!(o.verdict, Verdict::Inconclusive, "{o:#?}");
+    assert!(
+        o.findings[0].starts_with("real: its engine could not be read"),
+        "{o:#?}"
+    );
+    let o = batching::judge(&reads[..2].to_vec(), Ok(effect), ("a", "b"));
+    assert_eq!(o.verdict, Verdict::Pass, "{o:#?}");
+    // Between none and most cached: neither shown apart nor shared.
+    let o = batching::judge(
+        &reads[..2].to_vec(),
+        Ok(batching::Effect {
+            cross_cached: Some(30),
+            ..effect
+        }),
+        ("a", "b"),
+    );
+    assert_eq!(o.verdict, Verdict::Inconclusive, "{o:#?}");
+}
+
+#[test]
+fn check_5_times_through_the_front_door_on_a_real_engine_and_a_shared_one_fails() {
+    let r = on_engine(FakeEngine::Llama, Broken::default(), CheckId::PrefixCache);
+    assert_eq!(r.outcome.verdict, Verdict::Pass, "{r:#?}");
+    assert_eq!(r.outcome.value("timed_through_front_door"), Some(1.0));
+    assert!(
+        r.outcome
+            .findings
+            .iter()
+            .any(|f| f.contains("llama-server")),
+        "{r:#?}"
+    );
+    let r = on_engine(FakeEngine::Llama, shared_engine(), CheckId::PrefixCache);
+    assert_eq!(r.outcome.verdict, Verdict::Fail, "{r:#?}");
+}
+
+#[test]
+fn probes_given_a_model_get_it_pushed_and_their_engine_restarted_before_use() {
+    let host = FakeVerifyHost::with_engine(Broken::default(), FakeEngine::Llama);
+    let cfg = config();
+    let probes = Probes::new(
+        &host,
+        "0badc0de",
+        cfg.probe_image.clone(),
+        cfg.probe_memory_mib,
+        None,
+        Duration::from_secs(5),
+    )
+    .with_model(Some(probe::ProbeModel {
+        name: probe::PROBE_MODEL_NAME.into(),
+        bytes: std::sync::Arc::new(b"GGUF tiny".to_vec()),
+    }));
+    let p = probes.create("a", |_| {}).unwrap();
+    assert_eq!(host.restarts(), vec![p.name.clone()]);
+    assert_eq!(
+        host.models_with(&p.name, &p.token).unwrap(),
+        vec![probe::PROBE_MODEL_NAME.to_string()]
+    );
+    drop(p);
+    assert!(probes.release_all().is_empty());
 }
 
 #[test]

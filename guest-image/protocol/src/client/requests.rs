@@ -213,24 +213,62 @@ impl AgentClient {
     /// `timeout`, each data frame's write too. Consumes the connection. Returns the bytes
     /// stored and their hash as the agent checked them.
     pub fn model_push(
-        mut self,
+        self,
         name: &str,
         size: u64,
         sha256: &str,
         data: &mut dyn io::Read,
         timeout: Duration,
     ) -> Result<(u64, String), AgentClientError> {
-        let what = "model-push";
+        let request = Request::ModelPush {
+            name: name.to_string(),
+            size,
+            sha256: sha256.to_string(),
+        };
+        self.push_stream(&request, "model-push", data, timeout)
+    }
+
+    /// Stores a model directory ([`Request::ModelPushDir`]): the bytes of `files`, in order,
+    /// read from `data` as one stream (`sha256` is the whole stream's). As
+    /// [`AgentClient::model_push`] otherwise; an agent older than directories gives
+    /// [`AgentClientError::Unsupported`].
+    pub fn model_push_dir(
+        self,
+        name: &str,
+        files: &[crate::model::ModelFile],
+        sha256: &str,
+        data: &mut dyn io::Read,
+        timeout: Duration,
+    ) -> Result<(u64, String), AgentClientError> {
+        let what = "model-push-dir";
+        let request = Request::ModelPushDir {
+            name: name.to_string(),
+            files: files.to_vec(),
+            size: files.iter().map(|f| f.size).fold(0, u64::saturating_add),
+            sha256: sha256.to_string(),
+        };
+        match self.push_stream(&request, what, data, timeout) {
+            Err(AgentClientError::Agent { failure, .. })
+                if failure.code == crate::message::ErrorCode::BadRequest
+                    && failure.message.contains("unknown variant") =>
+            {
+                Err(AgentClientError::Unsupported { what })
+            }
+            other => other,
+        }
+    }
+
+    /// Sends `request` (a push), waits for [`Reply::ModelReady`], streams `data` as data
+    /// frames with the empty one at the end, and returns what [`Reply::ModelStored`] says.
+    fn push_stream(
+        mut self,
+        request: &Request,
+        what: &'static str,
+        data: &mut dyn io::Read,
+        timeout: Duration,
+    ) -> Result<(u64, String), AgentClientError> {
         let by = || Instant::now() + timeout;
-        let id = self.send(
-            &Request::ModelPush {
-                name: name.to_string(),
-                size,
-                sha256: sha256.to_string(),
-            },
-            by(),
-            timeout,
-        )?;
+        let id = self.send(request, by(), timeout)?;
         match self.receive_any(&[id], by(), timeout)?.outcome {
             Outcome::Ok(Reply::ModelReady) => {}
             Outcome::Ok(_) => return Err(AgentClientError::UnexpectedReply { what }),
