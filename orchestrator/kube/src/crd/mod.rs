@@ -22,7 +22,7 @@ pub const GROUP: &str = "tenantvm.dev";
 pub const FINALIZER: &str = "tenantvm.dev/departure";
 /// The label naming the node a `Tenant` is bound to (the binding; node agents watch it).
 pub const NODE_LABEL: &str = "tenantvm.dev/node";
-/// The annotation holding the operator's placement ([`crate::binding::Binding`]).
+/// The annotation holding the operator's placement ([`crate::operator::Binding`]).
 pub const PLACEMENT_ANNOTATION: &str = "tenantvm.dev/placement";
 /// Condition types.
 pub mod conditions {

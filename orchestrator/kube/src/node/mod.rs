@@ -8,7 +8,7 @@
 //!   changes, with a `TenantvmdReachable` condition (down or wedged: the deadline on every
 //!   call says which);
 //! - tenants: the `Tenant`s bound to this node (label `tenantvm.dev/node`) are made,
-//!   stopped, started and departed in tenantvmd ([`tenant`]), their status and Secret kept.
+//!   stopped, started and departed in tenantvmd (the `tenant` module), their status and Secret kept.
 
 mod daemon;
 mod tenant;
