@@ -1,0 +1,18 @@
+#!/bin/sh
+# description: the daemon's MIG-backed vGPU route on a real SR-IOV PF: a SIMULATED host file
+#   puts an H100 with SR-IOV vGPU at the address of QEMU's SR-IOV nvme (--gpu-sysfs-root /);
+#   tenantvm create with gpu = { profile = "1g.10gb" } enables the PF's VFs through
+#   sriov_numvfs (real), the simulated vGPU type on a real VF brings its controller online
+#   (nvme-cli virt-mgmt, the GPU's vf_hook) and binds it to vfio-pci, tenantvm-vmm passes it
+#   through and the test guest gets Identify from that VF's secondary controller;
+#   tenantvm destroy disables the VFs again and the receipt says which parts were real and
+#   which simulated
+# limit: 420
+# needs: /usr/sbin/nvme
+. "$NH_LIB"
+need_kvm
+need_sriov_nvme
+need_tenant_cgroups
+hook="$(dirname "$NH_LIB")/nvme-vf.sh"
+trap 'release_sriov_nvme' EXIT
+run_or_fail "$NH_BIN/nh-vgpu-sriov" "$pf" "$hook"
