@@ -135,24 +135,30 @@ fn secondary(pf: &str, vfn: usize) -> Result<(u32, bool), String> {
 }
 
 /// The SIMULATED host: an H100 with SR-IOV vGPU at the PF (its VFs prepared by `hook`),
-/// and, when given, a whole-only L40S at `whole`.
+/// or, with `whole`, only a whole-only L40S at that address (the benchmark's peer: its own
+/// host file, so that the whole request cannot land on the H100); the image and the specs.
 fn write_setup(pf: &str, hook: &str, whole: Option<&str>) -> Result<Setup, String> {
     let bin = env_path("NH_BIN")?;
     let work = env_path("NH_WORK")?;
-    let sim = work.join("sim-host.json");
-    let mut gpus = vec![serde_json::json!({"index": 0, "model": "h100-80gb",
-        "pci_address": pf, "driver": "570.124.06", "vgpu": "sriov", "mig_enabled": false,
-        "iommu_group": iommu_group(pf), "vf_hook": [hook]})];
-    if let Some(w) = whole {
-        gpus.push(
-            serde_json::json!({"index": 1, "model": "l40s", "pci_address": w,
-            "driver": "570.124.06", "vgpu": "none", "iommu_group": iommu_group(w)}),
-        );
-    }
-    let host = serde_json::json!({
-        "comment": "SIMULATED: an H100 with MIG-backed vGPU at the address of QEMU's SR-IOV nvme; its VFs are real",
-        "gpus": gpus
-    });
+    let (sim, host) = match whole {
+        None => (
+            work.join("sim-host.json"),
+            serde_json::json!({
+                "comment": "SIMULATED: an H100 with MIG-backed vGPU at the address of QEMU's SR-IOV nvme; its VFs are real",
+                "gpus": [{"index": 0, "model": "h100-80gb", "pci_address": pf,
+                    "driver": "570.124.06", "vgpu": "sriov", "mig_enabled": false,
+                    "iommu_group": iommu_group(pf), "vf_hook": [hook]}]
+            }),
+        ),
+        Some(w) => (
+            work.join("sim-whole.json"),
+            serde_json::json!({
+                "comment": "SIMULATED: a whole-only GPU at the address of QEMU's plain nvme",
+                "gpus": [{"index": 0, "model": "l40s", "pci_address": w,
+                    "driver": "570.124.06", "vgpu": "none", "iommu_group": iommu_group(w)}]
+            }),
+        ),
+    };
     std::fs::write(&sim, host.to_string()).map_err(|e| e.to_string())?;
     let images = work.join("img");
     test_guest_image(&images, "nvme-guest", GUEST_TEST)?;
@@ -345,14 +351,15 @@ fn one_round(setup: &Setup, spec: &str, round: usize) -> Result<(f64, Vec<(Strin
 }
 
 fn bench(pf: &str, hook: &str, whole: &str, rounds: usize) -> Result<(), String> {
-    let setup = write_setup(pf, hook, Some(whole))?;
+    let setup = write_setup(pf, hook, None)?;
+    let peer = write_setup(pf, hook, Some(whole))?;
     let (mut vf_times, mut whole_times) = (Vec::new(), Vec::new());
     let (mut vf_steps, mut whole_steps) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         let (s, st) = one_round(&setup, "tenant.toml", round)?;
         vf_times.push(s);
         vf_steps.push(st);
-        let (s, st) = one_round(&setup, "whole.toml", round)?;
+        let (s, st) = one_round(&peer, "whole.toml", round)?;
         whole_times.push(s);
         whole_steps.push(st);
     }
