@@ -3,7 +3,8 @@
 # made, cached by content hash:
 #
 #   kernel       .cache/kernel (scripts/setup.sh): the modules the outer guest loads (kvm,
-#                kvm-amd, the vfio set, vhost_vsock, dm_crypt, loop, virtio, ext4) and those
+#                kvm-amd, the vfio set, vhost_vsock, dm_crypt, loop, virtio, ext4; nvme for
+#                the gpu-vgpu-sriov scenario's SR-IOV PF) and those
 #                the stock-kernel scenario packs for its inner guest, with depmod's files; the
 #                kernel images themselves, for the inner guests
 #   tools        busybox (all applets), cryptsetup and mke2fs with their libraries (ldd)
@@ -11,9 +12,10 @@
 #                programs of NH_BIN, the static guest tools, the VMM's KVM test binaries:
 #                each with the shared libraries ldd finds, debug info stripped
 #   guest image  NH_GUEST_IMAGE (guest-image/build.sh), test guests NH_TEST_GUESTS
-#   harness      init.sh (PID 1), run-scenarios.sh, lib.sh, scenarios/*.sh
+#   harness      init.sh (PID 1), run-scenarios.sh, lib.sh, nvme-vf.sh, scenarios/*.sh
 #   needs        extras a scenario names in its `# needs:` header: `qemu` (QEMU with its
-#                libraries and firmware) or an absolute path
+#                libraries and firmware) or an absolute path (a program comes with the
+#                shared libraries ldd finds)
 #
 # Project artifacts keep their host paths inside (the VMM's test binaries name the VMM by
 # its build path), so a scenario sees the same NH_* paths here and on a real host.
@@ -126,6 +128,7 @@ modules=(
     vfio vfio_iommu_type1 vfio_virqfd vfio_pci_core vfio_pci
     vhost_vsock vsock vmw_vsock_virtio_transport
     dm_crypt loop xts aesni_intel algif_skcipher algif_hash crc32c_intel crc32c_generic
+    nvme
 )
 declare -A path_of=() seen=()
 while read -r p; do
@@ -182,6 +185,7 @@ nh=/opt/nested-host
 add_file "$here/init.sh" /init 0755
 add_file "$here/run-scenarios.sh" "$nh/run-scenarios.sh" 0755
 add_file "$here/lib.sh" "$nh/lib.sh"
+add_file "$here/nvme-vf.sh" "$nh/nvme-vf.sh" 0755
 for s in "$here"/scenarios/*.sh; do add_file "$s" "$nh/scenarios/$(basename "$s")" 0755; done
 
 # The paths the scenarios get (NH_* variables, the same names run-scenarios.sh gets on a
@@ -215,8 +219,11 @@ for need in "${needs[@]}"; do
                 while read -r f; do
                     if [ -x "$f" ]; then add_elf "$f" "$f"; else add_file "$f" "$f"; fi
                 done < <(find "$need" -type f | sort)
+            elif [ -x "$need" ]; then
+                # A program: with the shared libraries ldd finds.
+                add_elf "$need" "$need"
             else
-                add_file "$need" "$need" "$( [ -x "$need" ] && echo 0755 || echo 0644)"
+                add_file "$need" "$need" 0644
             fi
             ;;
         *) die "unknown need '$need' (use qemu or an absolute path)" ;;

@@ -111,3 +111,56 @@ run_or_fail() {
     reason="$(grep -m 1 'FAILED: ' "$log" | sed 's/.*FAILED: //')"
     fail "${reason:-$1 exited with status ${rc:-unknown}}"
 }
+
+# Sets $pf to QEMU's SR-IOV nvme (8086:5845, the nested host's only) and prepares it as the
+# vendor's driver would a GPU for vGPU: the PF on the nvme driver (the plain nvme,
+# 1b36:0010, kept off it), its VFs off and left unbound when they appear
+# (sriov_drivers_autoprobe 0: vfio-pci takes them), and the flexible queue and interrupt
+# resources released by the primary controller (then a function reset), so that its
+# secondary controllers can be given them (tests/nested-host/nvme-vf.sh). Skips where the
+# device, the IOMMU or nvme-cli is missing.
+need_sriov_nvme() {
+    pf="$(pci_devices 8086 5845 | sed -n 1p)"
+    [ -n "$pf" ] || skip "no SR-IOV nvme (8086:5845): QEMU's exists on the nested host only"
+    [ -n "$(iommu_group "$pf")" ] || skip "no IOMMU (intel_iommu=on) for $pf"
+    command -v nvme >/dev/null || skip "nvme-cli is not installed (apt-get install nvme-cli)"
+    need_modules vfio_pci vfio_iommu_type1
+    sriov_dev="/sys/bus/pci/devices/$pf"
+    if [ ! -e "$sriov_dev/driver" ]; then
+        # Loading nvme binds every NVMe controller it finds: keep the plain one off it.
+        plain="$(pci_devices 1b36 0010)"
+        for d in $plain; do echo nh-none >"/sys/bus/pci/devices/$d/driver_override"; done
+        need_modules nvme
+        for d in $plain; do echo >"/sys/bus/pci/devices/$d/driver_override"; done
+        echo "$pf" >/sys/bus/pci/drivers_probe 2>/dev/null
+    fi
+    [ "$(basename "$(readlink "$sriov_dev/driver")")" = nvme ] || fail "$pf did not bind to nvme"
+    [ "$(cat "$sriov_dev/sriov_numvfs")" = 0 ] || echo 0 >"$sriov_dev/sriov_numvfs"
+    echo 0 >"$sriov_dev/sriov_drivers_autoprobe"
+    i=0
+    while [ -z "$(ls "$sriov_dev/nvme" 2>/dev/null)" ]; do
+        i=$((i + 1)); [ "$i" -le 100 ] || fail "$pf's NVMe controller did not appear"
+        sleep 0.1
+    done
+    sriov_ctrl="/dev/$(ls "$sriov_dev/nvme" | head -n 1)"
+    i=0
+    while [ ! -c "$sriov_ctrl" ]; do
+        i=$((i + 1)); [ "$i" -le 100 ] || fail "$sriov_ctrl did not appear"
+        sleep 0.1
+    done
+    primary="$(nvme id-ctrl "$sriov_ctrl" | awk '/^cntlid/ {print $3}')"
+    [ -n "$primary" ] || fail "nvme id-ctrl $sriov_ctrl gave no cntlid"
+    for r in 0 1; do
+        out="$(nvme virt-mgmt "$sriov_ctrl" -c "$((primary))" -r "$r" -a 1 -n 0 2>&1)" ||
+            fail "releasing the primary controller's flexible resources (type $r): $out"
+    done
+    echo 1 >"$sriov_dev/reset" || fail "the function reset of $pf failed"
+    step "$pf: nvme ($sriov_ctrl, primary controller $((primary))), VFs off, flexible resources released, autoprobe off"
+}
+
+# Undoes need_sriov_nvme's changes that could outlive the scenario: VFs off.
+release_sriov_nvme() {
+    [ -n "${sriov_dev:-}" ] && [ "$(cat "$sriov_dev/sriov_numvfs" 2>/dev/null)" != 0 ] &&
+        echo 0 >"$sriov_dev/sriov_numvfs"
+    return 0
+}

@@ -100,6 +100,7 @@ mod tests {
             },
             reset_at_detach: ResetOutcome::Unsupported,
             interface: None,
+            dma_map_ms: None,
         });
         reporter.finish(6).unwrap();
         let back: ExitReport =

@@ -610,6 +610,12 @@ pub fn base_plan(
         args,
         rlimits,
     )?;
+    if spec.hugepages.is_some() {
+        // Guest RAM on huge pages is a hugetlb memfd the VMM (or QEMU) sizes to the whole
+        // RAM, and ftruncate obeys RLIMIT_FSIZE: without this a tenant whose RAM is larger
+        // than its largest disk fails at launch with EFBIG.
+        plan.allow_file_size(u64::from(spec.memory_mib) << 20);
+    }
     let vm = Path::new(JAIL_VM_DIR);
     plan.bind(&spec.kernel, &vm.join("kernel"), false)?;
     if let Some(initramfs) = &spec.initramfs {
@@ -951,6 +957,42 @@ mod tests {
             memlock_bytes(&spec, &jail),
             (16u64 << 30) + MEMLOCK_MARGIN_BYTES
         );
+    }
+
+    #[test]
+    fn guest_ram_on_huge_pages_raises_the_file_size_limit_to_the_ram() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut spec = spec(tmp.path(), "alpha");
+        fs::create_dir(&spec.tenant_dir).unwrap();
+        spec.memory_mib = 16 << 10;
+        let prepared = || Prepared {
+            run_dir: tmp.path().to_path_buf(),
+            serial_log: spec.kernel.clone(),
+            vmm_log: fs::File::open(&spec.kernel).unwrap(),
+            cgroup: CgroupHandle::V2 {
+                path: tmp.path().join("cg"),
+            },
+        };
+        let limit = |spec: &VmSpec| {
+            base_plan(
+                spec,
+                &JAIL,
+                &prepared(),
+                Path::new("/bin/sh"),
+                vec![],
+                VfioInterface::Legacy,
+            )
+            .unwrap()
+            .file_size_limit
+        };
+        assert_eq!(limit(&spec), crate::jail::plan::MIN_FILE_SIZE_LIMIT);
+        for pages in [
+            tenantvm_vmm_api::HugePages::Size2M,
+            tenantvm_vmm_api::HugePages::Size1G,
+        ] {
+            spec.hugepages = Some(pages);
+            assert_eq!(limit(&spec), 16 << 30, "{pages}");
+        }
     }
 
     #[test]

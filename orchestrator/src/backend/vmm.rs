@@ -666,6 +666,7 @@ mod tests {
                 },
                 reset_at_detach: tenantvm_vmm_api::ResetOutcome::HotReset,
                 interface: Some(tenantvm_vmm_api::VfioIommuMode::Legacy),
+                dma_map_ms: Some(3),
             }],
         };
         fs::write(&file, serde_json::to_string(&report).unwrap()).unwrap();

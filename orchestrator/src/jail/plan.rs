@@ -95,7 +95,9 @@ pub struct JailPlan {
     /// Its rlimits.
     pub rlimits: JailRlimits,
     /// RLIMIT_FSIZE of the program: [`MIN_FILE_SIZE_LIMIT`], raised by [`JailPlan::bind`] to
-    /// the size of each writable file mounted (its disks). The launcher also ignores
+    /// the size of each writable file mounted (its disks) and by
+    /// [`JailPlan::allow_file_size`] for a file the program makes itself (guest RAM on a
+    /// hugetlb memfd: ftruncate past the limit fails with EFBIG). The launcher also ignores
     /// SIGXFSZ, so a write past it fails (EFBIG) instead of killing the VMM.
     pub file_size_limit: u64,
 }
@@ -143,6 +145,13 @@ impl JailPlan {
         }
         plan.bind(&program, &program, false)?;
         Ok(plan)
+    }
+
+    /// Raises the file size limit to at least `bytes`, for a file the program creates and
+    /// sizes itself (never lowers it).
+    pub fn allow_file_size(&mut self, bytes: u64) -> &mut Self {
+        self.file_size_limit = self.file_size_limit.max(bytes);
+        self
     }
 
     /// Adds a bind mount of host `source` at jail path `target`.

@@ -11,6 +11,8 @@
 
 use std::sync::Arc;
 
+use tenantvm_gpu::backend::sim::vendor::SimulatedVgpuDriver;
+use tenantvm_gpu::backend::sim::SimBackend;
 use tenantvm_gpu::backend::{self as gpu_backend, BackendSpec, GpuBackend, GpuInfo, SliceUsage};
 use tenantvm_gpu::host::Sysfs;
 use tenantvm_gpu::mig::MigProfile;
@@ -47,21 +49,28 @@ pub fn planner_from_arg(
         BackendPlanner::new(backend),
         &spec,
         sysfs_root,
-    )))
+    )?))
 }
 
 /// `planner` with the sysfs it hands devices over through: `sysfs_root` when given, else
-/// `/` for NVML and none for a simulated host.
+/// `/` for NVML and none for a simulated host. A simulated host with a root gets the
+/// SIMULATED NVIDIA driver laid over that root's real functions
+/// ([`SimulatedVgpuDriver`]): the MIG-backed vGPU route then enables real SR-IOV VFs and
+/// hands a real VF over, with the vGPU type on it simulated.
 fn planner_with_sysfs(
     planner: BackendPlanner,
     spec: &BackendSpec,
     sysfs_root: Option<&std::path::Path>,
-) -> BackendPlanner {
-    match (sysfs_root, spec) {
+) -> Result<BackendPlanner, gpu_backend::BackendError> {
+    Ok(match (sysfs_root, spec) {
+        (Some(root), BackendSpec::Sim(file)) => planner.with_sysfs(SimulatedVgpuDriver::over(
+            Sysfs::new(root),
+            SimBackend::open(file)?,
+        )),
         (Some(root), _) => planner.with_sysfs(Sysfs::new(root)),
         (None, BackendSpec::Sim(_)) => planner,
         (None, _) => planner.with_sysfs(Sysfs::new("/")),
-    }
+    })
 }
 
 /// A planner over a tenantvm-gpu backend.
@@ -251,6 +260,10 @@ impl GpuPlanner for BackendPlanner {
         self.backend.gpus().map_err(plan_err)
     }
 
+    fn route_evidence(&self, record: &DeviceRecord) -> Vec<(String, String)> {
+        self.route_parts(record)
+    }
+
     fn usage(&self, placement: &GpuPlacement) -> Result<Option<SliceUsage>, GpuPlanError> {
         let gpus = self.backend.gpus().map_err(plan_err)?;
         let info = find_gpu(&gpus, &placement.gpu)
@@ -399,7 +412,7 @@ mod tests {
         let open = || BackendPlanner::new(gpu_backend::open(&spec).unwrap());
 
         // Without a root the simulated host hands nothing over.
-        let p = planner_with_sysfs(open(), &spec, None);
+        let p = planner_with_sysfs(open(), &spec, None).unwrap();
         assert!(p.sysfs().is_none());
         let placement = p.place("t", &whole, &[]).unwrap();
         let record = p.plan_device(&placement).unwrap();
@@ -407,7 +420,7 @@ mod tests {
 
         // With one, the device at the simulated GPU's address is bound as a whole card:
         // its group, and the driver and override it has now (none) recorded.
-        let p = planner_with_sysfs(open(), &spec, Some(tree.root()));
+        let p = planner_with_sysfs(open(), &spec, Some(tree.root())).unwrap();
         let record = p.plan_device(&placement).unwrap();
         let DeviceRecord::Whole { binding, .. } = &record else {
             panic!("{record:?}")

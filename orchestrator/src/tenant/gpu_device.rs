@@ -493,6 +493,69 @@ impl BackendPlanner {
     }
 }
 
+impl BackendPlanner {
+    /// Receipt evidence on the route's parts (see [`crate::tenant::host::GpuPlanner::route_evidence`]):
+    /// for a vGPU on an SR-IOV VF, which parts were real and which SIMULATED (a simulated
+    /// host on a real host's functions: the PF's VFs and the VF handed over are real, MIG,
+    /// the instance and the vGPU type simulated), the VF and its type, and how many VFs the
+    /// PF has now (read from sysfs).
+    pub(crate) fn route_parts(&self, record: &DeviceRecord) -> Vec<(String, String)> {
+        let DeviceRecord::SriovVgpu { host, attachment } = record else {
+            return Vec::new();
+        };
+        let Some(sysfs) = self.sysfs() else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        let simulated_backend = self.backend().kind() == "sim";
+        match (simulated_backend, sysfs.overlay()) {
+            (true, Some(driver)) => {
+                out.push((
+                    "real".into(),
+                    format!("SR-IOV on {}: VFs enabled and disabled through sriov_numvfs by this host's kernel; the VF handed to the VM (its IOMMU group, VFIO, the VMM's reset)", host.pf),
+                ));
+                out.push((
+                    "simulated".into(),
+                    format!("MIG mode, the GPU instance, the vGPU type on the VF and the scrub: {driver}"),
+                ));
+            }
+            (true, None) => out.push((
+                "simulated".into(),
+                "everything: a simulated GPU host without a sysfs root".into(),
+            )),
+            (false, _) => out.push((
+                "real".into(),
+                format!(
+                    "SR-IOV, MIG and the vGPU type on {} through the {} backend and NVIDIA's vGPU manager",
+                    host.pf,
+                    self.backend().kind()
+                ),
+            )),
+        }
+        if let Some(a) = attachment {
+            out.push((
+                "vf".into(),
+                format!("{}, a virtual function of {}", a.vf, a.pf),
+            ));
+            out.push((
+                "vgpu type".into(),
+                format!(
+                    "{} ({}) on GPU instance {}",
+                    a.vgpu_type.id, a.vgpu_type.name, a.gpu_instance_id
+                ),
+            ));
+        }
+        if let Ok(pf) = PciAddress::parse(&host.pf) {
+            let now = match tenantvm_gpu::host::sriov::enabled_vfs(sysfs, &pf) {
+                Ok(n) => format!("{n} (sriov_numvfs, read now)"),
+                Err(e) => format!("unreadable: {e}"),
+            };
+            out.push((format!("vfs of {}", host.pf), now));
+        }
+        out
+    }
+}
+
 /// What restoring a card's MIG mode did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MigRestore {

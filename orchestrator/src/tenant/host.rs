@@ -218,6 +218,13 @@ pub trait GpuPlanner: Send + Sync {
         ))
     }
 
+    /// Receipt evidence on how `record`'s route ran: which of its parts ran on the real
+    /// host and which were SIMULATED, and what its functions are now. The default says
+    /// nothing.
+    fn route_evidence(&self, _record: &DeviceRecord) -> Vec<(String, String)> {
+        Vec::new()
+    }
+
     /// Memory and utilisation of the slice `placement` names, as the GPU backend reads them
     /// (for the tenant's metrics); None from a planner without a backend that measures.
     fn usage(

@@ -1,7 +1,8 @@
 //! The outer guest: the stock kernel under `qemu-system-x86_64 -M q35 -accel tcg -cpu max`
 //! (AMD SVM with nested paging, so the guest has /dev/kvm) with an emulated Intel IOMMU
-//! (`intel-iommu,intremap=on,caching-mode=on`, `intel_iommu=on`), two `edu` devices and an
-//! `nvme` device (each in its own IOMMU group, for vfio), the root file system from
+//! (`intel-iommu,intremap=on,caching-mode=on`, `intel_iommu=on`), two `edu` devices, an
+//! `nvme` device and an SR-IOV capable `nvme` (each in its own IOMMU group, for vfio), the
+//! root file system from
 //! build-rootfs.sh, a scratch disk, the console in a file and the results on a virtio-serial
 //! port.
 
@@ -21,6 +22,9 @@ pub const RESULTS_PORT: &str = "org.tenantvm.nested.results";
 
 /// The name of the virtio-serial port the outer guest's heartbeat comes on (init.sh).
 pub const HEARTBEAT_PORT: &str = "org.tenantvm.nested.heartbeat";
+
+/// The SR-IOV NVMe controller's virtual functions (`sriov_totalvfs` in the outer guest).
+pub const SR_IOV_MAX_VFS: u32 = 2;
 
 /// How the outer root file system is packed (build-rootfs.sh --format).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -264,6 +268,20 @@ pub fn qemu_args(
     ));
     push("-device".into());
     push("nvme,serial=nh-nvme,drive=nv0".into());
+    // An SR-IOV physical function for the MIG-backed vGPU route (scenario gpu-vgpu-sriov):
+    // QEMU's nvme in an NVMe subsystem (SR-IOV needs one) with SR_IOV_MAX_VFS virtual
+    // functions, each able to take 2 flexible queues (admin + one I/O) and 1 interrupt; with
+    // Intel's ids (8086:5845), so that nothing looking for the nvme above (1b36:0010) finds
+    // it. No namespace: the VFs' controllers are what is passed through. Created after the
+    // devices above, so their addresses and IOMMU groups stay as they were.
+    push("-device".into());
+    push("nvme-subsys,id=nh-sriov-subsys,nqn=nh-sriov".into());
+    push("-device".into());
+    push(format!(
+        "nvme,serial=nh-sriov,subsys=nh-sriov-subsys,use-intel-id=on,sriov_max_vfs={SR_IOV_MAX_VFS},\
+         sriov_vq_flexible={},sriov_vi_flexible={SR_IOV_MAX_VFS},sriov_max_vq_per_vf=2,sriov_max_vi_per_vf=1",
+        2 * SR_IOV_MAX_VFS
+    ));
     // QMP, for the CPU state when the guest stops answering.
     push("-qmp".into());
     push(format!(

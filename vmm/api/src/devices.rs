@@ -361,6 +361,12 @@ pub struct DeviceReport {
     /// it was opened; absent for the model GPU and for a device never opened.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub interface: Option<VfioIommuMode>,
+    /// How long mapping all guest RAM for DMA into the device's container or iommufd took,
+    /// in milliseconds (the kernel pins every page then): one mapping serves every device
+    /// of a container, and each of them reports it. Absent for the model GPU and for a
+    /// device that never got that far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dma_map_ms: Option<u64>,
 }
 
 /// The file `tenantvm-vmm --exit-report FILE` writes (atomically: a temporary file renamed
@@ -502,6 +508,7 @@ mod tests {
                 },
                 reset_at_detach: ResetOutcome::Unsupported,
                 interface: Some(VfioIommuMode::Iommufd),
+                dma_map_ms: Some(12),
             }],
         };
         let json = serde_json::to_string(&report).unwrap();

@@ -237,6 +237,17 @@ impl KvmVfioFiles for KvmVfioDevice {
 }
 
 impl Passthrough {
+    /// Records in the report of every device opened through `interface` how long mapping
+    /// guest RAM for DMA there took.
+    fn record_dma_map(&self, interface: VfioIommuMode, took: std::time::Duration) {
+        let ms = u64::try_from(took.as_millis()).unwrap_or(u64::MAX);
+        for r in lock(&self.reports).iter_mut() {
+            if r.interface == Some(interface) {
+                r.dma_map_ms = Some(ms);
+            }
+        }
+    }
+
     /// Opens every device (checking sysfs, then through iommufd or the group, with
     /// `dev_dir`, normally `/dev`, holding `iommu` and `vfio/`), resets it, and probes its
     /// BARs. Each group or cdev file goes to the KVM VFIO device of `vm` (created with the
@@ -269,6 +280,7 @@ impl Passthrough {
                 reset_at_attach: ResetOutcome::NotAttempted,
                 reset_at_detach: ResetOutcome::NotAttempted,
                 interface: None,
+                dma_map_ms: None,
             }));
             first
         };
@@ -615,7 +627,10 @@ impl PciPlatform {
         // Each group and cdev file went to the KVM VFIO device when its device was opened
         // (`Passthrough::open`); guest RAM is mapped for DMA here, once per container and
         // per iommufd.
+        // Each mapping is timed (the kernel pins all guest RAM; huge pages change what that
+        // costs) and the time goes to the exit report of the devices it serves.
         if let Some(container) = pt.container.clone() {
+            let started = std::time::Instant::now();
             self.map_dma(|iova, size, host| {
                 // SAFETY: the guest memory mapping lives as long as the VM (and the
                 // container, which `Passthrough` drops first); the VMM touches guest RAM
@@ -623,14 +638,17 @@ impl PciPlatform {
                 // references.
                 unsafe { container.map_dma(iova, size, host) }.map_err(PassthroughError::Kernel)
             })?;
+            pt.record_dma_map(VfioIommuMode::Legacy, started.elapsed());
         }
         if let Some(iommufd) = pt.iommufd.clone() {
+            let started = std::time::Instant::now();
             self.map_dma(|iova, size, host| {
                 // SAFETY: as for the container: guest memory outlives the iommufd (dropped
                 // with `Passthrough`) and is never referenced, only volatile-accessed.
                 unsafe { iommufd.map_dma(iova, size, host) }
                     .map_err(|e| PassthroughError::Kernel(e.into()))
             })?;
+            pt.record_dma_map(VfioIommuMode::Iommufd, started.elapsed());
         }
         for (index, opened) in std::mem::take(&mut pt.opened).into_iter().enumerate() {
             let attached = self.attach_one(index, opened)?;

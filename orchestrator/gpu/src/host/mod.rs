@@ -161,11 +161,24 @@ pub(crate) struct KernelEmulation {
     pub read: fn(&Sysfs, &Path) -> Option<io::Result<Vec<u8>>>,
 }
 
+/// A driver that answers some attributes in place of the kernel's: the SIMULATED NVIDIA
+/// driver laid over a real host's PCI functions ([`crate::backend::sim::vendor`]). What it
+/// does not answer goes to the sysfs below it.
+pub trait DriverOverlay: Send + Sync {
+    /// Performs a write of an attribute it owns; `None`: not its attribute.
+    fn write(&self, below: &Sysfs, path: &Path, value: &str) -> Option<io::Result<()>>;
+    /// Answers a read of an attribute it owns; `None`: not its attribute.
+    fn read(&self, below: &Sysfs, path: &Path) -> Option<io::Result<Vec<u8>>>;
+    /// What it stands in for, in words (receipts and logs say so).
+    fn describe(&self) -> String;
+}
+
 /// Sysfs (and /dev, /proc) under a root.
 #[derive(Clone)]
 pub struct Sysfs {
     root: PathBuf,
     emulate: Option<KernelEmulation>,
+    overlay: Option<std::sync::Arc<dyn DriverOverlay>>,
 }
 
 impl std::fmt::Debug for Sysfs {
@@ -173,6 +186,7 @@ impl std::fmt::Debug for Sysfs {
         f.debug_struct("Sysfs")
             .field("root", &self.root)
             .field("fake", &self.emulate.is_some())
+            .field("overlay", &self.overlay.as_ref().map(|o| o.describe()))
             .finish()
     }
 }
@@ -187,7 +201,29 @@ impl Sysfs {
         Sysfs {
             root: root.into(),
             emulate: None,
+            overlay: None,
         }
+    }
+
+    /// The same files with `overlay` answering the attributes it owns.
+    pub fn with_overlay(self, overlay: std::sync::Arc<dyn DriverOverlay>) -> Self {
+        Sysfs {
+            overlay: Some(overlay),
+            ..self
+        }
+    }
+
+    /// What is below the overlay: the same files without it.
+    pub fn below(&self) -> Sysfs {
+        Sysfs {
+            overlay: None,
+            ..self.clone()
+        }
+    }
+
+    /// What the overlay stands in for, when there is one.
+    pub fn overlay(&self) -> Option<String> {
+        self.overlay.as_ref().map(|o| o.describe())
     }
 
     /// The root.
@@ -206,7 +242,11 @@ impl Sysfs {
 
     /// Reads a file's bytes (through the fake kernel for a fake tree's dynamic attributes).
     pub fn read_bytes(&self, path: &Path) -> Result<Vec<u8>, HostDeviceError> {
-        let answer = match self.emulate.and_then(|e| (e.read)(self, path)) {
+        let overlaid = self
+            .overlay
+            .as_ref()
+            .and_then(|o| o.read(&self.below(), path));
+        let answer = match overlaid.or_else(|| self.emulate.and_then(|e| (e.read)(self, path))) {
             Some(answer) => answer,
             None => std::fs::read(path),
         };
@@ -245,6 +285,13 @@ impl Sysfs {
             path: path.display().to_string(),
             source,
         };
+        if let Some(done) = self
+            .overlay
+            .as_ref()
+            .and_then(|o| o.write(&self.below(), path, value))
+        {
+            return done.map_err(io_err);
+        }
         if let Some(emulate) = self.emulate {
             return (emulate.write)(self, path, value).map_err(io_err);
         }

@@ -134,8 +134,9 @@ fn current_driver(sysfs: &Sysfs, addr: &PciAddress) -> Result<Option<String>, Ho
     Ok(sysfs.device(addr)?.driver)
 }
 
-/// Binds one device to `driver` through driver_override, unbind and drivers_probe.
-fn rebind(
+/// Binds one device to `driver` (none: leaves it unbound) through driver_override, unbind
+/// and drivers_probe; checks the kernel bound it.
+pub(crate) fn rebind(
     sysfs: &Sysfs,
     addr: &PciAddress,
     driver: Option<&str>,

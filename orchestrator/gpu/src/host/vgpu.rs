@@ -160,11 +160,17 @@ fn read_id(
 
 /// Reads a VF's type and, when one is set, the instance its vGPU serves.
 pub fn vf_state(sysfs: &Sysfs, vf: &PciAddress) -> Result<VfState, VgpuError> {
-    let current = nv(sysfs, vf, "current_vgpu_type");
-    if !current.exists() {
-        return Err(VgpuError::NotAVgpuVf(vf.to_string()));
-    }
-    let t = sysfs.read(&current).map_err(sys_err(vf))?;
+    // Read, not looked for: a driver overlay (the SIMULATED driver on a real VF) answers
+    // attributes that are no files.
+    let t = match sysfs.read(&nv(sysfs, vf, "current_vgpu_type")) {
+        Ok(t) => t,
+        Err(HostDeviceError::Io { source, .. })
+            if source.kind() == std::io::ErrorKind::NotFound =>
+        {
+            return Err(VgpuError::NotAVgpuVf(vf.to_string()))
+        }
+        Err(e) => return Err(sys_err(vf)(e)),
+    };
     let vgpu_type = (t != "0").then_some(t);
     let (gpu_instance_id, placement_id) = if vgpu_type.is_some() {
         (

@@ -271,6 +271,7 @@ pub fn destroy_instance(
     )
     .with_evidence("slice", slice_id(&p));
     let rec = with_drivers(ctx, t, rec)?;
+    let rec = with_route_parts(ctx, t, rec)?;
     Ok(Some(match quarantined {
         Some(q) => rec.with_evidence("quarantined", crate::logs::sanitize(&q.reason)),
         None => rec,
@@ -314,15 +315,68 @@ fn with_drivers(ctx: &StepCtx<'_>, t: &Tenant, rec: StepRecord) -> Result<StepRe
     Ok(rec)
 }
 
+/// The route's parts (which ran on the real host, which were SIMULATED; a vGPU's VF and
+/// its type), as the gpu-release line's evidence.
+fn with_route_parts(
+    ctx: &StepCtx<'_>,
+    t: &Tenant,
+    mut rec: StepRecord,
+) -> Result<StepRecord, StepError> {
+    if let Some((_, record)) = crate::tenant::steps::device::stored(ctx, t)? {
+        for (key, value) in ctx.gpu.route_evidence(&record) {
+            rec = rec.with_evidence(&key, crate::logs::sanitize(&value));
+        }
+    }
+    Ok(rec)
+}
+
 /// release-gpu: the card's host mode back as the tenant found it (its last tenant), then
 /// the placement's slots back to the ledger. In that order: the mode's restoration reads the
-/// placement, so a crash between the two leaves what the re-run needs.
-pub fn release(
-    ctx: &StepCtx<'_>,
-    t: &mut Tenant,
-    _op: Op,
-) -> Result<Option<StepRecord>, StepError> {
+/// placement, so a crash between the two leaves what the re-run needs. A departure's
+/// gpu-release line then gets what the card's functions are after it (a vGPU card's VF
+/// count: 0 once its last vGPU tenant left).
+pub fn release(ctx: &StepCtx<'_>, t: &mut Tenant, op: Op) -> Result<Option<StepRecord>, StepError> {
+    let record = crate::tenant::steps::device::stored(ctx, t)?.map(|(_, r)| r);
     crate::tenant::steps::device::release(ctx, t)?;
     ctx.store.release_gpu(t.id)?;
+    if let (true, Some(record)) = (op.keeps_receipt(), record) {
+        amend_release_line(ctx, t, &record)?;
+    }
     Ok(None)
+}
+
+/// Adds the functions' state after release-gpu to the receipt's gpu-release line (written
+/// by destroy-gpu-instance, before the card's mode was restored).
+fn amend_release_line(
+    ctx: &StepCtx<'_>,
+    t: &Tenant,
+    record: &crate::tenant::gpu_device::DeviceRecord,
+) -> Result<(), StepError> {
+    let after: Vec<(String, String)> = ctx
+        .gpu
+        .route_evidence(record)
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("vfs of "))
+        .collect();
+    if after.is_empty() {
+        return Ok(());
+    }
+    let Some((receipt, false)) = ctx.store.departure(t.id)? else {
+        return Ok(());
+    };
+    let Some(mut line) = receipt
+        .steps
+        .into_iter()
+        .find(|s| s.step == DepartureStep::GpuRelease)
+    else {
+        return Ok(());
+    };
+    for (key, value) in after {
+        line = line.with_evidence(
+            &format!("{key} after release-gpu"),
+            crate::logs::sanitize(&value),
+        );
+    }
+    ctx.store.record_departure_step(t.id, &t.name, line)?;
+    Ok(())
 }

@@ -89,6 +89,7 @@ const TESTS: &[&str] = &[
     "vfio-edu-intx",
     "vfio-edu-intx-storm",
     "vfio-edu-hold",
+    "vfio-nvme-hold",
 ];
 
 /// Index into TESTS of the running test, for the panic handler (none yet: `boot`).
@@ -152,6 +153,7 @@ const TIMED_TESTS: &[&str] = &[
     "vfio-edu-intx",
     "vfio-edu-intx-storm",
     "vfio-edu-hold",
+    "vfio-nvme-hold",
 ];
 
 fn run_test(name: &'static str, bi: &BootInfo) -> ! {
@@ -231,11 +233,12 @@ fn run_test(name: &'static str, bi: &BootInfo) -> ! {
         "vfio-edu-intx" => edu::intx(bi),
         "vfio-edu-intx-storm" => edu::intx_storm(bi),
         "vsock-bench" => vsock::bench(bi),
-        "hostile-blk" | "hostile-config" | "vfio-model" | "vfio-edu-hold" => {
+        "hostile-blk" | "hostile-config" | "vfio-model" | "vfio-edu-hold" | "vfio-nvme-hold" => {
             let result = match name {
                 "hostile-blk" => hostile::block(bi),
                 "hostile-config" => hostile::config(bi),
                 "vfio-edu-hold" => edu::run(bi),
+                "vfio-nvme-hold" => nvme::run(bi),
                 _ => gpu::run(bi),
             };
             match result {

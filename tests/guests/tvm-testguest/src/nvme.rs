@@ -1,8 +1,12 @@
-//! `vfio-nvme`: QEMU's nvme (1b36:0010) passed through by tenantvm-vmm with real kernel
-//! VFIO (the nested host's `vfio-passthrough` scenario): the guest brings the controller up
-//! with an admin queue pair in its RAM, points MSI-X vector 0 at itself, submits Identify
-//! Controller and waits for the completion interrupt. That exercises the MSI-X table (in a
-//! trapped page of BAR0) on a real device, the mapped doorbells, and DMA both ways.
+//! `vfio-nvme`: an NVMe controller passed through by tenantvm-vmm with real kernel VFIO
+//! (the nested host's `vfio-passthrough` scenario: QEMU's nvme, 1b36:0010; its
+//! `gpu-vgpu-sriov` scenario: a virtual function of QEMU's SR-IOV nvme, `vfio-nvme-hold`):
+//! the first function of the NVMe class on bus 0; the guest brings the controller up with an
+//! admin queue pair in its RAM, points MSI-X vector 0 at itself, submits Identify Controller
+//! and waits for the completion interrupt. That exercises the MSI-X table (in a trapped page
+//! of BAR0) on a real device, the mapped doorbells, and DMA both ways. The report names the
+//! function's ids (`pci=`) and the controller id Identify gives (`cntlid=`: a secondary
+//! controller's, on a VF).
 
 use crate::bootinfo::BootInfo;
 use crate::idt::IRQ_BASE;
@@ -12,8 +16,8 @@ use crate::virtio::{dma_alloc, enable_interrupts, fill, irqs, r, w};
 use crate::vtests::{check_dma, wait_irq};
 use crate::{paging, timer};
 
-const VENDOR: u16 = 0x1b36;
-const DEVICE: u16 = 0x0010;
+/// Class code of an NVMe controller (mass storage, non-volatile memory, NVM Express).
+const NVME_CLASS: u32 = 0x01_08_02;
 /// Controller registers.
 const CAP: u64 = 0x00;
 const CC: u64 = 0x14;
@@ -47,9 +51,14 @@ fn wait_ready(bar: u64, ready: bool) -> Result<(), Detail> {
 pub fn run(bi: &BootInfo) -> Result<Detail, Detail> {
     check_dma(bi)?;
     let cfg = ConfigAccess::Ecam(pci::find_ecam()?);
-    let f = pci::find(cfg, VENDOR, DEVICE)
-        .ok_or_else(|| err(format_args!("No nvme {VENDOR:04x}:{DEVICE:04x} on bus 0")))?;
+    let f = pci::find_class(cfg, NVME_CLASS).ok_or_else(|| {
+        err(format_args!(
+            "No NVMe controller (class {NVME_CLASS:06x}) on bus 0"
+        ))
+    })?;
     let slot = f.slot;
+    let ids = cfg.read32(slot, 0);
+    let (vendor, device) = (ids as u16, (ids >> 16) as u16);
     let lo = cfg.read32(slot, 0x10);
     let mut bar = u64::from(lo & !0xf);
     if lo & 0x6 == 0x4 {
@@ -131,11 +140,14 @@ pub fn run(bi: &BootInfo) -> Result<Detail, Detail> {
         *b = r(data + 24 + i as u64);
     }
     let model = core::str::from_utf8(&model).unwrap_or("?").trim_end();
-    if vid != VENDOR {
-        return Err(err(format_args!("Identify says vendor {vid:#x}")));
+    let cntlid: u16 = r(data + 78);
+    if vid != vendor {
+        return Err(err(format_args!(
+            "Identify says vendor {vid:#x}, config space {vendor:#x}"
+        )));
     }
     w(bar + CC, 0u32);
     Ok(Detail::fmt(format_args!(
-        "slot={slot} bar0={bar:#x} msix=1 identify_vid={vid:04x} model=\"{model}\""
+        "slot={slot} pci={vendor:04x}:{device:04x} bar0={bar:#x} msix=1 identify_vid={vid:04x} cntlid={cntlid} model=\"{model}\""
     )))
 }

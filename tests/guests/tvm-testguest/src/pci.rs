@@ -203,6 +203,15 @@ pub fn find(cfg: ConfigAccess, vendor: u16, device: u16) -> Option<Function> {
     })
 }
 
+/// Finds the first function on bus 0 whose class code (base, sub-class, programming
+/// interface) is `class` (`0x010802`: an NVMe controller).
+pub fn find_class(cfg: ConfigAccess, class: u32) -> Option<Function> {
+    (0..32u8).find_map(|slot| {
+        let id = cfg.read32(slot, 0);
+        (id != u32::MAX && cfg.read32(slot, 8) >> 8 == class).then_some(Function { slot })
+    })
+}
+
 /// Command register bits.
 pub const CMD_MEMORY: u16 = 1 << 1;
 /// Bus mastering.

@@ -39,12 +39,14 @@
 //! and the ratio as NOTE lines.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Output, Stdio};
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
+use tenantvm_nested_host::gpu_tenant::{
+    create, create_step_times, driver_of, median, override_of, receipt_step, receipt_steps,
+    simulated_scrub, test_guest_image, timed_create, vmm_reset_of, wait_running, Cli, Setup,
+    LIFECYCLE_TIMEOUT_S,
+};
 use tenantvm_nested_host::scenario::{env_path, note, Daemon};
-
-/// Deadline of one CLI command that waits for the guest (create, destroy).
-const LIFECYCLE_TIMEOUT_S: u64 = 300;
 /// How long the guest may take to report after the tenant is running.
 const GUEST_REPORT_TIMEOUT: Duration = Duration::from_secs(120);
 /// The tenant's name.
@@ -52,201 +54,21 @@ const NAME: &str = "nh-gpu";
 /// Written to NH_WORK, with the reason, when the crash check cannot run.
 const CRASH_SKIPPED: &str = "crash-check-skipped";
 
-/// What every daemon of this scenario shares.
-struct Setup {
-    bin: PathBuf,
-    work: PathBuf,
-    sim: PathBuf,
-    images: PathBuf,
-}
-
-impl Setup {
-    /// Starts tenantvmd on `state` (its socket inside), with the crash hook armed when
-    /// `crash_at` is given; waits until the socket answers.
-    fn daemon(
-        &self,
-        state: &Path,
-        log_name: &str,
-        crash_at: Option<&str>,
-    ) -> Result<Daemon, String> {
-        let socket = state.join("tenantvmd.sock");
-        let log = self.work.join(log_name);
-        let log_file = std::fs::File::create(&log).map_err(|e| e.to_string())?;
-        let mut cmd = Command::new(self.bin.join("tenantvmd"));
-        cmd.arg("--state-dir")
-            .arg(state)
-            .arg("--socket")
-            .arg(&socket)
-            .args(["--backend", "vmm"])
-            .arg("--image-dir")
-            .arg(&self.images)
-            .arg("--vmm-binary")
-            .arg(self.bin.join("tenantvm-vmm"))
-            .arg("--gpu-backend")
-            .arg(format!("sim:{}", self.sim.display()))
-            .args(["--gpu-sysfs-root", "/"])
-            .args(["--boot-timeout-s", "120", "--stop-grace-s", "5"])
-            .args([
-                "--host-reserved-memory-mib",
-                "256",
-                "--vcpu-overcommit",
-                "8",
-            ])
-            .env("TENANTVMD_KEK_FILE", self.work.join("host-kek"))
-            .env("TENANTVMD_KEYSLOT_COST", "test")
-            .env("RUST_LOG", "info")
-            .env_remove("TENANTVM_TEST_CRASH_AT")
-            .stdin(Stdio::null())
-            .stdout(log_file.try_clone().map_err(|e| e.to_string())?)
-            .stderr(log_file);
-        if let Some(at) = crash_at {
-            cmd.env("TENANTVM_TEST_CRASH_AT", at);
-        }
-        let child = cmd
-            .spawn()
-            .map_err(|e| format!("starting tenantvmd: {e}"))?;
-        let mut d = Daemon { child, log };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            if let Ok(Some(st)) = d.child.try_wait() {
-                return Err(format!(
-                    "tenantvmd exited at start ({st}):\n{}",
-                    d.log_tail()
-                ));
-            }
-            if Instant::now() > deadline {
-                return Err(format!("tenantvmd did not start:\n{}", d.log_tail()));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(d)
-    }
-
-    fn cli(&self, state: &Path) -> Cli {
-        Cli {
-            bin: self.bin.join("tenantvm"),
-            socket: state.join("tenantvmd.sock"),
-            token: state.join("admin.token"),
-        }
-    }
-}
-
-struct Cli {
-    bin: PathBuf,
-    socket: PathBuf,
-    token: PathBuf,
-}
-
-impl Cli {
-    fn run(&self, args: &[&str]) -> Output {
-        Command::new(&self.bin)
-            .arg("--socket")
-            .arg(&self.socket)
-            .arg("--token-file")
-            .arg(&self.token)
-            .args(args)
-            .env_remove("TENANTVM_TOKEN")
-            .stdin(Stdio::null())
-            .output()
-            .unwrap_or_else(|e| Output {
-                status: std::os::unix::process::ExitStatusExt::from_raw(127 << 8),
-                stdout: Vec::new(),
-                stderr: format!("cannot run {}: {e}", self.bin.display()).into_bytes(),
-            })
-    }
-
-    /// Runs the command; an error with its output (and the daemon's) when it fails.
-    fn ok(&self, args: &[&str], d: &Daemon) -> Result<Output, String> {
-        let t = Instant::now();
-        let o = self.run(args);
-        if !o.status.success() {
-            return Err(format!(
-                "tenantvm {}: {}: {}{}\ndaemon log:\n{}",
-                args.join(" "),
-                o.status,
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr),
-                d.log_tail()
-            ));
-        }
-        println!(
-            "ok: tenantvm {} ({:.1} s)",
-            args.iter().take(2).copied().collect::<Vec<_>>().join(" "),
-            t.elapsed().as_secs_f64()
-        );
-        Ok(o)
-    }
-
-    /// The tenant's state, or None when it does not exist.
-    fn state(&self) -> Result<Option<String>, String> {
-        let o = self.run(&["status", NAME, "--json"]);
-        if !o.status.success() {
-            let err = String::from_utf8_lossy(&o.stderr).to_lowercase();
-            if err.contains("no tenant named") {
-                return Ok(None);
-            }
-            return Err(format!("tenantvm status: {}: {err}", o.status));
-        }
-        let v: serde_json::Value = serde_json::from_slice(&o.stdout).map_err(|e| e.to_string())?;
-        Ok(v["state"].as_str().map(str::to_string))
-    }
-}
-
-/// The driver `address` is bound to now (None: no driver), from this host's sysfs.
-fn driver_of(address: &str) -> Option<String> {
-    std::fs::read_link(format!("/sys/bus/pci/devices/{address}/driver"))
-        .ok()
-        .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
-}
-
-/// The device's `driver_override` (`(null)` when none is set).
-fn override_of(address: &str) -> String {
-    std::fs::read_to_string(format!("/sys/bus/pci/devices/{address}/driver_override"))
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|e| format!("unreadable: {e}"))
-}
-
-fn wait_running(cli: &Cli, d: &Daemon) -> Result<(), String> {
-    let deadline = Instant::now() + Duration::from_secs(LIFECYCLE_TIMEOUT_S);
-    loop {
-        match cli.state()?.as_deref() {
-            Some("running") => return Ok(()),
-            Some("failed") => return Err(format!("{NAME} failed:\n{}", d.log_tail())),
-            _ => {}
-        }
-        if Instant::now() > deadline {
-            return Err(format!("{NAME} not running in time:\n{}", d.log_tail()));
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    }
-}
-
 /// Waits for the test guest's report on the tenant's console; returns the PASS line.
 fn guest_report(cli: &Cli, d: &Daemon) -> Result<String, String> {
-    let deadline = Instant::now() + GUEST_REPORT_TIMEOUT;
-    loop {
-        let o = cli.run(&["logs", NAME, "--stream", "serial", "--tail", "200"]);
-        let text = String::from_utf8_lossy(&o.stdout).to_string();
-        if let Some(line) = text.lines().find(|l| l.contains("TVMTEST vfio-edu-hold")) {
-            if !line.contains("vfio-edu-hold PASS") {
-                return Err(format!("the guest reports: {line}"));
-            }
-            for want in ["pci=1234:11e8", "dma=256", "id=0x"] {
-                if !line.contains(want) {
-                    return Err(format!("the guest's report lacks {want}: {line}"));
-                }
-            }
-            return Ok(line.trim().to_string());
-        }
-        if Instant::now() > deadline {
-            return Err(format!(
-                "no report from the test guest in {} s; its console:\n{text}\ndaemon log:\n{}",
-                GUEST_REPORT_TIMEOUT.as_secs(),
-                d.log_tail()
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    tenantvm_nested_host::gpu_tenant::guest_report(
+        cli,
+        d,
+        NAME,
+        "vfio-edu-hold",
+        &["pci=1234:11e8", "dma=256", "id=0x"],
+        GUEST_REPORT_TIMEOUT,
+    )
+}
+
+/// `tenantvm destroy` of the tenant.
+fn destroy(cli: &Cli, d: &Daemon) -> Result<(), String> {
+    tenantvm_nested_host::gpu_tenant::destroy(cli, d, NAME)
 }
 
 /// The VMM was told the interface this host offers: iommufd (`/dev/iommu` and edu's cdev)
@@ -282,29 +104,6 @@ fn check_interface(state: &Path, edu: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn create(cli: &Cli, work: &Path, d: &Daemon) -> Result<(), String> {
-    let spec = work.join("tenant.toml");
-    let timeout = LIFECYCLE_TIMEOUT_S.to_string();
-    cli.ok(
-        &[
-            "create",
-            spec.to_str().unwrap_or_default(),
-            "--token-out",
-            work.join("tenant.token").to_str().unwrap_or_default(),
-            "--timeout-s",
-            &timeout,
-        ],
-        d,
-    )?;
-    Ok(())
-}
-
-fn destroy(cli: &Cli, d: &Daemon) -> Result<(), String> {
-    let timeout = LIFECYCLE_TIMEOUT_S.to_string();
-    cli.ok(&["destroy", NAME, "--timeout-s", &timeout], d)?;
-    Ok(())
-}
-
 /// The edu is on no driver and its override is cleared (as it was before the tenant).
 fn check_given_back(edu: &str, when: &str) -> Result<(), String> {
     if let Some(driver) = driver_of(edu) {
@@ -317,24 +116,9 @@ fn check_given_back(edu: &str, when: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// One receipt line by step name.
-fn receipt_step<'a>(
-    steps: &'a [serde_json::Value],
-    name: &str,
-) -> Result<&'a serde_json::Value, String> {
-    steps
-        .iter()
-        .find(|s| s["step"] == name)
-        .ok_or_else(|| format!("the receipt has no {name} line: {steps:?}"))
-}
-
 /// The receipt of the departure: no reset claimed, scrub simulated, drivers restored.
 fn check_receipt(cli: &Cli, edu: &str, d: &Daemon) -> Result<(), String> {
-    let o = cli.ok(&["receipt", "show", NAME, "--json"], d)?;
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).map_err(|e| e.to_string())?;
-    let steps = v["receipts"][0]["receipt"]["steps"]
-        .as_array()
-        .ok_or_else(|| format!("no receipt steps: {v}"))?;
+    let steps = &receipt_steps(cli, d, NAME)?;
     let reset = receipt_step(steps, "device-reset")?;
     let error = reset["error"].as_str().unwrap_or_default();
     if reset["result"] != "failed" || !error.contains("no reset method") {
@@ -345,25 +129,13 @@ fn check_receipt(cli: &Cli, edu: &str, d: &Daemon) -> Result<(), String> {
     if reset["evidence"]["quarantined"] != "true" {
         return Err(format!("device-reset did not quarantine the card: {reset}"));
     }
-    let vmm = reset["evidence"]
-        .as_object()
-        .and_then(|e| {
-            e.iter()
-                .find(|(k, _)| k.starts_with("vmm reset at detach") && k.contains(edu))
-        })
-        .map(|(_, v)| v.as_str().unwrap_or_default().to_string())
-        .ok_or_else(|| format!("device-reset lacks the VMM's own reset of {edu}: {reset}"))?;
+    let vmm = vmm_reset_of(reset, edu)?;
     if !vmm.contains("Unsupported") {
         return Err(format!(
             "the VMM's reset of edu should be Unsupported: {vmm}"
         ));
     }
-    let scrub = receipt_step(steps, "gpu-scrub")?;
-    if scrub["assurance"] != "simulated" {
-        return Err(format!(
-            "the scrub of a simulated GPU must say simulated: {scrub}"
-        ));
-    }
+    simulated_scrub(steps)?;
     let release = receipt_step(steps, "gpu-release")?;
     let driver = &release["evidence"][format!("driver {edu}")];
     if driver != "none (before the bind: none)" {
@@ -386,7 +158,6 @@ fn check_receipt(cli: &Cli, edu: &str, d: &Daemon) -> Result<(), String> {
 /// `work`.
 fn setup(edu: &str) -> Result<Setup, String> {
     let bin = env_path("NH_BIN")?;
-    let guests = env_path("NH_TEST_GUESTS")?;
     let work = env_path("NH_WORK")?;
     let group: u32 = std::fs::read_link(format!("/sys/bus/pci/devices/{edu}/iommu_group"))
         .ok()
@@ -403,15 +174,7 @@ fn setup(edu: &str) -> Result<Setup, String> {
     std::fs::write(&sim, host.to_string()).map_err(|e| e.to_string())?;
     // The image: the no_std test guest, told to run edu's test and stay up.
     let images = work.join("img");
-    let image = images.join("edu-guest");
-    std::fs::create_dir_all(&image).map_err(|e| e.to_string())?;
-    std::fs::copy(guests.join("tvm-testguest"), image.join("kernel"))
-        .map_err(|e| format!("{}: {e}", guests.join("tvm-testguest").display()))?;
-    std::fs::write(
-        image.join("cmdline"),
-        "console=ttyS0 tvm.test=vfio-edu-hold",
-    )
-    .map_err(|e| e.to_string())?;
+    test_guest_image(&images, "edu-guest", "vfio-edu-hold")?;
     std::fs::write(
         work.join("tenant.toml"),
         format!(
@@ -431,31 +194,6 @@ fn setup(edu: &str) -> Result<Setup, String> {
         sim,
         images,
     })
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// The steps of a fresh daemon's first operation (the create) and how long each took, ms,
-/// read from its store: where a device's cost goes.
-fn create_step_times(state: &Path) -> Result<Vec<(String, f64)>, String> {
-    let store = tenantvm::store::Store::open(&state.join("state.db"))
-        .map_err(|e| format!("opening {}: {e}", state.display()))?;
-    let steps = store
-        .steps(1)
-        .map_err(|e| format!("reading the steps: {e}"))?;
-    if steps.is_empty() {
-        return Err("the daemon recorded no steps for its first operation".into());
-    }
-    Ok(steps
-        .into_iter()
-        .filter_map(|s| {
-            let ms = s.finished_ms? - s.started_ms;
-            Some((s.step, ms as f64))
-        })
-        .collect())
 }
 
 /// Per step, the median of each arm's times (ms) and the difference, as NOTE lines; steps
@@ -498,21 +236,8 @@ fn bench(edu: &str, rounds: usize) -> Result<(), String> {
             ("tenant.toml", &mut with_edu, &mut edu_steps),
         ] {
             let state = work.join(format!("bench-{round}-{spec}"));
-            let d = setup.daemon(&state, &format!("daemon-bench-{round}-{spec}.log"), None)?;
-            let cli = setup.cli(&state);
-            let timeout = LIFECYCLE_TIMEOUT_S.to_string();
-            let t = Instant::now();
-            cli.ok(
-                &[
-                    "create",
-                    work.join(spec).to_str().unwrap_or_default(),
-                    "--timeout-s",
-                    &timeout,
-                ],
-                &d,
-            )?;
-            wait_running(&cli, &d)?;
-            let secs = t.elapsed().as_secs_f64();
+            let log = format!("daemon-bench-{round}-{spec}.log");
+            let (d, cli, secs) = timed_create(&setup, &state, &log, &work.join(spec), NAME)?;
             let bound = driver_of(edu);
             if (spec == "tenant.toml") != (bound.as_deref() == Some("vfio-pci")) {
                 return Err(format!("{spec}: running with edu on {bound:?}"));
@@ -580,7 +305,7 @@ fn run() -> Result<(), String> {
     let cli = setup.cli(&state);
     let t = Instant::now();
     create(&cli, &work, &d)?;
-    wait_running(&cli, &d)?;
+    wait_running(&cli, &d, NAME)?;
     let with_device = t.elapsed();
     match driver_of(&edu).as_deref() {
         Some("vfio-pci") => {}
@@ -644,7 +369,7 @@ fn run() -> Result<(), String> {
     let d = setup.daemon(&state, "daemon-restart.log", None)?;
     let deadline = Instant::now() + Duration::from_secs(LIFECYCLE_TIMEOUT_S);
     let outcome = loop {
-        match cli.state()?.as_deref() {
+        match cli.state(NAME)?.as_deref() {
             Some("running") => break "resumed",
             None => break "rolled back",
             Some("failed") => {

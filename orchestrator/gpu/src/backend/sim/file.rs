@@ -72,6 +72,13 @@ pub struct SimGpu {
     /// What the GPU, given whole, is said to use (none: nothing).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<SimUsage>,
+    /// A program (and its first arguments) the SIMULATED driver runs on a real host when it
+    /// sets a vGPU type on one of this GPU's real VFs (`... online PF VF`) and when it
+    /// clears it (`... offline PF VF`): the setup a stand-in PF's VFs need before a VM can
+    /// use them, which NVIDIA's driver does for its own VFs (the nested host's QEMU NVMe
+    /// controller brings a secondary controller online this way). See [`super::vendor`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vf_hook: Option<Vec<String>>,
 }
 
 /// What a simulated GPU or instance is said to use: set by hand or by a test in the file,
@@ -214,6 +221,12 @@ impl SimHost {
                     ));
                 }
             }
+            if g.vf_hook
+                .as_ref()
+                .is_some_and(|h| h.is_empty() || h[0].is_empty())
+            {
+                return Err(format!("GPU {}: vf_hook names no program", g.index));
+            }
             let mut ids = std::collections::HashSet::new();
             if let Some(i) = g.instances.iter().find(|i| !ids.insert(i.gi_id)) {
                 return Err(format!(
@@ -226,6 +239,13 @@ impl SimHost {
     }
 
     /// The GPU at a PCI address.
+    pub fn gpu_at(&self, pci_address: &str) -> Option<&SimGpu> {
+        self.gpus
+            .iter()
+            .find(|g| g.pci_address.eq_ignore_ascii_case(pci_address))
+    }
+
+    /// The GPU at a PCI address, to change.
     pub fn gpu_at_mut(&mut self, pci_address: &str) -> Option<&mut SimGpu> {
         self.gpus
             .iter_mut()

@@ -19,6 +19,7 @@
 
 pub mod driver;
 mod file;
+pub mod vendor;
 
 use std::fs::File;
 use std::io::Write as _;

@@ -324,6 +324,7 @@ impl FakeHost {
                 write: kernel::write,
                 read: kernel::read,
             }),
+            overlay: None,
         }
     }
 
