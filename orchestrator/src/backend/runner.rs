@@ -752,6 +752,23 @@ fn vmm_log_tail(spec: &VmSpec) -> String {
         .unwrap_or_default()
 }
 
+/// How long a VM given devices may pin its guest RAM before it answers, per GiB: the
+/// kernel pins every page of guest RAM for DMA before the VMM opens its socket. Measured
+/// in the nested host (docs/benchmarks.md, "huge pages with a device"): 4.7-8.7 s per GiB
+/// on 4 KiB pages under emulation; a real host pins several GiB a second.
+const DMA_PIN_ALLOWANCE_PER_GIB: Duration = Duration::from_secs(10);
+
+/// The launch deadline for `spec`: `base`, plus the DMA pinning allowance for its guest RAM
+/// when devices are passed through (a 2 GiB GPU guest on 4 KiB pages did not answer within
+/// the fixed 10 s in the nested host). Still bounded: the guest runs no code before then.
+fn ready_timeout_for(base: Duration, spec: &VmSpec) -> Duration {
+    if spec.devices.is_empty() {
+        return base;
+    }
+    let gib = u64::from(spec.memory_mib).div_ceil(1024);
+    base + DMA_PIN_ALLOWANCE_PER_GIB.saturating_mul(u32::try_from(gib).unwrap_or(u32::MAX))
+}
+
 /// One launch in progress: what [`Launch::start`] needs to start the launcher and build
 /// the [`RunningVm`].
 struct Launch<'a> {
@@ -786,7 +803,8 @@ impl Launch<'_> {
             cgroup: self.prepared.cgroup.clone(),
             uid: self.jail.uid,
         };
-        let deadline = Instant::now() + cfg.ready_timeout;
+        let ready_timeout = ready_timeout_for(cfg.ready_timeout, self.spec);
+        let deadline = Instant::now() + ready_timeout;
         loop {
             match process_status(&vm)? {
                 ProcessStatus::Alive => {}
@@ -809,7 +827,7 @@ impl Launch<'_> {
             if Instant::now() >= deadline {
                 kill(&vm)?;
                 return Err(BackendError::NotReady {
-                    timeout: cfg.ready_timeout,
+                    timeout: ready_timeout,
                     log_tail: vmm_log_tail(self.spec),
                 });
             }
@@ -924,6 +942,30 @@ mod tests {
             socket_path(&spec, "api.sock"),
             Err(BackendError::InvalidSpec(_))
         ));
+    }
+
+    #[test]
+    fn a_vm_given_devices_has_time_to_pin_its_ram_and_one_without_does_not() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = Duration::from_secs(10);
+        let plain = VmSpec {
+            memory_mib: 8192,
+            ..spec(tmp.path(), "alpha")
+        };
+        assert_eq!(ready_timeout_for(base, &plain), base, "the control: no devices");
+        let with_gpu = VmSpec {
+            devices: vec![gpu("0000:41:00.0", 7)],
+            ..plain.clone()
+        };
+        assert_eq!(
+            ready_timeout_for(base, &with_gpu),
+            Duration::from_secs(10 + 8 * 10)
+        );
+        let small = VmSpec {
+            memory_mib: 512,
+            ..with_gpu
+        };
+        assert_eq!(ready_timeout_for(base, &small), Duration::from_secs(20));
     }
 
     #[test]
