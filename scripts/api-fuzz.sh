@@ -64,28 +64,60 @@ for _ in $(seq 1 200); do [ -S "$work/d.sock" ] && break; sleep 0.05; done
 # TCP on a free loopback port -> the daemon's Unix socket, a connection each.
 port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 python3 - "$port" "$work/d.sock" <<'PY' &
-import asyncio, sys
+import socket, sys, threading
 
 port, path = int(sys.argv[1]), sys.argv[2]
 
-async def pipe(r, w):
+def handle(client):
+    daemon = socket.socket(socket.AF_UNIX)
+    daemon.connect(path)
+
+    def up():
+        sending = True
+        while True:
+            try:
+                data = client.recv(65536)
+            except OSError:
+                return
+            if not data:
+                if sending:
+                    try:
+                        daemon.shutdown(socket.SHUT_WR)  # the client is done
+                    except OSError:
+                        pass
+                return
+            if sending:
+                try:
+                    daemon.sendall(data)
+                except OSError:
+                    # The daemon refused the rest of a body unread (413) and closed: its
+                    # answer is still to be read; the client's bytes are read and dropped.
+                    sending = False
+
+    sender = threading.Thread(target=up, daemon=True)
+    sender.start()
+    while True:
+        try:
+            data = daemon.recv(65536)
+            if not data:
+                break
+            client.sendall(data)
+        except OSError:
+            break
+    # A lingering close, as a TCP server does: a client still sending a refused body reads
+    # the answer instead of a reset (the sender keeps reading its bytes, for up to 5 s).
     try:
-        while data := await r.read(65536):
-            w.write(data)
-            await w.drain()
-    finally:
-        w.close()
+        client.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    sender.join(5)
+    client.close()
+    daemon.close()
 
-async def serve(cr, cw):
-    ur, uw = await asyncio.open_unix_connection(path)
-    await asyncio.gather(pipe(cr, uw), pipe(ur, cw), return_exceptions=True)
-
-async def main():
-    server = await asyncio.start_server(serve, "127.0.0.1", port)
-    async with server:
-        await server.serve_forever()
-
-asyncio.run(main())
+listener = socket.create_server(("127.0.0.1", port))
+while True:
+    conn, _ = listener.accept()
+    threading.Thread(target=handle, args=(conn,), daemon=True).start()
 PY
 proxy_pid=$!
 for _ in $(seq 1 100); do
@@ -96,7 +128,7 @@ done
 token="$(cat "$work/state/admin.token")"
 set +e
 # From the temporary directory: Schemathesis keeps a cache in its working directory.
-(cd "$work" && "$st" run "$root/docs/api/openapi.yaml" --url "http://127.0.0.1:$port" \
+(cd "$work" && "$st" --config-file "$root/scripts/api-fuzz.toml" run "$root/docs/api/openapi.yaml" --url "http://127.0.0.1:$port" \
     --header "Authorization: Bearer $token" \
     --checks all --max-examples "$examples" --max-time "$seconds" \
     --workers 1 --seed 1 --no-color --generation-database none)
