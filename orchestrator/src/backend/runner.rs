@@ -952,7 +952,11 @@ mod tests {
             memory_mib: 8192,
             ..spec(tmp.path(), "alpha")
         };
-        assert_eq!(ready_timeout_for(base, &plain), base, "the control: no devices");
+        assert_eq!(
+            ready_timeout_for(base, &plain),
+            base,
+            "the control: no devices"
+        );
         let with_gpu = VmSpec {
             devices: vec![gpu("0000:41:00.0", 7)],
             ..plain.clone()
