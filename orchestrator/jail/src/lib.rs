@@ -6,7 +6,8 @@
 //! and starts the root-run `tenantvm-jail` binary of this crate with it
 //! ([`process::spawn_launcher`]), which carries it out ([`launcher`]). This crate is kept
 //! to a few small dependencies (serde, nix, libc, sha2, hex, thiserror): no async runtime,
-//! HTTP, TLS, database or GPU library reaches the program that runs as root.
+//! HTTP, TLS, database or GPU library reaches the program that runs as root; tests/deps.rs
+//! fails if one does.
 
 pub mod blkio;
 pub mod cgroup;
