@@ -28,7 +28,7 @@ fi
 examples="${TENANTVM_API_FUZZ_EXAMPLES:-20}"
 seconds="${TENANTVM_API_FUZZ_SECONDS:-180}"
 
-cargo build -q -p tenantvm --bins -p tenantvm-vmm
+cargo build -q -p tenantvm -p tenantvm-jail --bins -p tenantvm-vmm
 bin="$root/target/debug"
 
 # Short paths: the VMM's control socket path must fit in 108 bytes.

@@ -15,5 +15,5 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-cargo build -q --release -p tenantvm-vmm -p tenantvm --bins -p tenantvm-ngram
+cargo build -q --release -p tenantvm-vmm -p tenantvm -p tenantvm-jail --bins -p tenantvm-ngram
 cargo bench -q -p tenantvm --bench frontdoor

@@ -12,5 +12,5 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 scripts/kube-apiserver.sh build >/dev/null
-nice cargo build -p tenantvm -p tenantvm-vmm -p tenantvm-kube --bins
+nice cargo build -p tenantvm -p tenantvm-jail -p tenantvm-vmm -p tenantvm-kube --bins
 nice cargo bench -p tenantvm-kube --bench kube --profile dev

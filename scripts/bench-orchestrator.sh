@@ -19,5 +19,5 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 # The benchmark's daemon finds tenantvm-vmm and tenantvm-jail next to itself.
-cargo build -q --release -p tenantvm-vmm -p tenantvm --bins
+cargo build -q --release -p tenantvm-vmm -p tenantvm -p tenantvm-jail --bins
 cargo bench -q -p tenantvm --bench orchestrator

@@ -16,7 +16,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 rounds="${TENANTVM_BENCH_ROUNDS:-3}"
 words="${TENANTVM_BENCH_WORDS:-8000}"
-cargo build -q -p tenantvm --bins
+cargo build -q -p tenantvm -p tenantvm-jail --bins
 bin="$root/target/debug"
 image="${TENANTVM_GUEST_IMAGE:-$root/target/guest-image-bench}"
 if [ ! -f "$image/manifest.json" ]; then

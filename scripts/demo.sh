@@ -28,7 +28,7 @@ if [ ! -w /dev/kvm ]; then
 fi
 
 bold "Building tenantvm (daemon, CLI, jail launcher) and tenantvm-vmm"
-cargo build -q -p tenantvm -p tenantvm-vmm --bins
+cargo build -q -p tenantvm -p tenantvm-jail -p tenantvm-vmm --bins
 bin="$root/target/debug"
 
 work="$(mktemp -d /tmp/tvmdemo.XXXXXX)"

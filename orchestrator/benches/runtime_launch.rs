@@ -1,6 +1,6 @@
 //! Runtime latency: jailed launch-to-ready, stop and kill of `tenantvm-vmm` VMs with a tiny
 //! spinning guest, and cleanup of the tenant's cgroup. Needs root, /dev/kvm and built
-//! `tenantvm-vmm` + `tenantvm-jail` (`cargo build -p tenantvm-vmm -p tenantvm --bins`).
+//! `tenantvm-vmm` + `tenantvm-jail` (`cargo build -p tenantvm-vmm -p tenantvm-jail --bins`).
 //!
 //! usage: cargo bench -p tenantvm --bench runtime_launch [-- ROUNDS]
 
@@ -75,7 +75,7 @@ fn main() {
     let vmm = find_binary("tenantvm-vmm");
     let jail_bin = find_binary("tenantvm-jail");
     if !vmm.exists() || !jail_bin.exists() {
-        tenantvm_skip::skip!("build tenantvm-vmm and tenantvm-jail first (cargo build -p tenantvm-vmm -p tenantvm --bins)");
+        tenantvm_skip::skip!("build tenantvm-vmm and tenantvm-jail first (cargo build -p tenantvm-vmm -p tenantvm-jail --bins)");
     }
     let mut config = RuntimeConfig::detect().unwrap();
     config.jail_binary = jail_bin;

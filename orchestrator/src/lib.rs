@@ -15,7 +15,10 @@ pub mod disk;
 pub mod domain;
 pub mod fd_limit;
 pub mod frontdoor;
-pub mod jail;
+/// The jail (cgroups, the `tenantvm-jail` launcher, jail plans) is its own crate,
+/// `tenantvm-jail`, with few dependencies since it runs as root; re-exported under its old
+/// path.
+pub use tenantvm_jail as jail;
 pub mod keys;
 pub mod logs;
 pub mod metrics;

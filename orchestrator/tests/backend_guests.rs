@@ -47,7 +47,7 @@ macro_rules! require {
 
 fn config() -> RuntimeConfig {
     let mut config = RuntimeConfig::detect().unwrap();
-    config.jail_binary = PathBuf::from(env!("CARGO_BIN_EXE_tenantvm-jail"));
+    config.jail_binary = common::jail_binary();
     config.ready_timeout = Duration::from_secs(60);
     config
 }

@@ -40,7 +40,7 @@ fn skip() -> Option<String> {
 
 fn backend() -> QemuBackend {
     let mut config = RuntimeConfig::detect().unwrap();
-    config.jail_binary = PathBuf::from(env!("CARGO_BIN_EXE_tenantvm-jail"));
+    config.jail_binary = common::jail_binary();
     config.ready_timeout = Duration::from_secs(60);
     QemuBackend::new(
         PathBuf::from(QEMU),
@@ -154,7 +154,7 @@ fn qemu_kvm_accel_opens_the_jails_kvm_node() {
     // The ELF vmlinux with its PVH note (QEMU's pvh.bin option ROM, mounted from the host).
     spec.kernel = common::repo_root().join(".cache/kernel/vmlinux");
     let mut config = RuntimeConfig::detect().unwrap();
-    config.jail_binary = PathBuf::from(env!("CARGO_BIN_EXE_tenantvm-jail"));
+    config.jail_binary = common::jail_binary();
     config.ready_timeout = Duration::from_secs(60);
     let backend = QemuBackend::new(
         PathBuf::from(QEMU),
@@ -281,7 +281,7 @@ fn qemu_a_stopped_qemu_is_stopped_in_bounded_time() {
     let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let control = Duration::from_secs(2);
     let mut config = RuntimeConfig::detect().unwrap();
-    config.jail_binary = PathBuf::from(env!("CARGO_BIN_EXE_tenantvm-jail"));
+    config.jail_binary = common::jail_binary();
     config.ready_timeout = Duration::from_secs(60);
     config.control_timeout = control;
     let backend = QemuBackend::new(

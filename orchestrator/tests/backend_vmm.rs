@@ -94,7 +94,7 @@ macro_rules! require {
 
 fn backend() -> VmmBackend {
     let mut config = RuntimeConfig::detect().unwrap();
-    config.jail_binary = PathBuf::from(env!("CARGO_BIN_EXE_tenantvm-jail"));
+    config.jail_binary = common::jail_binary();
     config.ready_timeout = Duration::from_secs(30);
     VmmBackend::new(vmm_binary(), config)
 }

@@ -41,7 +41,7 @@ case "$profile" in
             die "building the workspace's tests failed: run cargo test --workspace --no-run to see why"
         ;;
     release)
-        cargo build --quiet --release -p tenantvm-vmm -p tenantvm -p tenantvm-nested-host
+        cargo build --quiet --release -p tenantvm-vmm -p tenantvm -p tenantvm-jail -p tenantvm-nested-host
         tests_json="$(cargo test --quiet --release -p tenantvm-vmm --tests --no-run --message-format=json 2>/dev/null)" ||
             die "building the VMM's tests failed: run cargo test --release -p tenantvm-vmm --no-run to see why"
         ;;

@@ -35,6 +35,9 @@ pub use disk_stats::DiskCounters;
 pub use qemu::QemuBackend;
 pub use runner::RuntimeConfig;
 pub use socket::PeerSocketError;
+/// The cgroup quotas live with the jail that applies them (the `tenantvm-jail` crate);
+/// re-exported here, where [`JailConfig`] and the control plane have always named them.
+pub use tenantvm_jail::ResourceLimits;
 pub use tenantvm_vmm_api::QemuAccel;
 pub use vmm::VmmBackend;
 
@@ -222,21 +225,6 @@ pub struct JailConfig {
     pub gid: u32,
     /// cgroup and rlimit quotas.
     pub limits: ResourceLimits,
-}
-
-/// Quotas applied to the tenant's cgroup (every process of the VM together).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ResourceLimits {
-    /// Memory limit in bytes (guest memory + VMM overhead); swap is capped to the same
-    /// total where the host accounts it.
-    pub memory_bytes: u64,
-    /// CPU time allowed per period, in microseconds (e.g. vCPUs x period).
-    pub cpu_quota_us: u64,
-    /// CPU accounting period in microseconds (1,000..=1,000,000).
-    pub cpu_period_us: u64,
-    /// Maximum number of processes and threads.
-    pub pids_max: u64,
 }
 
 /// A VM that was launched: what the control plane stores to find it again.

@@ -3,7 +3,7 @@
 //! ([`guest::GuestKind`]), the write-only vGPU licence token ([`licence::VgpuLicence`]) and its lifecycle state machine ([`lifecycle::LifecycleState`]).
 //!
 //! These are plain values with no I/O. Every other layer may use them; they use nothing of
-//! the crate but each other, so the store, the API types and the tenant layer can all depend
+//! the crate but each other (and the tenant name rule, from the jail crate), so the store, the API types and the tenant layer can all depend
 //! on them without depending on one another.
 
 pub mod gpu_request;

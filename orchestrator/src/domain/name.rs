@@ -6,7 +6,9 @@
 //! `-`, 1 to 63 bytes. A [`TenantName`] can only be built through that check (parsing,
 //! `TryFrom`, or serde), so code that holds one never checks again; code that receives a
 //! plain string at a boundary (a path segment, a directory listing, another module's
-//! `&str` API) checks it with [`TenantName::check`], the same rule.
+//! `&str` API) checks it with [`TenantName::check`], the same rule. The rule itself lives
+//! in the jail crate ([`tenantvm_jail::name`]), which checks the names it is given and
+//! cannot depend on this crate; this type is the only way to build a name here.
 
 use std::borrow::Borrow;
 use std::fmt;
@@ -16,8 +18,9 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-/// Longest tenant name, in bytes.
-pub const MAX_TENANT_NAME: usize = 63;
+/// Longest tenant name, in bytes (the rule lives with the jail, which checks the names it
+/// is given: [`tenantvm_jail::name`]).
+pub use tenantvm_jail::MAX_TENANT_NAME;
 
 /// A string that is not a valid tenant name.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -32,16 +35,7 @@ pub struct TenantName(String);
 impl TenantName {
     /// Checks `name` against the rule without keeping it.
     pub fn check(name: &str) -> Result<(), InvalidTenantName> {
-        let bytes = name.as_bytes();
-        let first_ok = bytes
-            .first()
-            .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
-        let ok = first_ok
-            && bytes.len() <= MAX_TENANT_NAME
-            && bytes
-                .iter()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-');
-        if ok {
+        if tenantvm_jail::is_valid_tenant_name(name) {
             Ok(())
         } else {
             Err(InvalidTenantName(name.to_string()))

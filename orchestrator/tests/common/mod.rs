@@ -18,7 +18,20 @@ pub fn skip_reason() -> Option<String> {
     if let Err(e) = Cgroups::detect() {
         return Some(e.to_string());
     }
+    if !jail_binary().exists() {
+        return Some(format!(
+            "{} is not built: run cargo build -p tenantvm-jail",
+            jail_binary().display()
+        ));
+    }
     None
+}
+
+/// The `tenantvm-jail` launcher, next to the test binary's target directory as the daemon
+/// finds it. It is a binary of its own crate (orchestrator/jail), so this package's tests
+/// cannot name it with `CARGO_BIN_EXE_*`; scripts/test.sh builds every binary first.
+pub fn jail_binary() -> PathBuf {
+    tenantvm::backend::runner::sibling_binary("tenantvm-jail").unwrap()
 }
 
 /// Why /dev/kvm cannot be used here, if it cannot (the VM tests then skip).

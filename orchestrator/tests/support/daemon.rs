@@ -29,6 +29,12 @@ pub fn skip_reason() -> Option<String> {
             vmm_binary().display()
         ));
     }
+    if !jail_binary().is_file() {
+        return Some(format!(
+            "{} is not built (cargo build -p tenantvm-jail)",
+            jail_binary().display()
+        ));
+    }
     if Command::new("python3").arg("--version").output().is_err() {
         return Some("python3 is missing (it writes the idle test guest)".into());
     }
@@ -72,6 +78,12 @@ pub fn test_guest() -> Option<PathBuf> {
 /// tenantvm-vmm next to tenantvmd in the target directory.
 pub fn vmm_binary() -> PathBuf {
     Path::new(env!("CARGO_BIN_EXE_tenantvmd")).with_file_name("tenantvm-vmm")
+}
+
+/// tenantvm-jail next to tenantvmd in the target directory (a binary of the jail crate,
+/// orchestrator/jail, which tenantvmd looks for beside itself).
+pub fn jail_binary() -> PathBuf {
+    Path::new(env!("CARGO_BIN_EXE_tenantvmd")).with_file_name("tenantvm-jail")
 }
 
 /// A running (or stopped) daemon and its directories.

@@ -30,7 +30,7 @@ pub fn skip_reason() -> Option<String> {
     for b in ["tenantvmd", "tenantvm-vmm", "tenantvm-jail"] {
         if !bin(b).is_file() {
             return Some(format!(
-                "{} is not built (cargo build -p tenantvm -p tenantvm-vmm --bins; scripts/test.sh does)",
+                "{} is not built (cargo build -p tenantvm -p tenantvm-vmm -p tenantvm-jail --bins; scripts/test.sh does)",
                 bin(b).display()
             ));
         }

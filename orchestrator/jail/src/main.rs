@@ -3,5 +3,5 @@
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    std::process::exit(tenantvm::jail::launcher::main_with_args(&args));
+    std::process::exit(tenantvm_jail::launcher::main_with_args(&args));
 }

@@ -1,11 +1,19 @@
 //! Jails and quotas: each VMM runs as its own uid/gid, in new mount and pid namespaces,
 //! chrooted into a directory holding only its tenant's files, with no capabilities, under
 //! a per-tenant cgroup. See docs/jail.md.
+//!
+//! The daemon (`tenantvm`, re-exported there as `tenantvm::jail`) builds a [`JailPlan`]
+//! and starts the root-run `tenantvm-jail` binary of this crate with it
+//! ([`process::spawn_launcher`]), which carries it out ([`launcher`]). This crate is kept
+//! to a few small dependencies (serde, nix, libc, sha2, hex, thiserror): no async runtime,
+//! HTTP, TLS, database or GPU library reaches the program that runs as root; tests/deps.rs
+//! fails if one does.
 
 pub mod blkio;
 pub mod cgroup;
 pub mod devices;
 pub mod launcher;
+pub mod name;
 pub mod plan;
 pub mod process;
 
@@ -14,8 +22,9 @@ use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 
 pub use blkio::{BlockIoLimit, BlockIoOutcome};
-pub use cgroup::{CgroupHandle, CgroupLayout, Cgroups};
+pub use cgroup::{CgroupHandle, CgroupLayout, Cgroups, ResourceLimits};
 pub use devices::DeviceAllowance;
+pub use name::{is_valid_tenant_name, MAX_TENANT_NAME};
 pub use plan::{BindMount, JailPlan, JailRlimits, Seal};
 pub use process::{ExitRecord, Launched};
 
@@ -79,17 +88,21 @@ pub enum JailError {
     },
 }
 
-/// Checks a tenant name with [`TenantName`](crate::domain::TenantName)'s rule (names reach
-/// paths and cgroups); for the `&str` names this module receives from callers and from
-/// directory listings.
+/// Checks a tenant name with the rule ([`is_valid_tenant_name`]; names reach paths and
+/// cgroups); for the `&str` names this crate receives from callers and from directory
+/// listings.
 pub fn validate_tenant_name(name: &str) -> Result<(), JailError> {
-    crate::domain::TenantName::check(name).map_err(|e| JailError::InvalidTenantName(e.0))
+    if is_valid_tenant_name(name) {
+        Ok(())
+    } else {
+        Err(JailError::InvalidTenantName(name.to_string()))
+    }
 }
 
 /// Idempotent teardown of a tenant's jail: SIGKILLs every process in the tenant's cgroup,
 /// removes the cgroup(s), and removes the (empty) jail root under `tenant_dir`. The jail's
 /// mounts live in the VM's private mount namespace and vanish with its last process.
-/// Used by destroy and by reconcile; logs are left to [`crate::logs::TenantLogs`].
+/// Used by destroy and by reconcile; logs are left to the caller (`tenantvm::logs`).
 pub fn cleanup_tenant(cgroups: &Cgroups, tenant: &str, tenant_dir: &Path) -> Result<(), JailError> {
     let handle = cgroups.handle(tenant)?;
     handle.destroy(reap_exited)?;

@@ -548,7 +548,7 @@ fn cstring(bytes: &[u8]) -> Result<CString, JailError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::jail::{CgroupHandle, JailRlimits};
+    use crate::{CgroupHandle, JailRlimits};
 
     #[test]
     fn launcher_without_plan_prints_usage_and_fails() {
@@ -596,7 +596,7 @@ mod tests {
                 memlock_bytes: 0,
                 core_bytes: 0,
             },
-            file_size_limit: crate::jail::plan::MIN_FILE_SIZE_LIMIT,
+            file_size_limit: crate::plan::MIN_FILE_SIZE_LIMIT,
         };
         let json = serde_json::to_string(&plan).unwrap();
         assert_eq!(main_with_args(&["--plan".into(), json]), JAIL_SETUP_FAILED);

@@ -8,10 +8,10 @@ use std::fs::{self, File, OpenOptions};
 use std::path::Path;
 use std::time::Duration;
 
-use tenantvm::backend::ResourceLimits;
-use tenantvm::jail::process::{self, spawn_launcher};
-use tenantvm::jail::{
-    cleanup_tenant, list_tenant_cgroups, Cgroups, ExitRecord, JailPlan, JailRlimits, Seal,
+use tenantvm_jail::process::{self, spawn_launcher};
+use tenantvm_jail::{
+    cleanup_tenant, list_tenant_cgroups, Cgroups, ExitRecord, JailPlan, JailRlimits,
+    ResourceLimits, Seal,
 };
 
 const RLIMITS: JailRlimits = JailRlimits {
@@ -35,7 +35,7 @@ fn run_jailed(tag: &str, limits: ResourceLimits, script: &str) -> Run {
 /// The plan that runs `script` with /bin/sh as the first test uid, with /dev/null.
 fn shell_plan(
     tenant: &str,
-    handle: tenantvm::jail::CgroupHandle,
+    handle: tenantvm_jail::CgroupHandle,
     dir: &Path,
     script: &str,
 ) -> JailPlan {

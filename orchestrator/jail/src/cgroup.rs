@@ -17,7 +17,21 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::{validate_tenant_name, JailError};
-use crate::backend::ResourceLimits;
+
+/// Quotas applied to the tenant's cgroup (every process of the VM together).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourceLimits {
+    /// Memory limit in bytes (guest memory + VMM overhead); swap is capped to the same
+    /// total where the host accounts it.
+    pub memory_bytes: u64,
+    /// CPU time allowed per period, in microseconds (e.g. vCPUs x period).
+    pub cpu_quota_us: u64,
+    /// CPU accounting period in microseconds (1,000..=1,000,000).
+    pub cpu_period_us: u64,
+    /// Maximum number of processes and threads.
+    pub pids_max: u64,
+}
 
 /// The default cgroup filesystem root.
 pub const DEFAULT_CGROUP_ROOT: &str = "/sys/fs/cgroup";
@@ -41,11 +55,11 @@ pub enum CgroupLayout {
         /// The pids controller's mount.
         pids: PathBuf,
         /// The blkio controller's mount, where there is one (block I/O limits,
-        /// [`crate::jail::blkio`]).
+        /// [`crate::blkio`]).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         blkio: Option<PathBuf>,
         /// The devices controller's mount, where there is one (the device allowance,
-        /// [`crate::jail::devices`]).
+        /// [`crate::devices`]).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         devices: Option<PathBuf>,
         /// The cpuacct controller's mount where it is a hierarchy apart from cpu's (some
