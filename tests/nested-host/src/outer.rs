@@ -508,7 +508,9 @@ pub fn run(
             );
         }
         let watched = boot_once(&boot_cfg, &kdir, &root, &pending, report)?;
-        let last_boot = boot == cfg.max_boots.max(1);
+        // A full disk is not cured by another boot (its root file system cannot be made).
+        let disk_full = matches!(watched.stop, Some(Stop::HostDiskFull { .. }));
+        let last_boot = boot == cfg.max_boots.max(1) || disk_full;
         if watched.not_run.is_empty() || last_boot {
             watched.report_not_run(report);
             outcomes.extend(watched.outcomes);

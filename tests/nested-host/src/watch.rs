@@ -251,6 +251,29 @@ pub enum Stop {
     Hung,
     /// The process ended on its own (a crash, a panic).
     Exited,
+    /// The heartbeat file stopped growing because the host's file system under it is full:
+    /// the guest may be alive, but nothing can tell; not a freeze.
+    HostDiskFull {
+        /// Bytes free there when the silence was noticed.
+        free_bytes: u64,
+    },
+}
+
+/// Below this many free bytes where the heartbeat file lives, a silent heartbeat is read as
+/// a full host disk (its writes failing), not as a frozen guest.
+const DISK_FULL_BELOW: u64 = 16 << 20;
+
+/// Bytes free to an unprivileged writer on the file system holding `path`, if it can be read.
+fn free_bytes(path: &std::path::Path) -> Option<u64> {
+    let dir = path.parent().unwrap_or(path);
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: statvfs(3) with a NUL-terminated path and a zeroed out-struct owned here.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; `c` outlives the call and `st` is a valid, writable statvfs.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(u64::from(st.f_bavail).saturating_mul(u64::from(st.f_frsize)))
 }
 
 /// What [`watch_with`] saw: every scenario's outcome in the order asked for, how the run
@@ -344,6 +367,20 @@ pub fn watch_with(
             .as_ref()
             .filter(|hb| beats.silent_for() >= hb.silence)
         {
+            if let Some(free) = free_bytes(&hb.path).filter(|&f| f < DISK_FULL_BELOW) {
+                stopped = Some(format!(
+                    "the host's disk is full ({} KiB free where {} lives): the heartbeat could \
+                     not be written, so whether {} froze cannot be told; free space and run \
+                     again",
+                    free / 1024,
+                    hb.path.display(),
+                    cfg.what
+                ));
+                stop = Some(Stop::HostDiskFull { free_bytes: free });
+                let _ = child.kill();
+                let _ = child.wait();
+                break;
+            }
             let froze = Stop::Froze {
                 during: current.as_ref().map(|(name, _)| name.clone()),
                 last_beat_uptime_s: beats.last_uptime_s,
@@ -599,10 +636,21 @@ mod tests {
         names: &[&str],
         before_kill: &mut dyn FnMut(&Stop) -> Option<String>,
     ) -> (Watched, Vec<String>) {
+        run_fake_watched_at(script, names, before_kill, None)
+    }
+
+    /// [`run_fake_watched`] with the heartbeat file at `heartbeat` (default: beside the
+    /// others).
+    fn run_fake_watched_at(
+        script: &str,
+        names: &[&str],
+        before_kill: &mut dyn FnMut(&Stop) -> Option<String>,
+        heartbeat: Option<std::path::PathBuf>,
+    ) -> (Watched, Vec<String>) {
         let dir = tempfile::tempdir().unwrap();
         let results = dir.path().join("results");
         let console = dir.path().join("console");
-        let heartbeat = dir.path().join("heartbeat");
+        let heartbeat = heartbeat.unwrap_or_else(|| dir.path().join("heartbeat"));
         let mut child = Command::new("sh")
             .args([
                 "-c",
@@ -710,6 +758,62 @@ mod tests {
             "{:?}",
             out[0]
         );
+    }
+
+    #[test]
+    fn a_heartbeat_silent_because_the_disk_is_full_is_not_called_a_freeze() {
+        // SAFETY: geteuid(2) has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            tenantvm_skip::skip!("mounting a small tmpfs needs root");
+        }
+        let mnt = tempfile::tempdir().unwrap();
+        let mounted = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=256k", "tenantvm-full"])
+            .arg(mnt.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !mounted {
+            tenantvm_skip::skip!("could not mount a tmpfs");
+        }
+        struct Unmount<'a>(&'a std::path::Path);
+        impl Drop for Unmount<'_> {
+            fn drop(&mut self) {
+                let _ = Command::new("umount").arg(self.0).status();
+            }
+        }
+        let _unmount = Unmount(mnt.path());
+        let heartbeat = mnt.path().join("heartbeat");
+        // The guest beats on; the file system fills, so the beats stop landing (the first
+        // beat is padded to a whole page: tmpfs would take appends into a page it holds).
+        let script = r#"printf 'START a 300\n' >>"$1"; echo "a runs" >>"$2"
+               printf 'HB 10.0\n%4087s\n' '' >>"$3"; head -c 1048576 /dev/zero >"$3.fill" 2>/dev/null
+               while :; do echo "HB 15.0" >>"$3" 2>/dev/null; sleep 0.5; done"#;
+        let mut stops = Vec::new();
+        let (watched, _) = run_fake_watched_at(
+            script,
+            &["a", "b"],
+            &mut |stop| {
+                stops.push(stop.clone());
+                None
+            },
+            Some(heartbeat),
+        );
+        assert!(
+            matches!(watched.stop, Some(Stop::HostDiskFull { free_bytes }) if free_bytes < DISK_FULL_BELOW),
+            "{:?}",
+            watched.stop
+        );
+        assert!(
+            stops.is_empty(),
+            "no freeze diagnosis was asked for: {stops:?}"
+        );
+        match &watched.outcomes[0].verdict {
+            Verdict::Fail { reason, .. } => assert!(
+                reason.starts_with("the host's disk is full") && !reason.contains("froze:"),
+                "{reason}"
+            ),
+            v => panic!("{v:?}"),
+        }
     }
 
     #[test]
