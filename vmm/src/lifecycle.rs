@@ -21,12 +21,11 @@ use crate::api::{ApiError, ApiServer, SerialConfig, VmCommand, VmConfig, VmRespo
 use crate::boot::{self, BootConfig, BootError};
 use crate::device_manager::{attach_legacy_devices, DeviceManagerError};
 use crate::exit::{ExitReason, ExitState};
-use crate::pci::vfio::{
-    guest_phys_bits, set_cpuid_phys_bits, DeviceSource, Passthrough, PassthroughError,
-};
+use crate::pci::vfio::{guest_phys_bits, DeviceSource, Passthrough, PassthroughError};
 use crate::pci::{host_bridge, DeviceCounters, PciPlatform, PciSetupError};
 use crate::seccomp::{install_sigsys_handler, FilterExtras, Filters, SeccompError, ThreadKind};
 use crate::terminal::RawTerminal;
+use crate::vstate::cpuid::set_cpuid_phys_bits;
 use crate::vstate::vcpu::{self, Buses, VcpuSet};
 use crate::vstate::vm::{create_guest_memory, Vm};
 use crate::vstate::VstateError;

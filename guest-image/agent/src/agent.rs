@@ -396,7 +396,7 @@ impl Agent {
     /// afterwards (one request per connection).
     pub fn infer_stream(&self, id: u64, req: &HttpRequest, w: &mut impl Write) {
         let send = |w: &mut dyn Write, outcome: Outcome| {
-            crate::server::send(w, &ResponseFrame { id, outcome })
+            crate::answer::send(w, &ResponseFrame { id, outcome })
         };
         if !matches!(self.payload_state(), PayloadState::Running { .. })
             || self.state().shutting_down
@@ -561,7 +561,7 @@ impl Agent {
         w: &mut impl Write,
     ) {
         let send = |w: &mut dyn Write, outcome: Outcome| {
-            crate::server::send(w, &ResponseFrame { id, outcome })
+            crate::answer::send(w, &ResponseFrame { id, outcome })
         };
         let dir = match self.models_dir() {
             Ok(d) => d,

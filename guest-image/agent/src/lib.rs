@@ -13,6 +13,7 @@
 //! (`gpu-info`). [`licence`] installs the tenant's vGPU licence token.
 
 pub mod agent;
+mod answer;
 pub mod config;
 pub mod confine;
 pub mod cuda;

@@ -18,15 +18,15 @@ use nix::sys::socket::{
 use thiserror::Error;
 
 use tenantvm_agent_protocol::{
-    decode_body, encode_frame, read_frame, resync, salvage_id, skip_body, AgentFailure, ErrorCode,
-    FrameError, Outcome, Request, RequestFrame, ResponseFrame, AGENT_VSOCK_PORT,
-    VIRTIO_SERIAL_PORT_NAME,
+    decode_body, read_frame, resync, salvage_id, skip_body, ErrorCode, FrameError, Outcome,
+    Request, RequestFrame, ResponseFrame, AGENT_VSOCK_PORT, VIRTIO_SERIAL_PORT_NAME,
 };
 
 use tenantvm_agent_protocol::mux::{accept_offer, serve_guest, MuxConfig, PumpEnd};
 use tenantvm_agent_protocol::Reply;
 
 use crate::agent::{After, Agent};
+use crate::answer::{error_frame, send};
 
 /// Most connections served at once on a socket channel: each streamed inference request
 /// has one of its own (the host's per-tenant `max_concurrency` is the real limit; this
@@ -63,26 +63,6 @@ pub enum StreamEnd {
     /// The host's mux hello was accepted (virtio-serial only): the port carries mux
     /// frames from the next byte on.
     Mux(MuxConfig),
-}
-
-fn error_frame(id: u64, code: ErrorCode, message: String) -> ResponseFrame {
-    ResponseFrame {
-        id,
-        outcome: Outcome::Err(AgentFailure { code, message }),
-    }
-}
-
-/// Writes one answer frame (an unencodable one becomes a `too-large` error); false when
-/// the host is gone.
-pub(crate) fn send(w: &mut (impl Write + ?Sized), resp: &ResponseFrame) -> bool {
-    let frame = match encode_frame(resp) {
-        Ok(f) => f,
-        Err(e) => match encode_frame(&error_frame(resp.id, ErrorCode::TooLarge, e.to_string())) {
-            Ok(f) => f,
-            Err(_) => return false,
-        },
-    };
-    w.write_all(&frame).and_then(|()| w.flush()).is_ok()
 }
 
 /// Serves one stream until the host closes it or shutdown is answered.
@@ -470,7 +450,7 @@ mod tests {
     use std::os::unix::net::UnixStream;
     use std::sync::Arc;
     use tenantvm_agent_protocol::{
-        DiskKey, Reply, Request, HEADER_LEN, MAGIC, MAX_BODY_LEN, PROTOCOL_VERSION,
+        encode_frame, DiskKey, Reply, Request, HEADER_LEN, MAGIC, MAX_BODY_LEN, PROTOCOL_VERSION,
     };
 
     fn reaper() -> Reaper {

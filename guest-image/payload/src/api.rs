@@ -24,7 +24,7 @@ use crate::openai::response::{sse, Choice, FinishReason, ResponseMeta, Usage, SS
 use crate::openai::ApiError;
 use crate::prefill::BLOCK_TOKENS;
 use crate::registry::{LoadedModel, Lookup};
-use crate::server::AppState;
+use crate::state::AppState;
 
 /// What a handler produced.
 enum Reply {

@@ -14,8 +14,10 @@ pub mod openai;
 pub mod prefill;
 pub mod registry;
 pub mod server;
+pub mod state;
 pub mod stats;
 
 pub use model::{IndexedModel, NgramModel};
 pub use registry::{load_model_file, ModelSource, Registry};
-pub use server::{ServeConfig, Server};
+pub use server::Server;
+pub use state::ServeConfig;

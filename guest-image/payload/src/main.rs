@@ -14,7 +14,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 
 use tenantvm_ngram::http::HttpLimits;
-use tenantvm_ngram::server::AppState;
+use tenantvm_ngram::state::AppState;
 use tenantvm_ngram::{load_model_file, ModelSource, NgramModel, Registry, ServeConfig, Server};
 
 /// The CI inference payload of tenantvm: a word-level n-gram model.

@@ -12,7 +12,6 @@
 //! tenant's cgroup, which v2 accounts.
 
 use std::fs;
-use std::io::ErrorKind;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
@@ -230,14 +229,6 @@ fn write_limit(
                 o = limit.ops_per_s
             ),
         ),
-    }
-}
-
-/// Whether `dir` looks like a cgroup v1 blkio hierarchy (its throttle files exist).
-pub(crate) fn is_blkio_hierarchy(dir: &Path) -> bool {
-    match fs::metadata(dir.join("blkio.throttle.read_bps_device")) {
-        Ok(_) => true,
-        Err(e) => e.kind() != ErrorKind::NotFound && dir.is_dir(),
     }
 }
 

@@ -171,8 +171,7 @@ impl Cgroups {
             }
         }
         let blkio = root.join("blkio");
-        let blkio = (super::blkio::is_blkio_hierarchy(&blkio) || is_cgroup_v1_mount(&blkio))
-            .then_some(blkio);
+        let blkio = (is_blkio_hierarchy(&blkio) || is_cgroup_v1_mount(&blkio)).then_some(blkio);
         let devices = root.join("devices");
         let devices = (devices.join("devices.allow").exists() || is_cgroup_v1_mount(&devices))
             .then_some(devices);
@@ -639,6 +638,14 @@ pub(crate) fn enable_v2_controllers(dir: &Path) -> Result<(), JailError> {
         return Ok(());
     }
     write_file(&file, &missing.join(" "))
+}
+
+/// Whether `dir` looks like a cgroup v1 blkio hierarchy (its throttle files exist).
+fn is_blkio_hierarchy(dir: &Path) -> bool {
+    match fs::metadata(dir.join("blkio.throttle.read_bps_device")) {
+        Ok(_) => true,
+        Err(e) => e.kind() != ErrorKind::NotFound && dir.is_dir(),
+    }
 }
 
 /// Whether `dir` is the root of a cgroup v1 hierarchy (statfs type CGROUP_SUPER_MAGIC).

@@ -2,6 +2,7 @@
 //! [`super::live::LiveHost`] (the daemon's API as admin, plus read-only looks at the
 //! host's cgroups and files); tests use a fake host described in memory.
 
+use std::path::Path;
 use std::time::Duration;
 
 use tenantvm_agent_protocol::{LoadKind, LoadReport, LoadSpec};
@@ -47,6 +48,14 @@ pub enum HostError {
     /// This host cannot answer that at all (no GPU backend given, no agent reachable, ...).
     #[error("{0}")]
     Unsupported(String),
+}
+
+/// Turns an I/O error on the host file at `path` into [`HostError::Io`].
+pub(super) fn io_err(path: &Path) -> impl Fn(std::io::Error) -> HostError + '_ {
+    move |e| HostError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    }
 }
 
 impl HostError {

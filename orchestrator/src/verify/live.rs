@@ -16,7 +16,9 @@ use tenantvm_agent_protocol::{
     AgentClient, AgentEndpoint, HttpRequest, LoadKind, LoadReport, LoadSpec,
 };
 
-use super::host::{Answered, Caller, CpuOverrun, Engine, GpuView, HostError, Overrun, VerifyHost};
+use super::host::{
+    io_err, Answered, Caller, CpuOverrun, Engine, GpuView, HostError, Overrun, VerifyHost,
+};
 use super::procs::{busy_cpus, processes_of};
 use super::scan::{scan, skip_real_disks};
 use crate::api::types::{LogQuery, LogStream, TenantView};
@@ -78,13 +80,6 @@ fn from_client(e: ClientError) -> HostError {
         },
         ClientError::Connect { .. } => HostError::Unreachable(e.to_string()),
         other => HostError::Failed(crate::untrusted::one_line(&other.to_string())),
-    }
-}
-
-pub(super) fn io_err(path: &Path) -> impl Fn(std::io::Error) -> HostError + '_ {
-    move |e| HostError::Io {
-        path: path.display().to_string(),
-        message: e.to_string(),
     }
 }
 

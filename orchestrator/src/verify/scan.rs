@@ -4,8 +4,7 @@
 use std::io::Read;
 use std::path::Path;
 
-use super::host::HostError;
-use super::live::io_err;
+use super::host::{io_err, HostError};
 
 /// Largest file the plaintext scan reads (sparse disk images of probes are far smaller).
 const SCAN_MAX_FILE: u64 = 8 << 30;

@@ -796,16 +796,6 @@ impl PciPlatform {
     }
 }
 
-/// Advertises `phys_bits` physical address bits in CPUID leaf 0x8000_0008 (`EAX[7:0]`), so
-/// the guest's view matches the PCI windows.
-pub fn set_cpuid_phys_bits(cpuid: &mut kvm_bindings::CpuId, phys_bits: u8) {
-    for e in cpuid.as_mut_slice() {
-        if e.function == 0x8000_0008 {
-            e.eax = (e.eax & !0xff) | u32::from(phys_bits);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -878,12 +868,7 @@ mod tests {
     }
 
     #[test]
-    fn cpuid_advertises_the_capped_phys_bits() {
-        let mut cpuid = kvm_bindings::CpuId::new(1).unwrap();
-        cpuid.as_mut_slice()[0].function = 0x8000_0008;
-        cpuid.as_mut_slice()[0].eax = 0x3030;
-        set_cpuid_phys_bits(&mut cpuid, 46);
-        assert_eq!(cpuid.as_slice()[0].eax, 0x302e);
+    fn guest_phys_bits_stay_within_the_cap() {
         assert!(guest_phys_bits() <= GUEST_MAX_PHYS_BITS);
     }
 

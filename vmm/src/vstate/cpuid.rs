@@ -1,4 +1,5 @@
-//! CPUID for one vCPU: KVM's supported set, filtered.
+//! CPUID for one vCPU: KVM's supported set, filtered, and the physical address width the
+//! guest is told ([`set_cpuid_phys_bits`]).
 //!
 //! Each vCPU gets its own APIC id and a topology of `n` single-threaded cores in one
 //! package. Features the VMM does not emulate (MONITOR/MWAIT, the PMU, thermal and power
@@ -97,6 +98,16 @@ fn filter_entry(e: &mut kvm_cpuid_entry2, cpu_id: u32, cpu_count: u32, core_bits
     }
 }
 
+/// Advertises `phys_bits` physical address bits in CPUID leaf 0x8000_0008 (`EAX[7:0]`), so
+/// the guest's view matches the PCI windows.
+pub fn set_cpuid_phys_bits(cpuid: &mut CpuId, phys_bits: u8) {
+    for e in cpuid.as_mut_slice() {
+        if e.function == 0x8000_0008 {
+            e.eax = (e.eax & !0xff) | u32::from(phys_bits);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,5 +150,14 @@ mod tests {
         pmu.eax = 0x0708_0304;
         let c = filter(&CpuId::from_entries(&[pmu]).unwrap(), 0, 1);
         assert_eq!(find(&c, 0xa, 0).eax, 0);
+    }
+
+    #[test]
+    fn cpuid_advertises_the_given_phys_bits() {
+        let mut cpuid = CpuId::new(1).unwrap();
+        cpuid.as_mut_slice()[0].function = 0x8000_0008;
+        cpuid.as_mut_slice()[0].eax = 0x3030;
+        set_cpuid_phys_bits(&mut cpuid, 46);
+        assert_eq!(cpuid.as_slice()[0].eax, 0x302e);
     }
 }

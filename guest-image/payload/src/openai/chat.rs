@@ -15,8 +15,7 @@
 
 use serde_json::Value;
 
-use super::error::ApiError;
-use super::request::wrong_type;
+use super::error::{wrong_type, ApiError};
 
 /// Name of the template, reported by the serving endpoint.
 pub const TEMPLATE_NAME: &str = "tenantvm-plain-v1";

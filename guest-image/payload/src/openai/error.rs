@@ -1,7 +1,7 @@
 //! Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with the
 //! status codes OpenAI uses.
 
-use serde_json::json;
+use serde_json::{json, Value};
 
 /// An error answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -188,6 +188,31 @@ impl ApiError {
         .to_string()
         .into_bytes()
     }
+}
+
+/// How OpenAI names the JSON type of `v` in its error messages (`an integer`, `null`, ...).
+pub(crate) fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(n) if n.is_i64() || n.is_u64() => "an integer",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// `Invalid type for 'NAME': expected X, but got Y instead.`
+pub(crate) fn wrong_type(name: &str, expected: &str, got: &Value) -> ApiError {
+    ApiError::param(
+        name,
+        Some("invalid_type"),
+        format!(
+            "Invalid type for '{name}': expected {expected}, but got {} instead.",
+            type_name(got)
+        ),
+    )
 }
 
 #[cfg(test)]

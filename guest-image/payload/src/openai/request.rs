@@ -7,7 +7,7 @@
 use serde_json::{Map, Value};
 
 use super::chat;
-use super::error::ApiError;
+use super::error::{type_name, wrong_type, ApiError};
 use crate::generate::SamplingParams;
 
 /// Default `max_tokens` of `/v1/completions` (OpenAI's).
@@ -57,30 +57,6 @@ pub struct GenerationRequest {
 pub struct RequestLimits {
     /// Largest `max_tokens`.
     pub max_tokens: usize,
-}
-
-fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(n) if n.is_i64() || n.is_u64() => "an integer",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
-/// `Invalid type for 'NAME': expected X, but got Y instead.`
-pub(crate) fn wrong_type(name: &str, expected: &str, got: &Value) -> ApiError {
-    ApiError::param(
-        name,
-        Some("invalid_type"),
-        format!(
-            "Invalid type for '{name}': expected {expected}, but got {} instead.",
-            type_name(got)
-        ),
-    )
 }
 
 /// The body's parameters, with `null` meaning absent (as OpenAI treats it).

@@ -115,6 +115,14 @@ pub fn walk_ext_caps(cfg: &[u8]) -> Vec<ExtCap> {
     caps
 }
 
+/// Bytes an MSI capability at `offset` covers: 10, plus 4 for 64-bit addresses, plus 10
+/// for per-vector masking.
+pub(super) fn msi_cap_len(cfg: &[u8], offset: usize) -> usize {
+    let control = cfg.get(offset + 2).copied().unwrap_or(0);
+    let pvm = cfg.get(offset + 3).copied().unwrap_or(0) & 1 != 0;
+    10 + if control & 0x80 != 0 { 4 } else { 0 } + if pvm { 10 } else { 0 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,5 +183,16 @@ mod tests {
         assert_eq!(caps[1].next, 0x100);
         // A conventional (256-byte) space has no extended list.
         assert!(walk_ext_caps(&cfg[..256]).is_empty());
+    }
+
+    #[test]
+    fn msi_cap_length_follows_its_control_word() {
+        let mut cfg = vec![0u8; 256];
+        cfg[0xf4 + 2] = 0x00; // 32-bit, no per-vector mask: 10 bytes, fits before 0x100
+        assert_eq!(msi_cap_len(&cfg, 0xf4), 10);
+        cfg[0xf4 + 2] = 0x80;
+        cfg[0xf4 + 3] = 0x01;
+        assert_eq!(msi_cap_len(&cfg, 0xf4), 24);
+        assert_eq!(msi_cap_len(&cfg, 0x1000), 10);
     }
 }

@@ -18,8 +18,7 @@
 //! at 0xD4 only, the offset NVIDIA documents for Turing and later).
 
 use super::backend::VfioBackend;
-use super::capability::{id, walk_caps, EXT_CAP_START};
-use super::shadow::msi_cap_len;
+use super::capability::{id, msi_cap_len, walk_caps, EXT_CAP_START};
 
 /// NVIDIA's PCI vendor id.
 pub const NVIDIA_VENDOR_ID: u16 = 0x10de;

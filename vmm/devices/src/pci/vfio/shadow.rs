@@ -13,7 +13,7 @@
 //!   programs the device's real capability).
 
 use super::backend::{region_index, IrqIndex, VfioBackend};
-use super::capability::{ext_id, id, walk_caps, walk_ext_caps, PCIE_CONFIG_SIZE};
+use super::capability::{ext_id, id, msi_cap_len, walk_caps, walk_ext_caps, PCIE_CONFIG_SIZE};
 use super::gpudirect::{GpuDirectCap, GPUDIRECT_CAP_LEN, GPUDIRECT_CAP_OFFSET};
 use crate::pci::{BarKind, BarMove, MsiMessage, PciConfigError, PciConfiguration, PciHeader};
 
@@ -208,14 +208,6 @@ fn probe_bars(backend: &dyn VfioBackend) -> Result<Vec<ProbedBar>, ShadowError> 
         index += step;
     }
     Ok(bars)
-}
-
-/// Bytes an MSI capability at `offset` covers: 10, plus 4 for 64-bit addresses, plus 10
-/// for per-vector masking.
-pub(super) fn msi_cap_len(cfg: &[u8], offset: usize) -> usize {
-    let control = cfg.get(offset + 2).copied().unwrap_or(0);
-    let pvm = cfg.get(offset + 3).copied().unwrap_or(0) & 1 != 0;
-    10 + if control & 0x80 != 0 { 4 } else { 0 } + if pvm { 10 } else { 0 }
 }
 
 fn hidden_len(id: u16, cfg: &[u8], offset: usize) -> Option<usize> {
@@ -727,17 +719,6 @@ mod tests {
         let s = shadow(&gpu);
         assert_eq!(s.read(&gpu, 0x34 / 4) & 0xff, 0x60);
         assert_eq!(s.read(&gpu, 0xd4 / 4), 0);
-    }
-
-    #[test]
-    fn msi_cap_length_follows_its_control_word() {
-        let mut cfg = vec![0u8; 256];
-        cfg[0xf4 + 2] = 0x00; // 32-bit, no per-vector mask: 10 bytes, fits before 0x100
-        assert_eq!(msi_cap_len(&cfg, 0xf4), 10);
-        cfg[0xf4 + 2] = 0x80;
-        cfg[0xf4 + 3] = 0x01;
-        assert_eq!(msi_cap_len(&cfg, 0xf4), 24);
-        assert_eq!(msi_cap_len(&cfg, 0x1000), 10);
     }
 
     #[test]
