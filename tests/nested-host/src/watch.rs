@@ -273,7 +273,7 @@ fn free_bytes(path: &std::path::Path) -> Option<u64> {
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
         return None;
     }
-    Some(u64::from(st.f_bavail).saturating_mul(u64::from(st.f_frsize)))
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
 /// What [`watch_with`] saw: every scenario's outcome in the order asked for, how the run
