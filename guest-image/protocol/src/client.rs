@@ -24,7 +24,7 @@ mod requests;
 pub use infer_body::InferBody;
 
 use crate::channel::{self, ChannelError, ChannelStream};
-use crate::frame::{decode_body, encode_frame, FrameDecoder, FrameError, MAX_DATA_LEN};
+use crate::frame::{decode_body, encode_frame, FrameDecoder, FrameError, StaleMux, MAX_DATA_LEN};
 use crate::message::{
     AgentFailure, DiskKey, DiskState, HttpHead, HttpRequest, HttpResponse, LogLine, ModelEntry,
     Outcome, PayloadState, Reply, Request, RequestFrame, ResponseFrame, ShutdownReport,
@@ -33,6 +33,9 @@ use crate::message::{
 
 /// Most unrelated responses skipped while waiting for one id.
 const MAX_STALE_RESPONSES: usize = 64;
+/// Bytes of stale mux frames (a previous client's session the agent is still ending) a
+/// plain call drops before it gives up on the connection.
+const MAX_STALE_MUX_BYTES: usize = 16 << 20;
 /// Longest hybrid-vsock handshake answer (`OK <port>\n`) read before giving up.
 const MAX_HANDSHAKE_LINE: usize = 64;
 
@@ -187,6 +190,12 @@ pub enum AgentClientError {
         "The agent sent more than {0} unsolicited responses; the connection was dropped, reconnect"
     )]
     Flooded(usize),
+    /// More than this many bytes of a previous client's mux session came instead of an
+    /// answer.
+    #[error(
+        "The agent sent more than {0} bytes of stale mux frames instead of an answer; the connection was dropped, reconnect"
+    )]
+    StaleMuxFlood(usize),
     /// The connection had failed earlier.
     #[error("The agent connection is broken by an earlier error; reconnect")]
     Broken,
@@ -653,9 +662,27 @@ impl AgentClient {
     ) -> Result<ResponseFrame, AgentClientError> {
         self.finish_handshake()?;
         let mut skipped = 0;
+        let mut stale_mux_bytes = 0usize;
         let mut buf = [0u8; 16 * 1024];
         loop {
-            match self.decoder.next_frame() {
+            let stale = self.decoder.skip_stale_mux().map_err(|e| {
+                self.broken = true;
+                AgentClientError::Protocol(e)
+            })?;
+            if let StaleMux::Skipped(n) = stale {
+                stale_mux_bytes += n;
+                if stale_mux_bytes > MAX_STALE_MUX_BYTES {
+                    self.broken = true;
+                    return Err(AgentClientError::StaleMuxFlood(MAX_STALE_MUX_BYTES));
+                }
+                continue;
+            }
+            let next = if stale == StaleMux::NeedMore {
+                Ok(None)
+            } else {
+                self.decoder.next_frame()
+            };
+            match next {
                 Ok(Some(body)) => {
                     let resp: ResponseFrame =
                         decode_body(&body).map_err(AgentClientError::BadResponse)?;
@@ -816,6 +843,61 @@ mod tests {
         });
         let mut c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
         assert!(c.mount(true, Duration::from_secs(5)).unwrap());
+    }
+
+    /// A mux frame as an agent still serving a previous client's session writes it.
+    fn mux_frame(stream: u32, payload: &[u8]) -> Vec<u8> {
+        let mut f = b"TVMX".to_vec();
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(&[2, 0, 0, 0]);
+        f.extend_from_slice(&u32::try_from(payload.len()).unwrap().to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    #[test]
+    fn a_previous_clients_mux_frames_are_dropped_and_the_answer_read_after_them() {
+        let (_d, ep) = fake_guest(|mut s| {
+            // The tail of a killed daemon's log stream, in pieces, then the answer.
+            let mut stale = mux_frame(3, b"a log line\n");
+            stale.extend(mux_frame(3, &[7u8; 4000]));
+            for chunk in stale.chunks(5) {
+                s.write_all(chunk).unwrap();
+                s.flush().unwrap();
+            }
+            let req = next_request(&mut s);
+            answer(
+                &mut s,
+                req.id,
+                Outcome::Ok(Reply::Mounted { formatted: false }),
+            );
+        });
+        let mut c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
+        assert!(!c.mount(true, Duration::from_secs(5)).unwrap());
+    }
+
+    #[test]
+    fn endless_mux_frames_or_a_lying_mux_length_end_the_connection() {
+        let (_d, ep) = fake_guest(|mut s| {
+            let frame = mux_frame(3, &[0u8; 60 * 1024]);
+            // Past the bound, never an answer.
+            while s.write_all(&frame).is_ok() {}
+        });
+        let mut c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
+        let err = c.mount(true, Duration::from_secs(10)).unwrap_err();
+        assert!(matches!(err, AgentClientError::StaleMuxFlood(_)), "{err:?}");
+        let (_d, ep) = fake_guest(|mut s| {
+            let mut lying = mux_frame(3, b"");
+            lying[12..16].copy_from_slice(&u32::MAX.to_be_bytes());
+            s.write_all(&lying).unwrap();
+            let _ = next_request(&mut s);
+        });
+        let mut c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
+        let err = c.mount(true, Duration::from_secs(5)).unwrap_err();
+        assert!(
+            matches!(err, AgentClientError::Protocol(FrameError::BadMagic(_))),
+            "{err:?}"
+        );
     }
 
     #[test]

@@ -221,6 +221,17 @@ pub fn resync(r: &mut impl Read, max_skip: usize) -> Result<Zeroizing<Vec<u8>>, 
     read_body(r, parsed.len)
 }
 
+/// What [`FrameDecoder::skip_stale_mux`] found at the front of the bytes held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StaleMux {
+    /// Not a mux frame: read a frame as usual.
+    NotMux,
+    /// The start of a mux frame: more bytes are needed.
+    NeedMore,
+    /// A whole mux frame of this many bytes was dropped.
+    Skipped(usize),
+}
+
 /// An incremental frame decoder for streams read with timeouts: bytes go in as they
 /// arrive, complete frames come out, and a partial frame survives a timed-out read.
 #[derive(Default)]
@@ -257,6 +268,41 @@ impl FrameDecoder {
         let body = Zeroizing::new(self.buf[HEADER_LEN..total].to_vec());
         self.buf.drain(..total);
         Ok(Some(body))
+    }
+
+    /// Drops a whole mux frame (`TVMX`, see [`crate::mux`]) at the front, if one is there:
+    /// on a plain channel such a frame is always stale, the tail of a mux session whose
+    /// client left without an `end` (a daemon killed while the agent was still streaming)
+    /// and that the agent sends until it reads the next client's plain request. The caller
+    /// bounds how much it drops. A mux header claiming more than
+    /// [`MAX_MUX_DATA`](crate::mux::MAX_MUX_DATA) is not trusted: `BadMagic`.
+    pub fn skip_stale_mux(&mut self) -> Result<StaleMux, FrameError> {
+        use crate::mux::{MAX_MUX_DATA, MUX_HEADER_LEN, MUX_MAGIC};
+        let n = self.buf.len().min(4);
+        if self.buf[..n] != MUX_MAGIC[..n] {
+            return Ok(StaleMux::NotMux);
+        }
+        if n < 4 {
+            // "T" and "TV" begin both magics; "TVM" only the mux one.
+            return Ok(if self.buf[..n] == MAGIC[..n] {
+                StaleMux::NotMux
+            } else {
+                StaleMux::NeedMore
+            });
+        }
+        if self.buf.len() < MUX_HEADER_LEN {
+            return Ok(StaleMux::NeedMore);
+        }
+        let len = u32::from_be_bytes([self.buf[12], self.buf[13], self.buf[14], self.buf[15]]);
+        if len as usize > MAX_MUX_DATA {
+            return Err(FrameError::BadMagic(MUX_MAGIC));
+        }
+        let total = MUX_HEADER_LEN + len as usize;
+        if self.buf.len() < total {
+            return Ok(StaleMux::NeedMore);
+        }
+        self.buf.drain(..total);
+        Ok(StaleMux::Skipped(total))
     }
 
     /// The header of the next frame once its 12 bytes are in, checked, before its body

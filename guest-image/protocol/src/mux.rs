@@ -32,7 +32,10 @@
 //! client would be read as mux frames and lost. So the host, before it closes an idle or
 //! stopped channel, sends `end` and waits (briefly) for the guest's `end` in answer; the
 //! guest answers, closes its streams and serves the port plainly again, and only then does
-//! the host close the connection.
+//! the host close the connection. A host killed without `end` leaves the guest in the
+//! session until it reads the next client's plain request; frames of the old session the
+//! guest sent before that reach the next client first, and a plain client drops them
+//! (bounded: [`FrameDecoder::skip_stale_mux`](crate::frame::FrameDecoder::skip_stale_mux)).
 
 use thiserror::Error;
 
