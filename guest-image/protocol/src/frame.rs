@@ -274,10 +274,10 @@ impl FrameDecoder {
     /// on a plain channel such a frame is always stale, the tail of a mux session whose
     /// client left without an `end` (a daemon killed while the agent was still streaming)
     /// and that the agent sends until it reads the next client's plain request. The caller
-    /// bounds how much it drops. A mux header claiming more than
-    /// [`MAX_MUX_DATA`](crate::mux::MAX_MUX_DATA) is not trusted: `BadMagic`.
+    /// bounds how much it drops. A mux header the mux decoder would refuse (a length past
+    /// what its kind allows, reserved bits, a bad kind) is not trusted: `BadMagic`.
     pub fn skip_stale_mux(&mut self) -> Result<StaleMux, FrameError> {
-        use crate::mux::{MAX_MUX_DATA, MUX_HEADER_LEN, MUX_MAGIC};
+        use crate::mux::{parse_header as parse_mux_header, MUX_HEADER_LEN, MUX_MAGIC};
         let n = self.buf.len().min(4);
         if self.buf[..n] != MUX_MAGIC[..n] {
             return Ok(StaleMux::NotMux);
@@ -293,11 +293,10 @@ impl FrameDecoder {
         if self.buf.len() < MUX_HEADER_LEN {
             return Ok(StaleMux::NeedMore);
         }
-        let len = u32::from_be_bytes([self.buf[12], self.buf[13], self.buf[14], self.buf[15]]);
-        if len as usize > MAX_MUX_DATA {
-            return Err(FrameError::BadMagic(MUX_MAGIC));
-        }
-        let total = MUX_HEADER_LEN + len as usize;
+        let mut header = [0u8; MUX_HEADER_LEN];
+        header.copy_from_slice(&self.buf[..MUX_HEADER_LEN]);
+        let (_, _, len) = parse_mux_header(&header).map_err(|_| FrameError::BadMagic(MUX_MAGIC))?;
+        let total = MUX_HEADER_LEN + len;
         if self.buf.len() < total {
             return Ok(StaleMux::NeedMore);
         }

@@ -223,8 +223,10 @@ impl MuxFrame {
     }
 }
 
-/// Checks a header and returns (stream, kind, payload length).
-fn parse_header(h: &[u8; MUX_HEADER_LEN]) -> Result<(u32, u8, usize), MuxError> {
+/// Checks a header and returns (stream, kind, payload length). Also used by a plain
+/// channel's decoder to drop a previous session's stale frames whole
+/// ([`crate::frame::FrameDecoder::skip_stale_mux`]).
+pub(crate) fn parse_header(h: &[u8; MUX_HEADER_LEN]) -> Result<(u32, u8, usize), MuxError> {
     let magic = [h[0], h[1], h[2], h[3]];
     if magic != MUX_MAGIC {
         return Err(MuxError::BadMagic(magic));
