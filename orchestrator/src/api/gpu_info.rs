@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use tenantvm_agent_protocol::{AgentClientError, GpuInfoReply, NVIDIA_SMI_DEADLINE_SECS};
 
 use super::lanes::{offload, Lane};
-use super::models::{agent_error, connect, serving_for};
+use super::models::{agent_error, connect};
 use super::{authorization, ApiError, ApiState};
 use crate::auth;
 use crate::tenant::gpu_info::{self, AssignedGpu, Finding, FindingLevel};
@@ -53,16 +53,12 @@ pub(super) async fn get(
     let permit = api.lanes.enter(Lane::of(&caller))?;
     let svc = api.svc.clone();
     let view = offload(permit, move || -> Result<GpuInfoView, ApiError> {
-        let (t, _) = serving_for(
-            &svc,
+        let t = svc.serving(
             &caller,
             &name,
             "it has no guest agent to report its devices",
         )?;
-        let ctx = svc.ctx();
-        let assigned = gpu_info::assigned(&ctx, &t).map_err(|e| {
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
-        })?;
+        let assigned = svc.assigned_gpu(&t)?;
         let guest = connect(&svc, &t)?
             .gpu_info(GPU_INFO_TIMEOUT)
             .map_err(|e| match e {
@@ -77,7 +73,7 @@ pub(super) async fn get(
         findings.sort_by_key(|f| f.level != FindingLevel::Mismatch);
         let matches = findings.iter().all(|f| f.level != FindingLevel::Mismatch);
         Ok(GpuInfoView {
-            tenant: t.name.to_string(),
+            tenant: t.tenant.name.to_string(),
             assigned,
             guest,
             findings,

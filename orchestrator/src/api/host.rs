@@ -133,29 +133,28 @@ pub(super) async fn get(
     let svc = api.svc.clone();
     let view = offload(permit, move || -> Result<HostView, ApiError> {
         let internal = |e: String| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e);
-        let ctx = svc.ctx();
-        let gpus = ctx.gpu.gpus().map_err(|e| internal(e.to_string()))?;
-        let held = crate::tenant::steps::gpu::held_shares(ctx.store)
-            .map_err(|e| internal(e.to_string()))?
+        let inventory = svc.gpu_inventory()?;
+        let held = inventory
+            .held
             .iter()
             .map(|p| Held::from_label(p.gpu.clone(), &p.label))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| internal(e.to_string()))?;
-        let tenants = ctx
-            .store
+        let tenants = svc
+            .store()
             .list_tenants(false)
             .map_err(|e| internal(e.to_string()))?;
-        let overhead = ctx.config.vmm_overhead_mib;
+        let overhead = svc.config().vmm_overhead_mib;
         let (mut memory_held_mib, mut vcpus_held) = (0, 0);
         for t in &tenants {
             let r = reservation(&t.spec, overhead);
             memory_held_mib += r.memory_mib;
             vcpus_held += r.vcpus;
         }
-        let cap = &ctx.config.capacity;
+        let cap = &svc.config().capacity;
         let scaled = |n: u64, ratio: f64| (n as f64 * ratio).floor() as u64;
         Ok(HostView {
-            gpus: gpus.iter().map(HostGpuView::from).collect(),
+            gpus: inventory.gpus.iter().map(HostGpuView::from).collect(),
             held,
             memory_mib: scaled(cap.memory_mib, cap.memory_overcommit),
             memory_held_mib,

@@ -110,13 +110,7 @@ fn a_tenant_with_its_whole_concurrency_hung_slows_no_one_else() {
     }
     let rt = crate::daemon::runtime().unwrap();
     let h = Harness::new(FaultHook::default());
-    let admin_path = crate::auth::ensure_admin_token(h.svc.store(), h.dir.path())
-        .unwrap()
-        .unwrap();
-    let admin = std::fs::read_to_string(admin_path)
-        .unwrap()
-        .trim()
-        .to_string();
+    let admin = h.admin_token();
     let svc = h.svc.clone();
     // One router, as the daemon serves: its in-flight budgets are shared by every request.
     let app = router(svc.clone());

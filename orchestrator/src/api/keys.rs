@@ -17,9 +17,7 @@ use serde::{Deserialize, Serialize};
 use super::lanes::{offload, Lane};
 use super::{authorization, tenant_name, ApiError, ApiState};
 use crate::auth::{self, Caller};
-use crate::domain::lifecycle::LifecycleState;
-use crate::domain::TenantName;
-use crate::store::{InferenceKeyInfo, TenantRecord};
+use crate::store::InferenceKeyInfo;
 use crate::tenant::service::{TenantService, TenantServiceError};
 
 /// Answer of `POST /v1/tenants/{name}/keys`.
@@ -41,7 +39,7 @@ pub struct KeyList {
     /// The tenant.
     pub tenant: String,
     /// Its keys, oldest first.
-    pub keys: Vec<InferenceKeyInfo>,
+    pub keys: Vec<KeyView>,
 }
 
 /// Answer of `DELETE /v1/tenants/{name}/keys/{id}`.
@@ -53,41 +51,40 @@ pub struct KeyRevoked {
     pub id: i64,
 }
 
-fn not_found(name: &str) -> ApiError {
-    TenantServiceError::NotFound(name.to_string()).into()
+/// One key as listed (never the key itself).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct KeyView {
+    /// Its id (what `tenantvm key revoke` takes).
+    pub id: i64,
+    /// The key's first characters.
+    pub shown: String,
+    /// When it was made, ms since the epoch.
+    pub created_ms: i64,
+    /// When it was revoked, if it was.
+    pub revoked_ms: Option<i64>,
 }
 
-/// The live tenant `name` if `caller` may see it (NotFound otherwise, whether or not it
-/// exists, as for every other tenant route).
-fn visible(svc: &TenantService, caller: &Caller, name: &str) -> Result<TenantRecord, ApiError> {
-    if TenantName::check(name).is_err() {
-        return Err(not_found(name));
-    }
-    match svc.store().tenant(name).map_err(TenantServiceError::from)? {
-        Some(t) if caller.may_see(t.id) => Ok(t),
-        _ => Err(not_found(name)),
+impl From<InferenceKeyInfo> for KeyView {
+    fn from(k: InferenceKeyInfo) -> Self {
+        KeyView {
+            id: k.id,
+            shown: k.shown,
+            created_ms: k.created_ms,
+            revoked_ms: k.revoked_ms,
+        }
     }
 }
 
 /// Authenticates, takes a place on the caller's lane and runs `work` on a thread of its own.
-async fn with_tenant<T: Send + 'static>(
+async fn as_caller<T: Send + 'static>(
     api: &ApiState,
     headers: &HeaderMap,
-    name: String,
-    work: impl FnOnce(&TenantService, TenantRecord) -> Result<T, ApiError> + Send + 'static,
+    work: impl FnOnce(&TenantService, &Caller) -> Result<T, TenantServiceError> + Send + 'static,
 ) -> Result<T, ApiError> {
     let caller = auth::authenticate(api.svc.store(), authorization(headers))?;
     let permit = api.lanes.enter(Lane::of(&caller))?;
     let svc = api.svc.clone();
-    offload(permit, move || {
-        let record = visible(&svc, &caller, &name)?;
-        work(&svc, record)
-    })
-    .await?
-}
-
-fn store_error(e: crate::store::StoreError) -> ApiError {
-    TenantServiceError::from(e).into()
+    Ok(offload(permit, move || work(&svc, &caller)).await??)
 }
 
 /// `POST /v1/tenants/{name}/keys`.
@@ -97,36 +94,16 @@ pub(super) async fn create(
     name: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let name = tenant_name(name)?;
-    let created = with_tenant(&api, &headers, name, |svc, t| {
-        if matches!(
-            t.state,
-            LifecycleState::Destroying | LifecycleState::Destroyed
-        ) {
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                "invalid_state",
-                format!(
-                    "Tenant {:?} is being destroyed; it gets no new keys",
-                    t.name.as_str()
-                ),
-            ));
-        }
-        let (key, id, shown) =
-            crate::frontdoor::keys::create(svc.store(), t.id).map_err(store_error)?;
-        // The event names the key by id and first characters, never the key.
-        let _ = svc.store().add_event(
-            Some(t.id),
-            "inference-key",
-            &format!("inference key {id} ({shown}...) created"),
-        );
-        Ok(KeyCreated {
-            tenant: t.name.to_string(),
-            id,
-            key,
-            shown,
-        })
+    let k = as_caller(&api, &headers, move |svc, caller| {
+        svc.create_key(caller, &name)
     })
     .await?;
+    let created = KeyCreated {
+        tenant: k.tenant,
+        id: k.id,
+        key: k.key,
+        shown: k.shown,
+    };
     Ok((StatusCode::CREATED, Json(created)).into_response())
 }
 
@@ -137,13 +114,12 @@ pub(super) async fn list(
     name: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let name = tenant_name(name)?;
-    let list = with_tenant(&api, &headers, name, |svc, t| {
-        Ok(KeyList {
-            tenant: t.name.to_string(),
-            keys: svc.store().inference_keys(t.id).map_err(store_error)?,
-        })
-    })
-    .await?;
+    let (tenant, keys) =
+        as_caller(&api, &headers, move |svc, caller| svc.keys(caller, &name)).await?;
+    let list = KeyList {
+        tenant,
+        keys: keys.into_iter().map(KeyView::from).collect(),
+    };
     Ok((StatusCode::OK, Json(list)).into_response())
 }
 
@@ -160,32 +136,9 @@ pub(super) async fn revoke(
             "No such key: give the tenant's name and a key id from `tenantvm key list`",
         ));
     };
-    let revoked = with_tenant(&api, &headers, name, move |svc, t| {
-        if !svc
-            .store()
-            .revoke_inference_key(t.id, id)
-            .map_err(store_error)?
-        {
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "not_found",
-                format!(
-                    "Tenant {:?} has no live key {id}; see `tenantvm key list {}`",
-                    t.name.as_str(),
-                    t.name
-                ),
-            ));
-        }
-        let _ = svc.store().add_event(
-            Some(t.id),
-            "inference-key",
-            &format!("inference key {id} revoked"),
-        );
-        Ok(KeyRevoked {
-            tenant: t.name.to_string(),
-            id,
-        })
+    let tenant = as_caller(&api, &headers, move |svc, caller| {
+        svc.revoke_key(caller, &name, id)
     })
     .await?;
-    Ok((StatusCode::OK, Json(revoked)).into_response())
+    Ok((StatusCode::OK, Json(KeyRevoked { tenant, id })).into_response())
 }

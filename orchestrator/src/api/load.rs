@@ -81,12 +81,12 @@ pub(super) async fn start(
     let permit = api.lanes.enter(Lane::of(&caller))?;
     let svc = api.svc.clone();
     let started = offload(permit, move || -> Result<LoadStarted, ApiError> {
-        let (t, _) = serving(&svc, &caller, &name)?;
+        let t = serving(&svc, &caller, &name)?;
         let pid = connect(&svc, &t)?
             .load_start(spec, LOAD_CALL_TIMEOUT)
             .map_err(agent_error)?;
         Ok(LoadStarted {
-            tenant: t.name.to_string(),
+            tenant: t.tenant.name.to_string(),
             spec,
             pid,
         })
@@ -121,12 +121,12 @@ pub(super) async fn status(
     let permit = api.lanes.enter(Lane::of(&caller))?;
     let svc = api.svc.clone();
     let status = offload(permit, move || -> Result<LoadStatus, ApiError> {
-        let (t, _) = serving(&svc, &caller, &name)?;
+        let t = serving(&svc, &caller, &name)?;
         let report = connect(&svc, &t)?
             .load_status(kind, LOAD_CALL_TIMEOUT)
             .map_err(agent_error)?;
         Ok(LoadStatus {
-            tenant: t.name.to_string(),
+            tenant: t.tenant.name.to_string(),
             report,
         })
     })

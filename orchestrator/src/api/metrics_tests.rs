@@ -12,7 +12,6 @@ use tenantvm_gpu::backend::{self as gpu_backend, BackendSpec};
 use tower::ServiceExt;
 
 use super::router;
-use crate::auth;
 use crate::backend::DiskCounters;
 use crate::tenant::fault::FaultHook;
 use crate::tenant::gpu::BackendPlanner;
@@ -57,13 +56,7 @@ async fn disk_and_gpu_series_reach_their_own_tenant_only() {
     std::fs::write(&host_file, ONE_H100).unwrap();
     let backend = gpu_backend::open(&BackendSpec::Sim(host_file.clone())).unwrap();
     let h = base.with_planner(Arc::new(BackendPlanner::new(backend)));
-    let admin_path = auth::ensure_admin_token(h.svc.store(), h.dir.path())
-        .unwrap()
-        .unwrap();
-    let admin = std::fs::read_to_string(admin_path)
-        .unwrap()
-        .trim()
-        .to_string();
+    let admin = h.admin_token();
     let mut tokens = Vec::new();
     for name in ["alice", "bob"] {
         let spec = json!({"name": name, "vcpus": 1, "memory_mib": 64,
@@ -155,13 +148,7 @@ async fn disk_and_gpu_series_reach_their_own_tenant_only() {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_admin_scrape_asks_silent_vmms_side_by_side() {
     let h = Harness::new(FaultHook::default());
-    let admin_path = auth::ensure_admin_token(h.svc.store(), h.dir.path())
-        .unwrap()
-        .unwrap();
-    let admin = std::fs::read_to_string(admin_path)
-        .unwrap()
-        .trim()
-        .to_string();
+    let admin = h.admin_token();
     let names = ["alice", "bob", "carol"];
     for name in names {
         let spec = json!({"name": name, "vcpus": 1, "memory_mib": 64,

@@ -1,6 +1,10 @@
-//! The daemon's HTTP API on a Unix socket (axum). Handlers authenticate, turn the request
-//! into one [`TenantCommand`] and hand it to the [`TenantService`]; they touch nothing else.
-//! The contract is docs/api/openapi.yaml; tests check live responses against it.
+//! The daemon's HTTP API on a Unix socket (axum). Handlers authenticate, then hand the
+//! request to the [`TenantService`]: as one [`TenantCommand`], or as a service operation
+//! (inference keys; a serving tenant for the routes that call its guest agent). Who may
+//! touch which tenant, in which state, is the service's one rule
+//! ([`crate::tenant::access`]); handlers own the wire (bodies, status codes) and write
+//! nothing to the store. The contract is docs/api/openapi.yaml; tests check live responses
+//! against it, and walk every route with another tenant's token (`access_tests.rs`).
 //!
 //! No caller can stall another ([`lanes`]): authentication and admission run first, on the
 //! async threads, without blocking work; the blocking work then runs on a thread of the
@@ -136,7 +140,7 @@ impl From<TenantServiceError> for ApiError {
             E::Gpu(GpuPlanError::NoGpuBackend) | E::Gpu(GpuPlanError::Plan(_)) => {
                 (StatusCode::BAD_REQUEST, "gpu_unavailable")
             }
-            E::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            E::NotFound(_) | E::NoSuchKey { .. } => (StatusCode::NOT_FOUND, "not_found"),
             E::AdminOnly(_) => (StatusCode::FORBIDDEN, "forbidden"),
             E::Store(StoreError::DuplicateName(_)) => (StatusCode::CONFLICT, "name_taken"),
             E::Store(StoreError::Lifecycle(_)) | E::Lifecycle(_) => {
@@ -144,7 +148,9 @@ impl From<TenantServiceError> for ApiError {
             }
             E::Busy(_) | E::Recovering(_) => (StatusCode::CONFLICT, "busy"),
             E::Capacity(_) => (StatusCode::CONFLICT, "insufficient_capacity"),
-            E::NotServing(_) => (StatusCode::CONFLICT, "invalid_state"),
+            E::NotServing(_) | E::NoAgent { .. } | E::Departing(_) => {
+                (StatusCode::CONFLICT, "invalid_state")
+            }
             E::AgentUnavailable(_) => (StatusCode::BAD_GATEWAY, "guest_unavailable"),
             E::Rescrub(crate::tenant::departure::RescrubError::NotQuarantined(_)) => {
                 (StatusCode::NOT_FOUND, "not_found")
@@ -545,6 +551,8 @@ pub fn router(svc: TenantService) -> Router {
         .with_state(state)
 }
 
+#[cfg(test)]
+mod access_tests;
 #[cfg(test)]
 mod gpu_info_tests;
 #[cfg(test)]

@@ -258,13 +258,7 @@ fn models_are_pushed_listed_and_removed_with_a_distinct_status_for_each_failure(
         "a tenant without an inference guest: {text}"
     );
     // A hash that does not match what arrives (sent by hand: the CLI hashes the file).
-    let admin_file = crate::auth::ensure_admin_token(h.svc.store(), h.dir.path())
-        .unwrap()
-        .unwrap();
-    let admin = std::fs::read_to_string(admin_file)
-        .unwrap()
-        .trim()
-        .to_string();
+    let admin = h.admin_token();
     let (status, body) = raw_push(
         &rt,
         &api_sock,

@@ -36,11 +36,8 @@ use tenantvm_agent_protocol::{AgentClientError, ErrorCode, ModelEntry};
 use super::lanes::{offload, Lane};
 use super::{authorization, ApiError, ApiState};
 use crate::auth::{self, Caller};
-use crate::domain::lifecycle::LifecycleState;
-use crate::domain::TenantName;
-use crate::tenant::context::Tenant;
-use crate::tenant::service::{TenantService, TenantServiceError};
-use crate::tenant::steps::guest;
+use crate::tenant::access::ServingTenant;
+use crate::tenant::service::TenantService;
 
 /// How long each agent answer (and each write of model data) may take.
 const MODEL_CALL_TIMEOUT: Duration = Duration::from_secs(120);
@@ -109,66 +106,22 @@ pub(super) fn agent_error(e: AgentClientError) -> ApiError {
     }
 }
 
-/// The running tenant `name` with an agent, if `caller` may see it; and whether its
-/// agent gives each request a stream of its own (vsock, or a multiplexed serial port: a
-/// push needs one).
+/// The running tenant `name` with an agent, if `caller` may act on it
+/// ([`TenantService::serving`]), for the model routes.
 pub(super) fn serving(
     svc: &TenantService,
     caller: &Caller,
     name: &str,
-) -> Result<(Tenant, bool), ApiError> {
-    serving_for(svc, caller, name, "it has no models")
+) -> Result<ServingTenant, ApiError> {
+    Ok(svc.serving(caller, name, "it has no models")?)
 }
 
-/// [`serving`], saying `without_agent` (e.g. "it has no models") when the tenant runs no
-/// guest image with an agent.
-pub(super) fn serving_for(
-    svc: &TenantService,
-    caller: &Caller,
-    name: &str,
-    without_agent: &str,
-) -> Result<(Tenant, bool), ApiError> {
-    let not_found = || ApiError::from(TenantServiceError::NotFound(name.to_string()));
-    if TenantName::check(name).is_err() {
-        return Err(not_found());
-    }
-    let record = match svc.store().tenant(name).map_err(TenantServiceError::from)? {
-        Some(t) if caller.may_see(t.id) => t,
-        _ => return Err(not_found()),
-    };
-    let ctx = svc.ctx();
-    let t = Tenant::load(&ctx, &record)
-        .map_err(|e| err(StatusCode::BAD_GATEWAY, "guest_unavailable", e.to_string()))?;
-    if !t.has_agent() {
-        return Err(err(
-            StatusCode::CONFLICT,
-            "invalid_state",
-            format!(
-                "Tenant {name:?} runs no guest image with an inference server: {without_agent}"
-            ),
-        ));
-    }
-    if record.state != LifecycleState::Running || t.vm.is_none() {
-        return Err(err(
-            StatusCode::CONFLICT,
-            "invalid_state",
-            format!("Tenant {name:?} is not running; start it (`tenantvm start {name}`) and retry"),
-        ));
-    }
-    let socket =
-        t.vm.as_ref()
-            .is_some_and(|vm| guest::streams_per_request(ctx.backend, vm, guest::CONNECT_TIMEOUT));
-    Ok((t, socket))
-}
-
+/// A connection to the agent of a tenant [`serving`] gave.
 pub(super) fn connect(
     svc: &TenantService,
-    t: &Tenant,
+    t: &ServingTenant,
 ) -> Result<tenantvm_agent_protocol::AgentClient, ApiError> {
-    let vm =
-        t.vm.as_ref()
-            .ok_or_else(|| err(StatusCode::CONFLICT, "invalid_state", "not running"))?;
-    guest::connect(svc.ctx().backend, vm, guest::CONNECT_TIMEOUT).map_err(agent_error)
+    svc.agent(t).map_err(agent_error)
 }
 
 /// The body of a push as a blocking reader, fed by the request's task.
@@ -281,8 +234,8 @@ pub(super) async fn push(
     let (tx, rx) = tokio::sync::mpsc::channel(PUSH_PIPE);
     let tenant = name.clone();
     let work = offload(permit, move || -> Result<ModelStored, ApiError> {
-        let (t, socket) = serving(&svc, &caller, &name)?;
-        if !socket {
+        let t = serving(&svc, &caller, &name)?;
+        if !t.streams_per_request {
             return Err(err(
                 StatusCode::CONFLICT,
                 "invalid_state",
@@ -325,13 +278,13 @@ pub(super) async fn push(
                 .model_push(&model, size, &sha256, &mut reader, MODEL_CALL_TIMEOUT)
                 .map_err(agent_error)?
         };
-        let _ = svc.store().add_event(
-            Some(t.id),
+        svc.record_event(
+            &t,
             "model",
             &format!("model {model} stored ({bytes} bytes)"),
         );
         Ok(ModelStored {
-            tenant: t.name.to_string(),
+            tenant: t.tenant.name.to_string(),
             name: model,
             bytes,
             sha256,
@@ -438,12 +391,12 @@ pub(super) async fn list(
     let permit = api.lanes.enter(Lane::of(&caller))?;
     let svc = api.svc.clone();
     let list = offload(permit, move || -> Result<ModelList, ApiError> {
-        let (t, _) = serving(&svc, &caller, &name)?;
+        let t = serving(&svc, &caller, &name)?;
         let models = connect(&svc, &t)?
             .model_list(MODEL_CALL_TIMEOUT)
             .map_err(agent_error)?;
         Ok(ModelList {
-            tenant: t.name.to_string(),
+            tenant: t.tenant.name.to_string(),
             models,
         })
     })
@@ -468,15 +421,13 @@ pub(super) async fn remove(
     let permit = api.lanes.enter(Lane::of(&caller))?;
     let svc = api.svc.clone();
     let done = offload(permit, move || -> Result<ModelRemoved, ApiError> {
-        let (t, _) = serving(&svc, &caller, &name)?;
+        let t = serving(&svc, &caller, &name)?;
         connect(&svc, &t)?
             .model_remove(&model, MODEL_CALL_TIMEOUT)
             .map_err(agent_error)?;
-        let _ = svc
-            .store()
-            .add_event(Some(t.id), "model", &format!("model {model} removed"));
+        svc.record_event(&t, "model", &format!("model {model} removed"));
         Ok(ModelRemoved {
-            tenant: t.name.to_string(),
+            tenant: t.tenant.name.to_string(),
             name: model,
         })
     })

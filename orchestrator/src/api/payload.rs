@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use tenantvm_agent_protocol::{AgentClientError, PayloadState};
 
 use super::lanes::{offload, Lane};
-use super::models::{agent_error, connect, serving_for};
+use super::models::{agent_error, connect};
 use super::{authorization, ApiError, ApiState};
 use crate::auth;
 
@@ -82,7 +82,7 @@ pub(super) async fn restart(
     let svc = api.svc.clone();
     let started = std::time::Instant::now();
     let done = offload(permit, move || -> Result<PayloadRestarted, ApiError> {
-        let (t, _) = serving_for(&svc, &caller, &name, "it has no inference server")?;
+        let t = svc.serving(&caller, &name, "it has no inference server")?;
         let mut agent = connect(&svc, &t)?;
         let pid = agent
             .restart_payload(RESTART_CALL_TIMEOUT)
@@ -94,9 +94,7 @@ pub(super) async fn restart(
                 ),
                 other => agent_error(other),
             })?;
-        let _ = svc
-            .store()
-            .add_event(Some(t.id), "payload", "payload restarted on request");
+        svc.record_event(&t, "payload", "payload restarted on request");
         let mut ready = false;
         if !wait.is_zero() {
             match agent.wait_payload_ready(wait) {
@@ -129,7 +127,7 @@ pub(super) async fn restart(
             }
         }
         Ok(PayloadRestarted {
-            tenant: t.name.to_string(),
+            tenant: t.tenant.name.to_string(),
             pid,
             ready,
             seconds: started.elapsed().as_secs_f64(),

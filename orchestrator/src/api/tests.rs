@@ -23,10 +23,7 @@ struct Api {
 impl Api {
     fn new() -> Api {
         let h = Harness::new(FaultHook::default());
-        let path = auth::ensure_admin_token(h.svc.store(), h.dir.path())
-            .unwrap()
-            .unwrap();
-        let admin = std::fs::read_to_string(path).unwrap().trim().to_string();
+        let admin = h.admin_token();
         Api {
             h,
             admin,

@@ -2,6 +2,8 @@
 //! once at create. Only SHA-256 hashes are stored; tokens are 256 random bits, so a hash
 //! lookup is safe, and the stored hash is compared again in constant time.
 
+pub mod inference_key;
+
 use std::path::{Path, PathBuf};
 
 use rand::RngCore;

@@ -205,6 +205,18 @@ impl From<InferError> for OpenAiError {
                 e.retry_after = Some(5);
                 e
             }
+            InferError::Recovering(_) => {
+                let mut e = OpenAiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "server_error",
+                    "tenant_recovering",
+                    "The endpoint restarted and is checking this tenant's inference server; \
+                     retry in a few seconds"
+                        .into(),
+                );
+                e.retry_after = Some(5);
+                e
+            }
             InferError::Unavailable(m) => OpenAiError::new(
                 StatusCode::BAD_GATEWAY,
                 "server_error",

@@ -9,7 +9,7 @@
 //! Each request is authenticated, size-checked against the tenant's
 //! `quotas.max_request_bytes` and admitted by its tenant's gate (request rate and
 //! concurrency) before any work reaches the guest, then forwarded through
-//! [`forward_http`]: the payload's answer is passed through as the payload produces it
+//! [`forward_http`](crate::tenant::infer::forward_http): the payload's answer is passed through as the payload produces it
 //! (server-sent events for `stream: true`), never buffered whole.
 //!
 //! Threads and connections, so that no tenant's slow client and no anonymous one holds
@@ -61,7 +61,7 @@ use self::connections::{ClaimRefused, Connections, Counted, Received, Slot, Sour
 use crate::channel_body::ChannelBody;
 use crate::metrics::RefusalReason;
 use crate::tenant::admission::Refused;
-use crate::tenant::infer::{self, forward_http, InferError, PayloadRequest};
+use crate::tenant::infer::{self, InferError, PayloadRequest};
 use crate::tenant::service::TenantService;
 
 /// How long a client has to send a request's head (also how long an idle keep-alive
@@ -459,7 +459,7 @@ async fn answer(
     } else {
         Vec::new()
     };
-    let admitted = infer::admit(&svc.ctx(), record).map_err(|e| match &e {
+    let admitted = svc.admit_front_door(record).map_err(|e| match &e {
         InferError::Quota(Refused::Rate { .. }) => refused(e.into(), RefusalReason::Rate),
         InferError::Quota(Refused::Concurrency { .. }) => {
             refused(e.into(), RefusalReason::Concurrency)
@@ -533,8 +533,7 @@ async fn forward(
     let tenant_name = tenant.to_string();
     workers
         .run(move || {
-            let ctx = svc.ctx();
-            let mut answer = match forward_http(&ctx, admitted, request) {
+            let mut answer = match svc.forward_payload(admitted, request) {
                 Ok(answer) => answer,
                 Err(e) => {
                     let _ = head_tx.send(Err(e));

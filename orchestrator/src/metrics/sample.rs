@@ -37,30 +37,10 @@ pub fn sample_tenant(svc: &TenantService, record: &TenantRecord) {
     let metrics = svc.metrics();
     let name = record.name.as_str();
     metrics.claim(name, record.id);
-    let ctx = svc.ctx();
-    let vm = crate::tenant::context::Tenant::load(&ctx, record)
-        .ok()
-        .and_then(|t| t.vm);
-    let disk = vm.as_ref().and_then(|vm| {
-        metrics.sample_cgroup(name, &vm.cgroup);
-        ctx.backend
-            .disk_counters(vm, VMM_TIMEOUT)
-            .map_err(|e| tracing::debug!(tenant = %name, error = %e, "no disk counters"))
-            .ok()
-            .flatten()
-    });
-    metrics.sample_disk(name, disk);
-    let gpu = ctx
-        .store
-        .gpu_placement(record.id)
-        .ok()
-        .flatten()
-        .and_then(|placement| {
-            ctx.gpu
-                .usage(&placement)
-                .map_err(|e| tracing::debug!(tenant = %name, error = %e, "no GPU usage"))
-                .ok()
-                .flatten()
-        });
-    metrics.sample_gpu(name, gpu);
+    let usage = svc.usage(record, VMM_TIMEOUT);
+    if let Some(cgroup) = &usage.cgroup {
+        metrics.sample_cgroup(name, cgroup);
+    }
+    metrics.sample_disk(name, usage.disk);
+    metrics.sample_gpu(name, usage.gpu);
 }

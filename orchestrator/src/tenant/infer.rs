@@ -40,6 +40,9 @@ pub enum InferError {
     /// The guest agent or its payload could not answer.
     #[error("The tenant's guest could not answer: {0}")]
     Unavailable(String),
+    /// The daemon has restarted and is still checking this tenant.
+    #[error("Tenant {0:?} is being recovered after a daemon restart; retry in a few seconds")]
+    Recovering(String),
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),

@@ -13,6 +13,7 @@
 //!
 //! The spec and the lifecycle state machine are in [`crate::domain`].
 
+pub mod access;
 pub mod admission;
 pub mod agent_mux;
 pub mod card_lock;
@@ -28,11 +29,13 @@ pub mod gpu_scrub;
 pub mod host;
 pub mod image;
 pub mod infer;
+pub mod inference_keys;
 pub mod logs;
 pub mod runner;
 pub mod service;
 pub mod service_error;
 pub mod steps;
+pub mod usage;
 pub mod view;
 
 #[cfg(test)]

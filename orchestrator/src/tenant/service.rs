@@ -13,8 +13,8 @@ use crate::auth::{self, Caller};
 use crate::backend::{RunningVm, VmBackend};
 use crate::domain::lifecycle::LifecycleState;
 use crate::domain::spec::TenantSpec;
-use crate::domain::TenantName;
 use crate::store::{ResourceKind, Store, TenantRecord, TokenOwner};
+use crate::tenant::access::Need;
 use crate::tenant::admission::Admission;
 use crate::tenant::card_lock::CardLocks;
 use crate::tenant::context::{StepCtx, StopFlag, Tenant};
@@ -268,7 +268,8 @@ impl TenantService {
         lock(&self.busy).contains_key(name)
     }
 
-    fn is_recovering(&self, name: &str) -> bool {
+    /// Whether the recovery pass holds the tenant now.
+    pub(crate) fn is_recovering(&self, name: &str) -> bool {
         lock(&self.busy).get(name) == Some(&BusyWith::Recovery)
     }
 
@@ -344,21 +345,24 @@ impl TenantService {
                 Ok(CommandOutcome::Tenants(TenantList { tenants }))
             }
             TenantCommand::Status(name) => {
-                let t = self.visible(caller, &name)?;
+                let t = self.tenant_for(caller, &name, Need::See)?;
                 Ok(CommandOutcome::Tenant(self.view(&t)?))
             }
             TenantCommand::Stop(name) => {
-                let t = self.visible(caller, &name)?;
+                // The busy guard (taken by the operation) refuses a recovering tenant.
+                let t = self.tenant_for(caller, &name, Need::See)?;
                 self.begin(t, LifecycleState::Stopping, Op::Stop)
                     .map(CommandOutcome::Tenant)
             }
             TenantCommand::Start(name) => {
-                let t = self.visible(caller, &name)?;
+                // The busy guard (taken by the operation) refuses a recovering tenant.
+                let t = self.tenant_for(caller, &name, Need::See)?;
                 self.begin(t, LifecycleState::Provisioning, Op::Start)
                     .map(CommandOutcome::Tenant)
             }
             TenantCommand::Destroy(name) => {
-                let t = self.visible(caller, &name)?;
+                // The busy guard (taken by the operation) refuses a recovering tenant.
+                let t = self.tenant_for(caller, &name, Need::See)?;
                 if t.state == LifecycleState::Destroying {
                     // A destroy that stopped on a failed step: resume it where it stopped.
                     return self.resume_destroy(t).map(CommandOutcome::Tenant);
@@ -388,13 +392,13 @@ impl TenantService {
                     .map_err(TenantServiceError::from)
             }
             TenantCommand::Infer(name, body) => {
-                let t = self.visible(caller, &name)?;
+                let t = self.tenant_for(caller, &name, Need::Act)?;
                 crate::tenant::infer::infer(&self.ctx(), &t, body)
                     .map(CommandOutcome::Inferred)
                     .map_err(TenantServiceError::from)
             }
             TenantCommand::Logs(name, query) => {
-                let t = self.visible(caller, &name)?;
+                let t = self.tenant_for(caller, &name, Need::See)?;
                 crate::tenant::logs::read(&self.store, &self.config, &t, &query)
                     .map(CommandOutcome::Log)
                     .map_err(TenantServiceError::from)
@@ -410,7 +414,7 @@ impl TenantService {
         caller: &Caller,
         name: &str,
     ) -> Result<AdmittedInfer, TenantServiceError> {
-        let tenant = self.visible(caller, name)?;
+        let tenant = self.tenant_for(caller, name, Need::Act)?;
         Ok(crate::tenant::infer::admit(&self.ctx(), tenant)?)
     }
 
@@ -422,19 +426,6 @@ impl TenantService {
         body: serde_json::Value,
     ) -> Result<serde_json::Value, TenantServiceError> {
         Ok(crate::tenant::infer::forward(&self.ctx(), admitted, body)?)
-    }
-
-    /// The live tenant `name` if the caller may see it; otherwise NotFound, whether or not
-    /// it exists, so a tenant token cannot probe for other tenants' names.
-    fn visible(&self, caller: &Caller, name: &str) -> Result<TenantRecord, TenantServiceError> {
-        let not_found = || TenantServiceError::NotFound(name.to_string());
-        if TenantName::check(name).is_err() {
-            return Err(not_found());
-        }
-        match self.store.tenant(name)? {
-            Some(t) if caller.may_see(t.id) => Ok(t),
-            _ => Err(not_found()),
-        }
     }
 
     fn create(&self, mut spec: TenantSpec) -> Result<CreateResponse, TenantServiceError> {

@@ -81,6 +81,25 @@ pub enum TenantServiceError {
     /// The guest agent or its payload could not answer.
     #[error("The tenant's guest could not answer: {0}")]
     AgentUnavailable(String),
+    /// The tenant is being destroyed: it gets no new inference keys.
+    #[error("Tenant {0:?} is being destroyed; it gets no new keys")]
+    Departing(String),
+    /// The tenant has no live inference key by that id.
+    #[error("Tenant {name:?} has no live key {id}; see `tenantvm key list {name}`")]
+    NoSuchKey {
+        /// The tenant.
+        name: String,
+        /// The id asked for.
+        id: i64,
+    },
+    /// The tenant runs no guest image with an agent, so what needs one cannot be had.
+    #[error("Tenant {name:?} runs no guest image with an inference server: {without}")]
+    NoAgent {
+        /// The tenant.
+        name: String,
+        /// What the caller cannot have (for example "it has no models").
+        without: &'static str,
+    },
     /// A step's error outside an operation (a VM check, reconciliation).
     #[error("{0}")]
     Host(#[from] StepError),
@@ -98,6 +117,7 @@ impl From<InferError> for TenantServiceError {
             InferError::NotServing(n) => TenantServiceError::NotServing(n),
             InferError::Unavailable(m) => TenantServiceError::AgentUnavailable(m),
             InferError::Store(e) => TenantServiceError::Store(e),
+            InferError::Recovering(n) => TenantServiceError::Recovering(n),
         }
     }
 }

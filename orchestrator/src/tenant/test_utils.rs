@@ -410,6 +410,15 @@ pub struct Harness {
 }
 
 impl Harness {
+    /// The admin token, made on first use in the harness's state directory (as the daemon
+    /// makes it at init).
+    pub fn admin_token(&self) -> String {
+        let path = crate::auth::ensure_admin_token(self.svc.store(), self.dir.path())
+            .unwrap()
+            .expect("the store has no admin token yet");
+        std::fs::read_to_string(path).unwrap().trim().to_string()
+    }
+
     /// The departure receipts the audit log holds for tenant `name`, oldest first.
     pub fn receipts_of(&self, name: &str) -> Vec<crate::receipt::LogEntry> {
         let kit = self.svc.departure_kit().unwrap();

@@ -53,10 +53,7 @@ impl Daemon {
     }
 
     fn start_with(h: Harness) -> Daemon {
-        let path = crate::auth::ensure_admin_token(h.svc.store(), h.dir.path())
-            .unwrap()
-            .unwrap();
-        let admin = std::fs::read_to_string(path).unwrap().trim().to_string();
+        let admin = h.admin_token();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()

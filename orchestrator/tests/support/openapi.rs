@@ -22,6 +22,22 @@ impl OpenApi {
         OpenApi { root }
     }
 
+    /// Every operation the spec declares, as (upper-case method, path template), sorted.
+    pub fn operations(&self) -> Vec<(String, String)> {
+        let mut ops = Vec::new();
+        if let Some(paths) = self.root.get("paths").and_then(Value::as_object) {
+            for (template, item) in paths {
+                for method in ["get", "put", "post", "delete", "patch", "head", "options"] {
+                    if item.get(method).is_some() {
+                        ops.push((method.to_uppercase(), template.clone()));
+                    }
+                }
+            }
+        }
+        ops.sort();
+        ops
+    }
+
     /// Checks a response body against the schema the spec declares for `method` on the path
     /// template (e.g. `/v1/tenants/{name}`) with this status.
     pub fn check_response(

@@ -55,7 +55,7 @@ pub(super) fn door(quotas: &[(&'static str, &str)]) -> Option<Door> {
             guests.clone(),
         );
         let t = h.svc.store().tenant(name).unwrap().unwrap();
-        let (key, _, _) = crate::frontdoor::keys::create(h.svc.store(), t.id).unwrap();
+        let (key, _, _) = crate::auth::inference_key::create(h.svc.store(), t.id).unwrap();
         keys.insert(*name, key);
     }
     let pair = TlsPair::write(h.dir.path());

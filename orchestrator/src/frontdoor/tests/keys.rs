@@ -16,10 +16,7 @@ fn keys_are_managed_through_the_api_by_their_tenant_and_revoked_at_departure() {
     use axum::body::Body;
     use tower::ServiceExt;
     let h = Harness::new(FaultHook::default());
-    let admin = crate::auth::ensure_admin_token(h.svc.store(), h.dir.path())
-        .unwrap()
-        .unwrap();
-    let admin = std::fs::read_to_string(admin).unwrap().trim().to_string();
+    let admin = h.admin_token();
     let rt = crate::daemon::runtime().unwrap();
     let app = crate::api::router(h.svc.clone());
     let call = |method: &str, uri: &str, token: &str| -> (u16, Value) {
@@ -65,7 +62,7 @@ fn keys_are_managed_through_the_api_by_their_tenant_and_revoked_at_departure() {
     let (s, made) = call("POST", "/v1/tenants/alice/keys", &tokens["alice"]);
     assert_eq!(s, 201, "{made}");
     let key = made["key"].as_str().unwrap().to_string();
-    assert!(key.starts_with(crate::frontdoor::keys::KEY_PREFIX));
+    assert!(key.starts_with(crate::auth::inference_key::KEY_PREFIX));
     let bearer = format!("Bearer {key}");
     assert_eq!(
         crate::frontdoor::keys::authenticate(h.svc.store(), Some(&bearer))

@@ -63,10 +63,7 @@ fn openai_routes_stream_through_and_every_bad_request_gets_openais_error_shape()
         assert_eq!(error_code(&r.json()), "invalid_api_key");
     }
     // The admin token is no inference key.
-    let admin = crate::auth::ensure_admin_token(d.h.svc.store(), d.h.dir.path())
-        .unwrap()
-        .unwrap();
-    let admin = std::fs::read_to_string(admin).unwrap();
+    let admin = d.h.admin_token();
     assert_eq!(
         d.send("GET", "/v1/models", Some(admin.trim()), None).status,
         401
