@@ -26,8 +26,9 @@ use thiserror::Error;
 
 use crate::domain::lifecycle::LifecycleState;
 use crate::domain::TenantName;
+use crate::jail::error_chain;
 use crate::store::{ResourceKind, StoreError, TenantRecord};
-use crate::tenant::context::{error_chain, StepError, Tenant};
+use crate::tenant::context::{StepError, Tenant};
 use crate::tenant::service::{BusyGuard, TenantService, TenantServiceError};
 use crate::tenant::steps::{vm::kill_vm, Op};
 

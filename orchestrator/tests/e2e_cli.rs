@@ -107,3 +107,39 @@ fn cli_commands_work_and_failures_have_distinct_exit_statuses() {
     assert!(text(&o).contains("no tenants"));
     d.stop();
 }
+
+/// A daemon that cannot start says why on one line, each cause once: the store's error
+/// prints its SQLite cause in its own message and returns it as its source too.
+#[test]
+fn a_daemon_that_cannot_start_names_each_cause_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    // The store's file is a directory: SQLite cannot open it.
+    std::fs::create_dir_all(state.join("state.db")).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tenantvmd"))
+        .arg("--state-dir")
+        .arg(&state)
+        .arg("--socket")
+        .arg(dir.path().join("d.sock"))
+        .arg("--image-dir")
+        .arg(dir.path().join("img"))
+        .env("TENANTVMD_KEK_FILE", dir.path().join("host-kek"))
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "tenantvmd started over a broken store"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("tenantvmd: "))
+        .unwrap_or_else(|| panic!("no failure line: {stderr}"));
+    let cause = "unable to open database file";
+    assert!(line.contains("Cannot open the state store"), "{line}");
+    assert_eq!(
+        line.matches(cause).count(),
+        1,
+        "a cause printed twice: {line}"
+    );
+}

@@ -23,6 +23,7 @@ use nix::sched::{unshare, CloneFlags};
 use nix::sys::resource::{setrlimit, Resource};
 use nix::unistd::{chdir, chroot, fork, setgroups, setresgid, setresuid, ForkResult, Gid, Uid};
 
+use super::error_chain::error_chain;
 use super::process::{ExitRecord, JAIL_SETUP_FAILED};
 use super::{JailError, JailPlan};
 
@@ -91,17 +92,6 @@ pub fn main_with_args(args: &[String]) -> i32 {
             &format!("tenantvm-jail: {}", error_chain(&e)),
         ),
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        cur = s.source();
-    }
-    text
 }
 
 fn fail(exit_file: Option<&Path>, message: &str) -> i32 {

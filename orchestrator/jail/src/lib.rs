@@ -12,6 +12,7 @@
 pub mod blkio;
 pub mod cgroup;
 pub mod devices;
+pub mod error_chain;
 pub mod launcher;
 pub mod name;
 pub mod plan;
@@ -24,6 +25,7 @@ use std::path::{Path, PathBuf};
 pub use blkio::{BlockIoLimit, BlockIoOutcome};
 pub use cgroup::{CgroupHandle, CgroupLayout, Cgroups, ResourceLimits};
 pub use devices::DeviceAllowance;
+pub use error_chain::error_chain;
 pub use name::{is_valid_tenant_name, MAX_TENANT_NAME};
 pub use plan::{BindMount, JailPlan, JailRlimits, Seal};
 pub use process::{ExitRecord, Launched};

@@ -34,7 +34,9 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("tenantvmd: {e:#}");
+            // Each cause once, however the error's layers print their sources.
+            let e: &(dyn std::error::Error + 'static) = e.as_ref();
+            eprintln!("tenantvmd: {}", tenantvm::jail::error_chain(e));
             ExitCode::FAILURE
         }
     }

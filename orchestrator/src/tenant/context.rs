@@ -196,15 +196,3 @@ impl Tenant {
         self.guest == GuestKind::Agent
     }
 }
-
-/// An error and its sources on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}

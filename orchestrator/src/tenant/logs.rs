@@ -159,7 +159,7 @@ fn crlf_to_lf(text: String) -> String {
 fn log_err(e: crate::logs::LogError) -> LogReadError {
     match e {
         crate::logs::LogError::InvalidRequest(m) => LogReadError::BadRequest(m),
-        other => LogReadError::Log(crate::tenant::context::error_chain(&other)),
+        other => LogReadError::Log(crate::jail::error_chain(&other)),
     }
 }
 

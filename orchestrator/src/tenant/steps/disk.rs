@@ -14,11 +14,12 @@ use std::path::PathBuf;
 use crate::backend::{DiskAttachment, DiskRateLimit};
 use crate::disk::create_image;
 use crate::domain::spec::TenantSpec;
+use crate::jail::error_chain;
 use crate::keys::DiskKey;
 use crate::receipt::{now_rfc3339, Assurance, DepartureStep, StepRecord, StepResult};
 use crate::store::ResourceKind;
 use crate::tenant::config::ServiceConfig;
-use crate::tenant::context::{error_chain, StepCtx, StepError, Tenant};
+use crate::tenant::context::{StepCtx, StepError, Tenant};
 use crate::tenant::steps::Op;
 
 /// File name of the image in the tenant directory.

@@ -9,11 +9,12 @@ use crate::backend::{
     BackendError, ExitReason, JailConfig, ResourceLimits, RunningVm, VmSpec, VmState,
 };
 use crate::domain::spec::TenantSpec;
+use crate::jail::error_chain;
 use crate::jail::{BlockIoLimit, BlockIoOutcome};
 use crate::receipt::{now_rfc3339, Assurance, DepartureStep, StepRecord, StepResult};
 use crate::store::{ResourceKind, StoreError};
 use crate::tenant::config::ServiceConfig;
-use crate::tenant::context::{error_chain, StepCtx, StepError, Tenant};
+use crate::tenant::context::{StepCtx, StepError, Tenant};
 use crate::tenant::steps::{disk, guest, Op};
 
 /// allocate-uid: the uid (= gid) the tenant's VMM runs as, unique among tenants.
