@@ -336,7 +336,7 @@ fn event_loop(
         let n = match epoll.wait(-1, &mut events) {
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => break ExitReason::VmmError(format!("epoll_wait failed: {e}")),
+            Err(e) => break ExitReason::vmm_error(format!("epoll_wait failed: {e}")),
         };
         for event in &events[..n] {
             match event.data() {
@@ -456,7 +456,7 @@ fn handle_command(
             devices: counters.snapshot(),
         },
         VmCommand::Shutdown => {
-            exit.stop(ExitReason::ApiShutdown);
+            exit.stop(ExitReason::API_SHUTDOWN);
             VmResponse::Done {
                 ok: true,
                 state: state(*paused),

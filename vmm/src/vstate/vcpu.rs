@@ -216,7 +216,7 @@ impl VcpuSet {
                 .name(format!("vcpu{id}"))
                 .spawn(move || {
                     if let Some(Err(e)) = filters.map(|f| f.apply(ThreadKind::Vcpu)) {
-                        exit.stop(ExitReason::VmmError(e.to_string()));
+                        exit.stop(ExitReason::vmm_error(e.to_string()));
                         return;
                     }
                     run_vcpu(fd, &buses, &control, &exit)
@@ -304,7 +304,7 @@ fn run_vcpu(fd: VcpuFd, buses: &Buses, control: &VcpuControl, exit: &ExitState) 
         vcpu_loop(fd, buses, control, exit)
     }));
     if outcome.is_err() {
-        exit.stop(ExitReason::VmmError("a vCPU thread panicked".into()));
+        exit.stop(ExitReason::vmm_error("a vCPU thread panicked"));
     }
 }
 
@@ -376,31 +376,31 @@ fn vcpu_loop(mut fd: VcpuFd, buses: &Buses, control: &VcpuControl, exit: &ExitSt
                 None
             }
             Ok(VcpuExit::Hlt | VcpuExit::Intr | VcpuExit::IrqWindowOpen) => None,
-            Ok(VcpuExit::Shutdown) => Some(ExitReason::TripleFault),
+            Ok(VcpuExit::Shutdown) => Some(ExitReason::TRIPLE_FAULT),
             Ok(VcpuExit::SystemEvent(kind, _)) => match kind {
-                KVM_SYSTEM_EVENT_SHUTDOWN => Some(ExitReason::PowerOff),
-                KVM_SYSTEM_EVENT_RESET => Some(ExitReason::Reset),
-                KVM_SYSTEM_EVENT_CRASH => Some(ExitReason::GuestPanic),
-                other => Some(ExitReason::GuestUnrunnable(format!(
+                KVM_SYSTEM_EVENT_SHUTDOWN => Some(ExitReason::POWER_OFF),
+                KVM_SYSTEM_EVENT_RESET => Some(ExitReason::RESET),
+                KVM_SYSTEM_EVENT_CRASH => Some(ExitReason::GUEST_PANIC),
+                other => Some(ExitReason::guest_unrunnable(format!(
                     "unhandled KVM system event {other}"
                 ))),
             },
-            Ok(VcpuExit::FailEntry(reason, cpu)) => Some(ExitReason::GuestUnrunnable(format!(
+            Ok(VcpuExit::FailEntry(reason, cpu)) => Some(ExitReason::guest_unrunnable(format!(
                 "VM entry failed (hardware reason {reason:#x}, cpu {cpu})"
             ))),
             Ok(VcpuExit::InternalError) => {
                 // SAFETY: `run` is this vCPU's kvm_run and the exit is KVM_EXIT_INTERNAL_ERROR.
                 let suberror = unsafe { internal_error_suberror(run) };
-                Some(ExitReason::GuestUnrunnable(format!(
+                Some(ExitReason::guest_unrunnable(format!(
                     "KVM internal error {suberror} ({})",
                     describe_internal_error(suberror)
                 )))
             }
-            Ok(other) => Some(ExitReason::GuestUnrunnable(format!(
+            Ok(other) => Some(ExitReason::guest_unrunnable(format!(
                 "unhandled vCPU exit {other:?}"
             ))),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => None,
-            Err(e) => Some(ExitReason::VmmError(format!("KVM_RUN failed: {e}"))),
+            Err(e) => Some(ExitReason::vmm_error(format!("KVM_RUN failed: {e}"))),
         };
         if let Some(reason) = outcome {
             exit.stop(reason);
