@@ -3,11 +3,12 @@
 //! ELF under tenantvm-vmm and under QEMU (kvm and tcg). Needs root, /dev/kvm, the built
 //! guest and binaries; skips with a printed reason otherwise.
 
-mod common;
+mod support;
 
 use std::fs;
 use std::path::PathBuf;
 use std::time::Duration;
+use support::runtime;
 
 use tenantvm::backend::runner::sibling_binary;
 use tenantvm::backend::{
@@ -18,14 +19,14 @@ use tenantvm::backend::{
 const QEMU: &str = "/usr/bin/qemu-system-x86_64";
 
 fn guest() -> PathBuf {
-    common::repo_root().join("target/test-guests/tvm-testguest")
+    runtime::repo_root().join("target/test-guests/tvm-testguest")
 }
 
 fn skip() -> Option<String> {
-    if let Some(reason) = common::skip_reason() {
+    if let Some(reason) = runtime::skip_reason() {
         return Some(reason);
     }
-    if let Some(reason) = common::kvm_unusable() {
+    if let Some(reason) = runtime::kvm_unusable() {
         return Some(reason);
     }
     if !guest().exists() {
@@ -47,7 +48,7 @@ macro_rules! require {
 
 fn config() -> RuntimeConfig {
     let mut config = RuntimeConfig::detect().unwrap();
-    config.jail_binary = common::jail_binary();
+    config.jail_binary = runtime::jail_binary();
     config.ready_timeout = Duration::from_secs(60);
     config
 }
@@ -78,10 +79,10 @@ fn qemu_backend(accel: QemuAccel) -> Option<QemuBackend> {
 }
 
 fn spec(tmp: &tempfile::TempDir, tag: &str, test: &str, vcpus: u32) -> VmSpec {
-    let tenant = common::tenant(tag);
+    let tenant = runtime::tenant(tag);
     VmSpec {
         vsock_cid: None,
-        tenant_dir: common::tenant_dir(tmp, &tenant),
+        tenant_dir: runtime::tenant_dir(tmp, &tenant),
         devices: vec![],
         uuid: None,
         hugepages: None,
@@ -96,11 +97,11 @@ fn spec(tmp: &tempfile::TempDir, tag: &str, test: &str, vcpus: u32) -> VmSpec {
 }
 
 fn jail(slot: u32) -> JailConfig {
-    let uid = common::test_uid(slot);
+    let uid = runtime::test_uid(slot);
     JailConfig {
         uid,
         gid: uid,
-        limits: common::roomy_limits(),
+        limits: runtime::roomy_limits(),
     }
 }
 
@@ -117,9 +118,9 @@ fn idle_guest_runs_and_stops(
 ) {
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, tag, "idle", 1);
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let vm = backend.launch(&spec, &jail(slot)).unwrap();
-    common::wait_until(
+    runtime::wait_until(
         Duration::from_secs(120),
         "the idle guest's ticks on serial",
         || {
@@ -138,7 +139,7 @@ fn idle_guest_runs_and_stops(
 
 #[test]
 fn vmm_backend_runs_the_test_guest() {
-    let _one = common::one_guest_at_a_time();
+    let _one = runtime::one_guest_at_a_time();
     require!();
     let Some(backend) = vmm_backend() else { return };
     idle_guest_runs_and_stops(&backend, "gvmm", 20, &[ExitReason::Stopped]);
@@ -146,7 +147,7 @@ fn vmm_backend_runs_the_test_guest() {
 
 #[test]
 fn qemu_kvm_backend_runs_the_test_guest() {
-    let _one = common::one_guest_at_a_time();
+    let _one = runtime::one_guest_at_a_time();
     require!();
     let Some(backend) = qemu_backend(QemuAccel::Kvm) else {
         return;
@@ -157,7 +158,7 @@ fn qemu_kvm_backend_runs_the_test_guest() {
 
 #[test]
 fn qemu_tcg_backend_runs_the_test_guest() {
-    let _one = common::one_guest_at_a_time();
+    let _one = runtime::one_guest_at_a_time();
     require!();
     let Some(backend) = qemu_backend(QemuAccel::Tcg) else {
         return;
@@ -175,9 +176,9 @@ fn run_to_end(
 ) -> (ExitReason, String) {
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, tag, test, vcpus);
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let reason = match backend.launch(&spec, &jail(slot)) {
-        Ok(vm) => common::wait_until(
+        Ok(vm) => runtime::wait_until(
             Duration::from_secs(120),
             "the guest to end",
             || match backend.state(&vm).unwrap() {
@@ -194,7 +195,7 @@ fn run_to_end(
 
 #[test]
 fn vmm_backend_smp_guest_passes_inside_the_jail() {
-    let _one = common::one_guest_at_a_time();
+    let _one = runtime::one_guest_at_a_time();
     require!();
     let Some(backend) = vmm_backend() else { return };
     let (reason, serial) = run_to_end(&backend, "gsmp", "smp", 2, 23);
@@ -204,7 +205,7 @@ fn vmm_backend_smp_guest_passes_inside_the_jail() {
 
 #[test]
 fn vmm_backend_reports_guest_panic() {
-    let _one = common::one_guest_at_a_time();
+    let _one = runtime::one_guest_at_a_time();
     require!();
     let Some(backend) = vmm_backend() else { return };
     let (reason, serial) = run_to_end(&backend, "gpanic", "panic", 1, 24);

@@ -2,11 +2,12 @@
 //! its banner, then panics for want of a root filesystem and stays up). Needs root, QEMU and
 //! .cache/kernel (scripts/setup.sh); skips with a printed reason otherwise.
 
-mod common;
+mod support;
 
 use std::fs;
 use std::path::PathBuf;
 use std::time::Duration;
+use support::runtime;
 
 use tenantvm::backend::{
     BackendError, ExitReason, JailConfig, QemuAccel, QemuBackend, RuntimeConfig, VmBackend, VmSpec,
@@ -17,11 +18,11 @@ use tenantvm::jail::cleanup_tenant;
 const QEMU: &str = "/usr/bin/qemu-system-x86_64";
 
 fn kernel() -> PathBuf {
-    common::repo_root().join(".cache/kernel/vmlinuz")
+    runtime::repo_root().join(".cache/kernel/vmlinuz")
 }
 
 fn skip() -> Option<String> {
-    if let Some(reason) = common::skip_reason() {
+    if let Some(reason) = runtime::skip_reason() {
         return Some(reason);
     }
     if !PathBuf::from(QEMU).exists() {
@@ -40,7 +41,7 @@ fn skip() -> Option<String> {
 
 fn backend() -> QemuBackend {
     let mut config = RuntimeConfig::detect().unwrap();
-    config.jail_binary = common::jail_binary();
+    config.jail_binary = runtime::jail_binary();
     config.ready_timeout = Duration::from_secs(60);
     QemuBackend::new(
         PathBuf::from(QEMU),
@@ -51,10 +52,10 @@ fn backend() -> QemuBackend {
 }
 
 fn spec(tmp: &tempfile::TempDir, tag: &str) -> VmSpec {
-    let tenant = common::tenant(tag);
+    let tenant = runtime::tenant(tag);
     VmSpec {
         vsock_cid: None,
-        tenant_dir: common::tenant_dir(tmp, &tenant),
+        tenant_dir: runtime::tenant_dir(tmp, &tenant),
         devices: vec![],
         uuid: None,
         hugepages: None,
@@ -69,11 +70,11 @@ fn spec(tmp: &tempfile::TempDir, tag: &str) -> VmSpec {
 }
 
 fn jail(slot: u32) -> JailConfig {
-    let uid = common::test_uid(slot);
+    let uid = runtime::test_uid(slot);
     JailConfig {
         uid,
         gid: uid,
-        limits: common::roomy_limits(),
+        limits: runtime::roomy_limits(),
     }
 }
 
@@ -88,20 +89,20 @@ fn uid_of(pid: i32) -> Option<u32> {
 
 #[test]
 fn qemu_guest_launches_reports_state_and_stops() {
-    let _one = common::one_guest_at_a_time();
+    let _one = runtime::one_guest_at_a_time();
     if let Some(reason) = skip() {
         tenantvm_skip::skip!("{reason}");
     }
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "qemu");
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let jail = jail(1);
     let backend = backend();
     let vm = backend.launch(&spec, &jail).unwrap();
     assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
     // The guest really runs: its banner reaches serial.log through the jail.
     let serial = spec.tenant_dir.join("serial.log");
-    common::wait_until(
+    runtime::wait_until(
         Duration::from_secs(120),
         "the kernel banner on serial",
         || {
@@ -141,20 +142,20 @@ fn qemu_guest_launches_reports_state_and_stops() {
 
 #[test]
 fn qemu_kvm_accel_opens_the_jails_kvm_node() {
-    let _one = common::one_guest_at_a_time();
+    let _one = runtime::one_guest_at_a_time();
     if let Some(reason) = skip() {
         tenantvm_skip::skip!("{reason}");
     }
-    if let Some(reason) = common::kvm_unusable() {
+    if let Some(reason) = runtime::kvm_unusable() {
         tenantvm_skip::skip!("{reason}");
     }
     let tmp = tempfile::tempdir().unwrap();
     let mut spec = spec(&tmp, "qkvm");
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     // The ELF vmlinux with its PVH note (QEMU's pvh.bin option ROM, mounted from the host).
-    spec.kernel = common::repo_root().join(".cache/kernel/vmlinux");
+    spec.kernel = runtime::repo_root().join(".cache/kernel/vmlinux");
     let mut config = RuntimeConfig::detect().unwrap();
-    config.jail_binary = common::jail_binary();
+    config.jail_binary = runtime::jail_binary();
     config.ready_timeout = Duration::from_secs(60);
     let backend = QemuBackend::new(
         PathBuf::from(QEMU),
@@ -177,13 +178,13 @@ fn qemu_kvm_accel_opens_the_jails_kvm_node() {
 
 #[test]
 fn qemu_kill_is_final_and_idempotent() {
-    let _one = common::one_guest_at_a_time();
+    let _one = runtime::one_guest_at_a_time();
     if let Some(reason) = skip() {
         tenantvm_skip::skip!("{reason}");
     }
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "qkill");
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let backend = backend();
     let vm = backend.launch(&spec, &jail(2)).unwrap();
     backend.kill(&vm).unwrap();
@@ -272,16 +273,16 @@ fn qemu_launch_rejects_bad_specs_before_starting_anything() {
 /// for good without a deadline. Stop kills the cgroup after one control timeout.
 #[test]
 fn qemu_a_stopped_qemu_is_stopped_in_bounded_time() {
-    let _one = common::one_guest_at_a_time();
+    let _one = runtime::one_guest_at_a_time();
     if let Some(reason) = skip() {
         tenantvm_skip::skip!("{reason}");
     }
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "qstop");
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let control = Duration::from_secs(2);
     let mut config = RuntimeConfig::detect().unwrap();
-    config.jail_binary = common::jail_binary();
+    config.jail_binary = runtime::jail_binary();
     config.ready_timeout = Duration::from_secs(60);
     config.control_timeout = control;
     let backend = QemuBackend::new(
@@ -295,12 +296,12 @@ fn qemu_a_stopped_qemu_is_stopped_in_bounded_time() {
         backend.agent_endpoint(&vm),
         tenantvm_agent_protocol::AgentEndpoint::Serial(spec.tenant_dir.join("run/agent.sock"))
     );
-    common::freeze(&vm.cgroup);
+    runtime::freeze(&vm.cgroup);
     // Twice: the first stop's connection may sit in the one-slot queue; the second
     // connect then meets a full backlog.
     for round in 0..2 {
         let (b, v) = (backend.clone(), vm.clone());
-        let (state, took) = common::within(Duration::from_secs(60), "state", move || b.state(&v));
+        let (state, took) = runtime::within(Duration::from_secs(60), "state", move || b.state(&v));
         assert!(state.unwrap_err().is_unresponsive(), "round {round}");
         assert!(
             took < control + Duration::from_secs(3),
@@ -308,7 +309,7 @@ fn qemu_a_stopped_qemu_is_stopped_in_bounded_time() {
         );
     }
     let (b, v) = (backend.clone(), vm.clone());
-    let (stopped, took) = common::within(Duration::from_secs(60), "stop", move || {
+    let (stopped, took) = runtime::within(Duration::from_secs(60), "stop", move || {
         b.stop(&v, Duration::from_secs(10))
     });
     assert_eq!(

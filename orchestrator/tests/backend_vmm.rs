@@ -3,11 +3,12 @@
 //! a built tenantvm-vmm (`cargo build -p tenantvm-vmm`, done by scripts/test.sh); skips
 //! with a printed reason otherwise.
 
-mod common;
+mod support;
 
 use std::fs;
 use std::path::PathBuf;
 use std::time::Duration;
+use support::runtime;
 
 use tenantvm::backend::runner::sibling_binary;
 use tenantvm::backend::{
@@ -69,10 +70,10 @@ fn vmm_binary() -> PathBuf {
 }
 
 fn skip() -> Option<String> {
-    if let Some(reason) = common::skip_reason() {
+    if let Some(reason) = runtime::skip_reason() {
         return Some(reason);
     }
-    if let Some(reason) = common::kvm_unusable() {
+    if let Some(reason) = runtime::kvm_unusable() {
         return Some(reason);
     }
     if !vmm_binary().exists() {
@@ -94,18 +95,18 @@ macro_rules! require {
 
 fn backend() -> VmmBackend {
     let mut config = RuntimeConfig::detect().unwrap();
-    config.jail_binary = common::jail_binary();
+    config.jail_binary = runtime::jail_binary();
     config.ready_timeout = Duration::from_secs(30);
     VmmBackend::new(vmm_binary(), config)
 }
 
 fn spec(tmp: &tempfile::TempDir, tag: &str, code: &[u8]) -> VmSpec {
-    let tenant = common::tenant(tag);
+    let tenant = runtime::tenant(tag);
     let kernel = tmp.path().join(format!("{tag}.elf"));
     fs::write(&kernel, tiny_elf(code)).unwrap();
     VmSpec {
         vsock_cid: None,
-        tenant_dir: common::tenant_dir(tmp, &tenant),
+        tenant_dir: runtime::tenant_dir(tmp, &tenant),
         devices: vec![],
         uuid: None,
         hugepages: None,
@@ -120,11 +121,11 @@ fn spec(tmp: &tempfile::TempDir, tag: &str, code: &[u8]) -> VmSpec {
 }
 
 fn jail(slot: u32) -> JailConfig {
-    let uid = common::test_uid(slot);
+    let uid = runtime::test_uid(slot);
     // A spinning guest: half a CPU at most.
     let limits = tenantvm::backend::ResourceLimits {
         cpu_quota_us: 50_000,
-        ..common::roomy_limits()
+        ..runtime::roomy_limits()
     };
     JailConfig {
         uid,
@@ -151,7 +152,7 @@ fn vmm_guest_launches_reports_state_and_stops_through_the_socket() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "vmm", HELLO_SPIN);
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let backend = backend();
     let vm = backend.launch(&spec, &jail(4)).unwrap();
     assert_eq!(vm.api_sock, spec.tenant_dir.join("run/api.sock"));
@@ -162,7 +163,7 @@ fn vmm_guest_launches_reports_state_and_stops_through_the_socket() {
         Err(BackendError::AlreadyRunning { .. })
     ));
     assert_eq!(backend.state(&vm).unwrap(), VmState::Running);
-    common::wait_until(Duration::from_secs(30), "hello on serial", || {
+    runtime::wait_until(Duration::from_secs(30), "hello on serial", || {
         serial(&spec).contains("hello\n").then_some(())
     });
     assert_eq!(
@@ -183,7 +184,7 @@ fn vmm_exit_report_is_written_in_the_jail_and_read_back_after_the_stop() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "vreport", HELLO_SPIN);
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let backend = backend();
     let vm = backend.launch(&spec, &jail(16)).unwrap();
     // Only an ended VMM's report counts.
@@ -219,13 +220,13 @@ fn vmm_spinning_guest_is_throttled_by_the_cpu_quota() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "vcpu", HELLO_SPIN);
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let backend = backend();
     // 10 ms of CPU per 100 ms for a guest that spins forever.
     let mut jail = jail(14);
     jail.limits.cpu_quota_us = 10_000;
     let vm = backend.launch(&spec, &jail).unwrap();
-    common::wait_until(
+    runtime::wait_until(
         Duration::from_secs(60),
         "the cgroup to throttle the guest",
         || (nr_throttled(&vm.cgroup) > 0).then_some(()),
@@ -239,7 +240,7 @@ fn vmm_recycled_pid_is_not_mistaken_for_the_vm() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "vpid", HELLO_SPIN);
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let backend = backend();
     let vm = backend.launch(&spec, &jail(9)).unwrap();
     // Same pid, another start time: what a recycled pid looks like after a host reboot
@@ -259,9 +260,9 @@ fn vmm_socket_swapped_for_another_tenants_is_refused() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let a = spec(&tmp, "vswapa", HELLO_SPIN);
-    let _cleanup_a = common::CleanupOnDrop::new(&a.tenant, &a.tenant_dir);
+    let _cleanup_a = runtime::CleanupOnDrop::new(&a.tenant, &a.tenant_dir);
     let b = spec(&tmp, "vswapb", HELLO_SPIN);
-    let _cleanup_b = common::CleanupOnDrop::new(&b.tenant, &b.tenant_dir);
+    let _cleanup_b = runtime::CleanupOnDrop::new(&b.tenant, &b.tenant_dir);
     let backend = backend();
     let vm_a = backend.launch(&a, &jail(12)).unwrap();
     let vm_b = backend.launch(&b, &jail(13)).unwrap();
@@ -293,7 +294,7 @@ fn vmm_paused_guest_reads_as_paused() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "vpause", HELLO_SPIN);
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let backend = backend();
     let vm = backend.launch(&spec, &jail(10)).unwrap();
     let mut conn = std::os::unix::net::UnixStream::connect(&vm.api_sock).unwrap();
@@ -321,7 +322,7 @@ fn adopt_helper_launch_and_exit() {
         tenantvm_skip::skip!("only meaningful when {ADOPT_ENV} is set by the adoption test");
     };
     let root = PathBuf::from(root);
-    let tenant = common::tenant("vadopt");
+    let tenant = runtime::tenant("vadopt");
     let kernel = root.join("adopt.elf");
     fs::write(&kernel, tiny_elf(HELLO_SPIN)).unwrap();
     let dir = root.join(&tenant);
@@ -369,7 +370,7 @@ fn vmm_adopted_after_daemon_restart_is_managed() {
             )
         });
     let vm: tenantvm::backend::RunningVm = serde_json::from_str(json).unwrap();
-    let _cleanup = common::CleanupOnDrop::new(&vm.tenant, &vm.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&vm.tenant, &vm.tenant_dir);
     // The "old daemon" is gone; this process is not the launcher's parent.
     assert!(tenantvm::jail::process::wait_nohang(vm.pid).is_none());
     let backend = backend();
@@ -398,7 +399,7 @@ fn vmm_kill_is_final_and_idempotent() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "vkill", HELLO_SPIN);
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let backend = backend();
     let vm = backend.launch(&spec, &jail(5)).unwrap();
     backend.kill(&vm).unwrap();
@@ -425,13 +426,13 @@ fn vmm_guest_power_off_is_reported() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "voff", BYE_POWEROFF);
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let backend = backend();
     // The guest may power off before the socket answers: both paths carry the reason.
     match backend.launch(&spec, &jail(6)) {
         Ok(vm) => {
             let state =
-                common::wait_until(Duration::from_secs(30), "the guest to power off", || {
+                runtime::wait_until(Duration::from_secs(30), "the guest to power off", || {
                     match backend.state(&vm).unwrap() {
                         VmState::Running => None,
                         other => Some(other),
@@ -456,7 +457,7 @@ fn vmm_bad_kernel_fails_launch_with_reason_and_log() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "vbad", HELLO_SPIN);
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     fs::write(&spec.kernel, b"this is not a kernel").unwrap();
     let err = backend().launch(&spec, &jail(7)).unwrap_err();
     match err {
@@ -481,7 +482,7 @@ fn vmm_attaches_a_rate_limited_disk_as_virtio_blk() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let mut spec = spec(&tmp, "vdisk", HELLO_SPIN);
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let image = tmp.path().join("disk.img");
     fs::write(&image, vec![0u8; 1 << 20]).unwrap();
     spec.disks.push(tenantvm::backend::DiskAttachment {
@@ -572,7 +573,7 @@ fn vmm_a_stopped_vmm_is_stopped_in_bounded_time() {
     require!();
     let tmp = tempfile::tempdir().unwrap();
     let spec = spec(&tmp, "vstop", HELLO_SPIN);
-    let _cleanup = common::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
+    let _cleanup = runtime::CleanupOnDrop::new(&spec.tenant, &spec.tenant_dir);
     let mut backend = backend();
     let control = Duration::from_secs(2);
     {
@@ -589,9 +590,9 @@ fn vmm_a_stopped_vmm_is_stopped_in_bounded_time() {
         tenantvm_agent_protocol::AgentEndpoint::vsock(spec.tenant_dir.join("run/vsock.sock"))
     );
     assert!(endpoint.path().is_some_and(|p| p.exists()));
-    common::freeze(&vm.cgroup);
+    runtime::freeze(&vm.cgroup);
     let (b, v) = (backend.clone(), vm.clone());
-    let (state, took) = common::within(Duration::from_secs(60), "state", move || b.state(&v));
+    let (state, took) = runtime::within(Duration::from_secs(60), "state", move || b.state(&v));
     let err = state.unwrap_err();
     assert!(err.is_unresponsive(), "{err}");
     assert!(
@@ -599,7 +600,7 @@ fn vmm_a_stopped_vmm_is_stopped_in_bounded_time() {
         "state took {took:?}"
     );
     let (b, v) = (backend.clone(), vm.clone());
-    let (stopped, took) = common::within(Duration::from_secs(60), "stop", move || {
+    let (stopped, took) = runtime::within(Duration::from_secs(60), "stop", move || {
         b.stop(&v, Duration::from_secs(10))
     });
     assert_eq!(

@@ -3,14 +3,13 @@
 //! audit log, the disk image and the wrapped key gone. Tenants have a disk (QEMU backend, TCG)
 //! and a MIG slice of the simulated GPU host. Skips without root, /dev/kvm or QEMU.
 
-mod departure_common;
 mod support;
 
 use std::os::unix::process::ExitStatusExt;
 use std::time::{Duration, Instant};
 
-use departure_common::{image, keys, ok, receipts_of, text, verify};
 use support::daemon::{self, TestDaemon};
+use support::departure::{image, keys, ok, receipts_of, text, verify};
 use tenantvm::tenant::steps::Op;
 
 #[test]
@@ -20,7 +19,7 @@ fn departure_resumes_after_sigkill_at_every_step_boundary() {
     {
         return;
     }
-    if let Some(why) = departure_common::qemu_skip() {
+    if let Some(why) = support::departure::qemu_skip() {
         tenantvm_skip::skip!("{why}");
     }
     for (i, step) in Op::Destroy.steps().iter().enumerate() {
@@ -31,7 +30,7 @@ fn departure_resumes_after_sigkill_at_every_step_boundary() {
             d.start(Some(&case));
             let name = daemon::unique(&format!("dc{i}{}", &boundary[..1]));
             ok(
-                departure_common::create_qemu(
+                support::departure::create_qemu(
                     &d,
                     &name,
                     "disk_gib = 1\ngpu = { kind = \"mig\", profile = \"1g.18gb\" }",
@@ -42,7 +41,7 @@ fn departure_resumes_after_sigkill_at_every_step_boundary() {
             let img = image(&d, &name);
             assert!(img.exists(), "{case}: no image");
             // The destroy's answer may or may not arrive before the daemon dies.
-            let _ = departure_common::cli(&d, None, &["destroy", &name, "--no-wait"]);
+            let _ = support::departure::cli(&d, None, &["destroy", &name, "--no-wait"]);
             let status = d.wait_for_death(Duration::from_secs(120));
             assert_eq!(status.signal(), Some(libc::SIGKILL), "{case}\n{}", d.log());
             d.start(None);

@@ -5,14 +5,13 @@
 //! records a verified crypto-shred. tenantvm-vmm attaches the image as virtio-blk. Skips
 //! without root, /dev/kvm or QEMU.
 
-mod departure_common;
 mod support;
 
 use std::os::unix::fs::MetadataExt;
 use std::process::Command;
 
-use departure_common::{cli, create, image, keys, ok, text};
 use support::daemon::{self, TestDaemon};
+use support::departure::{cli, create, image, keys, ok, text};
 use tenantvm::disk::key_opens;
 use tenantvm::receipt::{Assurance, DepartureStep, StepResult};
 
@@ -21,14 +20,14 @@ fn destroy_crypto_shreds_the_tenant_disk() {
     if daemon::should_skip("destroy_crypto_shreds_the_tenant_disk") {
         return;
     }
-    if let Some(why) = departure_common::qemu_skip() {
+    if let Some(why) = support::departure::qemu_skip() {
         tenantvm_skip::skip!("{why}");
     }
     let mut d = TestDaemon::new().with_args(&["--backend", "qemu-tcg"]);
     d.start(None);
     let name = daemon::unique("dsk");
     ok(
-        departure_common::create_qemu(&d, &name, "disk_gib = 1"),
+        support::departure::create_qemu(&d, &name, "disk_gib = 1"),
         "create",
         &d,
     );
@@ -100,7 +99,7 @@ fn destroy_crypto_shreds_the_tenant_disk() {
         );
     }
 
-    let entries = departure_common::receipts_of(&d, &name);
+    let entries = support::departure::receipts_of(&d, &name);
     assert_eq!(entries.len(), 1);
     let shred = entries[0]
         .receipt

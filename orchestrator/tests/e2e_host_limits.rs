@@ -4,13 +4,12 @@
 //! under RLIMIT_FSIZE. The idle test guest under tenantvm-vmm on KVM. Skips without root
 //! or /dev/kvm.
 
-mod departure_common;
 mod support;
 
 use std::path::{Path, PathBuf};
 
-use departure_common::{cli, create, create_spec, ok, text};
 use support::daemon::{self, TestDaemon};
+use support::departure::{cli, create, create_spec, ok, text};
 
 #[test]
 fn a_tenant_larger_than_the_host_is_refused_before_anything_is_recorded() {

@@ -14,7 +14,6 @@
 //! On a KVM host: `TENANTVM_E2E_BACKEND=qemu-kvm`, or `TENANTVM_E2E_BACKEND=vmm` for
 //! tenantvm-vmm (the agent over vsock) on a host where KVM runs a stock Linux kernel.
 
-mod departure_common;
 mod support;
 
 use std::process::Output;
@@ -22,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use tenantvm_agent_protocol::{AgentClient, AgentEndpoint};
 
-use departure_common::{cli, ok, text};
 use support::daemon::{self, TestDaemon};
+use support::departure::{cli, ok, text};
 use support::guest_image::{file_contains, have, image_set, image_set_missing, install_image};
 use tenantvm::receipt::{DepartureStep, StepResult};
 
@@ -347,7 +346,7 @@ fn linux_guest_tenant_serves_inference_keeps_its_disk_encrypted_and_leaves_nothi
     );
 
     // A receipt: the agent shut the guest down cleanly, the disk was crypto-shredded.
-    let receipts = departure_common::receipts_of(&d, &name);
+    let receipts = support::departure::receipts_of(&d, &name);
     assert_eq!(receipts.len(), 1, "one receipt");
     let steps = &receipts[0].receipt.steps;
     // The inference route was closed first (the daemon's admission gate refuses from then).
@@ -383,6 +382,6 @@ fn linux_guest_tenant_serves_inference_keeps_its_disk_encrypted_and_leaves_nothi
         &name,
     );
     assert!(text(&shown).contains(&name));
-    ok(departure_common::verify(&d), "receipt verify", &d);
+    ok(support::departure::verify(&d), "receipt verify", &d);
     d.stop();
 }

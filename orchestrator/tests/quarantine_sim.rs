@@ -3,11 +3,10 @@
 //! gets, until `tenantvm gpu scrub` passes; the destroy itself still finishes with a receipt
 //! that records the failed scrub. Skips without root or /dev/kvm.
 
-mod departure_common;
 mod support;
 
-use departure_common::{cli, create, ok, receipts_of, text};
 use support::daemon::{self, TestDaemon};
+use support::departure::{cli, create, ok, receipts_of, text};
 use tenantvm::receipt::{DepartureStep, StepResult};
 use tenantvm::tenant::gpu_scrub::SIM_SCRUB_FAIL_ENV;
 

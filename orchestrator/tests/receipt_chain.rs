@@ -3,11 +3,10 @@
 //! entry; `tenantvm receipt show` (through the API) shows the admin every receipt, a departed
 //! tenant's revoked token its own receipt only, and a live tenant's token none of another's. Skips without root or /dev/kvm.
 
-mod departure_common;
 mod support;
 
-use departure_common::{audit_log, cli, create, ok, receipts_of, text, verify};
 use support::daemon::{self, TestDaemon};
+use support::departure::{audit_log, cli, create, ok, receipts_of, text, verify};
 
 #[test]
 fn receipt_chain_tampering_is_detected_through_the_cli() {

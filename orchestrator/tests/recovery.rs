@@ -7,7 +7,6 @@
 //! agent ever answers, so create waits at await-agent for the whole `--agent-timeout-s`.
 //! Skips without root, /dev/kvm, QEMU or the kernel of scripts/setup.sh.
 
-mod departure_common;
 mod support;
 
 use std::path::Path;
@@ -15,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
-use departure_common::{cli, text};
 use support::daemon::{self, TestDaemon};
+use support::departure::{cli, text};
 
 /// The agent timeout the silent guest would hold the daemon for before the fix.
 const AGENT_TIMEOUT_S: &str = "240";
@@ -87,10 +86,10 @@ fn the_api_answers_during_recovery_and_sigterm_stops_a_daemon_waiting_on_a_silen
     if daemon::should_skip(TEST) {
         return;
     }
-    if let Some(why) = departure_common::qemu_skip() {
+    if let Some(why) = support::departure::qemu_skip() {
         tenantvm_skip::skip!("{why}");
     }
-    let kernel = departure_common::stock_kernel().unwrap();
+    let kernel = support::departure::stock_kernel().unwrap();
     let mut d = TestDaemon::new().with_args(&[
         "--backend",
         "qemu-tcg",

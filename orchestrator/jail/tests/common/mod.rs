@@ -1,4 +1,5 @@
-//! Helpers of the jail's integration tests (the part of orchestrator/tests/common they use).
+//! Helpers of the jail's integration tests, shared with the orchestrator's runtime tests
+//! (orchestrator/tests/support/runtime.rs includes this file: one copy).
 #![allow(dead_code)]
 
 use std::fs;
