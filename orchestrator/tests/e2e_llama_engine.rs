@@ -392,7 +392,7 @@ fn llama_server_serves_a_pushed_model_through_the_front_door_to_the_openai_clien
         .block_on(receipts.receipts(Some(&name)))
         .expect("receipts");
     assert!(
-        tenantvm::verify::departure::receipt_covers_models(&entries.receipts),
+        tenantvm::verify::checks::departure::receipt_covers_models(&entries.receipts),
         "the receipt does not cover the pushed model"
     );
     d.stop();

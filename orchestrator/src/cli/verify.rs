@@ -199,7 +199,7 @@ impl VerifyArgs {
                 "--samples must be between 5 and 100000",
             ));
         }
-        let max_words = crate::verify::prefix::MAX_PREFIX_WORDS;
+        let max_words = crate::verify::checks::prefix::MAX_PREFIX_WORDS;
         if self.prefix_words < 20 || self.prefix_words > max_words {
             return Err(fail(
                 exit::INVALID,
@@ -334,7 +334,7 @@ fn run_blocking(
         finished_at: crate::receipt::now_rfc3339(),
         daemon,
         seed,
-        threat_model: verify::threat::load(config.threat_model.as_deref()).ok(),
+        threat_model: verify::checks::threat::load(config.threat_model.as_deref()).ok(),
         selected: selection,
         passed: Report::all_passed(&checks),
         checks,

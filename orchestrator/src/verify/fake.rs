@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tenantvm_agent_protocol::{LoadKind, LoadReport, LoadSpec, LoadState};
 
-use super::gpu_departure::GpuSnapshot;
+use super::checks::gpu_departure::GpuSnapshot;
 use super::host::{Answered, Caller, CpuOverrun, Engine, GpuView, HostError, Overrun, VerifyHost};
 use crate::api::types::{GpuSlice, LogStream, TenantView};
 use crate::backend::ResourceLimits;

@@ -348,7 +348,7 @@ fn gpu_step(
 
 #[test]
 fn a_missing_gpu_step_and_a_quarantine_the_daemon_does_not_list_fail() {
-    use super::gpu_departure::{judge_gpu_departure, GpuSnapshot};
+    use super::checks::gpu_departure::{judge_gpu_departure, GpuSnapshot};
     use crate::receipt::{Assurance, DepartureStep, StepResult};
     let slice = GpuSlice {
         gpu: "0000:18:00.0".into(),
@@ -522,11 +522,11 @@ fn check_8_gpu_half_is_not_applicable_without_a_gpu_and_inconclusive_when_it_can
     }
     // The judgement alone: a 1.2x slowdown passes, 4x fails, no rate under load fails.
     let mut o = Outcome::new(Verdict::Pass);
-    super::noisy_gpu::judge_slowdown(&mut o, "v", 1200.0, 1000.0, 3.0);
+    super::checks::noisy_gpu::judge_slowdown(&mut o, "v", 1200.0, 1000.0, 3.0);
     assert_eq!(o.verdict, Verdict::Pass);
-    super::noisy_gpu::judge_slowdown(&mut o, "v", 4000.0, 1000.0, 3.0);
+    super::checks::noisy_gpu::judge_slowdown(&mut o, "v", 4000.0, 1000.0, 3.0);
     assert_eq!(o.verdict, Verdict::Fail);
     let mut o = Outcome::new(Verdict::Pass);
-    super::noisy_gpu::judge_slowdown(&mut o, "v", 4000.0, 0.0, 3.0);
+    super::checks::noisy_gpu::judge_slowdown(&mut o, "v", 4000.0, 0.0, 3.0);
     assert_eq!(o.verdict, Verdict::Fail);
 }

@@ -318,7 +318,7 @@ pub trait VerifyHost: Sync {
     /// The host's GPU state for check 10 (MIG instances from the GPU backend, reservations
     /// and quarantined slices from the daemon, VF vGPU types and vfio-pci bindings from
     /// sysfs); an empty snapshot on a host without `--gpu-backend`.
-    fn gpu_snapshot(&self) -> Result<super::gpu_departure::GpuSnapshot, HostError>;
+    fn gpu_snapshot(&self) -> Result<super::checks::gpu_departure::GpuSnapshot, HostError>;
     /// Positive control of [`VerifyHost::files_holding`]: writes `content` to a scratch file
     /// where the scan looks, says whether the scan finds `marker` there, and removes it.
     fn scan_finds(&self, content: &[u8], marker: &[u8]) -> Result<bool, HostError>;

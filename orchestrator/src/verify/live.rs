@@ -704,7 +704,7 @@ impl VerifyHost for LiveHost {
         ))
     }
 
-    fn gpu_snapshot(&self) -> Result<super::gpu_departure::GpuSnapshot, HostError> {
+    fn gpu_snapshot(&self) -> Result<super::checks::gpu_departure::GpuSnapshot, HostError> {
         let quarantined = self
             .rt
             .block_on(self.admin.quarantine())

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use tenantvm_gpu::host::{soft_sharing, sriov, vgpu, PciAddress, Sysfs};
 
-use super::gpu_departure::GpuSnapshot;
+use super::checks::gpu_departure::GpuSnapshot;
 use super::host::HostError;
 
 /// The driver a device handed to a VM is bound to.

@@ -7,6 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use super::checks::*;
 use super::live::{LiveHost, LivePaths};
 use super::probe::Probes;
 use super::*;

@@ -14,38 +14,27 @@
 //! that did not detect anything) is inconclusive, never a pass: the run exits 0 only when
 //! every selected check passed.
 //!
-//! One file per check family: [`threat`] (1), [`gpu`] (2, 3), [`memory`] (4), [`prefix`]
-//! (5, with the statistics in [`stats`]), [`batching`] (6), [`visibility`] (7), [`noisy`]
-//! (8), [`at_rest`] (9), [`departure`] (10). Probes with a GPU slice (checks 4 and 10):
-//! [`gpu_probe`]; check 4's GPU half: [`gpu_memory`]; what a departed slice leaves:
-//! [`gpu_departure`].
+//! The checks are in [`checks`], one file per family; the rest of this module is their host
+//! support: the host seam ([`host`], live: [`live`]), probe tenants ([`probe`]; with a GPU
+//! slice: [`gpu_probe`]), the statistics check 5 judges with ([`stats`]), loads in probe
+//! guests ([`guest_load`]), the front door's callers ([`callers`], [`door`], [`cross_key`]),
+//! the host scan ([`scan`]), the audit trail ([`audit`]) and the report ([`report`]).
 
-pub mod at_rest;
 pub mod audit;
-pub mod batching;
 pub mod callers;
+pub mod checks;
 pub mod cross_key;
-pub mod departure;
 pub mod door;
-pub mod gpu;
-pub mod gpu_departure;
-pub mod gpu_memory;
 pub mod gpu_probe;
 pub mod guest_load;
 pub mod host;
 pub mod live;
 mod live_gpu;
-pub mod memory;
-pub mod noisy;
-pub mod noisy_gpu;
-pub mod prefix;
 pub mod probe;
 mod procs;
 pub mod report;
 pub mod scan;
 pub mod stats;
-pub mod threat;
-pub mod visibility;
 
 #[cfg(test)]
 pub(crate) mod fake;
@@ -358,22 +347,6 @@ pub trait Check {
     fn run(&self, ctx: &Ctx<'_>) -> Result<Outcome, HostError>;
 }
 
-/// The check that implements `id`.
-pub fn check_for(id: CheckId) -> Box<dyn Check> {
-    match id {
-        CheckId::ThreatModel => Box::new(threat::ThreatModelCheck),
-        CheckId::MigSku => Box::new(gpu::MigSkuCheck),
-        CheckId::PartitionArithmetic => Box::new(gpu::PartitionCheck),
-        CheckId::MemoryPartition => Box::new(memory::MemoryPartitionCheck),
-        CheckId::PrefixCache => Box::new(prefix::PrefixCacheCheck),
-        CheckId::Batching => Box::new(batching::BatchingCheck),
-        CheckId::Visibility => Box::new(visibility::VisibilityCheck),
-        CheckId::NoisyNeighbour => Box::new(noisy::NoisyNeighbourCheck),
-        CheckId::WeightsAtRest => Box::new(at_rest::WeightsAtRestCheck),
-        CheckId::Departure => Box::new(departure::DepartureCheck),
-    }
-}
-
 /// One check's result in the report.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -410,7 +383,7 @@ pub fn run_checks(
         .iter()
         .map(|id| {
             let started = Instant::now();
-            let check = check_for(*id);
+            let check = checks::check_for(*id);
             let mut outcome = match check.run(&ctx) {
                 Ok(o) => o,
                 Err(e) => Outcome::inconclusive(format!("the host could not be asked: {e}")),

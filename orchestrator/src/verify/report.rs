@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use super::threat::ThreatModel;
+use super::checks::threat::ThreatModel;
 use super::{CheckId, CheckResult, Verdict};
 
 /// The report format's version.

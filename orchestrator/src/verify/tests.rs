@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use super::checks::*;
 use super::fake::{view_of, Broken, FakeEngine, FakeVerifyHost};
 use super::host::{Engine, GpuView, VerifyHost};
 use super::probe::{looks_like_probe, probe_name, PROBE_PREFIX};
@@ -851,7 +852,7 @@ fn check_9_a_blind_scan_is_inconclusive_never_a_pass() {
 
 #[test]
 fn a_marker_model_holds_its_marker_many_times() {
-    let model = super::at_rest::marker_model("tvm-verify-rest-marker-0123");
+    let model = super::checks::at_rest::marker_model("tvm-verify-rest-marker-0123");
     assert!(model.len() >= 64 << 10);
     let text = String::from_utf8(model).unwrap();
     assert!(text.matches("tvm-verify-rest-marker-0123").count() > 1000);

@@ -18,9 +18,10 @@
 //! and quarantined its slice is an honest outcome, judged there against the daemon's
 //! quarantine list.
 
-use super::gpu_probe::{self, GpuPlan};
-use super::{gpu_departure, Check, CheckId, Ctx, HostError, Outcome, Verdict};
+use super::gpu_departure;
 use crate::receipt::{Assurance, DepartureStep, LogEntry, StepResult};
+use crate::verify::gpu_probe::{self, GpuPlan};
+use crate::verify::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 
 /// Check 10.
 pub struct DepartureCheck;

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
+use crate::verify::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 
 /// Fewest words a threat model must have to count as written down.
 pub const MIN_WORDS: usize = 20;

@@ -10,10 +10,12 @@ use std::time::Duration;
 
 use tenantvm_agent_protocol::{LoadKind, LoadReport, LoadState};
 
-use super::gpu_probe::{describe, GpuPlan};
-use super::guest_load::{exit_and_error, inconclusive, spec, start_or_inconclusive, wait_end};
-use super::probe::Probe;
-use super::{Ctx, HostError, Outcome, Verdict};
+use crate::verify::gpu_probe::{describe, GpuPlan};
+use crate::verify::guest_load::{
+    exit_and_error, inconclusive, spec, start_or_inconclusive, wait_end,
+};
+use crate::verify::probe::Probe;
+use crate::verify::{Ctx, HostError, Outcome, Verdict};
 
 /// Thread blocks per launch of each compute load: enough to fill any slice's SMs many times
 /// over (an H100's 132 SMs hold at most 8 blocks of 256 threads each).

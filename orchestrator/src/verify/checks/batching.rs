@@ -24,10 +24,10 @@ use std::collections::BTreeMap;
 use rand::SeedableRng;
 use serde_json::Value;
 
-use super::callers::{callers, Door, ProbeCaller};
-use super::host::Engine;
-use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 use crate::domain::lifecycle::LifecycleState;
+use crate::verify::callers::{callers, Door, ProbeCaller};
+use crate::verify::host::Engine;
+use crate::verify::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 
 /// Check 6.
 pub struct BatchingCheck;

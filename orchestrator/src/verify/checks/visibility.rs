@@ -11,9 +11,9 @@
 //! file, no metric (names, labels, values, read as the admin) and no probe's log or event.
 
 use super::at_rest::new_marker;
-use super::probe::Probe;
-use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 use crate::api::types::LogStream;
+use crate::verify::probe::Probe;
+use crate::verify::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 
 /// Check 7.
 pub struct VisibilityCheck;

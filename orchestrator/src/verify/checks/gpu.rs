@@ -16,10 +16,10 @@ use std::collections::BTreeMap;
 use tenantvm_gpu::plan::sizing;
 use tenantvm_gpu::plan::{self, HostGpu};
 
-use super::host::GpuView;
-use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 use crate::api::types::TenantView;
 use crate::domain::spec::GpuRequest;
+use crate::verify::host::GpuView;
+use crate::verify::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 
 /// Check 2.
 pub struct MigSkuCheck;

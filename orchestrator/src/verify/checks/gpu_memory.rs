@@ -9,10 +9,12 @@ use std::time::{Duration, Instant};
 
 use tenantvm_agent_protocol::{LoadKind, LoadReport, LoadState, MAX_LOAD_GPU_MIB};
 
-use super::gpu_probe::{describe, slice_memory_mib, GpuPlan};
-use super::guest_load::{exit_and_error, judge_neighbour, spec, start_or_inconclusive, wait_end};
-use super::probe::Probe;
-use super::{Ctx, HostError, Outcome, Verdict};
+use crate::verify::gpu_probe::{describe, slice_memory_mib, GpuPlan};
+use crate::verify::guest_load::{
+    exit_and_error, judge_neighbour, spec, start_or_inconclusive, wait_end,
+};
+use crate::verify::probe::Probe;
+use crate::verify::{Ctx, HostError, Outcome, Verdict};
 
 /// How long the GPU memory load holds what it took (the neighbour is sampled meanwhile).
 const GPU_HOLD_S: u32 = 8;

@@ -2,11 +2,11 @@
 //! run across the tenant boundary; docs/verify.md).
 //!
 //! Samples come in `--samples` pairs of one hit and one miss, back to back, each pair's order
-//! random ([`super::stats::paired_order`]). For each sample the victim sends a fresh prompt
+//! random ([`crate::verify::stats::paired_order`]). For each sample the victim sends a fresh prompt
 //! of random words; then for a *hit* the attacker sends a prompt that shares the victim's
 //! first 95 % and ends freshly, for a *miss* a fresh prompt of the same length; the
 //! attacker's time to its answer (one token) is the sample. A one-sided KS test asks whether
-//! hits are faster ([`super::stats::ks_greater`]); the effect is the median of the
+//! hits are faster ([`crate::verify::stats::ks_greater`]); the effect is the median of the
 //! within-pair differences (miss minus hit), which cancels the host's load drift.
 //!
 //! The positive control runs first: victim and attacker are the *same* probe tenant, whose
@@ -20,13 +20,13 @@
 
 use rand::{Rng, SeedableRng};
 
-use super::callers::{callers, Door, ProbeCaller};
-use super::host::Engine;
-use super::stats::{
+use crate::verify::callers::{callers, Door, ProbeCaller};
+use crate::verify::host::Engine;
+use crate::verify::stats::{
     ks_greater, median, median_diff_upper_bound, median_upper_bound, paired_differences,
     paired_order, Arm, KsResult,
 };
-use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
+use crate::verify::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 
 /// Share of the victim's prompt the attacker repeats in a hit.
 pub const PREFIX_FRACTION: f64 = 0.95;

@@ -21,10 +21,10 @@ use std::time::Duration;
 
 use tenantvm_agent_protocol::LoadKind;
 
-use super::guest_load::{judge_guest_overrun, judge_neighbour, spec, wait_end};
-use super::host::Overrun;
-use super::probe::Probe;
-use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
+use crate::verify::guest_load::{judge_guest_overrun, judge_neighbour, spec, wait_end};
+use crate::verify::host::Overrun;
+use crate::verify::probe::Probe;
+use crate::verify::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 
 /// How far past its limit the overrun process goes.
 const OVERRUN_EXTRA: u64 = 64 << 20;
@@ -95,8 +95,8 @@ impl Check for MemoryPartitionCheck {
     }
 
     fn run(&self, ctx: &Ctx<'_>) -> Result<Outcome, HostError> {
-        let mut gpu = super::gpu_probe::plan(ctx)?;
-        let a = super::gpu_probe::create_with_slice(ctx.probes, "mem", &mut gpu, |_| {})?;
+        let mut gpu = crate::verify::gpu_probe::plan(ctx)?;
+        let a = crate::verify::gpu_probe::create_with_slice(ctx.probes, "mem", &mut gpu, |_| {})?;
         let b = ctx.probes.create("mem", |_| {})?;
         let mut out = Outcome::new(Verdict::Pass);
         for p in [&a, &b] {

@@ -13,9 +13,9 @@
 
 use std::collections::BTreeSet;
 
-use super::{Outcome, Verdict};
 use crate::api::types::GpuSlice;
 use crate::receipt::{Assurance, DepartureStep, LogEntry, StepResult};
+use crate::verify::{Outcome, Verdict};
 
 /// The host's GPU state, each item in words that name it (addresses, ids, labels).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -12,9 +12,9 @@
 //! (a keyslot check, nothing mapped) and must fail, after the positive control that its
 //! own key opens it (else inconclusive). The live host tries keys against a private
 //! snapshot of the header, and only when every keyslot's KDF cost is within what the
-//! daemon writes (a guest-written header is hostile input, [`super::cross_key`]).
+//! daemon writes (a guest-written header is hostile input, [`crate::verify::cross_key`]).
 
-use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
+use crate::verify::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 
 /// The LUKS2 header's first bytes: magic and version 2.
 const LUKS2_MAGIC: &[u8] = b"LUKS\xba\xbe\x00\x02";

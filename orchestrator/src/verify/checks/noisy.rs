@@ -24,12 +24,12 @@ use std::time::Duration;
 
 use tenantvm_agent_protocol::LoadKind;
 
-use super::gpu_probe::create_with_slice;
-use super::guest_load::{not_run, spec};
-use super::host::CpuOverrun;
-use super::stats::quantile;
-use super::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 use crate::backend::ResourceLimits;
+use crate::verify::gpu_probe::create_with_slice;
+use crate::verify::guest_load::{not_run, spec};
+use crate::verify::host::CpuOverrun;
+use crate::verify::stats::quantile;
+use crate::verify::{Check, CheckId, Ctx, HostError, Outcome, Verdict};
 
 /// Check 8.
 pub struct NoisyNeighbourCheck;
@@ -206,7 +206,7 @@ impl Check for NoisyNeighbourCheck {
     fn run(&self, ctx: &Ctx<'_>) -> Result<Outcome, HostError> {
         // Each a GPU slice where the host has GPUs (the GPU half), the noisy one a disk of
         // its own, for the in-guest disk I/O load.
-        let mut plan = super::gpu_probe::plan(ctx)?;
+        let mut plan = crate::verify::gpu_probe::plan(ctx)?;
         let noisy = create_with_slice(ctx.probes, "noisy", &mut plan, |s| {
             s.disk_gib = s.disk_gib.max(1)
         })?;
