@@ -133,6 +133,12 @@ pub struct DaemonArgs {
     /// Seconds create/start wait for the VM to report running.
     #[arg(long, default_value_t = 30)]
     pub boot_timeout_s: u64,
+    /// Seconds a newly launched VMM may take to answer on its control socket before it is
+    /// killed and the launch fails (plus 10 s per GiB of guest RAM when devices are passed
+    /// through, for pinning it). Raise it on a heavily loaded or emulated host (the nested
+    /// test host uses 60).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub launch_timeout_s: u64,
     /// Seconds a guest-image tenant's agent may take to answer after boot, and its payload
     /// to become ready (software emulation boots a Linux guest in 30-60 s).
     #[arg(long, default_value_t = 300)]
@@ -227,7 +233,8 @@ fn runtime_config(state_dir: &Path) -> anyhow::Result<RuntimeConfig> {
 }
 
 fn make_backend(args: &DaemonArgs) -> anyhow::Result<Arc<dyn VmBackend>> {
-    let config = runtime_config(&args.state_dir)?;
+    let mut config = runtime_config(&args.state_dir)?;
+    config.ready_timeout = Duration::from_secs(args.launch_timeout_s);
     Ok(match args.backend {
         BackendArg::Vmm => {
             let bin = match &args.vmm_binary {
@@ -623,6 +630,25 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(args.gpu_sysfs_root.as_deref(), Some(Path::new("/")));
+    }
+
+    #[test]
+    fn the_launch_timeout_is_ten_seconds_unless_raised_and_never_zero() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["tenantvmd"];
+            argv.extend_from_slice(extra);
+            DaemonArgs::try_parse_from(argv)
+        };
+        assert_eq!(parse(&[]).unwrap().launch_timeout_s, 10);
+        assert_eq!(
+            parse(&["--launch-timeout-s", "60"])
+                .unwrap()
+                .launch_timeout_s,
+            60
+        );
+        // A VMM killed before it could answer at all, or waited on for hours: refused.
+        assert!(parse(&["--launch-timeout-s", "0"]).is_err());
+        assert!(parse(&["--launch-timeout-s", "86400"]).is_err());
     }
 
     #[test]

@@ -373,7 +373,7 @@ pub enum BackendError {
         log_tail: String,
     },
     /// The VM did not answer on its socket in time (it was killed).
-    #[error("The VM did not answer on its control socket within {timeout:?} and was killed; last lines of vmm.log:\n{log_tail}")]
+    #[error("The VM did not answer on its control socket within {timeout:?} and was killed (on a loaded host, raise tenantvmd --launch-timeout-s); last lines of vmm.log:\n{log_tail}")]
     NotReady {
         /// The wait.
         timeout: Duration,

@@ -66,6 +66,8 @@ impl Setup {
             .arg(format!("sim:{}", self.sim.display()))
             .args(["--gpu-sysfs-root", "/"])
             .args(["--boot-timeout-s", "120", "--stop-grace-s", "5"])
+            // Nested KVM under TCG on a loaded host: a VMM took over 10 s to answer.
+            .args(["--launch-timeout-s", "60"])
             .args([
                 "--host-reserved-memory-mib",
                 "256",

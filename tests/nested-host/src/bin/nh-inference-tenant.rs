@@ -406,6 +406,8 @@ fn run() -> Result<(), String> {
         .arg("--vmm-binary")
         .arg(bin.join("tenantvm-vmm"))
         .args(["--boot-timeout-s", "300", "--agent-timeout-s", "600"])
+        // Nested KVM under TCG on a loaded host: a VMM took over 10 s to answer.
+        .args(["--launch-timeout-s", "60"])
         .args(["--stop-grace-s", "60", "--host-reserved-memory-mib", "256"])
         .args(["--vcpu-overcommit", "8"])
         .arg("--listen")
