@@ -103,7 +103,14 @@ pub struct RecoveryPlan {
 pub fn plan(svc: &TenantService) -> Result<RecoveryPlan, ReconcileError> {
     svc.set_recovering(true);
     let mut tenants = Vec::new();
-    for t in svc.store().list_tenants(false)? {
+    for mut t in svc.store().list_tenants(false)? {
+        // A row from before the guest kind was stored gets it decided now, once, before
+        // anything reads the tenant (reads never write: `Tenant::load` only decides it).
+        if t.guest.is_none() {
+            let guest = crate::tenant::image::guest_kind(svc.config(), &t.spec);
+            svc.store().set_guest(t.id, guest)?;
+            t.guest = Some(guest);
+        }
         match svc.mark_recovering(&t.name) {
             Ok(guard) => tenants.push((t, guard)),
             // Already held by an operation: it is that operation's to finish.

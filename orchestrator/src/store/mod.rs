@@ -294,6 +294,18 @@ impl Store {
         Ok(())
     }
 
+    /// Clears a tenant's stored guest kind, as a row written before it was stored has it
+    /// (tests only).
+    #[cfg(test)]
+    pub(crate) fn forget_guest(&self, tenant_id: i64) -> Result<(), StoreError> {
+        let conn = self.lock();
+        conn.execute(
+            "UPDATE tenants SET guest = NULL WHERE id = ?1",
+            params![tenant_id],
+        )?;
+        Ok(())
+    }
+
     /// The live (not destroyed) tenant with this name.
     pub fn tenant(&self, name: &str) -> Result<Option<TenantRecord>, StoreError> {
         let conn = self.lock();

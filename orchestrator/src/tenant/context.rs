@@ -144,17 +144,14 @@ pub struct Tenant {
 }
 
 impl Tenant {
-    /// Loads the facts of `record` from the store (one read of its resources). A row from
-    /// before the guest kind was stored gets it decided now, once, and stored.
+    /// Loads the facts of `record` from the store (one read of its resources; it writes
+    /// nothing). A row from before the guest kind was stored has it stored by the recovery
+    /// plan at the daemon's start ([`crate::reconcile::plan`]); until then it is decided
+    /// here the same way, without storing it.
     pub fn load(ctx: &StepCtx<'_>, record: &TenantRecord) -> Result<Tenant, StepError> {
-        let guest = match record.guest {
-            Some(g) => g,
-            None => {
-                let g = crate::tenant::image::guest_kind(ctx.config, &record.spec);
-                ctx.store.set_guest(record.id, g)?;
-                g
-            }
-        };
+        let guest = record
+            .guest
+            .unwrap_or_else(|| crate::tenant::image::guest_kind(ctx.config, &record.spec));
         let mut uid = None;
         let mut vm = None;
         for r in ctx.store.resources(Some(record.id))? {

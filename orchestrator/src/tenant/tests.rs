@@ -6,6 +6,7 @@ use crate::domain::lifecycle::LifecycleState;
 use crate::domain::spec::TenantSpec;
 use crate::reconcile::{reconcile, ReconcileOptions};
 use crate::store::ResourceKind;
+use crate::tenant::context::Tenant;
 use crate::tenant::fault::{Boundary, FaultHook};
 use crate::tenant::service::{CommandOutcome, TenantCommand, TenantServiceError};
 use crate::tenant::steps::Op;
@@ -336,6 +337,29 @@ fn destroy_converges_after_a_crash_at_every_step_boundary() {
             assert_converged(&h);
         }
     }
+}
+
+#[test]
+fn a_row_without_a_guest_kind_gets_it_at_recovery_and_reads_write_nothing() {
+    let mut h = Harness::new(FaultHook::default());
+    create(&h, "old");
+    h.svc.wait_idle();
+    let t = h.svc.store().tenant("old").unwrap().unwrap();
+    let stored = t.guest.expect("a new row has its guest kind");
+    h.svc.store().forget_guest(t.id).unwrap();
+    // Reading the tenant (what a GET route does) decides the kind but stores nothing.
+    let t = h.svc.store().tenant("old").unwrap().unwrap();
+    let loaded = Tenant::load(&h.svc.ctx(), &t).unwrap();
+    assert_eq!(loaded.guest, stored);
+    assert_eq!(h.svc.store().tenant("old").unwrap().unwrap().guest, None);
+    // The daemon's start stores it, once, before any command reaches the tenant.
+    h.restart(FaultHook::default());
+    let plan = crate::reconcile::plan(&h.svc).unwrap();
+    assert_eq!(
+        h.svc.store().tenant("old").unwrap().unwrap().guest,
+        Some(stored)
+    );
+    crate::reconcile::recover(&h.svc, plan, &ReconcileOptions::default()).unwrap();
 }
 
 #[test]
