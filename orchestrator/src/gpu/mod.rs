@@ -14,11 +14,14 @@
 //! - [`backend`]: [`BackendPlanner`], the real host (a tenantvm-gpu backend, NVML or a
 //!   simulated file, and the sysfs devices are handed over through), and the helpers its
 //!   seams share;
-//! - one file per seam over it: [`placement`], [`route`], [`scrub::departure`],
-//!   [`describe`];
+//! - one file per seam over it: [`placement`], [`route`] (the route decided once, by
+//!   `tenantvm_gpu::route::route_for`), [`scrub::departure`], [`describe`];
 //! - [`none`]: [`NoGpus`], the host of a daemon without a GPU backend;
 //! - [`guest_view`]: `tenantvm gpu-info`'s comparison of the assignment with what the guest
 //!   sees.
+//!
+//! Adding a route is a change in this folder and in `tenantvm_gpu::route` (docs/gpu.md,
+//! "Add a GPU route").
 
 pub mod backend;
 pub mod describe;

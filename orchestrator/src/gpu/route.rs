@@ -1,6 +1,7 @@
 //! [`DeviceRoute`] over a tenantvm-gpu backend: how a reserved GPU share reaches the
 //! tenant's VM and is given back, over tenantvm-gpu's routes (`tenantvm_gpu::route`), acting
-//! on the record the daemon stores for it ([`DeviceRecord`]) through sysfs.
+//! on the record the daemon stores for it ([`DeviceRecord`]) through sysfs. The route itself
+//! is the GPU crate's decision ([`route_for`]), asked once, by [`DeviceRoute::plan_device`].
 //!
 //! - whole GPU: its IOMMU group bound to vfio-pci (the binding recorded before it is
 //!   applied); a card in MIG mode (with no instance) has MIG turned off first, recorded
@@ -16,11 +17,11 @@
 //!   (QEMU only); departure removes it before the scrub;
 //! - a simulated host: nothing is handed to the VM and the record says why.
 
+use tenantvm_gpu::backend::GpuInfo;
 use tenantvm_gpu::host::mdev;
 use tenantvm_gpu::host::PciAddress;
-use tenantvm_gpu::mig::VgpuSupport;
-use tenantvm_gpu::route::vgpu;
-use tenantvm_gpu::route::whole;
+use tenantvm_gpu::plan::Share;
+use tenantvm_gpu::route::{route_for, vgpu, whole, Route};
 
 use super::backend::{mig_label, pci, BackendPlanner};
 use super::error::{device_err, GpuError};
@@ -44,25 +45,29 @@ impl DeviceRoute for BackendPlanner {
                 mig_turned_on,
             });
         };
-        if placement.label == "whole" {
-            whole::check_free(sysfs, &info).map_err(device_err)?;
-            let binding = whole::plan_bind(sysfs, &pci(&info.pci_address)?).map_err(device_err)?;
-            return Ok(DeviceRecord::Whole {
-                binding,
-                mig_turned_off: info.mig_enabled,
-            });
-        }
-        match &info.vgpu {
-            VgpuSupport::Sriov { .. } => Ok(DeviceRecord::SriovVgpu {
+        // The route is the GPU crate's decision (`route_for`, on the same facts placement
+        // judged the card by); this only reads what taking it will do.
+        let share = share_of(&info, placement)?;
+        match route_for(&info, &share).map_err(device_err)? {
+            Route::Whole => {
+                whole::check_free(sysfs, &info).map_err(device_err)?;
+                let binding =
+                    whole::plan_bind(sysfs, &pci(&info.pci_address)?).map_err(device_err)?;
+                Ok(DeviceRecord::Whole {
+                    binding,
+                    mig_turned_off: info.mig_enabled,
+                })
+            }
+            Route::SriovVgpu => Ok(DeviceRecord::SriovVgpu {
                 host: vgpu::plan_host(sysfs, &info).map_err(device_err)?,
                 attachment: None,
             }),
-            VgpuSupport::Mdev => Ok(DeviceRecord::MdevVgpu {
+            Route::MdevVgpu => Ok(DeviceRecord::MdevVgpu {
                 parent: info.pci_address.clone(),
                 assignment: None,
                 mig_turned_on,
             }),
-            VgpuSupport::Simulated | VgpuSupport::Missing { .. } => Ok(DeviceRecord::NotAttached {
+            Route::Simulated => Ok(DeviceRecord::NotAttached {
                 reason: "SIMULATED vGPU: no device is handed to the VM".into(),
                 mig_turned_on,
             }),
@@ -364,6 +369,24 @@ impl DeviceRoute for BackendPlanner {
     }
 }
 
+/// The planner's share a ledger placement names on `info` (`whole`, or a MIG profile at a
+/// start), for [`route_for`].
+fn share_of(info: &GpuInfo, placement: &GpuPlacement) -> Result<Share, GpuError> {
+    if placement.label == "whole" {
+        return Ok(Share::WholeGpu {
+            memory_mib: info.memory_mib,
+        });
+    }
+    let (profile, start) = mig_label(info, placement)?;
+    Ok(Share::Mig {
+        profile_id: profile.id,
+        profile: profile.name.to_string(),
+        start,
+        size: profile.size,
+        memory_mib: profile.memory_mib,
+    })
+}
+
 impl BackendPlanner {
     /// MIG off on a card about to be given whole, unless it is off already (a re-run);
     /// refused while it holds instances, and checked afterwards: a change NVML leaves
@@ -394,5 +417,66 @@ impl BackendPlanner {
         if let Err(e) = self.backend().rescan() {
             tracing::warn!(error = %e, "the GPU backend could not enumerate the GPUs again");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tenant::test_utils::EDU_TREE;
+    use tenantvm_gpu::backend::{self as gpu_backend, BackendSpec};
+    use tenantvm_gpu::host::fake::FakeHost;
+    use tenantvm_gpu::host::Sysfs;
+
+    /// An H100 (SIMULATED) at the FAKE tree's device, with the vGPU manager `vgpu`.
+    fn h100_at_edu(dir: &tempfile::TempDir, tree: &FakeHost, vgpu: &str) -> BackendPlanner {
+        let path = dir.path().join(format!("host-{vgpu}.json"));
+        let text = format!(
+            r#"{{"gpus": [{{"index": 0, "model": "h100-80gb", "pci_address": "0000:00:03.0",
+            "driver": "570.124.06", "vgpu": "{vgpu}", "mig_enabled": true, "instances": [],
+            "iommu_group": 5}}]}}"#
+        );
+        std::fs::write(&path, text).unwrap();
+        BackendPlanner::new(gpu_backend::open(&BackendSpec::Sim(path)).unwrap())
+            .with_sysfs(Sysfs::new(tree.root()))
+    }
+
+    fn mig_share() -> GpuPlacement {
+        GpuPlacement {
+            gpu: "0000:00:03.0".into(),
+            slots: vec![0],
+            label: "1g.10gb@0".into(),
+        }
+    }
+
+    #[test]
+    fn the_route_is_the_gpu_crates_decision() {
+        let tree = FakeHost::build(&serde_json::from_str(EDU_TREE).unwrap()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+
+        // A MIG share on a card whose vGPU is simulated: the simulated route, nothing
+        // handed over, and the record says why.
+        let p = h100_at_edu(&dir, &tree, "simulated");
+        let record = p.plan_device(&mig_share()).unwrap();
+        let DeviceRecord::NotAttached { reason, .. } = &record else {
+            panic!("{record:?}")
+        };
+        assert!(reason.contains("SIMULATED vGPU"), "{reason}");
+
+        // The same share on a card without a vGPU manager has no route: the GPU crate
+        // classes the card whole-only, and the step says so instead of claiming a
+        // simulated vGPU on a host that has none.
+        let p = h100_at_edu(&dir, &tree, "none");
+        let err = p.plan_device(&mig_share()).unwrap_err().to_string();
+        assert!(err.contains("can only be given whole"), "{err}");
+
+        // A whole share of it is the whole-card route.
+        let whole = GpuPlacement {
+            slots: (0..8).collect(),
+            label: "whole".into(),
+            ..mig_share()
+        };
+        let record = p.plan_device(&whole).unwrap();
+        assert!(matches!(record, DeviceRecord::Whole { .. }), "{record:?}");
     }
 }
