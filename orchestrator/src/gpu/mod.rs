@@ -17,6 +17,8 @@
 //! - one file per seam over it: [`placement`], [`route`] (the route decided once, by
 //!   `tenantvm_gpu::route::route_for`), [`scrub::departure`], [`describe`];
 //! - [`none`]: [`NoGpus`], the host of a daemon without a GPU backend;
+//! - [`card_lock`]: one lock per card, which the steps that change a card's host mode hold
+//!   (through `StepCtx::hold_card`);
 //! - [`guest_view`]: `tenantvm gpu-info`'s comparison of the assignment with what the guest
 //!   sees.
 //!
@@ -24,6 +26,7 @@
 //! "Add a GPU route").
 
 pub mod backend;
+pub mod card_lock;
 pub mod describe;
 pub mod error;
 pub mod guest_view;

@@ -103,18 +103,15 @@ pub struct StepCtx<'a> {
     /// Set when the daemon stops.
     pub stop: &'a StopFlag,
     /// One lock per GPU card: held by the steps that change a card's host mode.
-    pub cards: &'a crate::tenant::card_lock::CardLocks,
+    pub cards: &'a crate::gpu::card_lock::CardLocks,
 }
 
 impl StepCtx<'_> {
     /// Holds GPU card `gpu` (a ledger id) for a step that changes its host mode, waiting
-    /// at most [`crate::tenant::card_lock::CARD_LOCK_WAIT`].
-    pub fn hold_card(
-        &self,
-        gpu: &str,
-    ) -> Result<crate::tenant::card_lock::CardGuard<'_>, StepError> {
+    /// at most [`crate::gpu::card_lock::CARD_LOCK_WAIT`].
+    pub fn hold_card(&self, gpu: &str) -> Result<crate::gpu::card_lock::CardGuard<'_>, StepError> {
         self.cards
-            .hold(gpu, crate::tenant::card_lock::CARD_LOCK_WAIT)
+            .hold(gpu, crate::gpu::card_lock::CARD_LOCK_WAIT)
             .map_err(StepError::failed)
     }
 }

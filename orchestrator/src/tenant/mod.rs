@@ -18,7 +18,6 @@
 pub mod access;
 pub mod admission;
 pub mod agent_mux;
-pub mod card_lock;
 pub mod config;
 pub mod context;
 pub mod departure;

@@ -13,11 +13,11 @@ use crate::auth::{self, Caller};
 use crate::backend::{RunningVm, VmBackend};
 use crate::domain::lifecycle::LifecycleState;
 use crate::domain::spec::TenantSpec;
+use crate::gpu::card_lock::CardLocks;
 use crate::gpu::GpuHost;
 use crate::store::{ResourceKind, Store, TenantRecord, TokenOwner};
 use crate::tenant::access::Need;
 use crate::tenant::admission::Admission;
-use crate::tenant::card_lock::CardLocks;
 use crate::tenant::context::{StepCtx, StopFlag, Tenant};
 use crate::tenant::departure::{DepartureError, DepartureKit, Kit};
 #[cfg(any(test, feature = "test-hooks"))]
