@@ -9,6 +9,9 @@ one file (size and members) and how many files are in a cycle. Comments (doc lin
 included) are not imports and are left out.
 
 Usage: scripts/import-cycles.py [SRC_DIR]   (default: orchestrator/src of this checkout)
+
+Another revision, without touching the checkout:
+    git archive REV orchestrator/src | tar -x -C DIR && scripts/import-cycles.py DIR/orchestrator/src
 """
 
 import os
