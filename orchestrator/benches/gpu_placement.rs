@@ -18,9 +18,9 @@ use tenantvm::backend::{
 };
 use tenantvm::domain::lifecycle::LifecycleState;
 use tenantvm::domain::spec::TenantSpec;
+use tenantvm::gpu::BackendPlanner;
 use tenantvm::jail::{BlockIoLimit, BlockIoOutcome, CgroupHandle, JailError};
 use tenantvm::store::Store;
-use tenantvm::tenant::gpu::BackendPlanner;
 use tenantvm::tenant::host::JailCleaner;
 use tenantvm::tenant::service::{ServiceConfig, TenantCommand, TenantService};
 use tenantvm_agent_protocol::AgentEndpoint;

@@ -20,9 +20,9 @@ use crate::backend::{
     runner::sibling_binary, QemuAccel, QemuBackend, RuntimeConfig, VmBackend, VmmBackend,
 };
 use crate::domain::lifecycle::LifecycleState;
+use crate::gpu::{GpuHost, NoGpus};
 use crate::reconcile::{self, ReconcileOptions};
 use crate::store::Store;
-use crate::tenant::host::{GpuPlanner, NoGpus};
 use crate::tenant::service::{ServiceConfig, TenantService};
 use crate::untrusted::LineSafeWriter;
 
@@ -282,14 +282,14 @@ fn qemu_agent_transport(arg: AgentTransportArg) -> anyhow::Result<AgentTransport
     })
 }
 
-fn make_gpu(spec: &str, sysfs_root: Option<&Path>) -> anyhow::Result<Arc<dyn GpuPlanner>> {
+fn make_gpu(spec: &str, sysfs_root: Option<&Path>) -> anyhow::Result<Arc<dyn GpuHost>> {
     match (spec, sysfs_root) {
         ("none", Some(root)) => anyhow::bail!(
             "--gpu-sysfs-root {} needs a GPU backend: add --gpu-backend nvml or sim:FILE, or drop --gpu-sysfs-root",
             root.display()
         ),
         ("none", None) => Ok(Arc::new(NoGpus)),
-        (other, root) => crate::tenant::gpu::planner_from_arg(other, root),
+        (other, root) => crate::gpu::planner_from_arg(other, root),
     }
 }
 

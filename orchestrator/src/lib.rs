@@ -15,6 +15,7 @@ pub mod disk;
 pub mod domain;
 pub mod fd_limit;
 pub mod frontdoor;
+pub mod gpu;
 /// The jail (cgroups, the `tenantvm-jail` launcher, jail plans) is its own crate,
 /// `tenantvm-jail`, with few dependencies since it runs as root; re-exported under its old
 /// path.
@@ -24,7 +25,6 @@ pub mod logs;
 pub mod metrics;
 pub mod receipt;
 pub mod reconcile;
-pub mod scrub;
 pub mod store;
 pub mod tenant;
 #[cfg(test)]

@@ -10,11 +10,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use tenantvm::disk::{create_image, crypto_shred, KeyslotCost};
+use tenantvm::gpu::scrub::simulate_scrub;
 use tenantvm::keys::{HostKek, KekSource, KeyStore};
 use tenantvm::receipt::{
     new_departure_id, now_rfc3339, AuditLog, Receipt, ReceiptSigner, StepResult,
 };
-use tenantvm::scrub::simulate_scrub;
 
 const TENANT: &str = "leaver";
 

@@ -28,7 +28,7 @@ use support::cli::{must, tenantvm, text};
 use support::daemon::{self, TestDaemon};
 use support::guest_image::{have, image_set, image_set_missing, install_image};
 use tenantvm::api::gpu_info::GpuInfoView;
-use tenantvm::tenant::gpu_info::memory_matches;
+use tenantvm::gpu::guest_view::memory_matches;
 use tenantvm_agent_protocol::NvidiaSmi;
 
 fn linux_skip_reason() -> Option<String> {

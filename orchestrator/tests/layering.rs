@@ -188,6 +188,84 @@ fn the_store_and_the_domain_import_nothing_above_them() {
     );
 }
 
+/// The methods of the GPU wing's seams (`gpu/seam.rs`), as a caller writes them on the
+/// planner it holds (`ctx.gpu.…`, `gpu.…`).
+const GPU_SEAM_CALLS: &[&str] = &[
+    "place",
+    "materialize",
+    "release",
+    "mig_enabled",
+    "restore_mig_off",
+    "plan_device",
+    "prepare_device",
+    "plan_bind",
+    "bind_device",
+    "devices",
+    "reset_device",
+    "rebind_device",
+    "device_drivers",
+    "detach_device",
+    "leave_device_mode",
+    "route_evidence",
+    "reset",
+    "scrub",
+    "describe",
+    "usage",
+    "gpus",
+];
+
+/// Calls of the GPU wing's seams in tenant/ files outside `allowed`.
+fn gpu_seam_calls(allowed: &[&str]) -> Vec<String> {
+    let mut found = Vec::new();
+    for method in GPU_SEAM_CALLS {
+        found.extend(offenders(
+            &format!("gpu.{method}("),
+            |rel| rel.starts_with("tenant/"),
+            allowed,
+        ));
+    }
+    found
+}
+
+#[test]
+fn only_the_gpu_steps_drive_the_gpu_wing() {
+    // The service, its access and usage operations and the departure reach the host's GPUs
+    // through the GPU's steps (`steps::gpu`, `steps::device`), never the seams themselves.
+    let found = gpu_seam_calls(&["tenant/steps/gpu.rs", "tenant/steps/device.rs"]);
+    assert!(
+        found.is_empty(),
+        "call the GPU wing through tenant/steps/gpu.rs or tenant/steps/device.rs:\n{}",
+        found.join("\n")
+    );
+    // The rule sees the calls it is about: the steps make them.
+    let steps = gpu_seam_calls(&[]);
+    for step in ["src/tenant/steps/gpu.rs:", "src/tenant/steps/device.rs:"] {
+        assert!(steps.iter().any(|l| l.starts_with(step)), "{steps:?}");
+    }
+}
+
+#[test]
+fn the_gpu_wing_imports_nothing_above_it() {
+    // gpu/ is below the tenant service: the steps call it, it calls none of them.
+    let wing = |rel: &str| rel.starts_with("gpu/");
+    let mut found = Vec::new();
+    for above in [
+        "crate::tenant",
+        "crate::api",
+        "crate::frontdoor",
+        "crate::cli",
+        "crate::metrics",
+        "crate::daemon",
+    ] {
+        found.extend(offenders(above, wing, &[]));
+    }
+    assert!(
+        found.is_empty(),
+        "gpu/ must not reach up into the tenant service or above:\n{}",
+        found.join("\n")
+    );
+}
+
 /// The rules are not vacuous: a file that breaks one is found.
 #[test]
 fn a_rule_breaker_is_found() {

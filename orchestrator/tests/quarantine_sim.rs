@@ -7,8 +7,8 @@ mod support;
 
 use support::daemon::{self, TestDaemon};
 use support::departure::{cli, create, ok, receipts_of, text};
+use tenantvm::gpu::scrub::departure::SIM_SCRUB_FAIL_ENV;
 use tenantvm::receipt::{DepartureStep, StepResult};
-use tenantvm::tenant::gpu_scrub::SIM_SCRUB_FAIL_ENV;
 
 /// The H200 of the fixture offers 7g.141gb at one place only.
 const GPU: &str = "gpu = { kind = \"mig\", profile = \"7g.141gb\" }";

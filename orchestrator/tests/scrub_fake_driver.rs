@@ -8,11 +8,11 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use tenantvm::receipt::Assurance;
-use tenantvm::scrub::{
+use tenantvm::gpu::scrub::{
     run_scrub, scrub_gpu, DeviceSelector, ScrubArgs, ScrubError, ScrubOptions, ScrubOutcome,
     VerifyMode,
 };
+use tenantvm::receipt::Assurance;
 
 const FAKE_TOTAL: u64 = 96 << 20;
 const FAKE_RESERVED: u64 = 4 << 20;

@@ -1,6 +1,6 @@
 //! `GET /v1/tenants/{name}/gpu`: the GPU a tenant's guest reports (its guest agent's
 //! `gpu-info`: PCI functions and `nvidia-smi`'s GPUs) beside the share the daemon assigned
-//! to it, and the findings of comparing them ([`crate::tenant::gpu_info`]). The admin token
+//! to it, and the findings of comparing them ([`crate::gpu::guest_view`]). The admin token
 //! or the tenant's own (it reads only the tenant's own guest and assignment).
 //!
 //! Errors: the tenant not running or without a guest agent 409; an agent older than
@@ -21,7 +21,8 @@ use super::lanes::{offload, Lane};
 use super::models::{agent_error, connect};
 use super::{authorization, ApiError, ApiState};
 use crate::auth;
-use crate::tenant::gpu_info::{self, AssignedGpu, Finding, FindingLevel};
+use crate::gpu::guest_view::{self as gpu_info, Finding, FindingLevel};
+use crate::gpu::AssignedGpu;
 
 /// How long the agent may take: nvidia-smi's deadline and some.
 const GPU_INFO_TIMEOUT: Duration = Duration::from_secs(NVIDIA_SMI_DEADLINE_SECS + 10);

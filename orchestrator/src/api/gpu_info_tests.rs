@@ -21,8 +21,8 @@ use tenantvm_gpu::host::fake::FakeHost;
 use crate::auth::Caller;
 use crate::cli::{exit, run_with, Cli};
 use crate::domain::spec::TenantSpec;
+use crate::gpu::BackendPlanner;
 use crate::tenant::fault::FaultHook;
-use crate::tenant::gpu::BackendPlanner;
 use crate::tenant::service::{CommandOutcome, TenantCommand};
 use crate::tenant::test_utils::{fake_agent_socket, Harness, EDU_TREE, SIM_AT_EDU};
 

@@ -13,8 +13,8 @@ use tower::ServiceExt;
 
 use super::router;
 use crate::backend::DiskCounters;
+use crate::gpu::BackendPlanner;
 use crate::tenant::fault::FaultHook;
-use crate::tenant::gpu::BackendPlanner;
 use crate::tenant::test_utils::Harness;
 
 /// One H100 with MIG on, nothing on it yet (SIMULATED).

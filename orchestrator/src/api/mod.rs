@@ -32,8 +32,8 @@ use axum::{Json, Router};
 
 use crate::auth::{self, AuthError, Caller};
 use crate::domain::spec::TenantSpec;
+use crate::gpu::GpuError;
 use crate::store::StoreError;
-use crate::tenant::host::GpuPlanError;
 use crate::tenant::service::{CommandOutcome, TenantCommand, TenantService, TenantServiceError};
 use lanes::{offload, Lane, LaneFull, Lanes, OffloadError};
 use types::{ErrorBody, ErrorDetail, Health, LogQuery};
@@ -137,7 +137,7 @@ impl From<TenantServiceError> for ApiError {
             E::Image(_) => (StatusCode::BAD_REQUEST, "invalid_image"),
             E::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             E::TooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
-            E::Gpu(GpuPlanError::NoGpuBackend) | E::Gpu(GpuPlanError::Plan(_)) => {
+            E::Gpu(GpuError::NoGpuBackend) | E::Gpu(GpuError::Plan(_)) => {
                 (StatusCode::BAD_REQUEST, "gpu_unavailable")
             }
             E::NotFound(_) | E::NoSuchKey { .. } => (StatusCode::NOT_FOUND, "not_found"),

@@ -8,7 +8,7 @@ use clap::Args;
 use super::{exit, fail, output, CliFailure};
 use crate::api::gpu_info::GpuInfoView;
 use crate::client::Client;
-use crate::tenant::gpu_info::{FindingLevel, MEMORY_TOLERANCE_PERCENT};
+use crate::gpu::guest_view::{FindingLevel, MEMORY_TOLERANCE_PERCENT};
 use crate::untrusted::one_line;
 use tenantvm_agent_protocol::NvidiaSmi;
 

@@ -204,7 +204,7 @@ pub enum GpuCommand {
     /// Scrub one CUDA device in this process (what the daemon runs as a child, with
     /// CUDA_VISIBLE_DEVICES set to the device's UUID).
     #[command(hide = true)]
-    ScrubDevice(crate::scrub::ScrubArgs),
+    ScrubDevice(crate::gpu::scrub::ScrubArgs),
 }
 
 /// `tenantvm host` subcommands.
@@ -628,13 +628,15 @@ async fn run_inner(cli: Cli, out: &mut dyn Write, err: &mut dyn Write) -> Result
                 .map_err(CliFailure::from);
         }
         Command::Gpu(GpuCommand::ScrubDevice(args)) => {
-            return crate::scrub::run_scrub(args, out).map(|_| ()).map_err(|e| {
-                if is_broken_pipe(&e) {
-                    CliFailure::broken_pipe()
-                } else {
-                    fail(exit::OTHER, e.to_string())
-                }
-            });
+            return crate::gpu::scrub::run_scrub(args, out)
+                .map(|_| ())
+                .map_err(|e| {
+                    if is_broken_pipe(&e) {
+                        CliFailure::broken_pipe()
+                    } else {
+                        fail(exit::OTHER, e.to_string())
+                    }
+                });
         }
         // GPU planning and the host preflight run locally, without the daemon or a token.
         Command::Plan(args) => return plan(args, out),

@@ -22,9 +22,9 @@ use tenantvm_agent_protocol::{AgentClient, AgentClientError};
 use crate::auth::Caller;
 use crate::domain::lifecycle::LifecycleState;
 use crate::domain::TenantName;
+use crate::gpu::AssignedGpu;
 use crate::store::TenantRecord;
 use crate::tenant::context::Tenant;
-use crate::tenant::gpu_info::AssignedGpu;
 use crate::tenant::infer::{AdmittedInfer, InferError};
 use crate::tenant::service::TenantService;
 use crate::tenant::service_error::TenantServiceError;
@@ -134,7 +134,7 @@ impl TenantService {
         &self,
         serving: &ServingTenant,
     ) -> Result<Option<AssignedGpu>, TenantServiceError> {
-        Ok(crate::tenant::gpu_info::assigned(
+        Ok(crate::tenant::steps::device::assigned(
             &self.ctx(),
             &serving.tenant,
         )?)

@@ -10,11 +10,12 @@ use thiserror::Error;
 use crate::backend::{RunningVm, VmBackend};
 use crate::domain::spec::TenantSpec;
 use crate::domain::{GuestKind, TenantName};
+use crate::gpu::{GpuError, GpuHost};
 use crate::store::{ResourceKind, Store, StoreError, TenantRecord};
 use crate::tenant::admission::Admission;
 use crate::tenant::config::ServiceConfig;
 use crate::tenant::departure::{DepartureKit, Kit};
-use crate::tenant::host::{GpuPlanError, GpuPlanner, JailCleaner};
+use crate::tenant::host::JailCleaner;
 
 /// Why a step did not complete.
 #[derive(Debug, Error)]
@@ -27,7 +28,7 @@ pub enum StepError {
     Store(#[from] StoreError),
     /// The GPU planner refused or failed.
     #[error(transparent)]
-    Gpu(#[from] GpuPlanError),
+    Gpu(#[from] GpuError),
     /// The daemon is stopping: the step gave up waiting. Nothing is recorded as failed; the
     /// operation resumes at the next start, as after a crash.
     #[error("the daemon is stopping; the operation resumes when it starts again")]
@@ -92,7 +93,7 @@ pub struct StepCtx<'a> {
     /// Tears down jails and cgroups.
     pub jail: &'a dyn JailCleaner,
     /// GPU placements.
-    pub gpu: &'a dyn GpuPlanner,
+    pub gpu: &'a dyn GpuHost,
     /// Disk keys, receipt signer, audit log (loaded on first use).
     pub keys: &'a Kit,
     /// Per-tenant inference gates (route-off closes one).
@@ -102,18 +103,15 @@ pub struct StepCtx<'a> {
     /// Set when the daemon stops.
     pub stop: &'a StopFlag,
     /// One lock per GPU card: held by the steps that change a card's host mode.
-    pub cards: &'a crate::tenant::card_lock::CardLocks,
+    pub cards: &'a crate::gpu::card_lock::CardLocks,
 }
 
 impl StepCtx<'_> {
     /// Holds GPU card `gpu` (a ledger id) for a step that changes its host mode, waiting
-    /// at most [`crate::tenant::card_lock::CARD_LOCK_WAIT`].
-    pub fn hold_card(
-        &self,
-        gpu: &str,
-    ) -> Result<crate::tenant::card_lock::CardGuard<'_>, StepError> {
+    /// at most [`crate::gpu::card_lock::CARD_LOCK_WAIT`].
+    pub fn hold_card(&self, gpu: &str) -> Result<crate::gpu::card_lock::CardGuard<'_>, StepError> {
         self.cards
-            .hold(gpu, crate::tenant::card_lock::CARD_LOCK_WAIT)
+            .hold(gpu, crate::gpu::card_lock::CARD_LOCK_WAIT)
             .map_err(StepError::failed)
     }
 }

@@ -1,6 +1,7 @@
 //! The departure's machinery outside its steps: the disk keys, the receipt signer and the
-//! audit log ([`DepartureKit`], loaded once through [`Kit`]), the re-scrub of a quarantined
-//! GPU slice ([`rescrub`]), and who may read receipts ([`receipt_caller`]).
+//! audit log ([`DepartureKit`], loaded once through [`Kit`]), what the re-scrub of a
+//! quarantined GPU slice answers ([`RescrubOutcome`], [`RescrubError`]; it runs in
+//! [`crate::tenant::steps::gpu::rescrub`]), and who may read receipts ([`receipt_caller`]).
 //!
 //! The departure's steps themselves are in [`crate::tenant::steps`]: each returns its
 //! receipt record, the runner persists it in the store as soon as the step returns
@@ -10,7 +11,8 @@
 //!
 //! A scrub that does not verify (or cannot run) quarantines the slice and the departure goes
 //! on, so the tenant's disk is still shredded; the receipt records the scrub as failed and the
-//! slice quarantined. `tenantvm gpu scrub <gpu>/<label>` re-runs the scrub ([`rescrub`]).
+//! slice quarantined. `tenantvm gpu scrub <gpu>/<label>` re-runs the scrub
+//! ([`crate::tenant::steps::gpu::rescrub`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -18,11 +20,10 @@ use std::sync::{Arc, Mutex};
 use thiserror::Error;
 
 use crate::disk::KeyslotCost;
+use crate::gpu::scrub::ScrubOutcome;
 use crate::keys::{HostKek, KekSource, KeyError, KeyStore, DEFAULT_KEK_FILE};
 use crate::receipt::{AuditLog, ReceiptError, ReceiptSigner};
-use crate::scrub::ScrubOutcome;
-use crate::store::{QuarantinedSlice, Store, StoreError};
-use crate::tenant::host::GpuPlanner;
+use crate::store::StoreError;
 
 /// Why the departure machinery could not be set up.
 #[derive(Debug, Error)]
@@ -148,35 +149,6 @@ pub struct RescrubOutcome {
     pub lifted: bool,
     /// The scrub's outcome.
     pub scrub: ScrubOutcome,
-}
-
-/// Re-runs the scrub of a quarantined slice (`<gpu>/<label>`): recreates its MIG instance,
-/// scrubs it, destroys it again, and lifts the quarantine only if the scrub passed.
-pub fn rescrub(
-    store: &Store,
-    gpu: &dyn GpuPlanner,
-    slice: &str,
-) -> Result<RescrubOutcome, RescrubError> {
-    let q: QuarantinedSlice = store
-        .quarantined()?
-        .into_iter()
-        .find(|q| q.id() == slice)
-        .ok_or_else(|| RescrubError::NotQuarantined(slice.into()))?;
-    let p = q.placement();
-    let failed = |e: &dyn std::fmt::Display| RescrubError::Failed {
-        slice: slice.to_string(),
-        message: e.to_string(),
-    };
-    gpu.materialize(&p).map_err(|e| failed(&e))?;
-    let outcome = gpu.scrub(&p);
-    gpu.release(&p).map_err(|e| failed(&e))?;
-    let outcome = outcome.map_err(|e| failed(&e))?;
-    let lifted = outcome.passed && store.lift_quarantine(&p)? > 0;
-    Ok(RescrubOutcome {
-        slice: slice.to_string(),
-        lifted,
-        scrub: outcome,
-    })
 }
 
 /// The caller of a receipt request: any live token as usual, and also the revoked token of a

@@ -17,9 +17,9 @@ use crate::auth::Caller;
 use crate::backend::PassthroughDevice;
 use crate::domain::lifecycle::LifecycleState;
 use crate::domain::spec::TenantSpec;
+use crate::gpu::BackendPlanner;
 use crate::reconcile::{reconcile, ReconcileOptions};
 use crate::tenant::fault::{Boundary, FaultHook};
-use crate::tenant::gpu::BackendPlanner;
 use crate::tenant::service::TenantCommand;
 use crate::tenant::steps::{Op, Step};
 use crate::tenant::test_utils::Harness;
@@ -740,90 +740,91 @@ mod gated {
     use super::GatedPlanner;
     use crate::backend::PassthroughDevice;
     use crate::domain::spec::GpuRequest;
+    use crate::gpu::{Cleaning, Describe, DeviceResetOutcome, DeviceRoute, GpuError, Placement};
+    use crate::gpu::{DeviceRecord, MigRestore};
     use crate::store::GpuPlacement;
-    use crate::tenant::gpu_device::{DeviceRecord, MigRestore};
-    use crate::tenant::host::{DeviceResetOutcome, GpuPlanError, GpuPlanner};
     use std::sync::atomic::Ordering::SeqCst;
 
-    impl GpuPlanner for GatedPlanner {
+    impl Placement for GatedPlanner {
         fn place(
             &self,
             tenant: &str,
             request: &GpuRequest,
             held: &[GpuPlacement],
-        ) -> Result<GpuPlacement, GpuPlanError> {
+        ) -> Result<GpuPlacement, GpuError> {
             self.inner.place(tenant, request, held)
         }
-        fn materialize(&self, p: &GpuPlacement) -> Result<(), GpuPlanError> {
+        fn materialize(&self, p: &GpuPlacement) -> Result<(), GpuError> {
             self.inner.materialize(p)
         }
-        fn release(&self, p: &GpuPlacement) -> Result<(), GpuPlanError> {
-            GpuPlanner::release(self.inner.as_ref(), p)
+        fn release(&self, p: &GpuPlacement) -> Result<(), GpuError> {
+            Placement::release(self.inner.as_ref(), p)
         }
-        fn reset(&self, p: &GpuPlacement) -> Result<DeviceResetOutcome, GpuPlanError> {
-            self.inner.reset(p)
+        fn mig_enabled(&self, gpu: &str) -> Result<Option<bool>, GpuError> {
+            self.inner.mig_enabled(gpu)
         }
-        fn scrub(&self, p: &GpuPlacement) -> Result<crate::scrub::ScrubOutcome, GpuPlanError> {
-            self.inner.scrub(p)
+        fn restore_mig_off(&self, gpu: &str) -> Result<MigRestore, GpuError> {
+            Placement::restore_mig_off(self.inner.as_ref(), gpu)
         }
-        fn plan_device(&self, p: &GpuPlacement) -> Result<DeviceRecord, GpuPlanError> {
+    }
+
+    impl DeviceRoute for GatedPlanner {
+        fn plan_device(&self, p: &GpuPlacement) -> Result<DeviceRecord, GpuError> {
             if self.inside.load(SeqCst) {
                 self.planned_inside.store(true, SeqCst);
             }
             self.inner.plan_device(p)
         }
-        fn prepare_device(&self, p: &GpuPlacement, r: &DeviceRecord) -> Result<(), GpuPlanError> {
+        fn prepare_device(&self, p: &GpuPlacement, r: &DeviceRecord) -> Result<(), GpuError> {
             self.inner.prepare_device(p, r)
         }
-        fn plan_bind(
-            &self,
-            p: &GpuPlacement,
-            r: &DeviceRecord,
-        ) -> Result<DeviceRecord, GpuPlanError> {
+        fn plan_bind(&self, p: &GpuPlacement, r: &DeviceRecord) -> Result<DeviceRecord, GpuError> {
             self.inner.plan_bind(p, r)
         }
         fn bind_device(
             &self,
             p: &GpuPlacement,
             r: &DeviceRecord,
-        ) -> Result<DeviceRecord, GpuPlanError> {
+        ) -> Result<DeviceRecord, GpuError> {
             self.inner.bind_device(p, r)
         }
-        fn devices(&self, r: &DeviceRecord) -> Result<Vec<PassthroughDevice>, GpuPlanError> {
+        fn devices(&self, r: &DeviceRecord) -> Result<Vec<PassthroughDevice>, GpuError> {
             self.inner.devices(r)
         }
-        fn reset_device(
-            &self,
-            r: &DeviceRecord,
-        ) -> Result<Option<DeviceResetOutcome>, GpuPlanError> {
+        fn reset_device(&self, r: &DeviceRecord) -> Result<Option<DeviceResetOutcome>, GpuError> {
             self.inner.reset_device(r)
         }
-        fn rebind_device(&self, r: &DeviceRecord) -> Result<(), GpuPlanError> {
+        fn rebind_device(&self, r: &DeviceRecord) -> Result<(), GpuError> {
             self.inner.rebind_device(r)
         }
-        fn detach_device(&self, p: &GpuPlacement, r: &DeviceRecord) -> Result<(), GpuPlanError> {
+        fn detach_device(&self, p: &GpuPlacement, r: &DeviceRecord) -> Result<(), GpuError> {
             self.inner.detach_device(p, r)
         }
-        fn leave_device_mode(&self, card: &str, r: &DeviceRecord) -> Result<(), GpuPlanError> {
+        fn leave_device_mode(&self, card: &str, r: &DeviceRecord) -> Result<(), GpuError> {
             let entered = self.entered.lock().unwrap().take();
             if let Some(tx) = entered {
                 self.inside.store(true, SeqCst);
                 tx.send(()).unwrap();
                 let go = self.go.lock().unwrap().take().unwrap();
                 go.recv_timeout(std::time::Duration::from_secs(60)).unwrap();
-                let out = GpuPlanner::leave_device_mode(self.inner.as_ref(), card, r);
+                let out = DeviceRoute::leave_device_mode(self.inner.as_ref(), card, r);
                 self.inside.store(false, SeqCst);
                 return out;
             }
-            GpuPlanner::leave_device_mode(self.inner.as_ref(), card, r)
-        }
-        fn mig_enabled(&self, gpu: &str) -> Result<Option<bool>, GpuPlanError> {
-            self.inner.mig_enabled(gpu)
-        }
-        fn restore_mig_off(&self, gpu: &str) -> Result<MigRestore, GpuPlanError> {
-            GpuPlanner::restore_mig_off(self.inner.as_ref(), gpu)
+            DeviceRoute::leave_device_mode(self.inner.as_ref(), card, r)
         }
     }
+
+    impl Cleaning for GatedPlanner {
+        fn reset(&self, p: &GpuPlacement) -> Result<DeviceResetOutcome, GpuError> {
+            self.inner.reset(p)
+        }
+        fn scrub(&self, p: &GpuPlacement) -> Result<crate::gpu::scrub::ScrubOutcome, GpuError> {
+            self.inner.scrub(p)
+        }
+    }
+
+    impl Describe for GatedPlanner {}
 }
 
 #[test]

@@ -8,24 +8,21 @@
 //! - [`steps`]: the flat table of steps, by concern (`vm`, `gpu`, `disk`, `guest`,
 //!   `departure`), each given only a [`context::StepCtx`] and a [`context::Tenant`];
 //! - [`context`], [`config`], [`image`], [`infer`], [`departure`], [`admission`], [`host`],
-//!   [`gpu`], [`gpu_scrub`], [`gpu_info`], [`logs`], [`view`]: what steps and the service
-//!   share.
+//!   [`logs`], [`view`]: what steps and the service share.
+//!
+//! The host's GPUs are the GPU wing's ([`crate::gpu`]); [`steps::gpu`] and [`steps::device`]
+//! are its only callers here.
 //!
 //! The spec and the lifecycle state machine are in [`crate::domain`].
 
 pub mod access;
 pub mod admission;
 pub mod agent_mux;
-pub mod card_lock;
 pub mod config;
 pub mod context;
 pub mod departure;
 #[cfg(any(test, feature = "test-hooks"))]
 pub mod fault;
-pub mod gpu;
-pub mod gpu_device;
-pub mod gpu_info;
-pub mod gpu_scrub;
 pub mod host;
 pub mod image;
 pub mod infer;

@@ -12,8 +12,8 @@ use tenantvm_gpu::plan::{self, HostGpu, Share, TenantsFile};
 use crate::auth::Caller;
 use crate::domain::lifecycle::LifecycleState;
 use crate::domain::spec::TenantSpec;
+use crate::gpu::BackendPlanner;
 use crate::tenant::fault::FaultHook;
-use crate::tenant::gpu::BackendPlanner;
 use crate::tenant::service::TenantCommand;
 use crate::tenant::test_utils::Harness;
 

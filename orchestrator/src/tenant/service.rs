@@ -13,15 +13,16 @@ use crate::auth::{self, Caller};
 use crate::backend::{RunningVm, VmBackend};
 use crate::domain::lifecycle::LifecycleState;
 use crate::domain::spec::TenantSpec;
+use crate::gpu::card_lock::CardLocks;
+use crate::gpu::GpuHost;
 use crate::store::{ResourceKind, Store, TenantRecord, TokenOwner};
 use crate::tenant::access::Need;
 use crate::tenant::admission::Admission;
-use crate::tenant::card_lock::CardLocks;
 use crate::tenant::context::{StepCtx, StopFlag, Tenant};
 use crate::tenant::departure::{DepartureError, DepartureKit, Kit};
 #[cfg(any(test, feature = "test-hooks"))]
 use crate::tenant::fault::FaultHook;
-use crate::tenant::host::{GpuPlanError, GpuPlanner, JailCleaner};
+use crate::tenant::host::JailCleaner;
 use crate::tenant::infer::AdmittedInfer;
 use crate::tenant::runner::{self, Ended};
 use crate::tenant::steps::{vm, OnFailure, Op};
@@ -88,7 +89,7 @@ pub struct TenantService {
     store: Arc<Store>,
     backend: Arc<dyn VmBackend>,
     jail: Arc<dyn JailCleaner>,
-    gpu: Arc<dyn GpuPlanner>,
+    gpu: Arc<dyn GpuHost>,
     config: Arc<ServiceConfig>,
     /// The crash hook (test builds only).
     #[cfg(any(test, feature = "test-hooks"))]
@@ -138,7 +139,7 @@ impl TenantService {
         store: Arc<Store>,
         backend: Arc<dyn VmBackend>,
         jail: Arc<dyn JailCleaner>,
-        gpu: Arc<dyn GpuPlanner>,
+        gpu: Arc<dyn GpuHost>,
         config: ServiceConfig,
     ) -> TenantService {
         TenantService {
@@ -387,7 +388,7 @@ impl TenantService {
                 if !matches!(caller, Caller::Admin) {
                     return Err(TenantServiceError::AdminOnly("scrub GPU slices"));
                 }
-                crate::tenant::departure::rescrub(&self.store, self.gpu.as_ref(), &slice)
+                crate::tenant::steps::gpu::rescrub(&self.store, self.gpu.as_ref(), &slice)
                     .map(CommandOutcome::Rescrubbed)
                     .map_err(TenantServiceError::from)
             }
@@ -448,17 +449,13 @@ impl TenantService {
             // a GPU without a partition, more than any GPU holds) is refused before anything
             // is recorded. Whether there is room now is reserve-gpu's question, asked under
             // the ledger.
-            let placement = self.gpu.place(spec.name.as_str(), &spec.gpu, &[])?;
-            // An mdev vGPU reaches a VM only through QEMU: refused now, not at launch.
-            if self.backend.kind() == crate::backend::BackendKind::TenantvmVmm {
-                if let Ok(crate::tenant::gpu_device::DeviceRecord::MdevVgpu { parent, .. }) =
-                    self.gpu.plan_device(&placement)
-                {
-                    return Err(TenantServiceError::Gpu(GpuPlanError::Plan(format!(
-                        "GPU {parent} gives MIG instances to VMs as mdev vGPUs (vGPU 16 and older), which tenantvm-vmm cannot pass through: run tenantvmd with --backend qemu-kvm, or ask for a whole GPU"
-                    ))));
-                }
-            }
+            crate::tenant::steps::gpu::check_request(
+                self.gpu.as_ref(),
+                spec.name.as_str(),
+                &spec.gpu,
+                // An mdev vGPU reaches a VM only through QEMU: refused now, not at launch.
+                self.backend.kind() != crate::backend::BackendKind::TenantvmVmm,
+            )?;
         }
         let guard = self.mark_busy(&spec.name)?;
         // Held until the tenant is recorded: two creates never take the same room.

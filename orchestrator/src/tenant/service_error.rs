@@ -5,10 +5,10 @@ use thiserror::Error;
 
 use crate::domain::lifecycle::LifecycleError;
 use crate::domain::spec::TenantSpecError;
+use crate::gpu::GpuError;
 use crate::store::StoreError;
 use crate::tenant::context::StepError;
 use crate::tenant::departure::DepartureError;
-use crate::tenant::host::GpuPlanError;
 use crate::tenant::infer::InferError;
 
 /// Why a command failed.
@@ -48,7 +48,7 @@ pub enum TenantServiceError {
     },
     /// The GPU planner refused.
     #[error(transparent)]
-    Gpu(#[from] GpuPlanError),
+    Gpu(#[from] GpuError),
     /// Reading a log failed.
     #[error("Cannot read the log: {0}")]
     Log(String),

@@ -14,10 +14,12 @@ use crate::backend::{
     BackendError, BackendKind, ExitReason, JailConfig, RunningVm, VmBackend, VmSpec, VmState,
 };
 use crate::domain::spec::GpuRequest;
+use crate::gpu::error::plan_err;
+use crate::gpu::{Cleaning, Describe, DeviceRoute, GpuError, GpuHost, Placement};
 use crate::jail::{CgroupHandle, JailError};
 use crate::store::{GpuPlacement, Store};
 use crate::tenant::fault::FaultHook;
-use crate::tenant::host::{GpuPlanError, GpuPlanner, JailCleaner};
+use crate::tenant::host::JailCleaner;
 use crate::tenant::service::{ServiceConfig, TenantService};
 
 /// Records tenant `name` (running on the fake host) as running a guest image with an agent
@@ -328,13 +330,13 @@ pub struct FakeGpus {
     pub fail_scrub: Arc<Mutex<BTreeSet<String>>>,
 }
 
-impl GpuPlanner for FakeGpus {
+impl Placement for FakeGpus {
     fn place(
         &self,
         _tenant: &str,
         request: &GpuRequest,
         held: &[GpuPlacement],
-    ) -> Result<GpuPlacement, GpuPlanError> {
+    ) -> Result<GpuPlacement, GpuError> {
         let len = match (&request.profile, request.whole_gpu) {
             (_, true) => 8,
             (Some(profile), false) => match profile
@@ -344,7 +346,7 @@ impl GpuPlanner for FakeGpus {
             {
                 Some(7) => 8,
                 Some(n @ 1..=4) => n,
-                _ => return Err(GpuPlanError::Plan(format!("unknown profile {profile:?}"))),
+                _ => return Err(plan_err(format!("unknown profile {profile:?}"))),
             },
             (None, false) => 2,
         };
@@ -366,16 +368,19 @@ impl GpuPlanner for FakeGpus {
                 start += len;
             }
         }
-        Err(GpuPlanError::Plan(
-            "every GPU placement that fits the request is taken (fake host)".into(),
+        Err(plan_err(
+            "every GPU placement that fits the request is taken (fake host)",
         ))
     }
+}
 
-    fn reset(
-        &self,
-        _placement: &GpuPlacement,
-    ) -> Result<crate::tenant::host::DeviceResetOutcome, GpuPlanError> {
-        Ok(crate::tenant::host::DeviceResetOutcome {
+impl DeviceRoute for FakeGpus {}
+
+impl Describe for FakeGpus {}
+
+impl Cleaning for FakeGpus {
+    fn reset(&self, _placement: &GpuPlacement) -> Result<crate::gpu::DeviceResetOutcome, GpuError> {
+        Ok(crate::gpu::DeviceResetOutcome {
             method: "simulated: fake planner".into(),
             result: crate::receipt::StepResult::Ok,
             assurance: crate::receipt::Assurance::Simulated,
@@ -383,9 +388,9 @@ impl GpuPlanner for FakeGpus {
         })
     }
 
-    fn scrub(&self, placement: &GpuPlacement) -> Result<crate::scrub::ScrubOutcome, GpuPlanError> {
+    fn scrub(&self, placement: &GpuPlacement) -> Result<crate::gpu::scrub::ScrubOutcome, GpuError> {
         let fail = self.fail_scrub.lock().unwrap().contains(&placement.label);
-        Ok(crate::scrub::simulate_scrub(
+        Ok(crate::gpu::scrub::simulate_scrub(
             &placement.label,
             1 << 30,
             fail,
@@ -406,7 +411,7 @@ pub struct Harness {
     /// How long await-running waits (2 s unless a test needs a long wait).
     pub boot_timeout: Duration,
     /// The GPU planner, when not the [`FakeGpus`] one.
-    pub planner: Option<Arc<dyn GpuPlanner>>,
+    pub planner: Option<Arc<dyn GpuHost>>,
 }
 
 impl Harness {
@@ -470,7 +475,7 @@ impl Harness {
     }
 
     /// The same harness with another GPU planner (a new service over the same store).
-    pub fn with_planner(mut self, planner: Arc<dyn GpuPlanner>) -> Harness {
+    pub fn with_planner(mut self, planner: Arc<dyn GpuHost>) -> Harness {
         self.planner = Some(planner);
         self.restart(FaultHook::default());
         self
@@ -501,7 +506,7 @@ impl Harness {
         host: &FakeHost,
         fail_scrub: &Arc<Mutex<BTreeSet<String>>>,
         boot_timeout: Duration,
-        planner: Option<Arc<dyn GpuPlanner>>,
+        planner: Option<Arc<dyn GpuHost>>,
         fault: FaultHook,
     ) -> TenantService {
         let store = Arc::new(Store::open(&root.join("state.db")).unwrap());

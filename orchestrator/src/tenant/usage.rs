@@ -55,8 +55,7 @@ impl TenantService {
             .ok()
             .flatten()
             .and_then(|placement| {
-                ctx.gpu
-                    .usage(&placement)
+                crate::tenant::steps::gpu::usage(&ctx, &placement)
                     .map_err(|e| tracing::debug!(tenant = %name, error = %e, "no GPU usage"))
                     .ok()
                     .flatten()
@@ -72,7 +71,7 @@ impl TenantService {
     pub fn gpu_inventory(&self) -> Result<GpuInventory, TenantServiceError> {
         let ctx = self.ctx();
         Ok(GpuInventory {
-            gpus: ctx.gpu.gpus()?,
+            gpus: crate::tenant::steps::gpu::host_gpus(&ctx)?,
             held: crate::tenant::steps::gpu::held_shares(ctx.store)?,
         })
     }

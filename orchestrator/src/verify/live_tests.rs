@@ -46,9 +46,9 @@ impl Daemon {
         let backend =
             tenantvm_gpu::backend::open(&tenantvm_gpu::backend::BackendSpec::Sim(path.clone()))
                 .unwrap();
-        let mut h = h.with_planner(std::sync::Arc::new(
-            crate::tenant::gpu::BackendPlanner::new(backend),
-        ));
+        let mut h = h.with_planner(std::sync::Arc::new(crate::gpu::BackendPlanner::new(
+            backend,
+        )));
         h.restart(fault);
         (Self::start_with(h), format!("sim:{}", path.display()))
     }

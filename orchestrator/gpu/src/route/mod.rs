@@ -49,6 +49,8 @@ pub enum RouteError {
 }
 
 /// The route a placed share takes on `gpu` (decided by [`mig::decide`], as placement was).
+/// The daemon's one decision of a route: it records what this returns, and never decides
+/// again (`orchestrator/src/gpu/route.rs`, `DeviceRoute::plan_device`).
 pub fn route_for(gpu: &GpuInfo, share: &Share) -> Result<Route, RouteError> {
     if let Share::WholeGpu { .. } = share {
         return Ok(Route::Whole);

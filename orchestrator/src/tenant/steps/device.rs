@@ -1,5 +1,5 @@
 //! The steps that hand a tenant's GPU share to its VM and take it back
-//! ([`crate::tenant::gpu_device`] says how each route does it):
+//! ([`crate::gpu::route`] says how each route does it):
 //!
 //! create: reserve-gpu → **prepare-gpu-host** (the route decided and recorded with the VM's
 //! UUID, then the card prepared: vGPU needs MIG on and VFs enabled before any instance; a
@@ -19,11 +19,21 @@
 //! departure goes on.
 
 use crate::backend::PassthroughDevice;
+use crate::gpu::{AssignedGpu, DeviceRecord, MigRestore};
 use crate::receipt::StepRecord;
 use crate::store::{GpuDeviceRow, GpuPlacement};
 use crate::tenant::context::{StepCtx, StepError, Tenant};
-use crate::tenant::gpu_device::{DeviceRecord, MigRestore};
 use crate::tenant::steps::Op;
+
+/// The share the daemon assigned to tenant `t` (None: no GPU share), described by the
+/// GPU wing from the ledger placement and the stored device record (`tenantvm gpu-info`).
+pub fn assigned(ctx: &StepCtx<'_>, t: &Tenant) -> Result<Option<AssignedGpu>, StepError> {
+    let Some(placement) = ctx.store.gpu_placement(t.id)? else {
+        return Ok(None);
+    };
+    let record = stored(ctx, t)?.map(|(_, r)| r);
+    Ok(Some(ctx.gpu.describe(&placement, record.as_ref())?))
+}
 
 fn corrupt(what: &str, e: impl std::fmt::Display) -> StepError {
     StepError::failed(format!("the stored GPU device {what} is unreadable: {e}"))

@@ -2,10 +2,12 @@
 //! MIG instance, and, at departure, resetting the device and scrubbing its memory (a slice
 //! whose scrub does not verify is quarantined). All no-ops for a tenant without a GPU.
 
+use crate::gpu::scrub::departure::slice_id;
+use crate::gpu::{GpuError, GpuHost};
 use crate::receipt::{now_rfc3339, Assurance, DepartureStep, StepRecord, StepResult};
-use crate::store::GpuPlacement;
+use crate::store::{GpuPlacement, QuarantinedSlice, Store};
 use crate::tenant::context::{StepCtx, StepError, Tenant};
-use crate::tenant::gpu_scrub::slice_id;
+use crate::tenant::departure::{RescrubError, RescrubOutcome};
 use crate::tenant::steps::Op;
 
 fn no_device(step: DepartureStep, started: String) -> StepRecord {
@@ -22,6 +24,70 @@ fn no_device(step: DepartureStep, started: String) -> StepRecord {
 /// The steps whose failure quarantines a slice until an operator's re-scrub (the reason
 /// starts with the step's name).
 const DEVICE_STEPS: [&str; 2] = ["device-reset:", "rebind-gpu:"];
+
+/// Refuses, before anything is recorded, a GPU request this host could never meet (an
+/// unknown profile or model, a share of a GPU without a partition, more than any GPU holds),
+/// and an mdev vGPU under a VMM that cannot pass one through (`vmm_passes_mdev` false).
+/// Whether there is room now is reserve-gpu's question, asked under the ledger.
+pub fn check_request(
+    gpu: &dyn GpuHost,
+    tenant: &str,
+    request: &crate::domain::spec::GpuRequest,
+    vmm_passes_mdev: bool,
+) -> Result<(), GpuError> {
+    let placement = gpu.place(tenant, request, &[])?;
+    if !vmm_passes_mdev {
+        if let Ok(crate::gpu::DeviceRecord::MdevVgpu { parent, .. }) = gpu.plan_device(&placement) {
+            return Err(crate::gpu::error::plan_err(format!(
+                "GPU {parent} gives MIG instances to VMs as mdev vGPUs (vGPU 16 and older), which tenantvm-vmm cannot pass through: run tenantvmd with --backend qemu-kvm, or ask for a whole GPU"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Memory and utilisation of `placement`'s slice, as the GPU backend reads them (None
+/// without a backend that measures).
+pub fn usage(
+    ctx: &StepCtx<'_>,
+    placement: &GpuPlacement,
+) -> Result<Option<tenantvm_gpu::backend::SliceUsage>, GpuError> {
+    ctx.gpu.usage(placement)
+}
+
+/// The host's GPUs with their instances, as the GPU backend lists them.
+pub fn host_gpus(ctx: &StepCtx<'_>) -> Result<Vec<tenantvm_gpu::backend::GpuInfo>, GpuError> {
+    ctx.gpu.gpus()
+}
+
+/// Re-runs the scrub of a quarantined slice (`<gpu>/<label>`): recreates its MIG instance,
+/// scrubs it, destroys it again, and lifts the quarantine only if the scrub passed.
+pub fn rescrub(
+    store: &Store,
+    gpu: &dyn GpuHost,
+    slice: &str,
+) -> Result<RescrubOutcome, RescrubError> {
+    let q: QuarantinedSlice = store
+        .quarantined()?
+        .into_iter()
+        .find(|q| q.id() == slice)
+        .ok_or_else(|| RescrubError::NotQuarantined(slice.into()))?;
+    let p = q.placement();
+    let failed = |e: &dyn std::fmt::Display| RescrubError::Failed {
+        slice: slice.to_string(),
+        message: e.to_string(),
+    };
+    gpu.materialize(&p).map_err(|e| failed(&e))?;
+    let outcome = gpu.scrub(&p);
+    gpu.release(&p).map_err(|e| failed(&e))?;
+    let outcome = outcome.map_err(|e| failed(&e))?;
+    let lifted = outcome.passed && store.lift_quarantine(&p)? > 0;
+    Ok(RescrubOutcome {
+        slice: slice.to_string(),
+        lifted,
+        scrub: outcome,
+    })
+}
 
 /// What the ledger holds: every tenant's placement and every quarantined slice.
 pub fn held_shares(store: &crate::store::Store) -> Result<Vec<GpuPlacement>, StepError> {
@@ -284,7 +350,7 @@ fn with_drivers(ctx: &StepCtx<'_>, t: &Tenant, rec: StepRecord) -> Result<StepRe
     let Some((_, record)) = crate::tenant::steps::device::stored(ctx, t)? else {
         return Ok(rec);
     };
-    let crate::tenant::gpu_device::DeviceRecord::Whole { binding, .. } = &record else {
+    let crate::gpu::DeviceRecord::Whole { binding, .. } = &record else {
         return Ok(rec);
     };
     let mut rec = rec;
@@ -350,7 +416,7 @@ pub fn release(ctx: &StepCtx<'_>, t: &mut Tenant, op: Op) -> Result<Option<StepR
 fn amend_release_line(
     ctx: &StepCtx<'_>,
     t: &Tenant,
-    record: &crate::tenant::gpu_device::DeviceRecord,
+    record: &crate::gpu::DeviceRecord,
 ) -> Result<(), StepError> {
     let after: Vec<(String, String)> = ctx
         .gpu

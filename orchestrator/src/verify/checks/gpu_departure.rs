@@ -127,7 +127,7 @@ pub fn judge_gpu_departure(
         match (s.result, s.assurance) {
             // A verified scrub must show it covered the slice (the scrub's own rule).
             (StepResult::Ok, Assurance::Verified) if wanted == DepartureStep::GpuScrub => {
-                match crate::scrub::evidence_shortfall(&s.evidence) {
+                match crate::gpu::scrub::evidence_shortfall(&s.evidence) {
                     None => verified += 1,
                     Some(why) => {
                         out.verdict = Verdict::Fail;

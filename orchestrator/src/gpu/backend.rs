@@ -1,7 +1,8 @@
-//! The GPU planner over a tenantvm-gpu backend (NVML or a simulated host): places a tenant's
-//! GPU request with the exact planner (`tenantvm_gpu::plan::place::place_on_host`) over the
-//! host's GPUs and instances, the ledger's reservations and quarantined slices, and the new
-//! request; creates or destroys the MIG instance of a reserved placement.
+//! The real GPU host: [`BackendPlanner`], a tenantvm-gpu backend (NVML or a simulated host)
+//! and the sysfs devices are handed over through, built from `--gpu-backend` and
+//! `--gpu-sysfs-root`, and the helpers its seams share. Each seam's implementation over it
+//! is a file of its own ([`super::placement`], [`super::route`],
+//! [`super::scrub::departure`], [`super::describe`]).
 //!
 //! A placement names its GPU by PCI address (NVML's indexes shift when a GPU is bound to
 //! vfio-pci); ledger rows written before name it by index, and both are found again. Its
@@ -13,17 +14,13 @@ use std::sync::Arc;
 
 use tenantvm_gpu::backend::sim::vendor::SimulatedVgpuDriver;
 use tenantvm_gpu::backend::sim::SimBackend;
-use tenantvm_gpu::backend::{self as gpu_backend, BackendSpec, GpuBackend, GpuInfo, SliceUsage};
-use tenantvm_gpu::host::Sysfs;
+use tenantvm_gpu::backend::{self as gpu_backend, BackendSpec, GpuBackend, GpuInfo};
+use tenantvm_gpu::host::{PciAddress, Sysfs};
 use tenantvm_gpu::mig::MigProfile;
-use tenantvm_gpu::plan::place::{place_on_host, Held};
-use tenantvm_gpu::plan::search::DEFAULT_NODE_BUDGET;
 
-use crate::backend::PassthroughDevice;
-use crate::domain::spec::GpuRequest;
+use super::error::{device_err, plan_err, GpuError};
+use super::seam::GpuHost;
 use crate::store::GpuPlacement;
-use crate::tenant::gpu_device::{DeviceRecord, MigRestore};
-use crate::tenant::host::{GpuPlanError, GpuPlanner};
 
 /// Builds the planner `--gpu-backend` names (`nvml` or `sim:FILE`), handing devices over
 /// through the sysfs under `sysfs_root` (`--gpu-sysfs-root`). Without one, NVML hands them
@@ -34,7 +31,7 @@ use crate::tenant::host::{GpuPlanError, GpuPlanner};
 pub fn planner_from_arg(
     arg: &str,
     sysfs_root: Option<&std::path::Path>,
-) -> anyhow::Result<Arc<dyn GpuPlanner>> {
+) -> anyhow::Result<Arc<dyn GpuHost>> {
     let spec: BackendSpec = arg.parse()?;
     if let Some(root) = sysfs_root {
         if !root.join("sys/bus/pci").is_dir() {
@@ -108,10 +105,6 @@ impl BackendPlanner {
     }
 }
 
-fn plan_err(e: impl std::fmt::Display) -> GpuPlanError {
-    GpuPlanError::Plan(e.to_string())
-}
-
 /// The GPU a ledger id names: its PCI address (any case), or its index as text.
 pub fn find_gpu<'a>(gpus: &'a [GpuInfo], id: &str) -> Option<&'a GpuInfo> {
     gpus.iter()
@@ -119,198 +112,51 @@ pub fn find_gpu<'a>(gpus: &'a [GpuInfo], id: &str) -> Option<&'a GpuInfo> {
         .or_else(|| gpus.iter().find(|g| g.index.to_string() == id))
 }
 
-impl GpuPlanner for BackendPlanner {
-    fn place(
-        &self,
-        tenant: &str,
-        request: &GpuRequest,
-        held: &[GpuPlacement],
-    ) -> Result<GpuPlacement, GpuPlanError> {
-        let gpus = self.backend.gpus().map_err(plan_err)?;
-        let held = held
-            .iter()
-            .map(|p| Held::from_label(p.gpu.clone(), &p.label))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(plan_err)?;
-        let placement =
-            place_on_host(&gpus, &held, tenant, request, DEFAULT_NODE_BUDGET).map_err(plan_err)?;
-        Ok(GpuPlacement {
-            gpu: placement.held().gpu,
-            slots: placement.slots.clone(),
-            label: placement.label(),
-        })
+/// The PCI address a ledger or a record names.
+pub(super) fn pci(address: &str) -> Result<PciAddress, GpuError> {
+    PciAddress::parse(address).map_err(device_err)
+}
+
+/// The (profile, start) of a MIG placement label.
+pub(super) fn mig_label<'m>(
+    info: &'m GpuInfo,
+    placement: &GpuPlacement,
+) -> Result<(&'m MigProfile, u32), GpuError> {
+    let (name, start) = placement
+        .label
+        .split_once('@')
+        .ok_or_else(|| device_err(format!("{} is not a MIG placement", placement.label)))?;
+    let start = start
+        .parse()
+        .map_err(|_| device_err(format!("unreadable placement {:?}", placement.label)))?;
+    let model = info
+        .gpu_model()
+        .ok_or_else(|| device_err(format!("GPU {} has no known model", info.pci_address)))?;
+    Ok((model.profile(name).map_err(device_err)?, start))
+}
+
+impl BackendPlanner {
+    /// The GPU ledger id `id` names, as the backend lists it now.
+    pub(super) fn gpu_info(&self, id: &str) -> Result<GpuInfo, GpuError> {
+        let gpus = self.backend().gpus().map_err(device_err)?;
+        find_gpu(&gpus, id)
+            .cloned()
+            .ok_or_else(|| device_err(format!("GPU {id} is gone")))
     }
 
-    fn materialize(&self, placement: &GpuPlacement) -> Result<(), GpuPlanError> {
-        let Some((gpu, profile, start)) = self.mig_of(placement)? else {
-            return Ok(());
-        };
-        let gpus = self.backend.gpus().map_err(plan_err)?;
-        let exists = gpus.iter().any(|g| {
-            g.index == gpu
-                && g.instances
-                    .iter()
-                    .any(|i| i.profile_id == profile.id && i.start == start)
-        });
-        // The planner may choose a GPU whose MIG mode is off (prepare-gpu-host turns it on
-        // for a vGPU card; on the other routes it is turned on here).
-        let mig_off = gpus.iter().any(|g| g.index == gpu && !g.mig_enabled);
-        if !exists && mig_off {
-            self.backend.set_mig_mode(gpu, true).map_err(plan_err)?;
-        }
-        if !exists {
-            self.backend
-                .create_instance(gpu, profile.id, start)
-                .map_err(plan_err)?;
-        }
-        Ok(())
-    }
-
-    fn reset(
-        &self,
-        placement: &GpuPlacement,
-    ) -> Result<crate::tenant::host::DeviceResetOutcome, GpuPlanError> {
-        crate::tenant::gpu_scrub::reset(self.backend.as_ref(), placement)
-    }
-
-    fn plan_device(&self, placement: &GpuPlacement) -> Result<DeviceRecord, GpuPlanError> {
-        self.plan_device_route(placement)
-    }
-
-    fn prepare_device(
-        &self,
-        placement: &GpuPlacement,
-        record: &DeviceRecord,
-    ) -> Result<(), GpuPlanError> {
-        self.prepare_device_host(placement, record)
-    }
-
-    fn plan_bind(
-        &self,
-        placement: &GpuPlacement,
-        record: &DeviceRecord,
-    ) -> Result<DeviceRecord, GpuPlanError> {
-        self.plan_bind_route(placement, record)
-    }
-
-    fn bind_device(
-        &self,
-        placement: &GpuPlacement,
-        record: &DeviceRecord,
-    ) -> Result<DeviceRecord, GpuPlanError> {
-        self.bind_device_route(placement, record)
-    }
-
-    fn devices(&self, record: &DeviceRecord) -> Result<Vec<PassthroughDevice>, GpuPlanError> {
-        self.device_list(record)
-    }
-
-    fn reset_device(
-        &self,
-        record: &DeviceRecord,
-    ) -> Result<Option<crate::tenant::host::DeviceResetOutcome>, GpuPlanError> {
-        self.reset_device_route(record)
-    }
-
-    fn rebind_device(&self, record: &DeviceRecord) -> Result<(), GpuPlanError> {
-        self.rebind_device_route(record)
-    }
-
-    fn detach_device(
-        &self,
-        placement: &GpuPlacement,
-        record: &DeviceRecord,
-    ) -> Result<(), GpuPlanError> {
-        self.detach_device_route(placement, record)
-    }
-
-    fn device_drivers(
-        &self,
-        record: &DeviceRecord,
-    ) -> Result<Vec<(String, Option<String>)>, GpuPlanError> {
-        self.device_drivers_now(record)
-    }
-
-    fn leave_device_mode(&self, card: &str, record: &DeviceRecord) -> Result<(), GpuPlanError> {
-        BackendPlanner::leave_device_mode(self, card, record)
-    }
-
-    fn mig_enabled(&self, gpu: &str) -> Result<Option<bool>, GpuPlanError> {
-        let gpus = self.backend.gpus().map_err(plan_err)?;
-        Ok(find_gpu(&gpus, gpu).map(|g| g.mig_enabled))
-    }
-
-    fn restore_mig_off(&self, gpu: &str) -> Result<MigRestore, GpuPlanError> {
-        BackendPlanner::restore_mig_off(self, gpu)
-    }
-
-    fn scrub(&self, placement: &GpuPlacement) -> Result<crate::scrub::ScrubOutcome, GpuPlanError> {
-        crate::tenant::gpu_scrub::scrub(self.backend.as_ref(), placement)
-    }
-
-    fn describe(
-        &self,
-        placement: &GpuPlacement,
-        record: Option<&DeviceRecord>,
-    ) -> Result<crate::tenant::gpu_info::AssignedGpu, GpuPlanError> {
-        self.describe_slice(placement, record)
-    }
-
-    fn gpus(&self) -> Result<Vec<GpuInfo>, GpuPlanError> {
-        self.backend.gpus().map_err(plan_err)
-    }
-
-    fn route_evidence(&self, record: &DeviceRecord) -> Vec<(String, String)> {
-        self.route_parts(record)
-    }
-
-    fn usage(&self, placement: &GpuPlacement) -> Result<Option<SliceUsage>, GpuPlanError> {
-        let gpus = self.backend.gpus().map_err(plan_err)?;
-        let info = find_gpu(&gpus, &placement.gpu)
-            .ok_or_else(|| plan_err(format!("GPU {} is gone", placement.gpu)))?;
-        let gi_id = match self.mig_of(placement)? {
-            None => None,
-            Some((_, profile, start)) => Some(
-                info.instances
-                    .iter()
-                    .find(|i| i.profile_id == profile.id && i.start == start)
-                    .map(|i| i.gi_id)
-                    .ok_or_else(|| {
-                        plan_err(format!(
-                            "GPU {}: no instance {} (not made yet, or already released)",
-                            placement.gpu, placement.label
-                        ))
-                    })?,
-            ),
-        };
-        self.backend.usage(info.index, gi_id).map_err(plan_err)
-    }
-
-    fn release(&self, placement: &GpuPlacement) -> Result<(), GpuPlanError> {
-        let Some((gpu, profile, start)) = self.mig_of(placement)? else {
-            return Ok(());
-        };
-        let gpus = self.backend.gpus().map_err(plan_err)?;
-        let found = gpus
-            .iter()
-            .filter(|g| g.index == gpu)
-            .flat_map(|g| g.instances.iter())
-            .find(|i| i.profile_id == profile.id && i.start == start);
-        if let Some(i) = found {
-            self.backend
-                .destroy_instance(gpu, i.gi_id)
-                .map_err(plan_err)?;
-        }
-        Ok(())
+    /// The sysfs devices are handed over through, or why there is none.
+    pub(super) fn sysfs_or(&self) -> Result<&Sysfs, GpuError> {
+        self.sysfs()
+            .ok_or_else(|| device_err("this planner has no sysfs to act on"))
     }
 }
 
 impl BackendPlanner {
     /// The (GPU index, profile, start) of a MIG placement; None for a whole GPU.
-    fn mig_of(
+    pub(super) fn mig_of(
         &self,
         placement: &GpuPlacement,
-    ) -> Result<Option<(u32, &'static MigProfile, u32)>, GpuPlanError> {
+    ) -> Result<Option<(u32, &'static MigProfile, u32)>, GpuError> {
         let Some((name, start)) = placement.label.split_once('@') else {
             return Ok(None);
         };
@@ -330,6 +176,10 @@ impl BackendPlanner {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::spec::GpuRequest;
+    use crate::gpu::seam::{Describe, DeviceRoute, Placement};
+    use crate::gpu::types::DeviceRecord;
+    use crate::store::GpuPlacement;
 
     fn fixture(name: &str) -> std::path::PathBuf {
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -1,9 +1,9 @@
-//! The departure's GPU steps over a tenantvm-gpu backend: device reset and memory scrub of a
-//! released placement.
+//! [`Cleaning`] over a tenantvm-gpu backend: the departure's device reset and memory scrub of
+//! a released placement.
 //!
 //! With the simulated backend both steps run their simulated counterparts and say so
 //! (assurance `simulated`, never `verified`). With NVML the scrub is the real CUDA scrub
-//! ([`crate::scrub`]) run in a child `tenantvm gpu scrub-device` with the GPU's or the MIG
+//! ([`super`]) run in a child `tenantvm gpu scrub-device` with the GPU's or the MIG
 //! instance's UUID in `CUDA_VISIBLE_DEVICES`, and a whole GPU is reset through its PCI
 //! function's sysfs `reset` (the kernel picks FLR, falling back to a secondary bus reset).
 
@@ -12,34 +12,33 @@ use std::path::Path;
 
 use tenantvm_gpu::backend::{GpuBackend, GpuInfo};
 
+use super::{scrub_in_child, simulate_scrub, ScrubOutcome, VerifyMode};
+use crate::gpu::backend::{find_gpu, BackendPlanner};
+use crate::gpu::error::{plan_err, GpuError};
+use crate::gpu::seam::Cleaning;
+use crate::gpu::types::DeviceResetOutcome;
 use crate::receipt::{Assurance, StepResult};
-use crate::scrub::{scrub_in_child, simulate_scrub, ScrubOutcome, VerifyMode};
 use crate::store::GpuPlacement;
-use crate::tenant::host::{DeviceResetOutcome, GpuPlanError};
 
 /// TEST ONLY: makes the simulated backend's scrub fail. `all` fails every scrub; otherwise a
 /// comma-separated list of slices (`<gpu>/<label>`, e.g. `1/1g.18gb@0`) whose scrub fails.
 /// Ignored by the NVML backend.
 pub const SIM_SCRUB_FAIL_ENV: &str = "TENANTVM_TEST_SIM_SCRUB_FAIL";
 
-fn plan_err(e: impl std::fmt::Display) -> GpuPlanError {
-    GpuPlanError::Plan(e.to_string())
-}
-
 /// The slice as quarantine and the test hook name it.
 pub fn slice_id(p: &GpuPlacement) -> String {
     format!("{}/{}", p.gpu, p.label)
 }
 
-fn gpu_of(backend: &dyn GpuBackend, p: &GpuPlacement) -> Result<GpuInfo, GpuPlanError> {
+fn gpu_of(backend: &dyn GpuBackend, p: &GpuPlacement) -> Result<GpuInfo, GpuError> {
     let gpus = backend.gpus().map_err(plan_err)?;
-    crate::tenant::gpu::find_gpu(&gpus, &p.gpu)
+    find_gpu(&gpus, &p.gpu)
         .cloned()
         .ok_or_else(|| plan_err(format!("GPU {} is gone", p.gpu)))
 }
 
 /// The MIG profile name and GPU-instance id of a MIG placement (None for a whole GPU).
-fn mig_instance(g: &GpuInfo, p: &GpuPlacement) -> Result<Option<(String, u32)>, GpuPlanError> {
+fn mig_instance(g: &GpuInfo, p: &GpuPlacement) -> Result<Option<(String, u32)>, GpuError> {
     let Some((name, start)) = p.label.split_once('@') else {
         return Ok(None);
     };
@@ -83,10 +82,7 @@ fn sim_scrub_fails(p: &GpuPlacement) -> bool {
 }
 
 /// Resets the placement's device.
-pub(crate) fn reset(
-    backend: &dyn GpuBackend,
-    p: &GpuPlacement,
-) -> Result<DeviceResetOutcome, GpuPlanError> {
+fn reset(backend: &dyn GpuBackend, p: &GpuPlacement) -> Result<DeviceResetOutcome, GpuError> {
     let g = gpu_of(backend, p)?;
     let mut evidence = BTreeMap::new();
     evidence.insert("slice".to_string(), slice_id(p));
@@ -126,10 +122,7 @@ pub(crate) fn reset(
 }
 
 /// Scrubs the placement's memory (its MIG instance must still exist).
-pub(crate) fn scrub(
-    backend: &dyn GpuBackend,
-    p: &GpuPlacement,
-) -> Result<ScrubOutcome, GpuPlanError> {
+fn scrub(backend: &dyn GpuBackend, p: &GpuPlacement) -> Result<ScrubOutcome, GpuError> {
     let g = gpu_of(backend, p)?;
     if backend.kind() == "sim" {
         return Ok(simulate_scrub(
@@ -150,7 +143,7 @@ pub(crate) fn scrub(
 }
 
 /// The UUID of GPU `index`, or of its MIG device in GPU instance `gi_id`.
-fn nvml_uuid(index: u32, gi_id: Option<u32>) -> Result<String, GpuPlanError> {
+fn nvml_uuid(index: u32, gi_id: Option<u32>) -> Result<String, GpuError> {
     use nvml_wrapper::Nvml;
     let nvml = Nvml::init().map_err(plan_err)?;
     let dev = nvml.device_by_index(index).map_err(plan_err)?;
@@ -173,6 +166,16 @@ fn nvml_uuid(index: u32, gi_id: Option<u32>) -> Result<String, GpuPlanError> {
     Err(plan_err(format!(
         "GPU {index} has no MIG device in GPU instance {gi_id}"
     )))
+}
+
+impl Cleaning for BackendPlanner {
+    fn reset(&self, placement: &GpuPlacement) -> Result<DeviceResetOutcome, GpuError> {
+        reset(self.backend(), placement)
+    }
+
+    fn scrub(&self, placement: &GpuPlacement) -> Result<ScrubOutcome, GpuError> {
+        scrub(self.backend(), placement)
+    }
 }
 
 #[cfg(test)]

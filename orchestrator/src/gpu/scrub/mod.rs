@@ -12,11 +12,13 @@
 //! began ([`coverage`]); anything less is a failed scrub, whatever it read back.
 //!
 //! The simulated GPU backend uses [`simulate_scrub`], whose outcome says `simulated` and never
-//! `verified`.
+//! `verified`. The departure's reset and scrub of a released placement, over the GPU
+//! backend, are in [`departure`].
 
 mod cli;
 pub mod coverage;
 mod cuda;
+pub mod departure;
 mod gpu;
 
 use std::collections::BTreeMap;

@@ -1,6 +1,7 @@
 //! `tenantvm gpu-info`: what the daemon assigned to a tenant ([`AssignedGpu`], from its
-//! ledger placement, its device record and the GPU backend) beside what the guest reports
-//! (`gpu-info`, [`GpuInfoReply`]), and the [`Finding`]s of comparing the two.
+//! ledger placement, its device record and the GPU backend: [`super::Describe::describe`])
+//! beside what the guest reports (`gpu-info`, [`GpuInfoReply`]), and the [`Finding`]s of
+//! comparing the two.
 //!
 //! The comparison rules (docs/gpu.md, "What the guest sees"):
 //! - a device handed over must appear in the guest: a PCI function with the host device's
@@ -15,6 +16,8 @@
 use serde::{Deserialize, Serialize};
 use tenantvm_agent_protocol::{GpuInfoReply, NvidiaSmi};
 
+use super::types::AssignedGpu;
+
 /// How far `nvidia-smi`'s `memory.total` in the guest may be from the slice's memory, in
 /// percent of the slice's memory. The slice's figure is NVML's `memorySizeMB` for a MIG
 /// profile (already below the nominal `.10gb`) or the card's total for a whole card; a
@@ -22,67 +25,6 @@ use tenantvm_agent_protocol::{GpuInfoReply, NvidiaSmi};
 /// Any two memory sizes one card offers differ by 2x or more, so 5 % never takes one profile
 /// for another.
 pub const MEMORY_TOLERANCE_PERCENT: u64 = 5;
-/// NVIDIA's PCI vendor id.
-pub const NVIDIA_VENDOR: u16 = 0x10de;
-
-/// The GPU share the daemon assigned to a tenant, as far as it knows it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AssignedGpu {
-    /// The card (ledger id: PCI address or index).
-    pub gpu: String,
-    /// The placement: `whole` or `<profile>@<start>`.
-    pub label: String,
-    /// How it reaches the VM: `whole-gpu`, `sriov-vgpu`, `mdev-vgpu`, `not-attached`, or
-    /// `pending` before the device step recorded it.
-    pub route: String,
-    /// The card's product name, from the GPU backend.
-    pub model: Option<String>,
-    /// The MIG profile (absent for a whole card).
-    pub mig_profile: Option<String>,
-    /// The slice's memory, MiB (the profile's, or the whole card's).
-    pub memory_mib: Option<u64>,
-    /// What the VM was given on the host: PCI addresses (`DDDD:BB:DD.F`) or an mdev UUID.
-    pub host_devices: Vec<String>,
-    /// Vendor id the guest should see.
-    pub vendor: Option<u16>,
-    /// Device id the guest should see (whole card: the host device's own).
-    pub device: Option<u16>,
-    /// Why nothing reaches the VM, when nothing does.
-    pub not_attached: Option<String>,
-}
-
-impl AssignedGpu {
-    /// What the ledger and the device record alone say: the card, the placement, the
-    /// route (`pending` without a record) and why nothing is handed over, if nothing is.
-    pub fn basic(
-        placement: &crate::store::GpuPlacement,
-        record: Option<&crate::tenant::gpu_device::DeviceRecord>,
-    ) -> AssignedGpu {
-        use crate::tenant::gpu_device::DeviceRecord;
-        AssignedGpu {
-            gpu: placement.gpu.clone(),
-            label: placement.label.clone(),
-            route: record.map_or("pending", DeviceRecord::route).to_string(),
-            model: None,
-            mig_profile: None,
-            memory_mib: None,
-            host_devices: Vec::new(),
-            vendor: None,
-            device: None,
-            not_attached: match record {
-                Some(DeviceRecord::NotAttached { reason, .. }) => Some(reason.clone()),
-                _ => None,
-            },
-        }
-    }
-
-    /// Whether a device is handed to the VM.
-    pub fn attaches(&self) -> bool {
-        self.not_attached.is_none() && self.route != "pending"
-    }
-}
-
 /// How much a finding matters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -115,19 +57,6 @@ fn note(message: impl Into<String>) -> Finding {
         level: FindingLevel::Note,
         message: message.into(),
     }
-}
-
-/// The share the daemon assigned to tenant `t` (None: no GPU share), described by the
-/// GPU planner from the ledger placement and the stored device record.
-pub fn assigned(
-    ctx: &crate::tenant::context::StepCtx<'_>,
-    t: &crate::tenant::context::Tenant,
-) -> Result<Option<AssignedGpu>, crate::tenant::context::StepError> {
-    let Some(placement) = ctx.store.gpu_placement(t.id)? else {
-        return Ok(None);
-    };
-    let record = crate::tenant::steps::device::stored(ctx, t)?.map(|(_, r)| r);
-    Ok(Some(ctx.gpu.describe(&placement, record.as_ref())?))
 }
 
 /// Whether `guest` MiB is within [`MEMORY_TOLERANCE_PERCENT`] of `slice` MiB.
@@ -250,5 +179,5 @@ fn check_smi(attached: Option<&AssignedGpu>, assigned: bool, smi: &NvidiaSmi) ->
 }
 
 #[cfg(test)]
-#[path = "gpu_info_tests.rs"]
+#[path = "guest_view_tests.rs"]
 mod tests;
