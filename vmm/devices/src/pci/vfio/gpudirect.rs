@@ -140,7 +140,11 @@ impl GpuDirectCap {
         }
         Ok(Self {
             clique,
-            next: caps.first().map_or(0, |c| c.offset as u8),
+            // Legacy capabilities sit where one-byte pointers put them: below 256.
+            next: caps
+                .first()
+                .and_then(|c| u8::try_from(c.offset).ok())
+                .unwrap_or(0),
         })
     }
 
@@ -166,7 +170,7 @@ impl GpuDirectCap {
         [
             CAP_ID_VENDOR,
             self.next,
-            GPUDIRECT_CAP_LEN as u8,
+            const { crate::narrow::const_u8(GPUDIRECT_CAP_LEN as u64) },
             b'P',
             b'2',
             b'P',

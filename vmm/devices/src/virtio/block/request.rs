@@ -406,7 +406,8 @@ mod tests {
     const F_WRITE: u16 = 2;
 
     fn mem() -> GuestMemoryMmap {
-        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).unwrap()
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), usize::try_from(MEM_SIZE).unwrap())])
+            .unwrap()
     }
 
     fn disk() -> DiskGeometry {
