@@ -266,7 +266,7 @@ fn qemu_agent_transport(arg: AgentTransportArg) -> anyhow::Result<AgentTransport
         AgentTransportArg::Auto => {
             match &why_not {
                 Some(reason) => {
-                    tracing::warn!(%reason, "QEMU guests' agents are reached over one virtio-serial port each")
+                    tracing::warn!(%reason, "QEMU guests' agents are reached over one virtio-serial port each");
                 }
                 None => tracing::info!("QEMU guests' agents are reached over vhost-vsock"),
             }
@@ -560,7 +560,7 @@ async fn housekeeping(svc: TenantService) {
 pub fn housekeeping_pass(svc: &TenantService) {
     match svc.check_vms() {
         Ok(marked) if !marked.is_empty() => {
-            tracing::warn!(?marked, "tenants whose VM ended on its own are now failed")
+            tracing::warn!(?marked, "tenants whose VM ended on its own are now failed");
         }
         Ok(_) => {}
         Err(e) => tracing::error!(error = %e, "VM check failed"),

@@ -181,8 +181,10 @@ fn llama_cpp_variant_serves_a_pushed_model_through_the_front_door() {
         .split_whitespace()
         .next()
         .and_then(|f| f.split_once('/'))
-        .map(|(a, b)| (a.parse::<u32>().unwrap(), b.parse::<u32>().unwrap()))
-        .unwrap_or_else(|| panic!("unreadable offload line: {offload}"));
+        .map_or_else(
+            || panic!("unreadable offload line: {offload}"),
+            |(a, b)| (a.parse::<u32>().unwrap(), b.parse::<u32>().unwrap()),
+        );
     assert!(
         total > 0 && done == total,
         "only {done}/{total} layers on the GPU: the engine runs (partly) on the CPU"

@@ -491,9 +491,7 @@ pub fn salvage_id(body: &[u8]) -> u64 {
     struct IdOnly {
         id: u64,
     }
-    serde_json::from_slice::<IdOnly>(body)
-        .map(|i| i.id)
-        .unwrap_or(0)
+    serde_json::from_slice::<IdOnly>(body).map_or(0, |i| i.id)
 }
 
 #[cfg(test)]

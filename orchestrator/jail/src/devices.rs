@@ -391,8 +391,7 @@ mod tests {
                 procs.display()
             ))
             .status()
-            .map(|s| s.success())
-            .unwrap_or(false)
+            .is_ok_and(|s| s.success())
     }
 
     /// Checks the allowance on the real kernel: /dev/zero (not listed) is refused,

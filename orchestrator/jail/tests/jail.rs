@@ -87,7 +87,7 @@ fn run_jailed_with(
     // The launcher's own status carries the program's status too.
     match exit {
         ExitRecord::Code(c) => {
-            assert_eq!(ExitRecord::from_wait_status(status), ExitRecord::Code(c))
+            assert_eq!(ExitRecord::from_wait_status(status), ExitRecord::Code(c));
         }
         ExitRecord::Signal(s) => assert_eq!(
             ExitRecord::from_wait_status(status),

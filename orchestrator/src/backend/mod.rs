@@ -520,8 +520,7 @@ impl ExitReason {
             ExitReason::StartFailure { code } => format!(
                 "the VM could not start: {}",
                 ExitStatus::from_code(*code)
-                    .map(ExitStatus::description)
-                    .unwrap_or("unknown start failure")
+                    .map_or("unknown start failure", ExitStatus::description)
             ),
             ExitReason::SeccompViolation => {
                 "a VMM thread made a system call its seccomp filter refuses (see vmm.log)".into()

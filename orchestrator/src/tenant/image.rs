@@ -122,8 +122,7 @@ pub fn boot_files(
             let cmdline = match &img.cmdline {
                 Some(c) => c.clone(),
                 None => fs::read_to_string(base.join("cmdline"))
-                    .map(|s| s.trim().to_string())
-                    .unwrap_or(default_cmdline),
+                    .map_or(default_cmdline, |s| s.trim().to_string()),
             };
             (
                 base.join("kernel"),

@@ -17,7 +17,7 @@ use crate::domain::spec::GpuRequest;
 fn gpu(index: &str, key: &str) -> GpuView {
     GpuView {
         index: index.into(),
-        pci_address: format!("0000:{:0>2}:00.0", index),
+        pci_address: format!("0000:{index:0>2}:00.0"),
         name: key.into(),
         model: tenantvm_gpu::mig::model_by_key(key).unwrap(),
     }

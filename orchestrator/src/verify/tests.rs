@@ -117,7 +117,7 @@ fn tenant_on(
 fn gpu(index: &str, key: &str) -> GpuView {
     GpuView {
         index: index.into(),
-        pci_address: format!("0000:{:0>2}:00.0", index),
+        pci_address: format!("0000:{index:0>2}:00.0"),
         name: key.into(),
         model: tenantvm_gpu::mig::model_by_key(key).unwrap(),
     }

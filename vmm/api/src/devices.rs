@@ -217,7 +217,7 @@ impl FromStr for PassthroughConfig {
                         value
                             .parse::<VfioIommuMode>()
                             .map_err(|e| DeviceParseError(format!("{e}; {usage}")))?,
-                    )
+                    );
                 }
                 _ => {
                     return Err(DeviceParseError(format!(

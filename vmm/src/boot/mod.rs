@@ -138,7 +138,7 @@ pub fn load(mem: &GuestMemoryMmap, config: &BootConfig<'_>) -> Result<EntryPoint
             rsdp,
         )?,
         EntryPoint::Pvh { .. } => {
-            params::write_pvh_start_info(mem, config.mem_size, initramfs, rsdp)?
+            params::write_pvh_start_info(mem, config.mem_size, initramfs, rsdp)?;
         }
     }
     Ok(kernel.entry)

@@ -159,7 +159,7 @@ fn keys_are_checked_without_waiting_behind_a_long_store_write() {
             held_tx.send(()).unwrap();
             // As a write of a large receipt row would, for up to 10 s.
             let _ = released.recv_timeout(Duration::from_secs(10));
-        })
+        });
     });
     held.recv().unwrap();
     // Known keys' requests in flight meanwhile (each may wait for the store later, on a

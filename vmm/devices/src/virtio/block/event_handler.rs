@@ -272,8 +272,7 @@ impl BlockHandler {
                 GuestAddress(self.queue.avail_ring()),
                 std::sync::atomic::Ordering::Relaxed,
             )
-            .map(|flags| u16::from_le(flags) & AVAIL_F_NO_INTERRUPT != 0)
-            .unwrap_or(false)
+            .is_ok_and(|flags| u16::from_le(flags) & AVAIL_F_NO_INTERRUPT != 0)
     }
 
     fn handle_chain(

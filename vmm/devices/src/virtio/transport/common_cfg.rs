@@ -172,11 +172,11 @@ impl CommonConfig {
                     match self.driver_feature_select {
                         0 => {
                             self.driver_features =
-                                (self.driver_features & !0xffff_ffff) | (value & 0xffff_ffff)
+                                (self.driver_features & !0xffff_ffff) | (value & 0xffff_ffff);
                         }
                         1 => {
                             self.driver_features =
-                                (self.driver_features & 0xffff_ffff) | (value << 32)
+                                (self.driver_features & 0xffff_ffff) | (value << 32);
                         }
                         _ => inc(&self.metrics.bad_features),
                     }
