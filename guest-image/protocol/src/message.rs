@@ -555,7 +555,7 @@ mod tests {
                 "{}",
                 String::from_utf8_lossy(body)
             );
-            assert!(decode_body::<ResponseFrame>(body).is_err());
+            decode_body::<ResponseFrame>(body).unwrap_err();
         }
         assert_eq!(salvage_id(br#"{"id":42,"request":{"cmd":"nope"}}"#), 42);
         assert_eq!(salvage_id(b"garbage"), 0);

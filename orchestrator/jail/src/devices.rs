@@ -359,9 +359,9 @@ mod tests {
         assert_eq!(fs::read_to_string(dir.join("devices.deny")).unwrap(), "a");
         // A list that does not match (the parent withholds a device) is an error.
         fs::write(dir.join("devices.list"), "a *:* rwm\n").unwrap();
-        assert!(handle
+        handle
             .allow_only_devices(&[PathBuf::from("/dev/null")])
-            .is_err());
+            .unwrap_err();
         // Not a character device.
         assert!(matches!(
             handle.allow_only_devices(&[PathBuf::from("/bin/sh")]),

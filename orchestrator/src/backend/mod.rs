@@ -633,9 +633,7 @@ mod tests {
         };
         let json = serde_json::to_string(&vm).unwrap();
         assert_eq!(serde_json::from_str::<RunningVm>(&json).unwrap(), vm);
-        assert!(
-            serde_json::from_str::<RunningVm>(&json.replace("\"uid\"", "\"bogus\":1,\"uid\""))
-                .is_err()
-        );
+        serde_json::from_str::<RunningVm>(&json.replace("\"uid\"", "\"bogus\":1,\"uid\""))
+            .unwrap_err();
     }
 }

@@ -832,8 +832,8 @@ mod tests {
         fs::write(&target, b"secret").unwrap();
         fs::remove_file(logs.path(LogKind::Vmm)).unwrap();
         std::os::unix::fs::symlink(&target, logs.path(LogKind::Vmm)).unwrap();
-        assert!(logs.open_append(LogKind::Vmm).is_err());
-        assert!(logs.tail(LogKind::Vmm, 1).is_err());
+        logs.open_append(LogKind::Vmm).unwrap_err();
+        logs.tail(LogKind::Vmm, 1).unwrap_err();
     }
 
     #[test]

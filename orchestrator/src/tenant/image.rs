@@ -320,15 +320,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("vmlinux does not match the manifest"), "{err}");
-        assert!(check_create(
+        check_create(
             &cfg,
             &s,
             GuestKind::Agent,
             BackendKind::Qemu {
-                accel: QemuAccel::Kvm
-            }
+                accel: QemuAccel::Kvm,
+            },
         )
-        .is_ok());
+        .unwrap();
     }
 
     #[test]

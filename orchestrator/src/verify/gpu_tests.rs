@@ -97,7 +97,7 @@ fn the_smallest_slice_is_asked_for_and_a_full_host_says_so() {
     assert!(matches!(choose_slice(&[], &[holder]), GpuPlan::NoSlice(_)));
     assert!(matches!(choose_slice(&[], &[]), GpuPlan::NotRun(_)));
     assert_eq!("off".parse::<GpuProbes>(), Ok(GpuProbes::Off));
-    assert!("sometimes".parse::<GpuProbes>().is_err());
+    "sometimes".parse::<GpuProbes>().unwrap_err();
 }
 
 #[test]

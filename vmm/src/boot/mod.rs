@@ -157,7 +157,7 @@ mod tests {
 
     #[test]
     fn empty_cmdline_is_accepted() {
-        assert!(parse_cmdline("").is_ok());
-        assert!(parse_cmdline("console=ttyS0 panic=1").is_ok());
+        parse_cmdline("").unwrap();
+        parse_cmdline("console=ttyS0 panic=1").unwrap();
     }
 }

@@ -635,7 +635,7 @@ mod tests {
         let (m, descs) = rw(request_type::GET_ID, 0, 20, true);
         assert_eq!(parse(&descs, &m, &disk()).unwrap().kind, RequestKind::GetId);
         let (m, descs) = rw(request_type::GET_ID, 0, 19, true);
-        assert!(parse(&descs, &m, &disk()).is_err());
+        parse(&descs, &m, &disk()).unwrap_err();
     }
 
     #[test]
