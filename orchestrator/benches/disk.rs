@@ -48,8 +48,7 @@ fn write_data(path: &Path, size: u64, bytes: u64) {
 
 fn main() {
     let base = std::env::var_os("TENANTVM_BENCH_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
+        .map_or_else(std::env::temp_dir, std::path::PathBuf::from);
     let dir = tempfile::tempdir_in(&base).expect("a writable benchmark directory");
     let image = dir.path().join("bench.img");
     println!("disk benchmark in {}", dir.path().display());

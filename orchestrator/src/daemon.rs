@@ -273,7 +273,7 @@ fn qemu_agent_transport(arg: AgentTransportArg) -> anyhow::Result<AgentTransport
         AgentTransportArg::Auto => {
             match &why_not {
                 Some(reason) => {
-                    tracing::warn!(%reason, "QEMU guests' agents are reached over one virtio-serial port each")
+                    tracing::warn!(%reason, "QEMU guests' agents are reached over one virtio-serial port each");
                 }
                 None => tracing::info!("QEMU guests' agents are reached over vhost-vsock"),
             }
@@ -567,7 +567,7 @@ async fn housekeeping(svc: TenantService) {
 pub fn housekeeping_pass(svc: &TenantService) {
     match svc.check_vms() {
         Ok(marked) if !marked.is_empty() => {
-            tracing::warn!(?marked, "tenants whose VM ended on its own are now failed")
+            tracing::warn!(?marked, "tenants whose VM ended on its own are now failed");
         }
         Ok(_) => {}
         Err(e) => tracing::error!(error = %e, "VM check failed"),
@@ -619,7 +619,7 @@ mod tests {
             err.contains("--gpu-sysfs-root") && err.contains("--gpu-backend"),
             "{err}"
         );
-        assert!(make_gpu("none", None).is_ok());
+        make_gpu("none", None).unwrap();
         // A flag the parser knows, next to --gpu-backend.
         let args = DaemonArgs::try_parse_from([
             "tenantvmd",
@@ -647,8 +647,8 @@ mod tests {
             60
         );
         // A VMM killed before it could answer at all, or waited on for hours: refused.
-        assert!(parse(&["--launch-timeout-s", "0"]).is_err());
-        assert!(parse(&["--launch-timeout-s", "86400"]).is_err());
+        parse(&["--launch-timeout-s", "0"]).unwrap_err();
+        parse(&["--launch-timeout-s", "86400"]).unwrap_err();
     }
 
     #[test]

@@ -309,7 +309,7 @@ fn release_leaks(
                 report.cgroups_removed.push(name);
             }
             Err(e) => {
-                tracing::error!(tenant = %name, error = %error_chain(&e), "cannot remove leaked cgroup")
+                tracing::error!(tenant = %name, error = %error_chain(&e), "cannot remove leaked cgroup");
             }
         }
     }

@@ -25,9 +25,10 @@ const GUEST_TIMEOUT: Duration = Duration::from_secs(300);
 const MODULES: &[&str] = &["virtio_pci", "virtio_blk", "dm-crypt", "xts", "ecb"];
 
 fn kernel_dir() -> PathBuf {
-    std::env::var_os("TENANTVM_KERNEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/kernel"))
+    std::env::var_os("TENANTVM_KERNEL_DIR").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/kernel"),
+        PathBuf::from,
+    )
 }
 
 fn missing_prerequisite() -> Option<String> {
@@ -84,11 +85,10 @@ fn modules_in_load_order(wanted: &[&str]) -> Vec<PathBuf> {
     index_modules(&kernel_dir().join("modules"), &mut index);
     let find = |name: &str| {
         let name = name.replace('-', "_");
-        index
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, p)| p.clone())
-            .unwrap_or_else(|| panic!("module {name} not in the kernel's modules"))
+        index.iter().find(|(n, _)| *n == name).map_or_else(
+            || panic!("module {name} not in the kernel's modules"),
+            |(_, p)| p.clone(),
+        )
     };
     fn visit(
         path: PathBuf,

@@ -218,13 +218,7 @@ async fn tokens_are_scoped_and_bad_requests_change_nothing() {
     }
     let ok = eventually(Duration::from_secs(60), || {
         let admin = admin.clone();
-        async move {
-            admin
-                .list()
-                .await
-                .map(|l| l.tenants.is_empty())
-                .unwrap_or(false)
-        }
+        async move { admin.list().await.is_ok_and(|l| l.tenants.is_empty()) }
     })
     .await;
     assert!(ok);

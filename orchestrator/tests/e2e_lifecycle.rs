@@ -89,8 +89,7 @@ async fn three_tenants_run_stop_start_and_destroy_under_kvm() {
             admin
                 .logs(&first, &LogQuery::default())
                 .await
-                .map(|c| c.text.contains(image().1))
-                .unwrap_or(false)
+                .is_ok_and(|c| c.text.contains(image().1))
         }
     })
     .await;

@@ -120,15 +120,15 @@ fn the_gpu_judge_refuses_a_llama_server_that_fell_back_to_the_cpu() {
     };
     let all = "load_tensors: offloading 32 repeating layers to GPU\n\
                load_tensors: offloaded 33/33 layers to GPU\n";
-    assert!(llama_on_gpu(all, &smi(4_812)).is_ok());
+    llama_on_gpu(all, &smi(4_812)).unwrap();
     let partial = "load_tensors: offloaded 20/33 layers to GPU\n";
     let why = llama_on_gpu(partial, &smi(4_812)).unwrap_err();
     assert!(why.contains("20/33"), "{why}");
     // No GPU backend at all: llama.cpp says nothing of offloading.
     let cpu = "load_tensors: CPU_Mapped model buffer size = 4685.30 MiB\n";
-    assert!(llama_on_gpu(cpu, &smi(0)).is_err());
+    llama_on_gpu(cpu, &smi(0)).unwrap_err();
     // Every layer offloaded, yet nothing on the guest's GPU: not believed.
-    assert!(llama_on_gpu(all, &smi(3)).is_err());
+    llama_on_gpu(all, &smi(3)).unwrap_err();
     // No nvidia-smi figure: not a pass.
-    assert!(llama_on_gpu(all, &serde_json::json!({"guest": {}})).is_err());
+    llama_on_gpu(all, &serde_json::json!({"guest": {}})).unwrap_err();
 }

@@ -120,19 +120,19 @@ fn the_gpu_judge_refuses_vllm_on_the_cpu() {
     };
     let v1 = "(EngineCore_DP0 pid=211) INFO 11-02 10:12:01 [kv_cache_utils.py:1087] GPU KV cache size: 1,017,792 tokens\n\
               INFO [kv_cache_utils.py:1091] Maximum concurrency for 32,768 tokens per request: 31.06x\n";
-    assert!(vllm_on_gpu(v1, &smi(73_418, 81_559)).is_ok());
+    vllm_on_gpu(v1, &smi(73_418, 81_559)).unwrap();
     let v0 =
         "INFO 06-01 09:00:00 executor_base.py:111] # cuda blocks: 27,306, # CPU blocks: 4,681\n";
-    assert!(vllm_on_gpu(v0, &smi(36_000, 40_960)).is_ok());
+    vllm_on_gpu(v0, &smi(36_000, 40_960)).unwrap();
     // The CPU platform: a KV cache, and the GPU (if the guest has one) idle.
     let why = vllm_on_gpu(v1, &smi(0, 81_559)).unwrap_err();
     assert!(why.contains("CPU"), "{why}");
     // A slice of the GPU that vLLM did not take most of.
-    assert!(vllm_on_gpu(v1, &smi(2_048, 9_984)).is_err());
+    vllm_on_gpu(v1, &smi(2_048, 9_984)).unwrap_err();
     // No KV cache sized, or sized 0: not a pass.
-    assert!(vllm_on_gpu("INFO starting\n", &smi(73_418, 81_559)).is_err());
+    vllm_on_gpu("INFO starting\n", &smi(73_418, 81_559)).unwrap_err();
     let zero = "INFO [kv_cache_utils.py:1087] GPU KV cache size: 0 tokens\n";
-    assert!(vllm_on_gpu(zero, &smi(73_418, 81_559)).is_err());
+    vllm_on_gpu(zero, &smi(73_418, 81_559)).unwrap_err();
     // No nvidia-smi in the guest: not a pass.
-    assert!(vllm_on_gpu(v1, &serde_json::json!({"guest": {}})).is_err());
+    vllm_on_gpu(v1, &serde_json::json!({"guest": {}})).unwrap_err();
 }

@@ -102,9 +102,9 @@ pub fn oom_kills() -> u64 {
 }
 
 fn free_mib(dir: &Path) -> u64 {
-    nix::sys::statvfs::statvfs(dir)
-        .map(|s| s.blocks_available().saturating_mul(s.fragment_size()) >> 20)
-        .unwrap_or(0)
+    nix::sys::statvfs::statvfs(dir).map_or(0, |s| {
+        s.blocks_available().saturating_mul(s.fragment_size()) >> 20
+    })
 }
 
 impl Loads {

@@ -417,9 +417,9 @@ fn put_in_place(dir: &Path, tmp: &Path, target: &Path) -> io::Result<()> {
 
 fn entry_bytes(path: &Path) -> u64 {
     match fs::symlink_metadata(path) {
-        Ok(m) if m.is_dir() => fs::read_dir(path)
-            .map(|d| d.flatten().map(|e| entry_bytes(&e.path())).sum())
-            .unwrap_or(0),
+        Ok(m) if m.is_dir() => {
+            fs::read_dir(path).map_or(0, |d| d.flatten().map(|e| entry_bytes(&e.path())).sum())
+        }
         Ok(m) => m.len(),
         Err(_) => 0,
     }

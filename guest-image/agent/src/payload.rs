@@ -273,7 +273,7 @@ impl Supervisor {
                     source: &self.inner.data,
                     inside: &self.inner.data,
                 };
-                crate::confine::apply(&mut cmd, c, data, &p.workdir, &self.inner.dev)?
+                crate::confine::apply(&mut cmd, c, data, &p.workdir, &self.inner.dev)?;
             }
             None => {
                 use std::os::unix::process::CommandExt;
@@ -310,7 +310,7 @@ impl Supervisor {
                 let _ = std::thread::Builder::new()
                     .name(source.into())
                     .spawn(move || {
-                        pump_lines(stream, &logs, source, Limiter::default(), Instant::now)
+                        pump_lines(stream, &logs, source, Limiter::default(), Instant::now);
                     });
             }
         }

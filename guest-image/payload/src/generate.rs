@@ -307,7 +307,7 @@ mod tests {
         assert_eq!(s.push(" on"), ("t on".into(), false));
         // " the" could start "the log": held back.
         assert_eq!(s.push(" the"), (" ".into(), false));
-        assert_eq!(s.push(" log"), ("".into(), true));
+        assert_eq!(s.push(" log"), (String::new(), true));
 
         let mut s = StopMatcher::new(vec!["the log".into()]);
         s.push(" the");

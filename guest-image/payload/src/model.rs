@@ -296,6 +296,6 @@ mod tests {
         let mut m = NgramModel::train(TEXT, 2).unwrap();
         let dup = m.contexts[1].clone();
         m.contexts.push(dup);
-        assert!(IndexedModel::new(m).is_err());
+        IndexedModel::new(m).unwrap_err();
     }
 }

@@ -305,8 +305,7 @@ fn what(req: &Request) -> &'static str {
 fn first_id() -> u64 {
     let micros = SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-        .unwrap_or(1);
+        .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
     micros.clamp(1, (1 << 53) - 1)
 }
 
@@ -793,7 +792,7 @@ mod tests {
             match r {
                 Err(AgentClientError::Connect { endpoint, .. })
                 | Err(AgentClientError::ConnectTimeout { endpoint, .. }) => {
-                    assert_eq!(endpoint, "vsock CID 2147483632 port 1024")
+                    assert_eq!(endpoint, "vsock CID 2147483632 port 1024");
                 }
                 Err(other) => panic!("unexpected error {other:?}"),
                 Ok(_) => panic!("connected to a CID nobody holds"),
@@ -916,7 +915,7 @@ mod tests {
         let mut c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
         match c.mount(false, Duration::from_secs(5)) {
             Err(AgentClientError::Agent { failure, .. }) => {
-                assert_eq!(failure.code, ErrorCode::WrongState)
+                assert_eq!(failure.code, ErrorCode::WrongState);
             }
             other => panic!("{other:?}"),
         }
@@ -1249,7 +1248,7 @@ mod tests {
         let c = AgentClient::connect(&ep, Duration::from_secs(5)).unwrap();
         match c.model_push("m", 1, "ab", &mut &b"x"[..], Duration::from_secs(10)) {
             Err(AgentClientError::Agent { failure, .. }) => {
-                assert_eq!(failure.code, ErrorCode::NoSpace)
+                assert_eq!(failure.code, ErrorCode::NoSpace);
             }
             other => panic!("{other:?}"),
         }
@@ -1468,7 +1467,7 @@ mod tests {
             });
             match result {
                 Err(AgentClientError::ConnectTimeout { timeout: t, .. }) => {
-                    assert_eq!(t, timeout)
+                    assert_eq!(t, timeout);
                 }
                 other => panic!("expected ConnectTimeout, got {other:?}"),
             }
@@ -1593,7 +1592,7 @@ mod tests {
             }
             other => panic!("expected PeerMismatch, got {:?}", other.err()),
         }
-        assert!(AgentClient::connect_checked(&ep, me, Duration::from_secs(5)).is_ok());
+        AgentClient::connect_checked(&ep, me, Duration::from_secs(5)).unwrap();
     }
 
     /// A FAKE agent for client tests: a state machine that answers like the real one,

@@ -236,12 +236,8 @@ mod tests {
             serde_json::to_string(&LoadKind::GpuMemory).unwrap(),
             r#""gpu-memory""#
         );
-        assert!(serde_json::from_str::<LoadSpec>(
-            r#"{"kind":"memory","amount":1,"seconds":1,"x":1}"#
-        )
-        .is_err());
-        assert!(
-            serde_json::from_str::<LoadSpec>(r#"{"kind":"gpu","amount":1,"seconds":1}"#).is_err()
-        );
+        serde_json::from_str::<LoadSpec>(r#"{"kind":"memory","amount":1,"seconds":1,"x":1}"#)
+            .unwrap_err();
+        serde_json::from_str::<LoadSpec>(r#"{"kind":"gpu","amount":1,"seconds":1}"#).unwrap_err();
     }
 }

@@ -491,9 +491,7 @@ pub fn salvage_id(body: &[u8]) -> u64 {
     struct IdOnly {
         id: u64,
     }
-    serde_json::from_slice::<IdOnly>(body)
-        .map(|i| i.id)
-        .unwrap_or(0)
+    serde_json::from_slice::<IdOnly>(body).map_or(0, |i| i.id)
 }
 
 #[cfg(test)]
@@ -557,7 +555,7 @@ mod tests {
                 "{}",
                 String::from_utf8_lossy(body)
             );
-            assert!(decode_body::<ResponseFrame>(body).is_err());
+            decode_body::<ResponseFrame>(body).unwrap_err();
         }
         assert_eq!(salvage_id(br#"{"id":42,"request":{"cmd":"nope"}}"#), 42);
         assert_eq!(salvage_id(b"garbage"), 0);

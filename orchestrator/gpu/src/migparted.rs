@@ -141,7 +141,7 @@ fn parse_filter_id(s: &str) -> Option<(u16, u16)> {
 
 /// Formats a filter id for a PCI device id of NVIDIA's.
 pub fn filter_id(device_id: u16) -> String {
-    format!("0x{:04X}{:04X}", device_id, NVIDIA_VENDOR_ID)
+    format!("0x{device_id:04X}{NVIDIA_VENDOR_ID:04X}")
 }
 
 impl MigConfigEntry {

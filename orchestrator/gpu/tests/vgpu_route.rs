@@ -185,7 +185,7 @@ fn types_are_empty_until_an_instance_exists_and_ids_read_enxio_until_a_type_is_s
         id: "1056".into(),
         name: "NVIDIA H100XM-3-40C".into(),
     };
-    assert!(vf::set_vgpu_type(&h.sysfs, &vf1, &t).is_err());
+    vf::set_vgpu_type(&h.sysfs, &vf1, &t).unwrap_err();
 }
 
 #[test]

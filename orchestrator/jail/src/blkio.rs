@@ -166,8 +166,7 @@ impl Cgroups {
     /// Whether the v2 hierarchy offers the io controller.
     fn v2_has_io(&self, root: &Path) -> bool {
         fs::read_to_string(root.join("cgroup.controllers"))
-            .map(|t| t.split_whitespace().any(|c| c == "io"))
-            .unwrap_or(false)
+            .is_ok_and(|t| t.split_whitespace().any(|c| c == "io"))
     }
 
     /// Creates `dir` (a tenant cgroup in one hierarchy) and its parents, enabling the v2

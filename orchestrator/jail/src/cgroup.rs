@@ -360,7 +360,7 @@ impl Cgroups {
                     path: parent.clone(),
                     source,
                 })?;
-                let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
+                let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
                 if let Some(name) = entry.file_name().to_str() {
                     if is_dir
                         && validate_tenant_name(name).is_ok()

@@ -359,9 +359,9 @@ mod tests {
         assert_eq!(fs::read_to_string(dir.join("devices.deny")).unwrap(), "a");
         // A list that does not match (the parent withholds a device) is an error.
         fs::write(dir.join("devices.list"), "a *:* rwm\n").unwrap();
-        assert!(handle
+        handle
             .allow_only_devices(&[PathBuf::from("/dev/null")])
-            .is_err());
+            .unwrap_err();
         // Not a character device.
         assert!(matches!(
             handle.allow_only_devices(&[PathBuf::from("/bin/sh")]),
@@ -391,8 +391,7 @@ mod tests {
                 procs.display()
             ))
             .status()
-            .map(|s| s.success())
-            .unwrap_or(false)
+            .is_ok_and(|s| s.success())
     }
 
     /// Checks the allowance on the real kernel: /dev/zero (not listed) is refused,

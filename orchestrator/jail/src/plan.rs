@@ -472,9 +472,8 @@ mod tests {
                 "{bad}"
             );
         }
-        assert!(plan
-            .bind(Path::new("/does/not/exist"), Path::new("/x"), false)
-            .is_err());
+        plan.bind(Path::new("/does/not/exist"), Path::new("/x"), false)
+            .unwrap_err();
         plan.bind(Path::new("/dev/null"), Path::new("/dev/null"), true)
             .unwrap();
         plan.device(Path::new("/dev/null")).unwrap();

@@ -221,7 +221,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("vmm.exit");
         fs::write(&path, "garbage").unwrap();
-        assert!(ExitRecord::read(&path).is_err());
+        ExitRecord::read(&path).unwrap_err();
     }
 
     #[test]
@@ -248,6 +248,6 @@ mod tests {
         assert_eq!(ExitRecord::from_wait_status(status), ExitRecord::Code(7));
         assert_eq!(start_time_ticks(pid).unwrap(), None);
         // Reaped above, so the Child handle has nothing left to wait for.
-        assert!(child.try_wait().is_err());
+        child.try_wait().unwrap_err();
     }
 }

@@ -87,7 +87,7 @@ fn run_jailed_with(
     // The launcher's own status carries the program's status too.
     match exit {
         ExitRecord::Code(c) => {
-            assert_eq!(ExitRecord::from_wait_status(status), ExitRecord::Code(c))
+            assert_eq!(ExitRecord::from_wait_status(status), ExitRecord::Code(c));
         }
         ExitRecord::Signal(s) => assert_eq!(
             ExitRecord::from_wait_status(status),
@@ -359,7 +359,7 @@ fn cgroup_limits_read_back_and_cleanup_is_idempotent() {
     cleanup_tenant(&cgroups, &tenant, &dir).unwrap();
     // Killed, and reaped by cleanup since it is our child: no zombie is left behind.
     assert_eq!(process::start_time_ticks(pid).unwrap(), None);
-    assert!(child.try_wait().is_err());
+    child.try_wait().unwrap_err();
     for d in handle.dirs() {
         assert!(!d.exists(), "{} removed", d.display());
     }

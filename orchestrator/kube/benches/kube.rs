@@ -257,13 +257,7 @@ async fn run() {
         let hosts = &hosts;
         async move {
             for h in hosts {
-                if !h
-                    .admin()
-                    .list()
-                    .await
-                    .map(|l| l.tenants.is_empty())
-                    .unwrap_or(false)
-                {
+                if !h.admin().list().await.is_ok_and(|l| l.tenants.is_empty()) {
                     return false;
                 }
             }

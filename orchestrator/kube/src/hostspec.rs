@@ -133,7 +133,7 @@ mod tests {
         ));
         let mut t = tenant("v", Tier::Slice, serde_json::json!({}));
         t.spec.hugepages = Some("4K".into());
-        assert!(host_spec(&t).is_err());
+        host_spec(&t).unwrap_err();
         let t = tenant("Bad.Name", Tier::Slice, serde_json::json!({}));
         assert!(matches!(host_spec(&t), Err(SpecError::Name(_))));
     }

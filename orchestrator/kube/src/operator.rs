@@ -127,7 +127,7 @@ pub async fn run(client: Client, cfg: OperatorConfig) -> Result<(), OperatorErro
             tokio::time::sleep(every).await;
             match renew.try_acquire().await {
                 Ok(true) => {
-                    *last_renewal.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now()
+                    *last_renewal.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
                 }
                 Ok(false) => {
                     let _ = lost_tx.send(true);
@@ -276,7 +276,7 @@ impl Operator {
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    tracing::warn!(tenant = %t.name_any(), error = %e, "placement not written")
+                    tracing::warn!(tenant = %t.name_any(), error = %e, "placement not written");
                 }
             }
         }

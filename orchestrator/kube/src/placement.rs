@@ -209,8 +209,7 @@ fn try_node(
         let pci = gpus
             .iter()
             .find(|g| g.index == placement.gpu)
-            .map(|g| g.pci_address.clone())
-            .unwrap_or_else(|| placement.gpu.to_string());
+            .map_or_else(|| placement.gpu.to_string(), |g| g.pci_address.clone());
         share = Some(Held {
             gpu: pci,
             ..placement.held()

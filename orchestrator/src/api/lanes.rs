@@ -176,11 +176,11 @@ mod tests {
             }
         );
         // Another tenant and the admin are untouched.
-        assert!(lanes.enter(Lane::Tenant(2)).is_ok());
-        assert!(lanes.enter(Lane::Admin).is_ok());
+        lanes.enter(Lane::Tenant(2)).unwrap();
+        lanes.enter(Lane::Admin).unwrap();
         drop(held);
         assert_eq!(lanes.in_flight(Lane::Tenant(1)), 0);
-        assert!(lanes.enter(Lane::Tenant(1)).is_ok());
+        lanes.enter(Lane::Tenant(1)).unwrap();
     }
 
     #[tokio::test]

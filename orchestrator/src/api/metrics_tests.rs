@@ -33,7 +33,7 @@ async fn call(
         .uri(uri)
         .header("authorization", format!("Bearer {token}"))
         .header("content-type", "application/json")
-        .body(body.map(Body::from).unwrap_or_else(Body::empty))
+        .body(body.map_or_else(Body::empty, Body::from))
         .unwrap();
     let resp = router(h.svc.clone()).oneshot(req).await.unwrap();
     let status = resp.status();

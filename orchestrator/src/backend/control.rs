@@ -182,7 +182,7 @@ mod tests {
     fn closed_connection_is_an_error() {
         let (_d, path, t) = serve(b"");
         let mut c = JsonLines::connect(&path, Duration::from_secs(5), my_uid()).unwrap();
-        assert!(c.call(&serde_json::json!({})).is_err());
+        c.call(&serde_json::json!({})).unwrap_err();
         t.join().unwrap();
     }
 

@@ -179,7 +179,7 @@ mod tests {
             })
         );
         assert_eq!(from_qmp(&serde_json::json!([])).unwrap(), None);
-        assert!(from_qmp(&serde_json::json!({"stats": {}})).is_err());
+        from_qmp(&serde_json::json!({"stats": {}})).unwrap_err();
         let err = from_qmp(&serde_json::json!([{"stats": {"rd_bytes": -1}}])).unwrap_err();
         assert_eq!(err, "entry 0 has no rd_bytes");
     }

@@ -520,8 +520,7 @@ impl ExitReason {
             ExitReason::StartFailure { code } => format!(
                 "the VM could not start: {}",
                 ExitStatus::from_code(*code)
-                    .map(ExitStatus::description)
-                    .unwrap_or("unknown start failure")
+                    .map_or("unknown start failure", ExitStatus::description)
             ),
             ExitReason::SeccompViolation => {
                 "a VMM thread made a system call its seccomp filter refuses (see vmm.log)".into()
@@ -634,9 +633,7 @@ mod tests {
         };
         let json = serde_json::to_string(&vm).unwrap();
         assert_eq!(serde_json::from_str::<RunningVm>(&json).unwrap(), vm);
-        assert!(
-            serde_json::from_str::<RunningVm>(&json.replace("\"uid\"", "\"bogus\":1,\"uid\""))
-                .is_err()
-        );
+        serde_json::from_str::<RunningVm>(&json.replace("\"uid\"", "\"bogus\":1,\"uid\""))
+            .unwrap_err();
     }
 }

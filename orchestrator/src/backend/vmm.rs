@@ -471,7 +471,7 @@ mod tests {
             !json.contains("initramfs") && !json.contains("disks") && !json.contains("devices"),
             "{json}"
         );
-        assert!(VmConfigFile::from_json(&json).is_ok());
+        VmConfigFile::from_json(&json).unwrap();
     }
 
     #[test]
@@ -672,13 +672,13 @@ mod tests {
         fs::write(&file, serde_json::to_string(&report).unwrap()).unwrap();
         assert_eq!(Vmm::read_exit_report(tmp.path()).unwrap(), Some(report));
         fs::write(&file, r#"{"status":0,"devices":[],"forged":true}"#).unwrap();
-        assert!(Vmm::read_exit_report(tmp.path()).is_err());
+        Vmm::read_exit_report(tmp.path()).unwrap_err();
         fs::write(&file, " ".repeat(MAX_EXIT_REPORT_BYTES as usize + 1)).unwrap();
         let err = Vmm::read_exit_report(tmp.path()).unwrap_err().to_string();
         assert!(err.contains("larger"), "{err}");
         fs::remove_file(&file).unwrap();
         std::os::unix::fs::symlink("/etc/passwd", &file).unwrap();
-        assert!(Vmm::read_exit_report(tmp.path()).is_err());
+        Vmm::read_exit_report(tmp.path()).unwrap_err();
     }
 
     #[test]

@@ -86,7 +86,7 @@ pub async fn run(
                         k.id,
                         format!("{}...", k.shown),
                         when(k.created_ms),
-                        k.revoked_ms.map(when).unwrap_or_else(|| "-".into())
+                        k.revoked_ms.map_or_else(|| "-".into(), when)
                     )?;
                 }
             }

@@ -978,7 +978,7 @@ mod tests {
 
     #[test]
     fn spec_file_and_flags_conflict() {
-        assert!(parse(&["create", "a.toml", "--name", "x"]).is_err());
+        parse(&["create", "a.toml", "--name", "x"]).unwrap_err();
     }
 
     #[test]

@@ -26,7 +26,7 @@ fn gpu_label(t: &TenantView) -> String {
 }
 
 fn opt<T: ToString>(v: Option<T>) -> String {
-    v.map(|v| v.to_string()).unwrap_or_else(|| "-".into())
+    v.map_or_else(|| "-".into(), |v| v.to_string())
 }
 
 pub(super) fn print_table(out: &mut dyn Write, tenants: &[TenantView]) -> io::Result<()> {
@@ -85,8 +85,7 @@ pub(super) fn print_status(out: &mut dyn Write, t: &TenantView) -> io::Result<()
         for s in &t.steps {
             let took = s
                 .finished_ms
-                .map(|f| format!("{} ms", f - s.started_ms))
-                .unwrap_or_else(|| "...".into());
+                .map_or_else(|| "...".into(), |f| format!("{} ms", f - s.started_ms));
             writeln!(
                 out,
                 "  {:<14} {:<8} {}",

@@ -144,12 +144,11 @@ pub fn parse(text: &str) -> BTreeMap<String, Row> {
 
 /// A figure with one decimal, or `-` when it was not read (never a 0.0 that looks measured).
 fn ms(v: Option<f64>) -> String {
-    v.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into())
+    v.map_or_else(|| "-".into(), |v| format!("{v:.1}"))
 }
 
 fn mib(v: Option<f64>) -> String {
-    v.map(|v| format!("{:.1}", v / (1024.0 * 1024.0)))
-        .unwrap_or_else(|| "-".into())
+    v.map_or_else(|| "-".into(), |v| format!("{:.1}", v / (1024.0 * 1024.0)))
 }
 
 /// `used/total` MiB of the slice, `*` after it when the host is simulated.
@@ -207,11 +206,9 @@ pub fn print(out: &mut dyn Write, rows: &BTreeMap<String, Row>) -> std::io::Resu
             mib(r.memory_bytes),
             mib(r.disk_read_bytes),
             mib(r.disk_write_bytes),
-            r.disk_ops.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
+            r.disk_ops.map_or_else(|| "-".into(), |v| v.to_string()),
             gpu_memory(r),
-            r.gpu_percent
-                .map(|v| v.to_string())
-                .unwrap_or_else(|| "-".into()),
+            r.gpu_percent.map_or_else(|| "-".into(), |v| v.to_string()),
         )?;
     }
     if rows.values().any(|r| r.gpu_simulated) {

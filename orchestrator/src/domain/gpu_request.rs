@@ -82,7 +82,7 @@ impl Input {
             ("none", None, None) => {}
             ("whole", None, None) => request.whole_gpu = true,
             ("mig", Some(profile), None) if !profile.trim().is_empty() => {
-                request.profile = Some(profile)
+                request.profile = Some(profile);
             }
             ("mig", _, _) => {
                 return Err("kind = \"mig\" needs profile = \"<MIG profile>\" (e.g. \"1g.10gb\") and nothing else".into())

@@ -186,7 +186,7 @@ mod tests {
         for st in LifecycleState::ALL {
             assert_eq!(st.as_str().parse::<LifecycleState>().unwrap(), st);
         }
-        assert!("zombie".parse::<LifecycleState>().is_err());
+        "zombie".parse::<LifecycleState>().unwrap_err();
     }
 
     #[test]

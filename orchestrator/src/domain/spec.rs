@@ -449,7 +449,7 @@ requests_per_s = 5
     #[test]
     fn unknown_gpu_fields_are_rejected() {
         let text = GOOD.replace("profile = \"1g.10gb\"", "profile = \"1g.10gb\", count = 2");
-        assert!(TenantSpec::from_toml(&text).is_err());
+        TenantSpec::from_toml(&text).unwrap_err();
     }
 
     #[test]

@@ -114,9 +114,8 @@ impl OpenAiError {
             "requests",
             "too_many_connections",
             format!(
-                "This key's tenant already holds {} open connections to this endpoint; \
-                 reuse one (keep-alive) or close some",
-                per_tenant
+                "This key's tenant already holds {per_tenant} open connections to this endpoint; \
+                 reuse one (keep-alive) or close some"
             ),
         );
         e.retry_after = Some(1);

@@ -150,16 +150,16 @@ mod tests {
         assert_eq!(seen.state, LifecycleState::Provisioning);
         // A revoked key stops working on the very next request; the others still work.
         assert!(store.revoke_inference_key(t.id, id).unwrap());
-        assert!(cache.authenticate(&store, Some(&bearer)).is_err());
+        cache.authenticate(&store, Some(&bearer)).unwrap_err();
         let (other, third) = (format!("Bearer {other}"), format!("Bearer {third}"));
-        assert!(cache.authenticate(&store, Some(&other)).is_ok());
-        assert!(cache.authenticate(&store, Some(&third)).is_ok());
+        cache.authenticate(&store, Some(&other)).unwrap();
+        cache.authenticate(&store, Some(&third)).unwrap();
         // A revocation by another connection (another process) counts as much.
         let second = Store::open(&dir.path().join("state.db")).unwrap();
         assert!(second.revoke_inference_key(t.id, other_id).unwrap());
-        assert!(cache.authenticate(&store, Some(&other)).is_err());
+        cache.authenticate(&store, Some(&other)).unwrap_err();
         // A destroyed tenant's keys stop working at once.
-        assert!(cache.authenticate(&store, Some(&third)).is_ok());
+        cache.authenticate(&store, Some(&third)).unwrap();
         for to in [
             LifecycleState::Failed,
             LifecycleState::Destroying,
@@ -167,6 +167,6 @@ mod tests {
         ] {
             store.transition(t.id, to, None, None).unwrap();
         }
-        assert!(cache.authenticate(&store, Some(&third)).is_err());
+        cache.authenticate(&store, Some(&third)).unwrap_err();
     }
 }

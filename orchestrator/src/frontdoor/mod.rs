@@ -149,7 +149,7 @@ pub async fn serve(
         DoorLimits::for_fd_limit(nofile),
         shutdown,
     )
-    .await
+    .await;
 }
 
 /// How often a failing `accept` is logged at most (each failure waits [`ACCEPT_RETRY`]).
@@ -449,9 +449,8 @@ async fn answer(
         };
         // Checked here so a malformed body costs the guest nothing; the payload checks the
         // fields (and refuses unknown ones) itself.
-        let is_object = serde_json::from_slice::<serde_json::Value>(&bytes)
-            .map(|v| v.is_object())
-            .unwrap_or(false);
+        let is_object =
+            serde_json::from_slice::<serde_json::Value>(&bytes).is_ok_and(|v| v.is_object());
         if !is_object {
             return Err(fail(OpenAiError::invalid_json()));
         }

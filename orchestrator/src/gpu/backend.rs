@@ -240,10 +240,10 @@ mod tests {
             gpu: "0".into(),
             ..held[0].clone()
         };
-        assert!(p.place("again", &profile("1g.5gb"), &held[1..]).is_ok());
+        p.place("again", &profile("1g.5gb"), &held[1..]).unwrap();
         let mut old = held[1..].to_vec();
         old.push(by_index);
-        assert!(p.place("again", &profile("1g.5gb"), &old).is_err());
+        p.place("again", &profile("1g.5gb"), &old).unwrap_err();
     }
 
     #[test]
@@ -289,7 +289,7 @@ mod tests {
             err.contains("--gpu-sysfs-root") && err.contains("sys/bus/pci"),
             "{err}"
         );
-        assert!(planner_from_arg(&format!("sim:{}", path.display()), Some(tree.root())).is_ok());
+        planner_from_arg(&format!("sim:{}", path.display()), Some(tree.root())).unwrap();
     }
 
     #[test]
@@ -387,7 +387,7 @@ mod tests {
             model: Some("no-such-model".into()),
             ..Default::default()
         };
-        assert!(p.place("m", &bad, &[]).is_err());
+        p.place("m", &bad, &[]).unwrap_err();
     }
 
     #[test]
@@ -400,7 +400,7 @@ mod tests {
             .place("b", &profile("1g.10gb"), std::slice::from_ref(&a))
             .unwrap();
         // Not made yet: an error, not somebody else's figures.
-        assert!(p.usage(&a).is_err());
+        p.usage(&a).unwrap_err();
         p.materialize(&a).unwrap();
         p.materialize(&b).unwrap();
         // The simulated host says what b's instance uses; a's says nothing.

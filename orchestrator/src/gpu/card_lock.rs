@@ -111,7 +111,7 @@ mod tests {
                 let g = locks.hold("0000:41:00.0".to_uppercase().as_str(), CARD_LOCK_WAIT);
                 tx.send(g.is_ok()).unwrap();
             });
-            assert!(rx.recv_timeout(Duration::from_millis(200)).is_err());
+            rx.recv_timeout(Duration::from_millis(200)).unwrap_err();
             drop(first);
             assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap());
         });

@@ -306,14 +306,14 @@ mod tests {
             .is_symlink());
         assert_eq!(names_in(dir.path()), ["secret", "target"]);
         // Reading a secret through a symlink is refused too.
-        assert!(read_private(&link, 16).is_err());
+        read_private(&link, 16).unwrap_err();
     }
 
     #[test]
     fn a_directory_in_the_way_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         fs::create_dir(dir.path().join("d")).unwrap();
-        assert!(write_secret(&dir.path().join("d"), b"x", Existing::Replace).is_err());
+        write_secret(&dir.path().join("d"), b"x", Existing::Replace).unwrap_err();
     }
 
     #[test]

@@ -137,7 +137,7 @@ mod tests {
             store.path("carol").unwrap(),
         )
         .unwrap();
-        assert!(store.unwrap("carol").is_err());
+        store.unwrap("carol").unwrap_err();
     }
 
     #[test]

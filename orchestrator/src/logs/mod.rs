@@ -443,7 +443,7 @@ impl TenantLogs {
         }
         let skipped = cursor.generation != generation;
         let mut offset = if skipped { 0 } else { cursor.offset };
-        let live_len = fs::metadata(self.path(kind)).map(|m| m.len()).unwrap_or(0);
+        let live_len = fs::metadata(self.path(kind)).map_or(0, |m| m.len());
         let mut skipped = skipped;
         if offset > live_len {
             // Truncated under us without a recorded rotation (e.g. by the writer itself).
@@ -832,8 +832,8 @@ mod tests {
         fs::write(&target, b"secret").unwrap();
         fs::remove_file(logs.path(LogKind::Vmm)).unwrap();
         std::os::unix::fs::symlink(&target, logs.path(LogKind::Vmm)).unwrap();
-        assert!(logs.open_append(LogKind::Vmm).is_err());
-        assert!(logs.tail(LogKind::Vmm, 1).is_err());
+        logs.open_append(LogKind::Vmm).unwrap_err();
+        logs.tail(LogKind::Vmm, 1).unwrap_err();
     }
 
     #[test]

@@ -247,7 +247,7 @@ mod tests {
         ];
         let cli = VerifyCli::parse_from(argv);
         let mut out = Vec::new();
-        assert!(run_verify(&cli.args, &mut out).is_ok());
+        run_verify(&cli.args, &mut out).unwrap();
         assert!(String::from_utf8_lossy(&out).contains("intact, 2 entries"));
 
         let text = std::fs::read_to_string(&log)

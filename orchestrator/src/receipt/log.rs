@@ -530,7 +530,7 @@ impl AuditLog {
             None => {}
             Some(None) => problems.push(ChainProblem::HeadInvalid),
             Some(Some(head)) if !head.signature_valid(key) => {
-                problems.push(ChainProblem::HeadInvalid)
+                problems.push(ChainProblem::HeadInvalid);
             }
             Some(Some(head)) => {
                 head_seq = Some(head.seq);
@@ -540,7 +540,7 @@ impl AuditLog {
                         entries: lines.len(),
                     }),
                     Some(hash) if *hash != head.entry_hash => {
-                        problems.push(ChainProblem::HeadMismatch { seq: head.seq })
+                        problems.push(ChainProblem::HeadMismatch { seq: head.seq });
                     }
                     Some(_) => {}
                 }

@@ -106,7 +106,7 @@ impl Store {
             let (gpu, slot, label, tenant) = row?;
             match out.last_mut() {
                 Some((t, p)) if *t == tenant && p.gpu == gpu && p.label == label => {
-                    p.slots.push(slot)
+                    p.slots.push(slot);
                 }
                 _ => out.push((
                     tenant,
@@ -152,7 +152,7 @@ fn placement_of(conn: &Connection, tenant_id: i64) -> Result<Option<GpuPlacement
                     gpu,
                     slots: vec![slot],
                     label,
-                })
+                });
             }
         }
     }

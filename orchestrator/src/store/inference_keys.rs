@@ -162,6 +162,6 @@ mod tests {
         assert_eq!(store.live_inference_keys(a).unwrap(), 0);
         assert_eq!(store.live_inference_keys(b).unwrap(), 1);
         // The same hash cannot be stored twice.
-        assert!(store.insert_inference_key(b, "h3", "x").is_err());
+        store.insert_inference_key(b, "h3", "x").unwrap_err();
     }
 }

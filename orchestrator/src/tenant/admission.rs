@@ -399,13 +399,13 @@ mod tests {
         // A quarter second later one token is back, not two.
         let t1 = t0 + Duration::from_millis(250);
         drop(a.admit("id-a", "a", &q, t1).unwrap());
-        assert!(a.admit("id-a", "a", &q, t1).is_err());
+        a.admit("id-a", "a", &q, t1).unwrap_err();
         // A long idle spell refills to the burst, no further.
         let t2 = t1 + Duration::from_secs(60);
         for _ in 0..4 {
             drop(a.admit("id-a", "a", &q, t2).unwrap());
         }
-        assert!(a.admit("id-a", "a", &q, t2).is_err());
+        a.admit("id-a", "a", &q, t2).unwrap_err();
     }
 
     #[test]
@@ -423,7 +423,7 @@ mod tests {
             }
         );
         drop(first);
-        assert!(a.admit("id-a", "a", &q, now).is_ok());
+        a.admit("id-a", "a", &q, now).unwrap();
     }
 
     #[test]
@@ -440,7 +440,7 @@ mod tests {
         }
         drop(held);
         // One token left of the two: the ten refusals cost nothing.
-        assert!(a.admit("id-a", "a", &q, now).is_ok());
+        a.admit("id-a", "a", &q, now).unwrap();
     }
 
     #[test]
@@ -449,8 +449,8 @@ mod tests {
         let q = quotas(1, 1);
         let now = Instant::now();
         let _hog = a.admit("id-a", "a", &q, now).unwrap();
-        assert!(a.admit("id-a", "a", &q, now).is_err());
-        assert!(a.admit("id-b", "b", &q, now).is_ok());
+        a.admit("id-a", "a", &q, now).unwrap_err();
+        a.admit("id-b", "b", &q, now).unwrap();
     }
 
     #[test]
@@ -465,12 +465,11 @@ mod tests {
             Refused::Closed { tenant: "a".into() }
         );
         drop(in_flight);
-        assert!(a
-            .admit("id-a", "a", &q, now + Duration::from_secs(5))
-            .is_err());
+        a.admit("id-a", "a", &q, now + Duration::from_secs(5))
+            .unwrap_err();
         // Closing a tenant never seen still closes it.
         assert_eq!(a.close("id-b"), 0);
-        assert!(a.admit("id-b", "b", &q, now).is_err());
+        a.admit("id-b", "b", &q, now).unwrap_err();
     }
 
     #[test]
@@ -479,9 +478,9 @@ mod tests {
         let q = quotas(1, 10);
         let now = Instant::now();
         drop(a.admit("id-a", "a", &q, now).unwrap());
-        assert!(a.admit("id-a", "a", &q, now).is_err());
+        a.admit("id-a", "a", &q, now).unwrap_err();
         a.forget("id-a");
-        assert!(a.admit("id-a", "a", &q, now).is_ok());
+        a.admit("id-a", "a", &q, now).unwrap();
     }
 
     #[test]
@@ -489,7 +488,7 @@ mod tests {
         let host = HostCapacity::fixed(24 * 1024, 2);
         let r = |memory_mib, vcpus| Reservation { memory_mib, vcpus };
         assert!(host.check("a", r(1 << 20, 1), r(0, 0), 0).is_err());
-        assert!(host.check("a", r(8 * 1024, 1), r(0, 0), 0).is_ok());
+        host.check("a", r(8 * 1024, 1), r(0, 0), 0).unwrap();
         let err = host
             .check("b", r(20 * 1024, 1), r(8 * 1024, 1), 1)
             .unwrap_err();
@@ -498,8 +497,8 @@ mod tests {
         assert!(matches!(err, CapacityError::Vcpus { free: 1, .. }), "{err}");
         assert!(err.to_string().contains("--vcpu-overcommit"));
         let roomy = host.with_overcommit(2.0, 4.0);
-        assert!(roomy.check("c", r(64, 2), r(64, 1), 1).is_ok());
-        assert!(roomy.check("d", r(40 * 1024, 1), r(0, 0), 0).is_ok());
+        roomy.check("c", r(64, 2), r(64, 1), 1).unwrap();
+        roomy.check("d", r(40 * 1024, 1), r(0, 0), 0).unwrap();
         assert!(roomy.check("d", r(49 * 1024, 1), r(0, 0), 0).is_err());
     }
 

@@ -280,7 +280,7 @@ mod tests {
         let first = chans
             .client(&k, connect, t)
             .and_then(|mut c| c.call(&Request::Status, t));
-        assert!(first.is_err());
+        first.unwrap_err();
         let until = std::time::Instant::now() + t;
         while chans.is_multiplexed(&k) && std::time::Instant::now() < until {
             std::thread::sleep(Duration::from_millis(20));

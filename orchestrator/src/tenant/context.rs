@@ -159,7 +159,7 @@ impl Tenant {
                         r.key
                             .parse::<u32>()
                             .map_err(|_| StoreError::Corrupt(format!("uid record {:?}", r.key)))?,
-                    )
+                    );
                 }
                 ResourceKind::Process => {
                     let detail = r.detail.unwrap_or_default();

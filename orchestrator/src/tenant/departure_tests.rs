@@ -177,14 +177,12 @@ fn failed_scrub_quarantines_the_slice_until_a_scrub_passes() {
     run(&h, TenantCommand::Create(spec("c", gpu, 0)));
     assert_eq!(state(&h, "c"), Some(LifecycleState::Running));
     // Unknown slices and tenant tokens are refused.
-    assert!(h
-        .svc
+    h.svc
         .execute(&Caller::Admin, TenantCommand::Rescrub("9/none".into()))
-        .is_err());
-    assert!(h
-        .svc
+        .unwrap_err();
+    h.svc
         .execute(&Caller::Tenant(b.id), TenantCommand::Rescrub(slice))
-        .is_err());
+        .unwrap_err();
 }
 
 #[test]

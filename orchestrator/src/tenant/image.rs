@@ -122,8 +122,7 @@ pub fn boot_files(
             let cmdline = match &img.cmdline {
                 Some(c) => c.clone(),
                 None => fs::read_to_string(base.join("cmdline"))
-                    .map(|s| s.trim().to_string())
-                    .unwrap_or(default_cmdline),
+                    .map_or(default_cmdline, |s| s.trim().to_string()),
             };
             (
                 base.join("kernel"),
@@ -321,15 +320,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("vmlinux does not match the manifest"), "{err}");
-        assert!(check_create(
+        check_create(
             &cfg,
             &s,
             GuestKind::Agent,
             BackendKind::Qemu {
-                accel: QemuAccel::Kvm
-            }
+                accel: QemuAccel::Kvm,
+            },
         )
-        .is_ok());
+        .unwrap();
     }
 
     #[test]

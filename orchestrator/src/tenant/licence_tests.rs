@@ -177,7 +177,7 @@ fn fake_agent(h: &Harness, name: &'static str, guest: Arc<Mutex<Guest>>) {
                     std::thread::spawn(move || {
                         serve(s, guest, || {
                             host.state().processes.retain(|_, t| t != name);
-                        })
+                        });
                     });
                 }
             });

@@ -118,10 +118,7 @@ fn read_events(
             all
         }
     };
-    let last = events
-        .last()
-        .map(|e| e.id as u64)
-        .unwrap_or(q.offset.unwrap_or(0));
+    let last = events.last().map_or(q.offset.unwrap_or(0), |e| e.id as u64);
     let text = events
         .iter()
         .map(|e| {

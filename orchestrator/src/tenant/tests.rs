@@ -734,8 +734,7 @@ fn gpu_steps_of_a_tenant_without_a_gpu_are_recorded_as_skipped_not_done() {
     let status_of = |all: &[(String, String)], step: &str| {
         all.iter()
             .find(|(s, _)| s == step)
-            .map(|(_, st)| st.clone())
-            .unwrap_or_else(|| panic!("no {step} in {all:?}"))
+            .map_or_else(|| panic!("no {step} in {all:?}"), |(_, st)| st.clone())
     };
     let plain = statuses("plain");
     for step in [

@@ -17,7 +17,7 @@ use crate::domain::spec::GpuRequest;
 fn gpu(index: &str, key: &str) -> GpuView {
     GpuView {
         index: index.into(),
-        pci_address: format!("0000:{:0>2}:00.0", index),
+        pci_address: format!("0000:{index:0>2}:00.0"),
         name: key.into(),
         model: tenantvm_gpu::mig::model_by_key(key).unwrap(),
     }
@@ -97,7 +97,7 @@ fn the_smallest_slice_is_asked_for_and_a_full_host_says_so() {
     assert!(matches!(choose_slice(&[], &[holder]), GpuPlan::NoSlice(_)));
     assert!(matches!(choose_slice(&[], &[]), GpuPlan::NotRun(_)));
     assert_eq!("off".parse::<GpuProbes>(), Ok(GpuProbes::Off));
-    assert!("sometimes".parse::<GpuProbes>().is_err());
+    "sometimes".parse::<GpuProbes>().unwrap_err();
 }
 
 #[test]

@@ -47,7 +47,7 @@ pub(super) fn busy_cpus(
         let stat = std::fs::read_to_string(format!("/proc/{}/stat", c.id())).unwrap_or_default();
         // Fields after the command name (which is in parentheses): state is the first;
         // utime and stime are the 12th and 13th.
-        let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+        let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
         let f: Vec<&str> = after.split_whitespace().collect();
         let used = f
             .get(11)

@@ -118,7 +118,7 @@ fn tenant_on(
 fn gpu(index: &str, key: &str) -> GpuView {
     GpuView {
         index: index.into(),
-        pci_address: format!("0000:{:0>2}:00.0", index),
+        pci_address: format!("0000:{index:0>2}:00.0"),
         name: key.into(),
         model: tenantvm_gpu::mig::model_by_key(key).unwrap(),
     }
@@ -918,9 +918,9 @@ fn selection_parses_numbers_and_names_in_checklist_order() {
             CheckId::Departure
         ]
     );
-    assert!(parse_selection("11").is_err());
-    assert!(parse_selection("nope").is_err());
-    assert!(parse_selection("").is_err());
+    parse_selection("11").unwrap_err();
+    parse_selection("nope").unwrap_err();
+    parse_selection("").unwrap_err();
     for (i, id) in CheckId::ALL.iter().enumerate() {
         assert_eq!(id.number() as usize, i + 1);
         assert_eq!(id.key().parse::<CheckId>().unwrap(), *id);
@@ -930,11 +930,11 @@ fn selection_parses_numbers_and_names_in_checklist_order() {
 #[test]
 fn probe_names_follow_the_tenant_name_rule_and_are_recognised() {
     let n = probe_name("0badc0de", "mem0").unwrap();
-    assert!(TenantName::check(n.as_str()).is_ok());
+    TenantName::check(n.as_str()).unwrap();
     assert!(looks_like_probe(n.as_str()));
     assert!(!looks_like_probe("alice"));
     assert!(!looks_like_probe("tvm-verify-xyz-a"));
-    assert!(probe_name("0badc0de", &"x".repeat(60)).is_err());
+    probe_name("0badc0de", &"x".repeat(60)).unwrap_err();
 }
 
 #[test]

@@ -493,8 +493,7 @@ pub fn cgroup_exists(tenant: &str) -> bool {
     parents.iter().any(|parent| {
         parent.join(tenant).is_dir()
             || fs::read_dir(parent)
-                .map(|d| d.flatten().any(|e| e.path().join(tenant).is_dir()))
-                .unwrap_or(false)
+                .is_ok_and(|d| d.flatten().any(|e| e.path().join(tenant).is_dir()))
     })
 }
 

@@ -187,8 +187,7 @@ pub fn driver_of(address: &str) -> Option<String> {
 /// The device's `driver_override` (`(null)` when none is set).
 pub fn override_of(address: &str) -> String {
     std::fs::read_to_string(format!("/sys/bus/pci/devices/{address}/driver_override"))
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|e| format!("unreadable: {e}"))
+        .map_or_else(|e| format!("unreadable: {e}"), |s| s.trim().to_string())
 }
 
 /// Waits until `tenant` runs (an error when it fails or takes longer than a create may).

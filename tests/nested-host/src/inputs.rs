@@ -179,8 +179,7 @@ fn newer_build(listed: &Path) -> Option<PathBuf> {
 /// The stock kernel directory: `$TENANTVM_KERNEL_DIR` or .cache/kernel (scripts/setup.sh).
 pub fn kernel_dir() -> PathBuf {
     std::env::var_os("TENANTVM_KERNEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| crate::repo_root().join(".cache/kernel"))
+        .map_or_else(|| crate::repo_root().join(".cache/kernel"), PathBuf::from)
 }
 
 /// Checks the stock kernel and its modules are there.

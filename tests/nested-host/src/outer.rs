@@ -99,8 +99,7 @@ impl OuterConfig {
     pub fn new(work_dir: PathBuf) -> Self {
         OuterConfig {
             qemu: std::env::var_os("QEMU")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| "qemu-system-x86_64".into()),
+                .map_or_else(|| "qemu-system-x86_64".into(), PathBuf::from),
             memory_mib: 3072,
             vcpus: 1,
             format: RootFormat::Ext4,
@@ -384,7 +383,7 @@ pub fn diagnose(dir: &Path, stop: &Stop) -> Option<String> {
     let mut found = String::new();
     if matches!(stop, Stop::Froze { .. }) {
         let heartbeat = dir.join("heartbeat");
-        let beats = || std::fs::metadata(&heartbeat).map(|m| m.len()).unwrap_or(0);
+        let beats = || std::fs::metadata(&heartbeat).map_or(0, |m| m.len());
         let probes = [
             ("an NMI", r#"{"execute":"inject-nmi"}"#),
             (

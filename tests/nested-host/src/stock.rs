@@ -228,7 +228,7 @@ mod tests {
             ]
         );
         assert!(order[4].1.ends_with("b/virtio-rng.ko"));
-        assert!(module_closure(dir.path(), &["nope"]).is_err());
+        module_closure(dir.path(), &["nope"]).unwrap_err();
     }
 
     #[test]

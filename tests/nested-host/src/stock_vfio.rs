@@ -164,6 +164,6 @@ mod tests {
         assert!(text.contains("NHSK: lspci done"));
         assert!(text.contains("fake busybox"));
         assert!(text.contains("TRAILER!!!"));
-        assert!(initramfs(&dir.path().join("none")).is_err());
+        initramfs(&dir.path().join("none")).unwrap_err();
     }
 }

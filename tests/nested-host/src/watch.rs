@@ -677,7 +677,7 @@ mod tests {
         let mut seen = Vec::new();
         let mut record = |p: &Progress| {
             if let Progress::Outcome(o) = p {
-                seen.push(o.name.clone())
+                seen.push(o.name.clone());
             }
         };
         let watched = watch_with(&mut child, &scenarios, &cfg, &mut record, before_kill);

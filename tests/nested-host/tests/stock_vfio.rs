@@ -28,8 +28,7 @@ fn stock_kernel_lists_the_real_device_with_its_ids() {
     };
     let root = tenantvm_nested_host::repo_root();
     let vmm = std::env::var_os("TENANTVM_VMM")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target/debug/tenantvm-vmm"));
+        .map_or_else(|| root.join("target/debug/tenantvm-vmm"), PathBuf::from);
     assert!(
         vmm.is_file(),
         "{} is missing: run cargo build -p tenantvm-vmm, or set TENANTVM_VMM",

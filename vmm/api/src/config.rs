@@ -457,13 +457,13 @@ mod tests {
             let h: HugePages = name.parse().unwrap();
             assert_eq!(serde_json::to_string(&h).unwrap(), format!("\"{name}\""));
         }
-        assert!("2m".parse::<HugePages>().is_err());
+        "2m".parse::<HugePages>().unwrap_err();
         let file = VmConfigFile::from_json(r#"{"hugepages":"1G"}"#).unwrap();
         assert_eq!(file.hugepages, Some(HugePages::Size1G));
-        assert!(VmConfigFile::from_json(r#"{"hugepages":"4K"}"#).is_err());
+        VmConfigFile::from_json(r#"{"hugepages":"4K"}"#).unwrap_err();
         let err = "maybe".parse::<SeccompMode>().unwrap_err().to_string();
         assert!(err.contains("on, log, off"), "{err}");
-        assert!("PVH".parse::<BootProtocol>().is_err());
+        "PVH".parse::<BootProtocol>().unwrap_err();
     }
 
     #[test]

@@ -217,7 +217,7 @@ impl FromStr for PassthroughConfig {
                         value
                             .parse::<VfioIommuMode>()
                             .map_err(|e| DeviceParseError(format!("{e}; {usage}")))?,
-                    )
+                    );
                 }
                 _ => {
                     return Err(DeviceParseError(format!(
@@ -452,10 +452,8 @@ mod tests {
         let c: PassthroughConfig = serde_json::from_str(&json).unwrap();
         assert_eq!(c.iommu, VfioIommuMode::Iommufd);
         assert_eq!(serde_json::to_string(&c).unwrap(), json);
-        assert!(serde_json::from_str::<PassthroughConfig>(&format!(
-            r#"{{"path":"{p}","iommu":"off"}}"#
-        ))
-        .is_err());
+        serde_json::from_str::<PassthroughConfig>(&format!(r#"{{"path":"{p}","iommu":"off"}}"#))
+            .unwrap_err();
     }
 
     #[test]
@@ -515,7 +513,7 @@ mod tests {
         assert_eq!(serde_json::from_str::<ExitReport>(&json).unwrap(), report);
         assert!(report.devices[0].reset_at_attach.cleared());
         assert!(!report.devices[0].reset_at_detach.cleared());
-        assert!(serde_json::from_str::<ExitReport>(r#"{"status":0,"extra":1}"#).is_err());
+        serde_json::from_str::<ExitReport>(r#"{"status":0,"extra":1}"#).unwrap_err();
         assert!(json.contains(r#""interface":"iommufd""#), "{json}");
         // Reports written before the field existed still read.
         let old: DeviceReport = serde_json::from_str(

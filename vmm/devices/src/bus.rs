@@ -158,7 +158,7 @@ mod tests {
 
     impl BusDevice for Recorder {
         fn read(&mut self, _base: u64, offset: u64, data: &mut [u8]) {
-            data.fill(offset as u8);
+            data.fill(crate::narrow::low_u8(offset));
         }
         fn write(&mut self, base: u64, offset: u64, data: &[u8]) {
             self.last_write = Some((base, offset, data.to_vec()));

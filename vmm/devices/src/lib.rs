@@ -3,6 +3,11 @@
 //! Everything here faces the guest: every register write, descriptor and packet is
 //! hostile input. Devices validate what they read, answer malformed requests with an
 //! error status and a counter, and never panic on guest input.
+//!
+//! For the same reason an integer cast that may drop bits is denied here: a narrowing says
+//! what it means through `narrow.rs` or `try_from` (docs/devices.md, docs/testing.md "Lints").
+
+#![deny(clippy::cast_possible_truncation)]
 
 /// Declares a struct of `AtomicU64` counters with a `snapshot()` that lists them by name,
 /// so the VMM can report them without knowing each device.
@@ -71,6 +76,7 @@ macro_rules! debug_limited {
 
 pub mod bus;
 pub mod legacy;
+mod narrow;
 pub mod pci;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod test_utils;

@@ -138,7 +138,7 @@ pub fn load(mem: &GuestMemoryMmap, config: &BootConfig<'_>) -> Result<EntryPoint
             rsdp,
         )?,
         EntryPoint::Pvh { .. } => {
-            params::write_pvh_start_info(mem, config.mem_size, initramfs, rsdp)?
+            params::write_pvh_start_info(mem, config.mem_size, initramfs, rsdp)?;
         }
     }
     Ok(kernel.entry)
@@ -157,7 +157,7 @@ mod tests {
 
     #[test]
     fn empty_cmdline_is_accepted() {
-        assert!(parse_cmdline("").is_ok());
-        assert!(parse_cmdline("console=ttyS0 panic=1").is_ok());
+        parse_cmdline("").unwrap();
+        parse_cmdline("console=ttyS0 panic=1").unwrap();
     }
 }

@@ -142,8 +142,8 @@ mod tests {
 
     #[test]
     fn zero_or_too_many_cpus_are_refused() {
-        assert!(build(0).is_err());
-        assert!(build(MAX_SUPPORTED_CPUS + 1).is_err());
-        assert!(build(MAX_SUPPORTED_CPUS).is_ok());
+        build(0).unwrap_err();
+        build(MAX_SUPPORTED_CPUS + 1).unwrap_err();
+        build(MAX_SUPPORTED_CPUS).unwrap();
     }
 }

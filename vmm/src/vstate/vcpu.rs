@@ -47,7 +47,7 @@ impl Buses {
             Some((base, dev)) => {
                 dev.lock()
                     .unwrap_or_else(PoisonError::into_inner)
-                    .read(base, addr - base, data)
+                    .read(base, addr - base, data);
             }
             None => data.fill(0xff),
         }
@@ -219,7 +219,7 @@ impl VcpuSet {
                         exit.stop(ExitReason::vmm_error(e.to_string()));
                         return;
                     }
-                    run_vcpu(fd, &buses, &control, &exit)
+                    run_vcpu(fd, &buses, &control, &exit);
                 })
                 .map_err(|e| VstateError::Kvm {
                     what: "start a vCPU thread",
@@ -301,7 +301,7 @@ impl VcpuSet {
 /// that the VM stops instead of hanging with one vCPU gone.
 fn run_vcpu(fd: VcpuFd, buses: &Buses, control: &VcpuControl, exit: &ExitState) {
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        vcpu_loop(fd, buses, control, exit)
+        vcpu_loop(fd, buses, control, exit);
     }));
     if outcome.is_err() {
         exit.stop(ExitReason::vmm_error("a vCPU thread panicked"));

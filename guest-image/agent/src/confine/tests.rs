@@ -34,7 +34,7 @@ fn output(cmd: &mut Command) -> (String, i32) {
     for _ in 0..100 {
         match reaper.spawn(cmd) {
             Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) => {
-                std::thread::sleep(std::time::Duration::from_millis(20))
+                std::thread::sleep(std::time::Duration::from_millis(20));
             }
             Err(e) => panic!("spawn: {e}"),
             Ok(mut child) => {

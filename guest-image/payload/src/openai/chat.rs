@@ -51,7 +51,7 @@ fn content_text(i: usize, v: Option<&Value>, role: &str) -> Result<String, ApiEr
                     .ok_or_else(|| wrong_type(&pname, "an object", part))?;
                 match (obj.get("type").and_then(Value::as_str), obj.get("text")) {
                     (Some("text"), Some(Value::String(t))) if obj.len() == 2 => {
-                        texts.push(t.as_str())
+                        texts.push(t.as_str());
                     }
                     (Some("text"), _) => {
                         return Err(ApiError::param(

@@ -277,7 +277,7 @@ fn negotiation_follows_the_agents_answer() {
             max_streams,
             window,
         }));
-        assert!(negotiate(AgentClient::over_stream(host), cfg(4, 4096), t).is_err());
+        negotiate(AgentClient::over_stream(host), cfg(4, 4096), t).unwrap_err();
         let _ = agent.join();
     }
 }

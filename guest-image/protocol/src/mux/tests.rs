@@ -148,7 +148,7 @@ fn stream_level_errors_name_their_stream_and_the_channel_goes_on() {
 
 #[test]
 fn validate_accepts_what_the_decoder_accepts() {
-    assert!(MuxFrame::Open { stream: 1 }.validate().is_ok());
+    MuxFrame::Open { stream: 1 }.validate().unwrap();
     assert!(MuxFrame::Open { stream: 0 }.validate().is_err());
     assert!(MuxFrame::Data {
         stream: 1,

@@ -377,7 +377,7 @@ fn card(
         .map_err(|e| wrapper_error("nvmlDeviceGetPciInfo", index, e))?;
     let device_id = (pci.pci_device_id >> 16) as u16;
     let model = mig::model_by_pci_device(device_id);
-    let mig_enabled = dev.mig_mode().map(|m| m.current == 1).unwrap_or(false);
+    let mig_enabled = dev.mig_mode().is_ok_and(|m| m.current == 1);
     let instances = if mig_enabled {
         instances(nvml, index)?
             .into_iter()
@@ -393,10 +393,7 @@ fn card(
         model: model.map(|m| m.key),
         pci_address: address.clone(),
         pci_device_id: device_id,
-        memory_mib: dev
-            .memory_info()
-            .map(|m| m.total / (1024 * 1024))
-            .unwrap_or(0),
+        memory_mib: dev.memory_info().map_or(0, |m| m.total / (1024 * 1024)),
         mig_enabled,
         assigned_whole: false,
         iommu_group: PciAddress::parse(&address)
@@ -608,7 +605,7 @@ mod tests {
 
     #[test]
     fn nvml_return_codes_map_to_the_backend_errors() {
-        assert!(check("x", 0, sys::nvmlReturn_enum_NVML_SUCCESS).is_ok());
+        check("x", 0, sys::nvmlReturn_enum_NVML_SUCCESS).unwrap();
         assert!(matches!(
             check(
                 "x",

@@ -87,6 +87,6 @@ mod tests {
         assert_eq!(u.as_str(), "12345678-9abc-def0-1234-56789abcdef0");
         let json = serde_json::to_string(&u).unwrap();
         assert_eq!(serde_json::from_str::<VmUuid>(&json).unwrap(), u);
-        assert!(serde_json::from_str::<VmUuid>("\"nope\"").is_err());
+        serde_json::from_str::<VmUuid>("\"nope\"").unwrap_err();
     }
 }

@@ -258,7 +258,7 @@ mod tests {
         let e = parse("[[tenants]]\nname = \"a\"\nmodel = \"mistral-7b\"\noverhead_gib = -1.0\n")
             .unwrap_err();
         assert!(e.to_string().contains("overhead_gib"), "{e}");
-        assert!(parse("not toml [").is_err());
+        parse("not toml [").unwrap_err();
     }
 
     #[test]

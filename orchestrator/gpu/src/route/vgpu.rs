@@ -310,8 +310,10 @@ pub fn attach(
                 let name = vgpu::creatable_types(sysfs, vf)
                     .ok()
                     .and_then(|ts| ts.into_iter().find(|x| &x.id == t))
-                    .map(|x| x.name)
-                    .unwrap_or_else(|| format!("vGPU type {t} ({})", vgpu_suffix(profile)));
+                    .map_or_else(
+                        || format!("vGPU type {t} ({})", vgpu_suffix(profile)),
+                        |x| x.name,
+                    );
                 return Ok(VgpuAttachment {
                     pf: pf.to_string(),
                     vf: vf.to_string(),

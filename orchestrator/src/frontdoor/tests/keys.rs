@@ -119,7 +119,7 @@ fn keys_are_managed_through_the_api_by_their_tenant_and_revoked_at_departure() {
         .0,
         404
     );
-    assert!(crate::frontdoor::keys::authenticate(h.svc.store(), Some(&bearer)).is_err());
+    crate::frontdoor::keys::authenticate(h.svc.store(), Some(&bearer)).unwrap_err();
 
     // Departure revokes the rest, and the receipt says so.
     let (_, third) = call("POST", "/v1/tenants/alice/keys", &admin);
@@ -129,7 +129,7 @@ fn keys_are_managed_through_the_api_by_their_tenant_and_revoked_at_departure() {
         .execute(&Caller::Admin, TenantCommand::Destroy("alice".into()))
         .unwrap();
     h.svc.wait_idle();
-    assert!(crate::frontdoor::keys::authenticate(h.svc.store(), Some(&third)).is_err());
+    crate::frontdoor::keys::authenticate(h.svc.store(), Some(&third)).unwrap_err();
     assert_eq!(h.svc.store().live_inference_keys(alice_id).unwrap(), 0);
     let route_off = h.departure_step("alice", crate::receipt::DepartureStep::GatewayRouteOff);
     let shown = serde_json::to_string(&route_off).unwrap();
@@ -159,7 +159,7 @@ fn keys_are_checked_without_waiting_behind_a_long_store_write() {
             held_tx.send(()).unwrap();
             // As a write of a large receipt row would, for up to 10 s.
             let _ = released.recv_timeout(Duration::from_secs(10));
-        })
+        });
     });
     held.recv().unwrap();
     // Known keys' requests in flight meanwhile (each may wait for the store later, on a

@@ -218,6 +218,6 @@ mod tests {
             slots: vec![0],
             label: "1g.5gb@0".into(),
         };
-        assert!(scrub(b.as_ref(), &p).is_err());
+        scrub(b.as_ref(), &p).unwrap_err();
     }
 }

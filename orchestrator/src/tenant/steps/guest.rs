@@ -502,7 +502,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(500));
         });
         let ok = RunningVm { uid: me, ..vm };
-        assert!(connect(&backend, &ok, Duration::from_secs(5)).is_ok());
+        connect(&backend, &ok, Duration::from_secs(5)).unwrap();
     }
 
     #[test]
@@ -546,7 +546,7 @@ mod tests {
             (&stream).write_all(b"OK 1073741824\n").unwrap();
             line
         });
-        assert!(connect(&backend, &vm, Duration::from_secs(5)).is_ok());
+        connect(&backend, &vm, Duration::from_secs(5)).unwrap();
         assert_eq!(vmm.join().unwrap(), format!("CONNECT {port}\n"));
     }
 }

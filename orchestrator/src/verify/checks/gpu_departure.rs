@@ -109,8 +109,7 @@ pub fn judge_gpu_departure(
     // The receipt's GPU steps, and a quarantine it declares.
     let steps = receipts
         .last()
-        .map(|e| e.receipt.steps.as_slice())
-        .unwrap_or(&[]);
+        .map_or(&[][..], |e| e.receipt.steps.as_slice());
     let mut receipt_quarantined = false;
     let (mut verified, mut simulated) = (0u32, 0u32);
     for wanted in GPU_STEPS {

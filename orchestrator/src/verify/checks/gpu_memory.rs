@@ -80,7 +80,7 @@ pub fn judge_gpu_memory(out: &mut Outcome, name: &str, slice_mib: u64, r: &LoadR
                     "the GPU half could not run in {name}: {} (build the probe image with the NVIDIA driver's user-space libraries)",
                     crate::untrusted::one_line(r.error.as_deref().unwrap_or(""))
                 ),
-            )
+            );
         }
         other => inconclusive(
             out,

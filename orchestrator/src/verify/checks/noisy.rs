@@ -208,11 +208,11 @@ impl Check for NoisyNeighbourCheck {
         // its own, for the in-guest disk I/O load.
         let mut plan = crate::verify::gpu_probe::plan(ctx)?;
         let noisy = create_with_slice(ctx.probes, "noisy", &mut plan, |s| {
-            s.disk_gib = s.disk_gib.max(1)
+            s.disk_gib = s.disk_gib.max(1);
         })?;
         // The victim's own rate quota must not throttle its latency samples.
         let victim = create_with_slice(ctx.probes, "victim", &mut plan, |s| {
-            s.quotas.requests_per_s = 1000
+            s.quotas.requests_per_s = 1000;
         })?;
         let mut out = Outcome::new(Verdict::Pass);
         for p in [&noisy, &victim] {

@@ -334,9 +334,8 @@ fn run() -> Result<(), String> {
     let mut d = setup.daemon(&state, "daemon-crash.log", Some("create:bind-gpu:after"))?;
     // A daemon built without the `test-hooks` feature has no crash hook (and does not warn
     // that it is armed): the crash check cannot run; the scenario says so (SKIP).
-    let armed = std::fs::read_to_string(&d.log)
-        .map(|l| l.contains("TENANTVM_TEST_CRASH_AT is set"))
-        .unwrap_or(false);
+    let armed =
+        std::fs::read_to_string(&d.log).is_ok_and(|l| l.contains("TENANTVM_TEST_CRASH_AT is set"));
     if !armed {
         let why = "the create, passthrough and destroy checks passed; the crash check needs \
                    tenantvmd built with --features tenantvm/test-hooks (a debug nested-host run)";

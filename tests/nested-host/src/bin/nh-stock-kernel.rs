@@ -122,7 +122,7 @@ fn check_boot(env: &Env, n: usize, boot: &Boot) -> Result<(), String> {
                 Err(e)
                     if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline =>
                 {
-                    std::thread::sleep(Duration::from_millis(100))
+                    std::thread::sleep(Duration::from_millis(100));
                 }
                 Err(e) => return Err(format!("no guest connection to host port {HOST_PORT}: {e}")),
             }

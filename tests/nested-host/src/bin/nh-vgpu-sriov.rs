@@ -476,9 +476,8 @@ fn vmm_processes() -> Vec<u32> {
 fn crash_and_converge(setup: &Setup, pf: &str) -> Result<(), String> {
     let state = setup.work.join("state-crash");
     let mut d = setup.daemon(&state, "daemon-crash.log", Some("create:bind-gpu:after"))?;
-    let armed = std::fs::read_to_string(&d.log)
-        .map(|l| l.contains("TENANTVM_TEST_CRASH_AT is set"))
-        .unwrap_or(false);
+    let armed =
+        std::fs::read_to_string(&d.log).is_ok_and(|l| l.contains("TENANTVM_TEST_CRASH_AT is set"));
     if !armed {
         let why = "the two-tenant checks passed; the crash check needs tenantvmd built with \
                    --features tenantvm/test-hooks (a debug nested-host run)";

@@ -5,6 +5,8 @@
 //! space is 4 KiB (PCIe extended configuration through ECAM); the legacy 0xCF8/0xCFC
 //! mechanism reaches the first 256 bytes.
 
+use crate::narrow::{low_u16, low_u32};
+
 use super::{COMMAND_BUS_MASTER, COMMAND_INTX_DISABLE, COMMAND_IO, COMMAND_MEMORY, PCI_COMMAND};
 
 /// Number of 32-bit registers in a 4 KiB configuration space.
@@ -216,8 +218,8 @@ impl PciConfiguration {
         }
         let mask = !(size - 1);
         let reg = BAR0_REG + index;
-        self.regs[reg] = (addr as u32 & !kind.flag_mask()) | kind.flag_bits();
-        self.writable[reg] = mask as u32 & !kind.flag_mask();
+        self.regs[reg] = (low_u32(addr) & !kind.flag_mask()) | kind.flag_bits();
+        self.writable[reg] = low_u32(mask) & !kind.flag_mask();
         if is64 {
             self.regs[reg + 1] = (addr >> 32) as u32;
             self.writable[reg + 1] = (mask >> 32) as u32;
@@ -247,6 +249,10 @@ impl PciConfiguration {
         if end > LEGACY_CONFIG_END {
             return Err(PciConfigError::CapabilitySpace(data.len()));
         }
+        // The next pointers are one byte; the check above keeps `offset` below 256.
+        let Ok(pointer) = u8::try_from(offset) else {
+            return Err(PciConfigError::CapabilitySpace(data.len()));
+        };
         for (i, byte) in data.iter().enumerate() {
             let value = if i == 1 { 0 } else { *byte };
             self.set_byte(offset + i, value);
@@ -254,9 +260,9 @@ impl PciConfiguration {
             self.set_mask_byte(offset + i, mask);
         }
         match self.last_cap {
-            Some(prev) => self.set_byte(prev + 1, offset as u8),
+            Some(prev) => self.set_byte(prev + 1, pointer),
             None => {
-                self.set_byte(CAP_POINTER, offset as u8);
+                self.set_byte(CAP_POINTER, pointer);
                 self.regs[1] |= STATUS_CAP_LIST << 16;
             }
         }
@@ -292,7 +298,8 @@ impl PciConfiguration {
 
     /// The command register.
     pub fn command(&self) -> u16 {
-        self.regs[PCI_COMMAND / 4] as u16
+        // The command register is the low half of the dword; the status register the high.
+        low_u16(self.regs[PCI_COMMAND / 4].into())
     }
 
     /// Applies a guest write of `data` (1, 2 or 4 bytes) at byte `offset` (0-3) of
@@ -504,8 +511,11 @@ mod tests {
         let b = cfg
             .add_capability(&[0x11, 0, 0, 0, 0, 0], &[0, 0, 0xff])
             .unwrap();
-        assert_eq!(cfg.read_reg(CAP_POINTER / 4) & 0xff, a as u32);
-        assert_eq!((cfg.read_reg(a / 4) >> 8) & 0xff, b as u32);
+        assert_eq!(
+            cfg.read_reg(CAP_POINTER / 4) & 0xff,
+            u32::try_from(a).unwrap()
+        );
+        assert_eq!((cfg.read_reg(a / 4) >> 8) & 0xff, u32::try_from(b).unwrap());
         assert_ne!(cfg.read_reg(1) & (STATUS_CAP_LIST << 16), 0);
         // Only the writable byte changes.
         cfg.write(b / 4, 0, &[0xff, 0xff, 0xff, 0xff]);

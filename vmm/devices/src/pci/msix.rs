@@ -144,7 +144,8 @@ impl MsixConfig {
 
     /// Number of vectors.
     pub fn vectors(&self) -> u16 {
-        self.table.len() as u16
+        // `new` clamps the table to `MSIX_MAX_VECTORS` entries.
+        u16::try_from(self.table.len()).unwrap_or(MSIX_MAX_VECTORS)
     }
 
     /// Size of the table in bytes.
@@ -306,7 +307,10 @@ impl MsixConfig {
         if !self.access_ok(offset, data.len(), self.table_size()) {
             return;
         }
-        let first_vector = (offset / MSIX_ENTRY_SIZE) as u16;
+        // `access_ok` kept `offset` inside the table: the entry index is below its u16 count.
+        let Ok(first_vector) = u16::try_from(offset / MSIX_ENTRY_SIZE) else {
+            return;
+        };
         for (i, chunk) in data.chunks(4).enumerate() {
             let dword = offset / 4 + i as u64;
             let value = u32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);

@@ -324,7 +324,7 @@ impl BusDevice for PciConfigIo {
             0 if data.len() == 4 => data.copy_from_slice(&self.address.to_le_bytes()),
             4..=7 => match self.target(offset - 4) {
                 Some((bus, slot, function, reg)) => {
-                    lock_root(&self.root).read_bytes(bus, slot, function, reg, data)
+                    lock_root(&self.root).read_bytes(bus, slot, function, reg, data);
                 }
                 None => data.fill(0xff),
             },

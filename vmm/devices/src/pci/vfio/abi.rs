@@ -71,18 +71,20 @@ pub const VFIO_IOMMU_UNMAP_DMA: libc::c_ulong = vfio_io(14);
 
 /// `sizeof(T)` as the `argsz` of a VFIO argument.
 pub const fn argsz<T>() -> u32 {
-    size_of::<T>() as u32
+    crate::narrow::const_u32(size_of::<T>() as u64)
 }
 
 /// The `argsz` of `struct vfio_device_bind_iommufd` this crate sends: up to `out_devid`,
 /// the form every cdev kernel accepts (6.17 added an optional token pointer after it, read
 /// only with `VFIO_DEVICE_BIND_FLAG_TOKEN`).
-pub const BIND_IOMMUFD_ARGSZ: u32 =
-    (offset_of!(vfio_device_bind_iommufd, out_devid) + size_of::<u32>()) as u32;
+pub const BIND_IOMMUFD_ARGSZ: u32 = crate::narrow::const_u32(
+    (offset_of!(vfio_device_bind_iommufd, out_devid) + size_of::<u32>()) as u64,
+);
 /// The `argsz` of `struct vfio_device_attach_iommufd_pt` this crate sends: up to `pt_id`
 /// (the `pasid` after it is read only with `VFIO_DEVICE_ATTACH_PASID`).
-pub const ATTACH_IOMMUFD_PT_ARGSZ: u32 =
-    (offset_of!(vfio_device_attach_iommufd_pt, pt_id) + size_of::<u32>()) as u32;
+pub const ATTACH_IOMMUFD_PT_ARGSZ: u32 = crate::narrow::const_u32(
+    (offset_of!(vfio_device_attach_iommufd_pt, pt_id) + size_of::<u32>()) as u64,
+);
 
 #[cfg(test)]
 mod tests {

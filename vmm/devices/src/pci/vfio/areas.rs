@@ -152,7 +152,7 @@ mod tests {
                 size: 2,
             }])],
         );
-        assert!(mmap_areas(&wrap, &[]).is_err());
+        mmap_areas(&wrap, &[]).unwrap_err();
         let overlap = region(
             0x4000,
             vec![RegionCap::SparseMmap(vec![

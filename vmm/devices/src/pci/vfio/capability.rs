@@ -102,7 +102,8 @@ pub fn walk_ext_caps(cfg: &[u8]) -> Vec<ExtCap> {
         seen[offset / 4] = true;
         let next = (header >> 20) as usize & 0xffc;
         caps.push(ExtCap {
-            id: header as u16,
+            // The header's low half is the capability ID.
+            id: crate::narrow::low_u16(header.into()),
             version: ((header >> 16) & 0xf) as u8,
             offset,
             next,
@@ -139,7 +140,7 @@ mod tests {
     }
 
     fn ext(cfg: &mut [u8], at: usize, id: u16, next: usize) {
-        let header = u32::from(id) | (1 << 16) | ((next as u32) << 20);
+        let header = u32::from(id) | (1 << 16) | (u32::try_from(next).unwrap() << 20);
         cfg[at..at + 4].copy_from_slice(&header.to_le_bytes());
     }
 

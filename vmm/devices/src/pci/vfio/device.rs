@@ -197,7 +197,10 @@ impl VfioPciDevice {
     pub fn mmap_plan(&self) -> Result<Vec<PlannedArea>, AreaError> {
         let mut plan = Vec::new();
         for bar in &self.shadow.probe().bars {
-            let Some(info) = self.backend.region_info(bar.index as u32) else {
+            let Ok(index) = u32::try_from(bar.index) else {
+                continue;
+            };
+            let Some(info) = self.backend.region_info(index) else {
                 continue;
             };
             let mut trapped = Vec::new();
@@ -342,7 +345,10 @@ impl PciDevice for VfioPciDevice {
                 .map_or((), |(_, m)| m.read_table(at, data)),
             Some((false, at)) => self.msix.as_ref().map_or((), |(_, m)| m.read_pba(at, data)),
             None => {
-                if self.backend.region_read(bar as u32, offset, data).is_err() {
+                let read = u32::try_from(bar)
+                    .ok()
+                    .and_then(|bar| self.backend.region_read(bar, offset, data).ok());
+                if read.is_none() {
                     crate::inc(&self.metrics.region_errors);
                     data.fill(0xff);
                 }
@@ -364,7 +370,10 @@ impl PciDevice for VfioPciDevice {
                 }
             }
             None => {
-                if self.backend.region_write(bar as u32, offset, data).is_err() {
+                let written = u32::try_from(bar)
+                    .ok()
+                    .and_then(|bar| self.backend.region_write(bar, offset, data).ok());
+                if written.is_none() {
                     crate::inc(&self.metrics.region_errors);
                 }
             }

@@ -140,7 +140,11 @@ impl GpuDirectCap {
         }
         Ok(Self {
             clique,
-            next: caps.first().map_or(0, |c| c.offset as u8),
+            // Legacy capabilities sit where one-byte pointers put them: below 256.
+            next: caps
+                .first()
+                .and_then(|c| u8::try_from(c.offset).ok())
+                .unwrap_or(0),
         })
     }
 
@@ -166,7 +170,7 @@ impl GpuDirectCap {
         [
             CAP_ID_VENDOR,
             self.next,
-            GPUDIRECT_CAP_LEN as u8,
+            const { crate::narrow::const_u8(GPUDIRECT_CAP_LEN as u64) },
             b'P',
             b'2',
             b'P',
@@ -273,7 +277,7 @@ mod tests {
         cfg[0xc1] = 0xc8;
         cfg[0xc8] = 0x01;
         cfg[0xc9] = 0x00;
-        assert!(GpuDirectCap::place(&cfg, 1).is_ok());
+        GpuDirectCap::place(&cfg, 1).unwrap();
     }
 
     #[test]

@@ -419,12 +419,18 @@ mod tests {
         let map = ioas_map_arg(7, 0x1000, 0x2000, 0x7f00_0000_0000);
         assert_eq!(std::mem::size_of_val(&map), 40);
         // size 40, flags FIXED|WRITE|READ, ioas_id 7, reserved 0, user_va, length, iova.
-        assert_eq!(map[0] as u32, 40);
+        assert_eq!(crate::narrow::low_u32(map[0]), 40);
         assert_eq!((map[0] >> 32) as u32, 0b111);
         assert_eq!(map[1], 7);
         assert_eq!((map[2], map[3], map[4]), (0x7f00_0000_0000, 0x2000, 0x1000));
         let unmap = ioas_unmap_arg(7, 0x1000, 0x2000);
-        assert_eq!((unmap[0] as u32, (unmap[0] >> 32) as u32), (24, 7));
+        assert_eq!(
+            (
+                crate::narrow::low_u32(unmap[0]),
+                crate::narrow::low_u32(unmap[0] >> 32)
+            ),
+            (24, 7)
+        );
         let bind = bind_arg(9);
         assert_eq!(
             (bind.argsz, bind.flags, bind.iommufd, bind.out_devid),

@@ -380,7 +380,7 @@ fn region_info(file: &File, index: u32) -> Result<Option<Region>, VfioKernelErro
     // The fixed struct, then room for the capability chain the kernel appends: a byte
     // buffer, read through the struct's field offsets.
     let mut buf = vec![0u8; REGION_INFO_SIZE];
-    let mut argsz = REGION_INFO_SIZE as u32;
+    let mut argsz = const { crate::narrow::const_u32(REGION_INFO_SIZE as u64) };
     let at_argsz = offset_of!(vfio_region_info, argsz);
     let at_index = offset_of!(vfio_region_info, index);
     for _ in 0..2 {
@@ -619,8 +619,10 @@ impl KernelVfioDevice {
         count: u32,
     ) -> std::io::Result<()> {
         // struct vfio_irq_set, then its data: the eventfds.
+        let data_size = u32::try_from(size_of_val(fds))
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
         let head = vfio_irq_set {
-            argsz: argsz::<vfio_irq_set>() + (fds.len() * 4) as u32,
+            argsz: argsz::<vfio_irq_set>() + data_size,
             flags,
             index: index.vfio_index(),
             start: 0,
@@ -667,7 +669,9 @@ impl KernelVfioDevice {
         let head_words = size_of::<vfio_pci_hot_reset_info>() / 4;
         let entry_words = size_of::<vfio_pci_dependent_device>() / 4;
         let mut info = vec![0u32; head_words + entry_words * count as usize];
-        info[0] = (info.len() * 4) as u32;
+        // At most MAX_HOT_RESET_DEVICES entries: far below 4 GiB.
+        info[0] = u32::try_from(info.len() * 4)
+            .map_err(|_| format!("{count} dependent devices do not fit an argsz"))?;
         // SAFETY: `info` holds the header and `count` entries, `argsz` bytes in all.
         if unsafe { libc::ioctl(fd, VFIO_DEVICE_GET_PCI_HOT_RESET_INFO, info.as_mut_ptr()) } < 0 {
             return Err(format!(
@@ -770,19 +774,22 @@ impl VfioBackend for KernelVfioDevice {
 
     fn irq_enable(&self, index: IrqIndex, fds: &[&EventFd]) -> Result<(), VfioBackendError> {
         let offered = self.irq_info(index).map_or(0, |i| i.count);
-        if fds.is_empty() || fds.len() > offered as usize {
-            return Err(VfioBackendError::Irq {
-                index,
-                asked: fds.len(),
-                offered,
-            });
-        }
+        let count = match u32::try_from(fds.len()) {
+            Ok(count) if count > 0 && count <= offered => count,
+            _ => {
+                return Err(VfioBackendError::Irq {
+                    index,
+                    asked: fds.len(),
+                    offered,
+                })
+            }
+        };
         let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
         self.set_irqs(
             index,
             VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
             &raw,
-            raw.len() as u32,
+            count,
         )
         .map_err(|source| VfioBackendError::Os {
             op: "VFIO_DEVICE_SET_IRQS (enable)",

@@ -98,9 +98,10 @@ impl MappedArea {
         };
         let reserve_end = base_addr + reserve as u64;
         for (start, end) in [(base_addr, keep_start), (keep_end, reserve_end)] {
-            if end > start {
+            // A part of the reservation, whose length was a usize.
+            if let (true, Ok(len)) = (end > start, usize::try_from(end - start)) {
                 // SAFETY: the range is part of our own reservation and holds nothing else.
-                unsafe { libc::munmap(start as *mut libc::c_void, (end - start) as usize) };
+                unsafe { libc::munmap(start as *mut libc::c_void, len) };
             }
         }
         match error {

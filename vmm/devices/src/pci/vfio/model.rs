@@ -142,7 +142,8 @@ fn put(cfg: &mut [u8], at: usize, bytes: &[u8]) {
 }
 
 fn ext_header(id: u16, next: usize) -> [u8; 4] {
-    (u32::from(id) | (1 << 16) | ((next as u32) << 20)).to_le_bytes()
+    // The next pointer is the header's top 12 bits.
+    (u32::from(id) | (1 << 16) | (crate::narrow::low_u32(next as u64) << 20)).to_le_bytes()
 }
 
 fn initial_config() -> Vec<u8> {
@@ -163,7 +164,16 @@ fn initial_config() -> Vec<u8> {
     // MSI: 64-bit, one vector
     put(&mut c, cap_offset::MSI, &[0x05, 0x78, 0x80, 0x00]);
     // PCIe endpoint
-    put(&mut c, 0x78, &[0x10, cap_offset::MSIX as u8, 0x02, 0x00]);
+    put(
+        &mut c,
+        0x78,
+        &[
+            0x10,
+            const { crate::narrow::const_u8(cap_offset::MSIX as u64) },
+            0x02,
+            0x00,
+        ],
+    );
     // MSI-X: 16 vectors, table and PBA in BAR0
     put(&mut c, cap_offset::MSIX, &[0x11, 0x00]);
     put(
@@ -226,7 +236,7 @@ fn bar_size(index: usize) -> u64 {
 /// The writable bits of BAR register `reg` (4-9): the address bits of the BAR (or of the
 /// high half of a 64-bit BAR) it holds.
 fn bar_reg_mask(reg: usize) -> u32 {
-    let low = |size: u64| !(size - 1) as u32 & !0xf;
+    let low = |size: u64| crate::narrow::low_u32(!(size - 1)) & !0xf;
     let high = |size: u64| (!(size - 1) >> 32) as u32;
     match reg {
         4 => low(BAR0_SIZE),
@@ -362,8 +372,12 @@ impl ModelGpu {
 
     fn config_write_locked(st: &mut State, offset: u64, data: &[u8]) {
         st.config_writes.push((offset, data.len()));
+        // The caller kept the write inside the 4 KiB space.
+        let Ok(offset) = usize::try_from(offset) else {
+            return;
+        };
         for (i, byte) in data.iter().enumerate() {
-            let at = offset as usize + i;
+            let at = offset + i;
             let reg = at / 4;
             let shift = (at % 4) * 8;
             let writable: u32 = match reg {
@@ -446,7 +460,8 @@ impl VfioBackend for ModelGpu {
         }
         let st = self.lock();
         if index == region_index::CONFIG {
-            data.copy_from_slice(&st.config[offset as usize..offset as usize + data.len()]);
+            let at = usize::try_from(offset).map_err(|_| oob)?;
+            data.copy_from_slice(&st.config[at..at + data.len()]);
             return Ok(());
         }
         if index == 0 && offset < REG_PAGE {
@@ -590,7 +605,7 @@ mod tests {
         for reg in [0x10u64, 0x14, 0x18, 0x1c, 0x20, 0x24] {
             gpu.config_write(reg, &u32::MAX.to_le_bytes()).unwrap();
         }
-        assert_eq!(cfg32(&gpu, 0x10), !(BAR0_SIZE as u32 - 1));
+        assert_eq!(cfg32(&gpu, 0x10), !(u32::try_from(BAR0_SIZE).unwrap() - 1));
         let bar1 = u64::from(cfg32(&gpu, 0x14) & !0xf) | (u64::from(cfg32(&gpu, 0x18)) << 32);
         assert_eq!(!bar1 + 1, BAR1_SIZE);
         assert_eq!(cfg32(&gpu, 0x14) & 0xf, 0xc);

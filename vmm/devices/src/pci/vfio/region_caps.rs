@@ -6,6 +6,8 @@
 
 use std::mem::{offset_of, size_of};
 
+use crate::narrow::{const_u16, const_u32};
+
 use super::abi::{
     vfio_info_cap_header, vfio_region_info, vfio_region_info_cap_sparse_mmap,
     vfio_region_info_cap_type, vfio_region_sparse_mmap_area, VFIO_REGION_INFO_CAP_MSIX_MAPPABLE,
@@ -19,9 +21,9 @@ pub const MAX_REGION_CAPS: usize = 16;
 /// Most sparse mmap areas one region may list.
 pub const MAX_SPARSE_AREAS: u32 = 64;
 
-const CAP_SPARSE_MMAP: u16 = VFIO_REGION_INFO_CAP_SPARSE_MMAP as u16;
-const CAP_TYPE: u16 = VFIO_REGION_INFO_CAP_TYPE as u16;
-const CAP_MSIX_MAPPABLE: u16 = VFIO_REGION_INFO_CAP_MSIX_MAPPABLE as u16;
+const CAP_SPARSE_MMAP: u16 = const_u16(VFIO_REGION_INFO_CAP_SPARSE_MMAP as u64);
+const CAP_TYPE: u16 = const_u16(VFIO_REGION_INFO_CAP_TYPE as u64);
+const CAP_MSIX_MAPPABLE: u16 = const_u16(VFIO_REGION_INFO_CAP_MSIX_MAPPABLE as u64);
 /// `struct vfio_info_cap_header` (id, version, next) before each capability's body.
 const CAP_HEADER_SIZE: usize = size_of::<vfio_info_cap_header>();
 /// Where the header's `next` pointer is.
@@ -163,17 +165,24 @@ pub fn parse_region_caps(buf: &[u8], first: u32) -> Result<Vec<RegionCap>, Regio
 /// Serialises `caps` after a zeroed `struct vfio_region_info`, as the kernel lays them
 /// out; returns the buffer and the first capability's offset. The model device and tests
 /// use it.
+///
+/// # Panics
+///
+/// If the encoding passes 4 GiB (the kernel's offsets are 32-bit); callers encode a
+/// handful of capabilities.
 pub fn encode_region_caps(caps: &[RegionCap]) -> (Vec<u8>, u32) {
     let mut buf = vec![0u8; REGION_INFO_SIZE];
     let mut prev_next: Option<usize> = None;
     for cap in caps {
         let at = buf.len();
         if let Some(p) = prev_next {
-            buf[p..p + 4].copy_from_slice(&(at as u32).to_le_bytes());
+            let at = u32::try_from(at).expect("region capabilities fit in 4 GiB");
+            buf[p..p + 4].copy_from_slice(&at.to_le_bytes());
         }
         let (id, body): (u16, Vec<u8>) = match cap {
             RegionCap::SparseMmap(areas) => {
-                let mut b = (areas.len() as u32).to_le_bytes().to_vec();
+                let nr_areas = u32::try_from(areas.len()).expect("sparse areas fit a u32");
+                let mut b = nr_areas.to_le_bytes().to_vec();
                 b.extend_from_slice(&[0; 4]);
                 for a in areas {
                     b.extend_from_slice(&a.offset.to_le_bytes());
@@ -198,7 +207,7 @@ pub fn encode_region_caps(caps: &[RegionCap]) -> (Vec<u8>, u32) {
     let first = if caps.is_empty() {
         0
     } else {
-        REGION_INFO_SIZE as u32
+        const { const_u32(REGION_INFO_SIZE as u64) }
     };
     (buf, first)
 }

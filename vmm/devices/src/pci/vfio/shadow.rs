@@ -196,7 +196,10 @@ fn probe_bars(backend: &dyn VfioBackend) -> Result<Vec<ProbedBar>, ShadowError> 
                 reason: "size is not a power of two of at least 16 bytes",
             });
         }
-        let region = backend.region_info(index as u32).map_or(0, |r| r.size);
+        let region = u32::try_from(index)
+            .ok()
+            .and_then(|index| backend.region_info(index))
+            .map_or(0, |r| r.size);
         if region != size {
             return Err(ShadowError::BarRegionMismatch {
                 index,
@@ -230,7 +233,9 @@ pub fn probe(backend: &dyn VfioBackend) -> Result<DeviceProbe, ShadowError> {
     let size = backend
         .region_info(region_index::CONFIG)
         .map_or(256, |r| r.size)
-        .clamp(256, PCIE_CONFIG_SIZE as u64) as usize;
+        .clamp(256, PCIE_CONFIG_SIZE as u64);
+    // Clamped to 4 KiB above.
+    let size = usize::try_from(size).unwrap_or(PCIE_CONFIG_SIZE);
     let mut cfg = vec![0u8; size];
     for (i, chunk) in cfg.chunks_mut(4).enumerate() {
         chunk.copy_from_slice(&read32(backend, (i * 4) as u64)?.to_le_bytes());
@@ -488,7 +493,8 @@ impl ConfigShadow {
         if let Some(h) = self.hidden(at) {
             // The null capability: id 0, version 0, the chain continues.
             return if at == h.offset {
-                (h.next as u32) << 20
+                // The next pointer is the header's top 12 bits.
+                crate::narrow::low_u32(h.next as u64) << 20
             } else {
                 0
             };
@@ -512,7 +518,7 @@ impl ConfigShadow {
             // The GPUDirect capability heads the list (it points on to the device's head).
             (COMMAND_REG, _) if self.probe.gpudirect.is_some() => value | STATUS_CAP_LIST,
             (CAP_POINTER_REG, _) if self.probe.gpudirect.is_some() => {
-                (value & !0xff) | GPUDIRECT_CAP_OFFSET as u32
+                (value & !0xff) | const { crate::narrow::const_u32(GPUDIRECT_CAP_OFFSET as u64) }
             }
             (_, Some(m)) if at == m.cap => {
                 (value & 0x3fff_ffff) | (u32::from(self.msix_control & 0xc000) << 16)
@@ -670,7 +676,10 @@ mod tests {
         let mut s = shadow(&gpu);
         gpu.take_config_writes();
         s.write(&gpu, 4, 0, &u32::MAX.to_le_bytes());
-        assert_eq!(s.read(&gpu, 4), !(model::BAR0_SIZE as u32 - 1));
+        assert_eq!(
+            s.read(&gpu, 4),
+            !(u32::try_from(model::BAR0_SIZE).unwrap() - 1)
+        );
         s.write(&gpu, 4, 0, &0xd000_0000u32.to_le_bytes());
         let w = s.write(&gpu, 1, 0, &2u16.to_le_bytes());
         assert_eq!(w.moves.len(), 1);

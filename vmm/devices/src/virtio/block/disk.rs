@@ -153,24 +153,17 @@ impl DiskFile {
                 .checked_add(done as u64)
                 .and_then(|p| i64::try_from(p).ok())
                 .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+            // At most 1024 iovecs (IOV_MAX) per call.
+            let count = i32::try_from(chunk.len())
+                .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
             // SAFETY: every iovec points into a VolatileSlice of guest memory held alive
             // by `slices` for this whole function, with its exact length; the kernel
             // reads or writes at most that many bytes. The fd is owned by `self.file`.
             let n = unsafe {
                 if write {
-                    libc::pwritev(
-                        self.file.as_raw_fd(),
-                        chunk.as_ptr(),
-                        chunk.len() as i32,
-                        pos,
-                    )
+                    libc::pwritev(self.file.as_raw_fd(), chunk.as_ptr(), count, pos)
                 } else {
-                    libc::preadv(
-                        self.file.as_raw_fd(),
-                        chunk.as_ptr(),
-                        chunk.len() as i32,
-                        pos,
-                    )
+                    libc::preadv(self.file.as_raw_fd(), chunk.as_ptr(), count, pos)
                 }
             };
             if n < 0 {
@@ -243,7 +236,7 @@ impl DiskFile {
         let mut offset = sector << SECTOR_SHIFT;
         let mut left = u64::from(count) * SECTOR_SIZE;
         while left > 0 {
-            let n = left.min(zeroes.len() as u64) as usize;
+            let n = usize::try_from(left).map_or(zeroes.len(), |left| left.min(zeroes.len()));
             self.file.write_all_at(&zeroes[..n], offset)?;
             offset += n as u64;
             left -= n as u64;

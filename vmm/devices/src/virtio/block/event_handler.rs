@@ -272,8 +272,7 @@ impl BlockHandler {
                 GuestAddress(self.queue.avail_ring()),
                 std::sync::atomic::Ordering::Relaxed,
             )
-            .map(|flags| u16::from_le(flags) & AVAIL_F_NO_INTERRUPT != 0)
-            .unwrap_or(false)
+            .is_ok_and(|flags| u16::from_le(flags) & AVAIL_F_NO_INTERRUPT != 0)
     }
 
     fn handle_chain(
@@ -331,11 +330,13 @@ impl BlockHandler {
             RequestKind::Read => self
                 .disk
                 .transfer(&self.mem, &req.data, offset, false)
-                .map(|n| {
+                .and_then(|n| {
                     inc(&m.read_ops);
                     m.read_bytes
                         .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-                    n as u32
+                    // A request moves at most MAX_REQUEST_BYTES.
+                    u32::try_from(n)
+                        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidData))
                 }),
             RequestKind::Write => self
                 .disk
@@ -388,7 +389,7 @@ impl BlockHandler {
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             left = &left[n..];
         }
-        Ok(super::ID_BYTES as u32)
+        Ok(const { crate::narrow::const_u32(super::ID_BYTES as u64) })
     }
 }
 
@@ -501,7 +502,7 @@ mod tests {
         r.handler.queue.set_ready(false);
         r.handler
             .queue
-            .set_used_ring_address(Some(OWN_USED_RING as u32), Some(0));
+            .set_used_ring_address(Some(u32::try_from(OWN_USED_RING).unwrap()), Some(0));
         r.handler.queue.set_ready(true);
         r
     }
@@ -542,7 +543,7 @@ mod tests {
                 sd.addr().0,
                 sd.len(),
                 sd.flags(),
-                first + i as u16 + 1,
+                first + u16::try_from(i).unwrap() + 1,
             ));
             if i == n - 1 {
                 *d =
@@ -566,7 +567,9 @@ mod tests {
         let m = mem();
         let vq = MockSplitQueue::new(&m, QSIZE);
         let mut r = rig(&m, &vq, false, None);
-        let payload: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
+        let payload: Vec<u8> = (0..8192u32)
+            .map(|i| crate::narrow::low_u8(u64::from(i * 7)))
+            .collect();
         m.write_slice(&payload, GuestAddress(0x20_0000)).unwrap();
         add_request(
             &m,

@@ -31,7 +31,7 @@ pub const ID_BYTES: usize = tenantvm_vmm_api::config::MAX_DISK_ID_BYTES;
 /// Largest data transfer of one request (the guest's block layer uses far less).
 pub const MAX_REQUEST_BYTES: u64 = 32 << 20;
 /// Largest single discard or write-zeroes range, in sectors.
-pub const MAX_DISCARD_SECTORS: u32 = (1 << 30) / SECTOR_SIZE as u32;
+pub const MAX_DISCARD_SECTORS: u32 = crate::narrow::const_u32((1 << 30) / SECTOR_SIZE);
 
 /// Feature bits of virtio-blk.
 pub mod features {

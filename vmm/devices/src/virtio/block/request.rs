@@ -406,7 +406,8 @@ mod tests {
     const F_WRITE: u16 = 2;
 
     fn mem() -> GuestMemoryMmap {
-        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).unwrap()
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), usize::try_from(MEM_SIZE).unwrap())])
+            .unwrap()
     }
 
     fn disk() -> DiskGeometry {
@@ -634,7 +635,7 @@ mod tests {
         let (m, descs) = rw(request_type::GET_ID, 0, 20, true);
         assert_eq!(parse(&descs, &m, &disk()).unwrap().kind, RequestKind::GetId);
         let (m, descs) = rw(request_type::GET_ID, 0, 19, true);
-        assert!(parse(&descs, &m, &disk()).is_err());
+        parse(&descs, &m, &disk()).unwrap_err();
     }
 
     #[test]

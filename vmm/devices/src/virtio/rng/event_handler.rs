@@ -116,6 +116,11 @@ impl RngHandler {
 
     fn fill(&self, bufs: &[chain::Buffer]) -> u32 {
         let n = chain::total_len(bufs).min(MAX_BYTES_PER_REQUEST);
+        // MAX_BYTES_PER_REQUEST is far below 4 GiB.
+        let Ok(used) = u32::try_from(n) else {
+            inc(&self.metrics.bad_requests);
+            return 0;
+        };
         let mut data = vec![0u8; n];
         if let Err(e) = getrandom(&mut data) {
             inc(&self.metrics.entropy_errors);
@@ -128,7 +133,7 @@ impl RngHandler {
         }
         inc(&self.metrics.requests);
         self.metrics.bytes.fetch_add(n as u64, Ordering::Relaxed);
-        n as u32
+        used
     }
 }
 

@@ -10,6 +10,7 @@ use virtio_queue::{Queue, QueueT};
 use super::interrupt::VectorTable;
 use super::{TransportMetrics, NO_VECTOR};
 use crate::inc;
+use crate::narrow::{low_u16, low_u32, low_u8};
 use crate::virtio::status;
 
 /// Register offsets in the common configuration.
@@ -87,8 +88,8 @@ impl CommonConfig {
 
     fn feature_window(features: u64, select: u32) -> u32 {
         match select {
-            0 => features as u32,
-            1 => (features >> 32) as u32,
+            0 => low_u32(features),
+            1 => low_u32(features >> 32),
             _ => 0,
         }
     }
@@ -157,11 +158,13 @@ impl CommonConfig {
             return CommonCfgAction::None;
         };
         dst.copy_from_slice(data);
+        // `value` holds exactly the `data.len()` bytes written; each arm below matches
+        // that width, so narrowing it to the register's width drops only zeroes.
         let value = u64::from_le_bytes(bytes);
         let idx = usize::from(self.queue_select);
         match (offset, data.len()) {
-            (reg::DEVICE_FEATURE_SELECT, 4) => self.device_feature_select = value as u32,
-            (reg::DRIVER_FEATURE_SELECT, 4) => self.driver_feature_select = value as u32,
+            (reg::DEVICE_FEATURE_SELECT, 4) => self.device_feature_select = low_u32(value),
+            (reg::DRIVER_FEATURE_SELECT, 4) => self.driver_feature_select = low_u32(value),
             (reg::DRIVER_FEATURE, 4) => {
                 if self.status & status::FEATURES_OK != 0 || self.status & status::DRIVER == 0 {
                     inc(&self.metrics.bad_features);
@@ -169,26 +172,26 @@ impl CommonConfig {
                     match self.driver_feature_select {
                         0 => {
                             self.driver_features =
-                                (self.driver_features & !0xffff_ffff) | (value & 0xffff_ffff)
+                                (self.driver_features & !0xffff_ffff) | (value & 0xffff_ffff);
                         }
                         1 => {
                             self.driver_features =
-                                (self.driver_features & 0xffff_ffff) | (value << 32)
+                                (self.driver_features & 0xffff_ffff) | (value << 32);
                         }
                         _ => inc(&self.metrics.bad_features),
                     }
                 }
             }
             (reg::MSIX_CONFIG, 2) => {
-                let vector = self.checked_vector(value as u16, msix_vectors);
+                let vector = self.checked_vector(low_u16(value), msix_vectors);
                 self.vectors.config.store(vector, Ordering::Release);
             }
-            (reg::DEVICE_STATUS, 1) => return CommonCfgAction::Status(value as u8),
-            (reg::QUEUE_SELECT, 2) => self.queue_select = value as u16,
+            (reg::DEVICE_STATUS, 1) => return CommonCfgAction::Status(low_u8(value)),
+            (reg::QUEUE_SELECT, 2) => self.queue_select = low_u16(value),
             (reg::QUEUE_SIZE, 2) => {
                 if self.queue_writable() {
                     let q = &mut self.queues[idx];
-                    let size = value as u16;
+                    let size = low_u16(value);
                     if size == 0 || !size.is_power_of_two() || size > q.max_size() {
                         inc(&self.metrics.bad_queue_config);
                     } else {
@@ -197,7 +200,7 @@ impl CommonConfig {
                 }
             }
             (reg::QUEUE_MSIX_VECTOR, 2) => {
-                let vector = self.checked_vector(value as u16, msix_vectors);
+                let vector = self.checked_vector(low_u16(value), msix_vectors);
                 match self.vectors.queues.get(idx) {
                     Some(slot) => slot.store(vector, Ordering::Release),
                     None => inc(&self.metrics.bad_queue_config),
@@ -216,9 +219,9 @@ impl CommonConfig {
                 if self.queue_writable() {
                     let high_half = o % 8 == 4;
                     let (low, high) = match (high_half, data.len()) {
-                        (true, _) => (None, Some(value as u32)),
-                        (false, 8) => (Some(value as u32), Some((value >> 32) as u32)),
-                        (false, _) => (Some(value as u32), None),
+                        (true, _) => (None, Some(low_u32(value))),
+                        (false, 8) => (Some(low_u32(value)), Some(low_u32(value >> 32))),
+                        (false, _) => (Some(low_u32(value)), None),
                     };
                     let q = &mut self.queues[idx];
                     match o - o % 8 {

@@ -13,6 +13,7 @@ use super::common_cfg::{CommonCfgAction, CommonConfig};
 use super::interrupt::VirtioPciInterrupt;
 use super::*;
 use crate::inc;
+use crate::narrow::{const_u32, const_u8};
 use crate::pci::{
     cap_id, BarKind, BarMove, MsiInterruptSink, MsixConfig, PciConfigError, PciConfiguration,
     PciDevice, PciHeader,
@@ -45,6 +46,9 @@ pub enum VirtioPciError {
     /// The device has no queues, too many, or a queue size that is not a power of two.
     #[error("Virtio device type {0} has an invalid queue layout")]
     Queues(u32),
+    /// The device type has no PCI device ID (0x1040 plus the type must fit 16 bits).
+    #[error("Virtio device type {0} has no PCI device ID")]
+    DeviceType(u32),
     /// The configuration space could not be built.
     #[error("Could not build the PCI configuration space: {0}")]
     Config(#[from] PciConfigError),
@@ -70,16 +74,22 @@ pub struct VirtioPciDevice {
     metrics: Arc<TransportMetrics>,
 }
 
+/// A `virtio_pci_cap` for the part of BAR 0 at `offset`, `length` bytes long: both come
+/// from the BAR layout's constants, so [`const_u32`] holds (every device test builds them).
 fn vendor_cap(kind: u8, offset: u64, length: u64, extra: Option<u32>) -> Vec<u8> {
-    let mut cap = vec![cap_id::VENDOR, 0, 0, kind, BAR_INDEX as u8, 0, 0, 0];
-    cap.extend_from_slice(&(offset as u32).to_le_bytes());
-    cap.extend_from_slice(&(length as u32).to_le_bytes());
+    let mut cap = vec![cap_id::VENDOR, 0, 0, kind, BAR_INDEX_U8, 0, 0, 0];
+    cap.extend_from_slice(&const_u32(offset).to_le_bytes());
+    cap.extend_from_slice(&const_u32(length).to_le_bytes());
     if let Some(extra) = extra {
         cap.extend_from_slice(&extra.to_le_bytes());
     }
-    cap[2] = cap.len() as u8;
+    // 16 or 20 bytes.
+    cap[2] = const_u8(cap.len() as u64);
     cap
 }
+
+/// [`BAR_INDEX`] as the one byte capabilities carry it in.
+const BAR_INDEX_U8: u8 = const_u8(BAR_INDEX as u64);
 
 impl VirtioPciDevice {
     /// Wraps `device` as a PCI function whose BAR 0 (64-bit, [`BAR_SIZE`] bytes) the VMM
@@ -98,7 +108,8 @@ impl VirtioPciDevice {
         let sizes = device.queue_max_sizes();
         // The MSI-X table (queues + 1 vectors of 16 bytes) must fit below the PBA.
         let max_queues = ((MSIX_PBA_OFFSET - MSIX_TABLE_OFFSET) / 16 - 1)
-            .min(NOTIFY_SIZE / u64::from(NOTIFY_OFF_MULTIPLIER)) as usize;
+            .min(NOTIFY_SIZE / u64::from(NOTIFY_OFF_MULTIPLIER));
+        let max_queues = usize::try_from(max_queues).unwrap_or(0);
         if sizes.is_empty() || sizes.len() > max_queues {
             return Err(VirtioPciError::Queues(kind));
         }
@@ -115,9 +126,13 @@ impl VirtioPciDevice {
             crate::virtio::device_type::BLOCK => (0x01, 0x80),
             _ => (0xff, 0x00),
         };
+        let device_id = u16::try_from(kind)
+            .ok()
+            .and_then(|kind| VIRTIO_PCI_DEVICE_BASE.checked_add(kind))
+            .ok_or(VirtioPciError::DeviceType(kind))?;
         let mut config = PciConfiguration::new(PciHeader {
             vendor_id: VIRTIO_PCI_VENDOR,
-            device_id: VIRTIO_PCI_DEVICE_BASE + kind as u16,
+            device_id,
             revision: 1,
             class,
             subclass,
@@ -160,11 +175,13 @@ impl VirtioPciDevice {
         pci_cfg_writable[8..20].fill(0xff);
         let pci_cfg_reg = config.add_capability(&pci_cfg, &pci_cfg_writable)? / 4;
         // One vector per queue plus one for configuration changes.
-        let msix = MsixConfig::new(sizes.len() as u16 + 1, msi_sink);
+        // At most `max_queues` queues, checked above.
+        let vectors = u16::try_from(sizes.len() + 1).map_err(|_| VirtioPciError::Queues(kind))?;
+        let msix = MsixConfig::new(vectors, msi_sink);
         let (cap, writable) = msix.capability(
-            BAR_INDEX as u8,
-            MSIX_TABLE_OFFSET as u32,
-            MSIX_PBA_OFFSET as u32,
+            BAR_INDEX_U8,
+            const { const_u32(MSIX_TABLE_OFFSET) },
+            const { const_u32(MSIX_PBA_OFFSET) },
         );
         let msix_cap_reg = config.add_capability(&cap, &writable)? / 4;
         let msix = Arc::new(Mutex::new(msix));
@@ -378,7 +395,10 @@ impl VirtioPciDevice {
     fn notify(&mut self, offset: u64, len: usize) {
         let queue = offset / u64::from(NOTIFY_OFF_MULTIPLIER);
         let aligned = offset % u64::from(NOTIFY_OFF_MULTIPLIER) == 0 && matches!(len, 2 | 4);
-        match self.queue_events.get(queue as usize) {
+        let event = usize::try_from(queue)
+            .ok()
+            .and_then(|queue| self.queue_events.get(queue));
+        match event {
             Some(evt) if aligned => {
                 inc(&self.metrics.mmio_notifies);
                 let _ = evt.write(1);
@@ -507,6 +527,7 @@ mod tests {
     /// A two-queue device whose handler answers each queue-0 notification with a
     /// queue-0 interrupt.
     struct PingDevice {
+        kind: u32,
         sizes: [u16; 2],
         notified: Arc<AtomicU64>,
         resets: Arc<AtomicU64>,
@@ -534,7 +555,7 @@ mod tests {
 
     impl VirtioDevice for PingDevice {
         fn device_type(&self) -> u32 {
-            crate::virtio::device_type::RNG
+            self.kind
         }
         fn queue_max_sizes(&self) -> &[u16] {
             &self.sizes
@@ -571,6 +592,16 @@ mod tests {
         _lp: Arc<EventLoopThread>,
     }
 
+    fn ping_device(kind: u32) -> PingDevice {
+        PingDevice {
+            kind,
+            sizes: [16, 16],
+            notified: Arc::default(),
+            resets: Arc::default(),
+            config: *b"tenantvm",
+        }
+    }
+
     fn rig() -> Rig {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
         let sink = Arc::new(FakeMsiSink::new(3));
@@ -578,10 +609,9 @@ mod tests {
         let notified = Arc::new(AtomicU64::new(0));
         let resets = Arc::new(AtomicU64::new(0));
         let device = PingDevice {
-            sizes: [16, 16],
             notified: notified.clone(),
             resets: resets.clone(),
-            config: *b"tenantvm",
+            ..ping_device(crate::virtio::device_type::RNG)
         };
         let dev =
             VirtioPciDevice::new(Box::new(device), mem, sink.clone(), lp.clone(), BAR).unwrap();
@@ -648,7 +678,7 @@ mod tests {
             dev.bar_write(
                 0,
                 MSIX_TABLE_OFFSET + v * 16 + 8,
-                &(0x40 + v as u32).to_le_bytes(),
+                &(0x40 + u32::try_from(v).unwrap()).to_le_bytes(),
             );
             dev.bar_write(0, MSIX_TABLE_OFFSET + v * 16 + 12, &0u32.to_le_bytes());
         }
@@ -665,8 +695,7 @@ mod tests {
         let mut kinds = Vec::new();
         while ptr != 0 {
             let dword = r.dev.config_read(ptr / 4);
-            let id = dword as u8;
-            let next = (dword >> 8) as u8;
+            let [id, next, ..] = dword.to_le_bytes();
             kinds.push(if id == cap_id::VENDOR {
                 (dword >> 24) as u8
             } else {
@@ -678,6 +707,33 @@ mod tests {
         let mut cfg = [0u8; 8];
         r.dev.bar_read(0, DEVICE_CFG_OFFSET, &mut cfg);
         assert_eq!(&cfg, b"tenantvm");
+    }
+
+    #[test]
+    fn a_device_type_without_a_pci_device_id_is_refused() {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let sink = Arc::new(FakeMsiSink::new(3));
+        let lp = Arc::new(EventLoopThread::spawn("test-virtio").unwrap());
+        let new = |kind| {
+            VirtioPciDevice::new(
+                Box::new(ping_device(kind)),
+                mem.clone(),
+                sink.clone(),
+                lp.clone(),
+                BAR,
+            )
+        };
+        // 0x1040 plus these passes 16 bits: cast to u16, 0x1_0001 read as 0x1041 (entropy).
+        for kind in [0x1_0001, 0xffff, 0xffff - 0x103f] {
+            let err = new(kind).err();
+            assert!(
+                matches!(err, Some(VirtioPciError::DeviceType(k)) if k == kind),
+                "{kind:#x}: {err:?}"
+            );
+        }
+        // Control: the largest type that fits gets device ID 0xffff.
+        let mut dev = new(0xffff - 0x1040).unwrap();
+        assert_eq!(dev.config_read(0), 0xffff_1af4);
     }
 
     #[test]
@@ -870,7 +926,7 @@ mod tests {
             (1u8, 0u32, 4u32),
             (0, 0, 3),
             (0, 1, 2),
-            (0, BAR_SIZE as u32, 4),
+            (0, u32::try_from(BAR_SIZE).unwrap(), 4),
         ] {
             r.dev.config_write(cap + 1, 0, &[bar]);
             r.dev.config_write(cap + 2, 0, &offset.to_le_bytes());

@@ -7,6 +7,9 @@ use std::os::unix::net::UnixStream;
 
 use super::packet::PacketHeader;
 use super::{CONN_BUF_SIZE, HOST_CID, TYPE_STREAM};
+// `fwd_cnt` counts bytes modulo 2^32 (virtio-vsock): adding a count's low 32 bits is
+// adding the count.
+use crate::narrow::low_u32;
 
 /// Where a connection is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,7 +151,7 @@ impl Connection {
                 }
             }
         }
-        self.fwd_cnt = self.fwd_cnt.wrapping_add(written as u32);
+        self.fwd_cnt = self.fwd_cnt.wrapping_add(low_u32(written as u64));
         self.tx_buf.extend(&data[written..]);
         Ok(())
     }
@@ -169,7 +172,7 @@ impl Connection {
                 Err(e) => return Err(e),
             }
         }
-        self.fwd_cnt = self.fwd_cnt.wrapping_add(moved as u32);
+        self.fwd_cnt = self.fwd_cnt.wrapping_add(low_u32(moved as u64));
         if self.shutdown_send && self.tx_buf.is_empty() {
             let _ = self.stream.shutdown(std::net::Shutdown::Write);
         }
@@ -279,6 +282,9 @@ mod tests {
         while peer.read(&mut sink).is_ok() {}
         let moved = c.flush().unwrap();
         assert!(moved > 0);
-        assert_eq!(c.fwd_cnt, before.wrapping_add(moved as u32));
+        assert_eq!(
+            c.fwd_cnt,
+            before.wrapping_add(u32::try_from(moved).unwrap())
+        );
     }
 }

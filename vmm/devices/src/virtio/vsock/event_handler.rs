@@ -17,11 +17,21 @@ use super::connection::{ConnState, Connection, HostRead};
 use super::packet::{self, PacketHeader, HEADER_SIZE};
 use super::*;
 use crate::inc;
+use crate::narrow::{const_u16, const_u32};
 use crate::virtio::{GuestMemoryMmap, VirtioInterrupt, VirtioInterruptType};
 
 const RX: usize = 0;
 const TX: usize = 1;
 const EVQ: usize = 2;
+/// The queues' indices as the epoll tokens of their notification eventfds.
+const RX_TOKEN: u32 = const_u32(RX as u64);
+const TX_TOKEN: u32 = const_u32(TX as u64);
+const EVQ_TOKEN: u32 = const_u32(EVQ as u64);
+/// The receive and transmit queues' indices as interrupt queue numbers.
+const RX_VECTOR: u16 = const_u16(RX as u64);
+const TX_VECTOR: u16 = const_u16(TX as u64);
+/// A packet header's length, as a used-ring length.
+const HEADER_LEN: u32 = const_u32(HEADER_SIZE as u64);
 const LISTENER_TOKEN: u32 = 3;
 const FIRST_STREAM_TOKEN: u32 = 16;
 
@@ -504,7 +514,7 @@ impl VsockHandler {
                 };
                 packet::scatter(&mem, &bufs, 0, &hdr.encode());
                 inc(&self.metrics.rx_packets);
-                self.add_used(RX, head, HEADER_SIZE as u32);
+                self.add_used(RX, head, HEADER_LEN);
                 continue;
             }
             let Some(key) = next_conn else {
@@ -515,15 +525,22 @@ impl VsockHandler {
             let max = room.min(MAX_PKT_PAYLOAD).min(conn.peer_credit() as usize);
             match conn.read_for_guest(max) {
                 HostRead::Data(data) => {
-                    let hdr = conn.header(self.guest_cid, op::RW, data.len() as u32, 0);
-                    conn.sent_to_guest(data.len() as u32);
+                    // At most `max` bytes, which is at most MAX_PKT_PAYLOAD (64 KiB); a
+                    // connection that broke that is closed, not trusted.
+                    let Ok(len) = u32::try_from(data.len()) else {
+                        self.queues[RX].go_to_previous_position();
+                        self.close(key, ops, true);
+                        continue;
+                    };
+                    let hdr = conn.header(self.guest_cid, op::RW, len, 0);
+                    conn.sent_to_guest(len);
                     packet::scatter(&mem, &bufs, 0, &hdr.encode());
                     packet::scatter(&mem, &bufs, HEADER_SIZE, &data);
                     inc(&self.metrics.rx_packets);
                     self.metrics
                         .rx_bytes
                         .fetch_add(data.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                    self.add_used(RX, head, (HEADER_SIZE + data.len()) as u32);
+                    self.add_used(RX, head, HEADER_LEN + len);
                 }
                 other => {
                     self.queues[RX].go_to_previous_position();
@@ -562,9 +579,9 @@ impl VsockHandler {
     }
 
     fn raise_interrupts(&mut self) {
-        for (q, flag) in [(RX, 0usize), (TX, 1usize)] {
+        for (q, flag) in [(RX_VECTOR, 0usize), (TX_VECTOR, 1usize)] {
             if std::mem::take(&mut self.used[flag]) {
-                if let Err(e) = self.interrupt.trigger(VirtioInterruptType::Queue(q as u16)) {
+                if let Err(e) = self.interrupt.trigger(VirtioInterruptType::Queue(q)) {
                     tracing::error!("virtio-vsock: {e}");
                 }
             }
@@ -591,14 +608,14 @@ impl MutEventSubscriber for VsockHandler {
     fn process(&mut self, events: Events, ops: &mut EventOps) {
         let data = events.data();
         match data {
-            d if d == RX as u32 => {
+            RX_TOKEN => {
                 let _ = self.events[RX].read();
             }
-            d if d == TX as u32 => {
+            TX_TOKEN => {
                 let _ = self.events[TX].read();
                 self.process_tx(ops);
             }
-            d if d == EVQ as u32 => {
+            EVQ_TOKEN => {
                 let _ = self.events[EVQ].read();
             }
             LISTENER_TOKEN => self.accept(ops),
@@ -616,9 +633,10 @@ impl MutEventSubscriber for VsockHandler {
     }
 
     fn init(&mut self, ops: &mut EventOps) {
-        for (i, evt) in self.events.iter().enumerate() {
-            if let Err(e) = ops.add(Events::with_data(evt, i as u32, EventSet::IN)) {
-                tracing::error!("virtio-vsock: cannot watch queue {i}: {e}");
+        // One eventfd per queue, in queue order.
+        for (evt, token) in self.events.iter().zip([RX_TOKEN, TX_TOKEN, EVQ_TOKEN]) {
+            if let Err(e) = ops.add(Events::with_data(evt, token, EventSet::IN)) {
+                tracing::error!("virtio-vsock: cannot watch queue {token}: {e}");
             }
         }
         let fd = self.listener.as_raw_fd();

@@ -41,7 +41,7 @@ impl Guest<'_> {
     fn post_rx(&self, slot: u16) {
         let d = SplitDescriptor::new(
             RX_BUFS + u64::from(slot) * BUF_SPAN,
-            0x1000 + HEADER_SIZE as u32,
+            0x1000 + u32::try_from(HEADER_SIZE).unwrap(),
             F_WRITE,
             0,
         );
@@ -55,7 +55,7 @@ impl Guest<'_> {
         self.tx_slot += 1;
         let addr = TX_BUFS + u64::from(slot) * BUF_SPAN;
         let hdr = PacketHeader {
-            len: payload.len() as u32,
+            len: u32::try_from(payload.len()).unwrap(),
             ..hdr
         };
         self.mem
@@ -64,7 +64,12 @@ impl Guest<'_> {
         self.mem
             .write_slice(payload, GuestAddress(addr + HEADER_SIZE as u64))
             .unwrap();
-        let d = SplitDescriptor::new(addr, (HEADER_SIZE + payload.len()) as u32, 0, 0);
+        let d = SplitDescriptor::new(
+            addr,
+            u32::try_from(HEADER_SIZE + payload.len()).unwrap(),
+            0,
+            0,
+        );
         self.tx
             .add_desc_chains(&[RawDescriptor::from(d)], slot)
             .unwrap();
@@ -97,7 +102,7 @@ impl Guest<'_> {
                 .unwrap();
             assert_eq!(e.len() as usize, HEADER_SIZE + data.len());
             out.push((hdr, data));
-            self.post_rx(e.id() as u16);
+            self.post_rx(u16::try_from(e.id()).unwrap());
             self.rx_evt.write(1).unwrap();
         }
         out
