@@ -72,6 +72,24 @@ impl TenantService {
         Ok(record)
     }
 
+    /// The live tenant `name` if `caller` may see it ([`Need::See`]).
+    pub fn tenant_to_see(
+        &self,
+        caller: &Caller,
+        name: &str,
+    ) -> Result<TenantRecord, TenantServiceError> {
+        self.tenant_for(caller, name, Need::See)
+    }
+
+    /// The live tenant `name` if `caller` may act on it ([`Need::Act`]).
+    pub fn tenant_to_act(
+        &self,
+        caller: &Caller,
+        name: &str,
+    ) -> Result<TenantRecord, TenantServiceError> {
+        self.tenant_for(caller, name, Need::Act)
+    }
+
     /// The running tenant `name`, with an agent, if `caller` may act on it; `without_agent`
     /// says what the caller cannot have when the tenant runs no guest image with an agent
     /// (for example "it has no models").

@@ -6,7 +6,6 @@
 use crate::auth::Caller;
 use crate::domain::lifecycle::LifecycleState;
 use crate::store::InferenceKeyInfo;
-use crate::tenant::access::Need;
 use crate::tenant::service::TenantService;
 use crate::tenant::service_error::TenantServiceError;
 
@@ -27,7 +26,7 @@ impl TenantService {
     /// Makes a key for tenant `name`; refused while the tenant is being destroyed
     /// (departure revokes them all) or recovered.
     pub fn create_key(&self, caller: &Caller, name: &str) -> Result<NewKey, TenantServiceError> {
-        let t = self.tenant_for(caller, name, Need::Act)?;
+        let t = self.tenant_to_act(caller, name)?;
         if matches!(
             t.state,
             LifecycleState::Destroying | LifecycleState::Destroyed
@@ -55,7 +54,7 @@ impl TenantService {
         caller: &Caller,
         name: &str,
     ) -> Result<(String, Vec<InferenceKeyInfo>), TenantServiceError> {
-        let t = self.tenant_for(caller, name, Need::See)?;
+        let t = self.tenant_to_see(caller, name)?;
         Ok((t.name.to_string(), self.store().inference_keys(t.id)?))
     }
 
@@ -66,7 +65,7 @@ impl TenantService {
         name: &str,
         id: i64,
     ) -> Result<String, TenantServiceError> {
-        let t = self.tenant_for(caller, name, Need::Act)?;
+        let t = self.tenant_to_act(caller, name)?;
         if !self.store().revoke_inference_key(t.id, id)? {
             return Err(TenantServiceError::NoSuchKey {
                 name: t.name.to_string(),

@@ -16,7 +16,6 @@ use crate::domain::spec::TenantSpec;
 use crate::gpu::card_lock::CardLocks;
 use crate::gpu::GpuHost;
 use crate::store::{ResourceKind, Store, TenantRecord, TokenOwner};
-use crate::tenant::access::Need;
 use crate::tenant::admission::Admission;
 use crate::tenant::context::{StepCtx, StopFlag, Tenant};
 use crate::tenant::departure::{DepartureError, DepartureKit, Kit};
@@ -346,24 +345,24 @@ impl TenantService {
                 Ok(CommandOutcome::Tenants(TenantList { tenants }))
             }
             TenantCommand::Status(name) => {
-                let t = self.tenant_for(caller, &name, Need::See)?;
+                let t = self.tenant_to_see(caller, &name)?;
                 Ok(CommandOutcome::Tenant(self.view(&t)?))
             }
             TenantCommand::Stop(name) => {
                 // The busy guard (taken by the operation) refuses a recovering tenant.
-                let t = self.tenant_for(caller, &name, Need::See)?;
+                let t = self.tenant_to_see(caller, &name)?;
                 self.begin(t, LifecycleState::Stopping, Op::Stop)
                     .map(CommandOutcome::Tenant)
             }
             TenantCommand::Start(name) => {
                 // The busy guard (taken by the operation) refuses a recovering tenant.
-                let t = self.tenant_for(caller, &name, Need::See)?;
+                let t = self.tenant_to_see(caller, &name)?;
                 self.begin(t, LifecycleState::Provisioning, Op::Start)
                     .map(CommandOutcome::Tenant)
             }
             TenantCommand::Destroy(name) => {
                 // The busy guard (taken by the operation) refuses a recovering tenant.
-                let t = self.tenant_for(caller, &name, Need::See)?;
+                let t = self.tenant_to_see(caller, &name)?;
                 if t.state == LifecycleState::Destroying {
                     // A destroy that stopped on a failed step: resume it where it stopped.
                     return self.resume_destroy(t).map(CommandOutcome::Tenant);
@@ -393,13 +392,13 @@ impl TenantService {
                     .map_err(TenantServiceError::from)
             }
             TenantCommand::Infer(name, body) => {
-                let t = self.tenant_for(caller, &name, Need::Act)?;
+                let t = self.tenant_to_act(caller, &name)?;
                 crate::tenant::infer::infer(&self.ctx(), &t, body)
                     .map(CommandOutcome::Inferred)
                     .map_err(TenantServiceError::from)
             }
             TenantCommand::Logs(name, query) => {
-                let t = self.tenant_for(caller, &name, Need::See)?;
+                let t = self.tenant_to_see(caller, &name)?;
                 crate::tenant::logs::read(&self.store, &self.config, &t, &query)
                     .map(CommandOutcome::Log)
                     .map_err(TenantServiceError::from)
@@ -415,7 +414,7 @@ impl TenantService {
         caller: &Caller,
         name: &str,
     ) -> Result<AdmittedInfer, TenantServiceError> {
-        let tenant = self.tenant_for(caller, name, Need::Act)?;
+        let tenant = self.tenant_to_act(caller, name)?;
         Ok(crate::tenant::infer::admit(&self.ctx(), tenant)?)
     }
 
