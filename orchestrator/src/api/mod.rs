@@ -19,6 +19,7 @@ pub mod load;
 mod metrics;
 pub mod models;
 pub mod payload;
+pub mod project;
 pub mod types;
 
 use std::sync::Arc;
@@ -263,15 +264,16 @@ async fn run_as(
 
 fn respond(status: StatusCode, outcome: CommandOutcome) -> Response {
     match outcome {
-        CommandOutcome::Created(c) => (status, Json(c)).into_response(),
-        CommandOutcome::Tenant(t) => (status, Json(t)).into_response(),
-        CommandOutcome::Tenants(l) => (status, Json(l)).into_response(),
-        CommandOutcome::Log(l) => (status, Json(l)).into_response(),
+        CommandOutcome::Created(c) => (status, Json(project::created(c))).into_response(),
+        CommandOutcome::Tenant(t) => (status, Json(project::tenant(t))).into_response(),
+        CommandOutcome::Tenants(l) => (status, Json(project::tenants(l))).into_response(),
+        CommandOutcome::Log(l) => (status, Json(project::log(l))).into_response(),
         CommandOutcome::Receipts(r) => {
             (status, Json(types::ReceiptList { receipts: r })).into_response()
         }
         CommandOutcome::Quarantine(q) => {
-            (status, Json(types::QuarantineList { slices: q })).into_response()
+            let slices = q.into_iter().map(project::quarantined).collect();
+            (status, Json(types::QuarantineList { slices })).into_response()
         }
         CommandOutcome::Rescrubbed(r) => (status, Json(r)).into_response(),
         CommandOutcome::Inferred(v) => (status, Json(v)).into_response(),

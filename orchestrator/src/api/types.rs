@@ -1,14 +1,17 @@
 //! The API's request and response bodies, shared by the daemon and the CLI.
 //! docs/api/openapi.yaml describes the same shapes; the API tests check them against it.
 //!
-//! These are wire types only: the store's rows are never sent as they are (the tenant layer
-//! copies what a caller may see into these), so the store's schema can change without
-//! changing the API, and the API types do not depend on the store.
+//! These are wire types only: the store's rows are never sent as they are (`project.rs`
+//! copies what the service answers into these), so the store's schema can change without
+//! changing the API, and the API types do not depend on the store. The log reader's query
+//! and position are the tenant layer's (`tenant::logs`), used here as they are.
 
 use serde::{Deserialize, Serialize};
 
 use crate::domain::lifecycle::LifecycleState;
 use crate::domain::spec::TenantSpec;
+// The log reader's query and position are the wire's too.
+pub use crate::tenant::logs::{LogPosition, LogQuery, LogStream};
 
 /// A tenant as the API shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -135,47 +138,6 @@ pub struct CreateResponse {
     pub tenant: TenantView,
     /// The tenant's token. Shown once: only its SHA-256 is stored.
     pub token: String,
-}
-
-/// Which log a `GET /v1/tenants/{name}/logs` reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum LogStream {
-    /// The guest's serial console.
-    #[default]
-    Serial,
-    /// The VMM's own log.
-    Vmm,
-    /// Lifecycle events from the store.
-    Events,
-}
-
-/// Query of `GET /v1/tenants/{name}/logs`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub struct LogQuery {
-    /// Which log.
-    #[serde(default)]
-    pub stream: LogStream,
-    /// Continue from this cursor (`next` of the previous chunk): rotation generation...
-    pub generation: Option<u64>,
-    /// ...and byte offset (for `events`: the last event id seen). Without a cursor the
-    /// last `tail` lines (or events) are returned.
-    pub offset: Option<u64>,
-    /// Lines (or events) to return when no cursor is given (default 100, at most 10,000).
-    pub tail: Option<u64>,
-    /// Most bytes to return when following (default 64 KiB, at most 1 MiB).
-    pub max_bytes: Option<u64>,
-}
-
-/// Where a log reader is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub struct LogPosition {
-    /// Rotation generation (0 for events).
-    pub generation: u64,
-    /// Byte offset in that generation (for events: the last event id).
-    pub offset: u64,
 }
 
 /// A piece of a log.

@@ -2,11 +2,70 @@
 //! runtime's [`crate::logs::TenantLogs`] (capped, rotated, sanitised), and lifecycle events
 //! from the store.
 
-use crate::api::types::{LogChunk, LogPosition, LogQuery, LogStream};
+use serde::{Deserialize, Serialize};
+
 use crate::logs::{LogCursor, LogKind, LogPolicy, TenantLogs, MAX_CHUNK_BYTES, MAX_TAIL_LINES};
 use crate::receipt::rfc3339_from_millis;
-use crate::store::{Store, StoreError, TenantRecord};
+use crate::store::{EventRecord, Store, StoreError, TenantRecord};
 use crate::tenant::config::ServiceConfig;
+
+/// A piece of a log as the service reads it; the API shows it as a `LogChunk` (its events
+/// projected).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogRead {
+    /// The stream read.
+    pub stream: LogStream,
+    /// The text (for events: one line per event).
+    pub text: String,
+    /// Where the next read starts.
+    pub next: LogPosition,
+    /// Whether the cursor pointed at text already rotated away (what is returned starts
+    /// at the oldest text kept).
+    pub skipped: bool,
+    /// The events read (the events stream only).
+    pub events: Vec<EventRecord>,
+}
+
+/// Which log a `GET /v1/tenants/{name}/logs` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogStream {
+    /// The guest's serial console.
+    #[default]
+    Serial,
+    /// The VMM's own log.
+    Vmm,
+    /// Lifecycle events from the store.
+    Events,
+}
+
+/// Query of `GET /v1/tenants/{name}/logs`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct LogQuery {
+    /// Which log.
+    #[serde(default)]
+    pub stream: LogStream,
+    /// Continue from this cursor (`next` of the previous chunk): rotation generation...
+    pub generation: Option<u64>,
+    /// ...and byte offset (for `events`: the last event id seen). Without a cursor the
+    /// last `tail` lines (or events) are returned.
+    pub offset: Option<u64>,
+    /// Lines (or events) to return when no cursor is given (default 100, at most 10,000).
+    pub tail: Option<u64>,
+    /// Most bytes to return when following (default 64 KiB, at most 1 MiB).
+    pub max_bytes: Option<u64>,
+}
+
+/// Where a log reader is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct LogPosition {
+    /// Rotation generation (0 for events).
+    pub generation: u64,
+    /// Byte offset in that generation (for events: the last event id).
+    pub offset: u64,
+}
 
 /// Why a log could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -33,7 +92,7 @@ pub fn read(
     config: &ServiceConfig,
     t: &TenantRecord,
     q: &LogQuery,
-) -> Result<LogChunk, LogReadError> {
+) -> Result<LogRead, LogReadError> {
     let tail = q
         .tail
         .unwrap_or(DEFAULT_TAIL)
@@ -46,7 +105,7 @@ pub fn read(
     let root = config.tenants_dir();
     if !root.join(&t.name).is_dir() {
         // Nothing provisioned yet (or already removed): an empty log, not an error.
-        return Ok(LogChunk {
+        return Ok(LogRead {
             stream: q.stream,
             text: String::new(),
             next: LogPosition::default(),
@@ -68,7 +127,7 @@ pub fn read(
             if !text.is_empty() {
                 text.push('\n');
             }
-            Ok(LogChunk {
+            Ok(LogRead {
                 stream: q.stream,
                 text,
                 next: LogPosition {
@@ -89,7 +148,7 @@ pub fn read(
                 offset: offset.unwrap_or(0),
             };
             let chunk = logs.read_from(kind, cursor, max).map_err(log_err)?;
-            Ok(LogChunk {
+            Ok(LogRead {
                 stream: q.stream,
                 text: crlf_to_lf(chunk.text),
                 next: LogPosition {
@@ -108,7 +167,7 @@ fn read_events(
     t: &TenantRecord,
     q: &LogQuery,
     tail: u64,
-) -> Result<LogChunk, LogReadError> {
+) -> Result<LogRead, LogReadError> {
     let events = match q.offset {
         Some(after) => store.events(t.id, i64::try_from(after).unwrap_or(i64::MAX), 1000)?,
         None => {
@@ -130,7 +189,7 @@ fn read_events(
             )
         })
         .collect();
-    Ok(LogChunk {
+    Ok(LogRead {
         stream: q.stream,
         text,
         next: LogPosition {
@@ -138,7 +197,7 @@ fn read_events(
             offset: last,
         },
         skipped: false,
-        events: events.into_iter().map(crate::tenant::view::event).collect(),
+        events,
     })
 }
 

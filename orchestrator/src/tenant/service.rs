@@ -8,7 +8,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::api::types::{CreateResponse, LogChunk, LogQuery, TenantList, TenantView};
 use crate::auth::{self, Caller};
 use crate::backend::{RunningVm, VmBackend};
 use crate::domain::lifecycle::LifecycleState;
@@ -23,8 +22,10 @@ use crate::tenant::departure::{DepartureError, DepartureKit, Kit};
 use crate::tenant::fault::FaultHook;
 use crate::tenant::host::JailCleaner;
 use crate::tenant::infer::AdmittedInfer;
+use crate::tenant::logs::{LogQuery, LogRead};
 use crate::tenant::runner::{self, Ended};
 use crate::tenant::steps::{vm, OnFailure, Op};
+use crate::tenant::view::{Created, TenantStatus};
 
 pub use crate::tenant::config::ServiceConfig;
 pub use crate::tenant::service_error::TenantServiceError;
@@ -65,17 +66,17 @@ pub enum TenantCommand {
 #[derive(Debug, Clone)]
 pub enum CommandOutcome {
     /// A new tenant and its token.
-    Created(CreateResponse),
+    Created(Created),
     /// One tenant.
-    Tenant(TenantView),
+    Tenant(TenantStatus),
     /// Many tenants.
-    Tenants(TenantList),
+    Tenants(Vec<TenantStatus>),
     /// A piece of a log.
-    Log(LogChunk),
+    Log(LogRead),
     /// Audit log entries.
     Receipts(Vec<crate::receipt::LogEntry>),
     /// Quarantined GPU slices.
-    Quarantine(Vec<crate::api::types::QuarantinedSliceView>),
+    Quarantine(Vec<crate::store::QuarantinedSlice>),
     /// What a re-scrub found.
     Rescrubbed(crate::tenant::departure::RescrubOutcome),
     /// The inference server's JSON answer.
@@ -342,7 +343,7 @@ impl TenantService {
                     .filter(|t| caller.may_see(t.id))
                     .map(|t| self.view(&t))
                     .collect::<Result<_, _>>()?;
-                Ok(CommandOutcome::Tenants(TenantList { tenants }))
+                Ok(CommandOutcome::Tenants(tenants))
             }
             TenantCommand::Status(name) => {
                 let t = self.tenant_to_see(caller, &name)?;
@@ -375,13 +376,7 @@ impl TenantService {
                 if !matches!(caller, Caller::Admin) {
                     return Err(TenantServiceError::AdminOnly("list quarantined GPU slices"));
                 }
-                Ok(CommandOutcome::Quarantine(
-                    self.store
-                        .quarantined()?
-                        .into_iter()
-                        .map(crate::tenant::view::quarantined)
-                        .collect(),
-                ))
+                Ok(CommandOutcome::Quarantine(self.store.quarantined()?))
             }
             TenantCommand::Rescrub(slice) => {
                 if !matches!(caller, Caller::Admin) {
@@ -428,7 +423,7 @@ impl TenantService {
         Ok(crate::tenant::infer::forward(&self.ctx(), admitted, body)?)
     }
 
-    fn create(&self, mut spec: TenantSpec) -> Result<CreateResponse, TenantServiceError> {
+    fn create(&self, mut spec: TenantSpec) -> Result<Created, TenantServiceError> {
         spec.validate()?;
         // The vGPU licence is write-only: out of the spec before anything is recorded,
         // sealed under the host KEK below.
@@ -495,7 +490,7 @@ impl TenantService {
         let record = self.store.tenant_by_id(record.id)?;
         let tenant = self.view(&record)?;
         self.spawn_op(guard, record, op_id, Op::Create);
-        Ok(CreateResponse { tenant, token })
+        Ok(Created { tenant, token })
     }
 
     /// Stores `tenant`'s vGPU licence sealed under the host KEK, or removes a sealed one
@@ -519,7 +514,7 @@ impl TenantService {
 
     /// Resumes a destroy that stopped at a failed step: same operation, same departure, from
     /// the first step not done.
-    fn resume_destroy(&self, t: TenantRecord) -> Result<TenantView, TenantServiceError> {
+    fn resume_destroy(&self, t: TenantRecord) -> Result<TenantStatus, TenantServiceError> {
         let guard = self.mark_busy(&t.name)?;
         let op_id = match (t.op.as_deref().and_then(Op::parse), t.op_id) {
             (Some(Op::Destroy), Some(id)) => id,
@@ -579,7 +574,7 @@ impl TenantService {
         t: TenantRecord,
         to: LifecycleState,
         op: Op,
-    ) -> Result<TenantView, TenantServiceError> {
+    ) -> Result<TenantStatus, TenantServiceError> {
         let guard = self.mark_busy(&t.name)?;
         let op_id = self
             .store
@@ -699,15 +694,10 @@ impl TenantService {
         Ok(matches!(self.backend.ended(&vm), Ok(None) | Err(_)))
     }
 
-    /// The API view of a tenant.
-    pub fn view(&self, t: &TenantRecord) -> Result<TenantView, TenantServiceError> {
+    /// What a caller may see of a tenant (the API projects it: `api/project.rs`).
+    pub fn view(&self, t: &TenantRecord) -> Result<TenantStatus, TenantServiceError> {
         let steps = match t.op_id {
-            Some(op) => self
-                .store
-                .steps(op)?
-                .into_iter()
-                .map(crate::tenant::view::step)
-                .collect(),
+            Some(op) => self.store.steps(op)?,
             None => Vec::new(),
         };
         let mut uid = None;
@@ -737,25 +727,15 @@ impl TenantService {
                 _ => {}
             }
         }
-        Ok(TenantView {
-            name: t.name.to_string(),
-            state: t.state,
-            op: t.op.clone(),
-            error: t.error.clone(),
+        Ok(TenantStatus {
+            record: t.clone(),
             steps,
-            spec: t.spec.clone(),
             uid,
             pid,
-            gpu: self
-                .store
-                .gpu_placement(t.id)?
-                .map(crate::tenant::view::gpu_slice),
-            created_ms: t.created_ms,
-            updated_ms: t.updated_ms,
+            gpu: self.store.gpu_placement(t.id)?,
             recovering: self.is_recovering(&t.name),
             agent_channel,
             vsock_cid,
-            guest: t.guest,
         })
     }
 }

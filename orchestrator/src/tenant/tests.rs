@@ -141,8 +141,8 @@ fn tenant_tokens_cannot_see_or_act_on_others() {
     ));
     match h.svc.execute(&alice, TenantCommand::List).unwrap() {
         CommandOutcome::Tenants(l) => {
-            assert_eq!(l.tenants.len(), 1);
-            assert_eq!(l.tenants[0].name, "alice");
+            assert_eq!(l.len(), 1);
+            assert_eq!(l[0].record.name, "alice");
         }
         other => panic!("{other:?}"),
     }
@@ -617,7 +617,7 @@ fn the_service_answers_while_a_silent_tenant_is_recovered() {
     }
     let slow = view("slow");
     assert!(slow.recovering);
-    assert_eq!(slow.state, LifecycleState::Running);
+    assert_eq!(slow.record.state, LifecycleState::Running);
     let err = h
         .svc
         .execute(&Caller::Admin, TenantCommand::Stop("slow".into()))

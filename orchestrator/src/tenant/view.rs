@@ -1,46 +1,34 @@
-//! What callers see: the store's rows copied into the API's wire types
-//! ([`crate::api::types`]), field by field, so neither side's shape leaks into the other.
+//! What the service answers about a tenant, in its own values (store rows and the facts
+//! read beside them); the API projects them into its wire types (`api/project.rs`).
 
-use crate::api::types::{EventView, GpuSlice, QuarantinedSliceView, StepView};
-use crate::store::{EventRecord, GpuPlacement, QuarantinedSlice, StepRecord};
+use crate::store::{GpuPlacement, StepRecord, TenantRecord};
 
-/// A recorded step, as the API shows it.
-pub fn step(s: StepRecord) -> StepView {
-    StepView {
-        step: s.step,
-        status: s.status,
-        error: s.error,
-        started_ms: s.started_ms,
-        finished_ms: s.finished_ms,
-    }
+/// One tenant as a caller may see it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantStatus {
+    /// Its row.
+    pub record: TenantRecord,
+    /// The steps of its current or last operation.
+    pub steps: Vec<StepRecord>,
+    /// Its uid, once allocated.
+    pub uid: Option<u32>,
+    /// Its VMM's pid, while one is recorded.
+    pub pid: Option<i32>,
+    /// The GPU share it holds.
+    pub gpu: Option<GpuPlacement>,
+    /// Whether the recovery after a daemon restart has not reached it yet.
+    pub recovering: bool,
+    /// How its guest agent is reached (`vhost-vsock (CID n)`, `virtio-serial`, ...).
+    pub agent_channel: Option<String>,
+    /// Its guest's vsock CID, if it has one.
+    pub vsock_cid: Option<u32>,
 }
 
-/// A GPU placement, as the API shows it.
-pub fn gpu_slice(p: GpuPlacement) -> GpuSlice {
-    GpuSlice {
-        gpu: p.gpu,
-        slots: p.slots,
-        label: p.label,
-    }
-}
-
-/// A lifecycle event, as the API shows it.
-pub fn event(e: EventRecord) -> EventView {
-    EventView {
-        id: e.id,
-        at_ms: e.at_ms,
-        kind: e.kind,
-        message: e.message,
-    }
-}
-
-/// A quarantined slice, as the API shows it.
-pub fn quarantined(q: QuarantinedSlice) -> QuarantinedSliceView {
-    QuarantinedSliceView {
-        gpu: q.gpu,
-        slots: q.slots,
-        label: q.label,
-        reason: q.reason,
-        since_ms: q.since_ms,
-    }
+/// A tenant just created, and its token (shown this once).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Created {
+    /// The tenant.
+    pub tenant: TenantStatus,
+    /// Its API token.
+    pub token: String,
 }

@@ -32,7 +32,7 @@ fn cid_of(h: &Harness, name: &str) -> Option<u32> {
 
 fn view(h: &Harness, name: &str) -> crate::api::types::TenantView {
     let t = h.svc.store().tenant(name).unwrap().unwrap();
-    h.svc.view(&t).unwrap()
+    crate::api::project::tenant(h.svc.view(&t).unwrap())
 }
 
 fn state(h: &Harness, name: &str) -> Option<LifecycleState> {
