@@ -107,8 +107,10 @@ impl Setup {
     /// The CLI against the daemon on `state`, with its admin token.
     pub fn cli(&self, state: &Path) -> Cli {
         Cli {
-            bin: self.bin.join("tenantvm"),
-            socket: state.join("tenantvmd.sock"),
+            cli: crate::cli::Cli {
+                bin: self.bin.join("tenantvm"),
+                socket: state.join("tenantvmd.sock"),
+            },
             token: state.join("admin.token"),
         }
     }
@@ -116,50 +118,19 @@ impl Setup {
 
 /// `tenantvm` against one daemon.
 pub struct Cli {
-    bin: PathBuf,
-    socket: PathBuf,
+    cli: crate::cli::Cli,
     token: PathBuf,
 }
 
 impl Cli {
     /// Runs `tenantvm ARGS` (never fails: a command that cannot start exits 127).
     pub fn run(&self, args: &[&str]) -> Output {
-        Command::new(&self.bin)
-            .arg("--socket")
-            .arg(&self.socket)
-            .arg("--token-file")
-            .arg(&self.token)
-            .args(args)
-            .env_remove("TENANTVM_TOKEN")
-            .stdin(Stdio::null())
-            .output()
-            .unwrap_or_else(|e| Output {
-                status: std::os::unix::process::ExitStatusExt::from_raw(127 << 8),
-                stdout: Vec::new(),
-                stderr: format!("cannot run {}: {e}", self.bin.display()).into_bytes(),
-            })
+        self.cli.run(&self.token, args)
     }
 
     /// Runs the command; an error with its output (and the daemon's) when it fails.
     pub fn ok(&self, args: &[&str], d: &Daemon) -> Result<Output, String> {
-        let t = Instant::now();
-        let o = self.run(args);
-        if !o.status.success() {
-            return Err(format!(
-                "tenantvm {}: {}: {}{}\ndaemon log:\n{}",
-                args.join(" "),
-                o.status,
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr),
-                d.log_tail()
-            ));
-        }
-        println!(
-            "ok: tenantvm {} ({:.1} s)",
-            args.iter().take(2).copied().collect::<Vec<_>>().join(" "),
-            t.elapsed().as_secs_f64()
-        );
-        Ok(o)
+        self.cli.ok(&self.token, args, d)
     }
 
     /// The tenant's state, or None when it does not exist.

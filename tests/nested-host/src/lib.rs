@@ -11,12 +11,15 @@
 //! The crate's binaries: `nested-host` (the command behind scripts/nested-host.sh) and the
 //! test-only programs the scenarios run inside the outer guest: `nh-stock-kernel`,
 //! `nh-guest-image`, `nh-vfio-kernel`, `nh-inference-tenant`, `nh-gpu-tenant`,
-//! `nh-vgpu-sriov` (the last two over [`gpu_tenant`]).
+//! `nh-vgpu-sriov` (those two over [`gpu_tenant`]), `nh-llama-tenant` (it and
+//! `nh-inference-tenant` over [`inference`]).
 
 pub mod catalog;
+pub mod cli;
 pub mod cpio;
 pub mod gpu_tenant;
 pub mod heartbeat;
+pub mod inference;
 pub mod inputs;
 pub mod outer;
 pub mod real;
