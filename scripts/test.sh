@@ -49,20 +49,21 @@ fi
 # `--device model-gpu` (the model GPU fake); neither is ever in a release build.
 phase "the binaries"
 cargo build --workspace --bins --features tenantvm/test-hooks,tenantvm-vmm/test-model-gpu
+# The llama.cpp engine's variant image, test model and pinned OpenAI client
+# (e2e_llama_engine, llama_test_model and the nested host's inference-tenant-llama, so
+# before the nested host's inputs, which list them), built into .cache: about 4 minutes the
+# first time, seconds when guest-image/ is unchanged since (docs/guest-image.md). Without
+# a Debian mirror the preparation fails and those tests say SKIP naming it.
+if [ "${TENANTVM_LLAMA:-1}" != 0 ]; then
+    phase "the llama.cpp variant"
+    run_tests nice guest-image/variants/llama-cpp/prepare.sh
+fi
 if [ "${TENANTVM_NESTED:-1}" != 0 ]; then
     phase "the nested host's inputs"
     tests/nested-host/prepare.sh --profile debug
     # The guest image it built serves the agent's image tests too.
     TENANTVM_GUEST_IMAGE="${TENANTVM_GUEST_IMAGE:-$(sed -n 's/^NH_GUEST_IMAGE=//p' target/nested-host/debug/inputs)}"
     export TENANTVM_GUEST_IMAGE
-fi
-# The llama.cpp engine's variant image, test model and pinned OpenAI client
-# (e2e_llama_engine, llama_test_model), built into .cache: about 4 minutes the first time,
-# seconds when guest-image/ is unchanged since (docs/guest-image.md). Without
-# a Debian mirror the preparation fails and those tests say SKIP naming it.
-if [ "${TENANTVM_LLAMA:-1}" != 0 ]; then
-    phase "the llama.cpp variant"
-    run_tests nice guest-image/variants/llama-cpp/prepare.sh
 fi
 # The Kubernetes tier's API server (orchestrator/kube/tests/apiserver.rs, docs/kubernetes.md):
 # kube-apiserver 1.20 built from Debian's source package into .cache/kube the first time

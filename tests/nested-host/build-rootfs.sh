@@ -14,8 +14,9 @@
 #   guest image  NH_GUEST_IMAGE (guest-image/build.sh), test guests NH_TEST_GUESTS
 #   harness      init.sh (PID 1), run-scenarios.sh, lib.sh, nvme-vf.sh, scenarios/*.sh
 #   needs        extras a scenario names in its `# needs:` header: `qemu` (QEMU with its
-#                libraries and firmware) or an absolute path (a program comes with the
-#                shared libraries ldd finds)
+#                libraries and firmware), `llama` (the llama.cpp engine's image set and test
+#                model, NH_LLAMA_IMAGE and NH_LLAMA_MODEL, where the inputs name them) or an
+#                absolute path (a program comes with the shared libraries ldd finds)
 #
 # Project artifacts keep their host paths inside (the VMM's test binaries name the VMM by
 # its build path), so a scenario sees the same NH_* paths here and on a real host.
@@ -57,9 +58,11 @@ say() { printf 'nested-host: %s\n' "$*" >&2; }
 [ -n "$inputs" ] || die "usage: build-rootfs.sh [--format ext4|initramfs] [--need NEED]... INPUTS_FILE"
 [ -f "$inputs" ] || die "$inputs is missing: run scripts/nested-host.sh (or tests/nested-host/prepare.sh) to build the inputs"
 NH_BIN="" NH_GUEST_TOOLS="" NH_GUEST_IMAGE="" NH_TEST_GUESTS="" NH_KVM_TESTS_LIST=""
+NH_LLAMA_IMAGE="" NH_LLAMA_MODEL=""
 while IFS='=' read -r key value; do
     case "$key" in
-        NH_BIN|NH_GUEST_TOOLS|NH_GUEST_IMAGE|NH_TEST_GUESTS|NH_KVM_TESTS_LIST) printf -v "$key" '%s' "$value" ;;
+        NH_BIN|NH_GUEST_TOOLS|NH_GUEST_IMAGE|NH_TEST_GUESTS|NH_KVM_TESTS_LIST|NH_LLAMA_IMAGE|NH_LLAMA_MODEL)
+            printf -v "$key" '%s' "$value" ;;
     esac
 done <"$inputs"
 
@@ -214,6 +217,20 @@ for need in "${needs[@]}"; do
                 [ -L "/usr/share/qemu/$(basename "$fw")" ] && add_link "$fw" "/usr/share/qemu/$(basename "$fw")"
             done
             ;;
+        llama)
+            # The llama.cpp engine's image set and test model, where prepare.sh found them
+            # (guest-image/variants/llama-cpp/prepare.sh ran first); without them the
+            # scenarios that need llama skip, naming that command.
+            if [ -n "$NH_LLAMA_IMAGE" ] && [ -n "$NH_LLAMA_MODEL" ]; then
+                for f in vmlinuz vmlinux initramfs.cpio.gz cmdline manifest.json SHA256SUMS; do
+                    [ -f "$NH_LLAMA_IMAGE/$f" ] && add_file "$NH_LLAMA_IMAGE/$f" "$NH_LLAMA_IMAGE/$f"
+                done
+                add_file "$NH_LLAMA_MODEL" "$NH_LLAMA_MODEL"
+                env_file="$env_file
+NH_LLAMA_IMAGE=$NH_LLAMA_IMAGE
+NH_LLAMA_MODEL=$NH_LLAMA_MODEL"
+            fi
+            ;;
         /*)
             if [ -d "$need" ]; then
                 while read -r f; do
@@ -226,7 +243,7 @@ for need in "${needs[@]}"; do
                 add_file "$need" "$need" 0644
             fi
             ;;
-        *) die "unknown need '$need' (use qemu or an absolute path)" ;;
+        *) die "unknown need '$need' (use qemu, llama or an absolute path)" ;;
     esac
 done
 

@@ -8,6 +8,9 @@
 #   NH_GUEST_IMAGE     the guest image (guest-image/build.sh), or $TENANTVM_GUEST_IMAGE as is
 #   NH_TEST_GUESTS     the no_std test guests (scripts/build-test-guests.sh)
 #   NH_KVM_TESTS_LIST  a file listing the VMM's KVM test binaries (vmm/tests/guest_*.rs)
+#   NH_LLAMA_IMAGE     the llama.cpp engine's image set and
+#   NH_LLAMA_MODEL     test model, where guest-image/variants/llama-cpp/prepare.sh built
+#                      them into .cache (listed only then: the scenarios that need them skip)
 #
 # debug (the default, what scripts/test.sh uses) builds the whole workspace, as the test
 # command does, so nothing is compiled twice; release builds only what the outer root holds.
@@ -90,5 +93,11 @@ NH_GUEST_IMAGE=$image
 NH_TEST_GUESTS=$root/target/test-guests
 NH_KVM_TESTS_LIST=$out/kvm-tests.list
 EOF
+llama_image="$root/.cache/guest-image-llama-cpp" llama_model="$root/.cache/llama-cpp/test-model.gguf"
+if [ -f "$llama_image/manifest.json" ] && [ -f "$llama_model" ]; then
+    printf 'NH_LLAMA_IMAGE=%s\nNH_LLAMA_MODEL=%s\n' "$llama_image" "$llama_model" >>"$out/inputs.tmp"
+else
+    say "no llama.cpp variant in .cache (guest-image/variants/llama-cpp/prepare.sh): its scenarios will skip"
+fi
 mv "$out/inputs.tmp" "$out/inputs"
 say "inputs ready: $out/inputs ($(wc -l <"$out/kvm-tests.list") KVM test binaries)"

@@ -6,13 +6,17 @@
 //! # description: what it proves (continuation lines start with "#   ")
 //! # limit: 300          seconds before run-scenarios.sh kills it (default 300)
 //! # sets: ci            the named sets it belongs to (ci: the test command runs it)
-//! # needs: qemu         extra files for the outer root: `qemu` or absolute paths
+//! # needs: qemu         extra files for the outer root: `qemu`, `llama` (the llama.cpp
+//!                       engine's image set and test model) or absolute paths
 //! ```
 //!
 //! Adding a scenario is dropping a script there; `needs` names anything the outer root does
 //! not already hold.
 
 use std::path::{Path, PathBuf};
+
+/// The needs build-rootfs.sh knows by name (anything else is an absolute path).
+pub const NAMED_NEEDS: [&str; 2] = ["qemu", "llama"];
 
 /// The time limit of a scenario without a `# limit:` line, in seconds.
 pub const DEFAULT_LIMIT_S: u64 = 300;
@@ -135,10 +139,10 @@ impl Scenario {
                     if let Some(n) = scenario
                         .needs
                         .iter()
-                        .find(|n| *n != "qemu" && !n.starts_with('/'))
+                        .find(|n| !NAMED_NEEDS.contains(&n.as_str()) && !n.starts_with('/'))
                     {
                         return Err(bad(format!(
-                            "needs takes `qemu` or absolute paths, got {n:?}"
+                            "needs takes `qemu`, `llama` or absolute paths, got {n:?}"
                         )));
                     }
                 }
@@ -247,13 +251,13 @@ mod tests {
     #[test]
     fn the_header_gives_description_limit_sets_and_needs() {
         let text = "#!/bin/sh\n# description: boots the kernel\n#   twice over\n# limit: 120\n\
-                    # sets: ci, bench\n# needs: qemu /opt/x\n. \"$NH_LIB\"\n# limit: 5\n";
+                    # sets: ci, bench\n# needs: qemu llama /opt/x\n. \"$NH_LIB\"\n# limit: 5\n";
         let s = Scenario::parse(Path::new("/s/stock-kernel.sh"), text).unwrap();
         assert_eq!(s.name, "stock-kernel");
         assert_eq!(s.description, "boots the kernel twice over");
         assert_eq!(s.limit_s, 120, "only the header counts");
         assert_eq!(s.sets, ["ci", "bench"]);
-        assert_eq!(s.needs, ["qemu", "/opt/x"]);
+        assert_eq!(s.needs, ["qemu", "llama", "/opt/x"]);
     }
 
     #[test]

@@ -14,6 +14,11 @@ pub const KEYS: [&str; 5] = [
     "NH_KVM_TESTS_LIST",
 ];
 
+/// Keys the inputs file may hold: the llama.cpp engine's image set and test model
+/// (guest-image/variants/llama-cpp/prepare.sh), for the scenarios that need `llama`; they
+/// skip where these are absent.
+pub const OPTIONAL_KEYS: [&str; 2] = ["NH_LLAMA_IMAGE", "NH_LLAMA_MODEL"];
+
 /// What the command that makes the inputs is, for error messages.
 pub const PREPARE: &str = "scripts/nested-host.sh (or tests/nested-host/prepare.sh)";
 

@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::catalog::{Catalog, Scenario};
-use crate::inputs::{check_kernel, kernel_dir, Inputs, KEYS};
+use crate::inputs::{check_kernel, kernel_dir, Inputs, KEYS, OPTIONAL_KEYS};
 use crate::watch::{watch, Outcome, Progress, WatchConfig};
 use crate::HarnessError;
 
@@ -45,6 +45,11 @@ pub fn run(
         .args(scenarios.iter().map(|s| &s.name));
     for key in KEYS {
         cmd.env(key, inputs.get(key));
+    }
+    for key in OPTIONAL_KEYS {
+        if !inputs.get(key).is_empty() {
+            cmd.env(key, inputs.get(key));
+        }
     }
     cmd.env("NH_HOST", "real")
         .env("NH_KERNEL_DIR", &kdir)

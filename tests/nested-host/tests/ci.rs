@@ -8,7 +8,7 @@
 //! `TENANTVM_HOST=real` the same scenarios run directly on this host instead, where a
 //! scenario may skip (no edu device on a real host).
 
-use tenantvm_nested_host::inputs::{check_kernel, kernel_dir};
+use tenantvm_nested_host::inputs::{check_kernel, kernel_dir, OPTIONAL_KEYS};
 use tenantvm_nested_host::{real, Catalog, Inputs, OuterConfig, Verdict};
 
 #[test]
@@ -53,10 +53,21 @@ fn ci_scenarios_pass_on_the_nested_host() {
         matches!(&outcomes[1].verdict, Verdict::Fail { reason, .. } if reason == "selftest failure reason"),
         "a failing scenario's reason must come back:\n{all}"
     );
-    // Every CI scenario passes (on a real host one may skip, saying why).
+    // Every CI scenario passes. On a real host one may skip, saying why; on the nested host
+    // only a scenario that needs the llama.cpp variant, where its preparation did not run
+    // (no Debian mirror): that skip is recorded under the scenario's name, so the test
+    // command's summary counts it.
+    let llama_prepared = OPTIONAL_KEYS.iter().all(|k| !inputs.get(k).is_empty());
     for o in &outcomes[2..] {
+        let needs_llama = scenarios
+            .iter()
+            .any(|s| s.name == o.name && s.needs.iter().any(|n| n == "llama"));
         let ok = match &o.verdict {
             Verdict::Pass => true,
+            Verdict::Skip { reason } if !real_host && !llama_prepared && needs_llama => {
+                tenantvm_skip::record(&format!("tenantvm_nested_host::ci::{}", o.name), reason);
+                true
+            }
             Verdict::Skip { .. } => real_host,
             Verdict::Fail { .. } => false,
         };
