@@ -67,12 +67,17 @@ try: v = json.load(sys.stdin)
 except Exception: print("no-outcomes"); sys.exit()
 print(" ".join(o["name"] for o in v if o["verdict"] == "fail" and "froze" not in (o["reason"] or "")))')"
     [ "$bad" != no-outcomes ] || bad="no outcomes ($(tail -n 1 "$out/run-$i.err"))"
+    # A scenario that skipped did not pass: the run line names it.
+    skipped="$(printf '%s' "$json" | python3 -c 'import json,sys
+try: v = json.load(sys.stdin)
+except Exception: v = []
+print(" ".join(o["name"] for o in v if o["verdict"] == "skip"))')"
     if [ -n "$frozen" ]; then
         froze=$((froze + 1)); verdict="FROZE in $frozen${bad:+; failed: $bad}"
     elif [ -n "$bad" ]; then
         failed=$((failed + 1)); verdict="FAILED: $bad"
     else
-        passed=$((passed + 1)); verdict="passed"
+        passed=$((passed + 1)); verdict="passed${skipped:+ (skipped: $skipped)}"
     fi
     line="run $i/$runs (${took} s, load $load): $verdict"
     echo "$line" | tee -a "$out/tally"
