@@ -131,11 +131,167 @@ impl SerialVm {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// What the VMM and its guest are doing, for a VM that did not end in time: each of the
+    /// process's threads (name, state, where it sleeps in the kernel) and, where debugfs
+    /// has it, how KVM's counters for its VM moved over two seconds (a guest that takes
+    /// no exits and no interrupts is halted for good; one whose counters move is alive and
+    /// waiting on something else).
+    pub fn diagnose(&self) -> String {
+        diagnose_process(self.child.id())
+    }
+}
+
+/// [`SerialVm::diagnose`] for any process.
+pub fn diagnose_process(pid: u32) -> String {
+    let mut out = format!("process {pid}:\n");
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.path())
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    if tasks.is_empty() {
+        out.push_str("  no threads (it has exited)\n");
+    }
+    for task in tasks {
+        let read = |f: &str| std::fs::read_to_string(task.join(f)).unwrap_or_default();
+        let stat = read("stat");
+        // The state is the first field after the parenthesised name.
+        let state = stat
+            .rsplit_once(") ")
+            .and_then(|(_, rest)| rest.split(' ').next())
+            .unwrap_or("?")
+            .to_string();
+        let stack: Vec<String> = read("stack")
+            .lines()
+            .take(6)
+            .map(|l| l.split_whitespace().last().unwrap_or("").to_string())
+            .collect();
+        out.push_str(&format!(
+            "  {} {} state {state} wchan {} stack {}\n",
+            task.file_name().and_then(|n| n.to_str()).unwrap_or("?"),
+            read("comm").trim(),
+            read("wchan").trim(),
+            stack.join(" < ")
+        ));
+    }
+    out.push_str(&kvm_counters(pid));
+    out
+}
+
+/// How the KVM debugfs counters of `pid`'s VMs moved over two seconds (mounting debugfs
+/// where nothing is mounted on /sys/kernel/debug), or why they cannot be read.
+fn kvm_counters(pid: u32) -> String {
+    let root = Path::new("/sys/kernel/debug/kvm");
+    // debugfs not mounted yet (the outer guest's init leaves it): mount it.
+    let unmounted = std::fs::read_dir("/sys/kernel/debug").is_ok_and(|mut d| d.next().is_none());
+    if !root.exists() && unmounted {
+        let _ = Command::new("mount")
+            .args(["-t", "debugfs", "debugfs", "/sys/kernel/debug"])
+            .status();
+    }
+    let vms: Vec<std::path::PathBuf> = std::fs::read_dir(root)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with(&format!("{pid}-")))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    if vms.is_empty() {
+        return format!(
+            "  no KVM debugfs directory for it under {}\n",
+            root.display()
+        );
+    }
+    let sample = |vm: &Path| -> Vec<(String, u64)> {
+        let mut v: Vec<(String, u64)> = std::fs::read_dir(vm)
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .filter(|e| e.path().is_file())
+                    .filter_map(|e| {
+                        let n = std::fs::read_to_string(e.path())
+                            .ok()?
+                            .trim()
+                            .parse()
+                            .ok()?;
+                        Some((e.file_name().to_string_lossy().into_owned(), n))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    let before: Vec<Vec<(String, u64)>> = vms.iter().map(|vm| sample(vm)).collect();
+    std::thread::sleep(Duration::from_secs(2));
+    let mut out = String::new();
+    for (vm, before) in vms.iter().zip(before) {
+        let after = sample(vm);
+        let moved: Vec<String> = after
+            .iter()
+            .filter_map(|(name, n)| {
+                let was = before.iter().find(|(b, _)| b == name)?.1;
+                (*n != was).then(|| format!("{name} +{}", n.saturating_sub(was)))
+            })
+            .collect();
+        let key: Vec<String> = after
+            .iter()
+            .filter(|(name, _)| {
+                matches!(
+                    name.as_str(),
+                    "exits"
+                        | "halt_exits"
+                        | "halt_wakeup"
+                        | "irq_injections"
+                        | "irq_exits"
+                        | "io_exits"
+                        | "nmi_injections"
+                )
+            })
+            .map(|(name, n)| format!("{name} {n}"))
+            .collect();
+        out.push_str(&format!(
+            "  KVM {}: {}; in 2 s: {}\n",
+            vm.display(),
+            key.join(", "),
+            if moved.is_empty() {
+                "nothing moved (the guest is halted and nothing wakes it)".to_string()
+            } else {
+                moved.join(", ")
+            }
+        ));
+    }
+    out
 }
 
 impl Drop for SerialVm {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn diagnose_lists_a_live_process_threads_and_says_when_there_are_none() {
+        let me = diagnose_process(std::process::id());
+        assert!(
+            me.lines()
+                .any(|l| l.contains(" state R ") || l.contains(" state S ")),
+            "{me}"
+        );
+        // A pid above the kernel's maximum (4,194,304) never exists.
+        let gone = diagnose_process(4_194_305);
+        assert!(gone.contains("no threads (it has exited)"), "{gone}");
     }
 }

@@ -200,8 +200,9 @@ fn check_boot(env: &Env, n: usize, boot: &Boot) -> Result<(), String> {
 
     let status = vm.wait_exit(BOOT_TIMEOUT).ok_or_else(|| {
         format!(
-            "{label}: the VM did not end; last lines:\n{}",
-            vm.serial_tail(30)
+            "{label}: the VM did not end; last lines:\n{}\nwhat it is doing:\n{}",
+            vm.serial_tail(30),
+            vm.diagnose()
         )
     })?;
     let took = vm.elapsed();
