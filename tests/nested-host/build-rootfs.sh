@@ -179,9 +179,14 @@ while read -r t; do
     add_elf "$t" "$t" strip
 done <"$NH_KVM_TESTS_LIST"
 for g in "$NH_TEST_GUESTS"/tvm-testguest*; do add_file "$g" "$g"; done
-for f in vmlinuz vmlinux initramfs.cpio.gz cmdline manifest.json SHA256SUMS; do
-    [ -f "$NH_GUEST_IMAGE/$f" ] && add_file "$NH_GUEST_IMAGE/$f" "$NH_GUEST_IMAGE/$f"
-done
+add_image_set() { # DIR: a guest image set (guest-image/build.sh) at its own path
+    local f
+    for f in vmlinuz vmlinux initramfs.cpio.gz cmdline manifest.json SHA256SUMS; do
+        [ -f "$1/$f" ] && add_file "$1/$f" "$1/$f"
+    done
+    return 0
+}
+add_image_set "$NH_GUEST_IMAGE"
 
 # The harness.
 nh=/opt/nested-host
@@ -222,9 +227,7 @@ for need in "${needs[@]}"; do
             # (guest-image/variants/llama-cpp/prepare.sh ran first); without them the
             # scenarios that need llama skip, naming that command.
             if [ -n "$NH_LLAMA_IMAGE" ] && [ -n "$NH_LLAMA_MODEL" ]; then
-                for f in vmlinuz vmlinux initramfs.cpio.gz cmdline manifest.json SHA256SUMS; do
-                    [ -f "$NH_LLAMA_IMAGE/$f" ] && add_file "$NH_LLAMA_IMAGE/$f" "$NH_LLAMA_IMAGE/$f"
-                done
+                add_image_set "$NH_LLAMA_IMAGE"
                 add_file "$NH_LLAMA_MODEL" "$NH_LLAMA_MODEL"
                 env_file="$env_file
 NH_LLAMA_IMAGE=$NH_LLAMA_IMAGE

@@ -88,19 +88,7 @@ impl Setup {
             .spawn()
             .map_err(|e| format!("starting tenantvmd: {e}"))?;
         let mut d = Daemon { child, log };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            if let Ok(Some(st)) = d.child.try_wait() {
-                return Err(format!(
-                    "tenantvmd exited at start ({st}):\n{}",
-                    d.log_tail()
-                ));
-            }
-            if Instant::now() > deadline {
-                return Err(format!("tenantvmd did not start:\n{}", d.log_tail()));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        d.wait_ready(&socket)?;
         Ok(d)
     }
 

@@ -144,32 +144,43 @@ impl Door {
         let body = serde_json::json!({"model": model, "prompt": prompt, "max_tokens": 8,
             "temperature": 0, "stream": true});
         let a = self.request("POST", "/v1/completions", Some(&body.to_string()))?;
-        let text = String::from_utf8_lossy(&a.body).to_string();
         if a.status != 200 {
-            return Err(format!("streaming answered {}: {text}", a.status));
+            return Err(format!(
+                "streaming answered {}: {}",
+                a.status,
+                String::from_utf8_lossy(&a.body)
+            ));
         }
-        let mut out = String::new();
-        let mut done = false;
-        for line in text.lines() {
-            let Some(data) = line.strip_prefix("data: ") else {
-                continue;
-            };
-            if data == "[DONE]" {
-                done = true;
-                continue;
-            }
-            if done {
-                return Err(format!("an event after [DONE]: {text}"));
-            }
-            let v: serde_json::Value =
-                serde_json::from_str(data).map_err(|e| format!("event {data:?}: {e}"))?;
-            out.push_str(v["choices"][0]["text"].as_str().unwrap_or(""));
-        }
-        if !done {
-            return Err(format!("the stream did not end in data: [DONE]: {text}"));
-        }
-        Ok(out)
+        Ok(events(&a.body)?
+            .iter()
+            .filter_map(|v| v["choices"][0]["text"].as_str())
+            .collect())
     }
+}
+
+/// The events of a server-sent-event stream: the JSON of each `data:` line before
+/// `data: [DONE]`, which must end it (nothing may follow it).
+pub fn events(body: &[u8]) -> Result<Vec<serde_json::Value>, String> {
+    let text = String::from_utf8_lossy(body);
+    let mut out = Vec::new();
+    let mut done = false;
+    for line in text.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if done {
+            return Err(format!("an event after [DONE]: {text}"));
+        }
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        out.push(serde_json::from_str(data).map_err(|e| format!("event {data:?}: {e}"))?);
+    }
+    if !done {
+        return Err(format!("the stream did not end in data: [DONE]: {text}"));
+    }
+    Ok(out)
 }
 
 /// Whether `needle` occurs in `file`, reading only its data extents (SEEK_DATA/SEEK_HOLE:
@@ -321,19 +332,7 @@ impl Tenantvmd {
             .spawn()
             .map_err(|e| format!("starting tenantvmd: {e}"))?;
         let mut daemon = Daemon { child, log };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            if let Ok(Some(st)) = daemon.child.try_wait() {
-                return Err(format!(
-                    "tenantvmd exited at start ({st}):\n{}",
-                    daemon.log_tail()
-                ));
-            }
-            if Instant::now() > deadline {
-                return Err(format!("tenantvmd did not start:\n{}", daemon.log_tail()));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        daemon.wait_ready(&socket)?;
         Ok(Self {
             daemon,
             cli: Cli {
@@ -453,4 +452,27 @@ pub fn ok_step<'a>(
         return Err(format!("receipt step {want}: {step}"));
     }
     Ok(step)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::events;
+
+    #[test]
+    fn events_are_the_data_lines_before_done_and_nothing_else_passes() {
+        let good = b"data: {\"n\":1}\n\n: a comment\ndata: {\"n\":2}\n\ndata: [DONE]\n\n";
+        let v = events(good).unwrap();
+        assert_eq!(v.len(), 2);
+        assert_eq!(v[1]["n"], 2);
+        for (bad, why) in [
+            (&b"data: {\"n\":1}\n\n"[..], "did not end"),
+            (b"data: [DONE]\n\ndata: {\"n\":1}\n\n", "after [DONE]"),
+            (b"data: [DONE]\n\ndata: [DONE]\n\n", "after [DONE]"),
+            (b"data: {not json\n\ndata: [DONE]\n\n", "event"),
+            (b"", "did not end"),
+        ] {
+            let e = events(bad).unwrap_err();
+            assert!(e.contains(why), "{e}");
+        }
+    }
 }

@@ -1,7 +1,7 @@
 //! What the scenario programs (`nh-*`, run inside the outer guest) share: their inputs
 //! from the environment, their figures, and a tenantvmd they start and stop.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ExitStatus};
 use std::time::{Duration, Instant};
 
@@ -41,6 +41,25 @@ impl Daemon {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+
+    /// Waits until the daemon answers on `socket`, up to 60 s; an error with its log when
+    /// it exits first or does not answer in time.
+    pub fn wait_ready(&mut self, socket: &Path) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while std::os::unix::net::UnixStream::connect(socket).is_err() {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return Err(format!(
+                    "tenantvmd exited at start ({st}):\n{}",
+                    self.log_tail()
+                ));
+            }
+            if Instant::now() > deadline {
+                return Err(format!("tenantvmd did not start:\n{}", self.log_tail()));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
     }
 
     /// Waits for the daemon to end on its own (a crash hook), up to `limit`.

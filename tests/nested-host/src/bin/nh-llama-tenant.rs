@@ -28,7 +28,7 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
 use tenantvm_nested_host::inference::{
-    file_contains, ok_step, Door, Tenantvmd, LIFECYCLE_TIMEOUT_S,
+    events, file_contains, ok_step, Door, Tenantvmd, LIFECYCLE_TIMEOUT_S,
 };
 use tenantvm_nested_host::scenario::{env_path, note};
 
@@ -52,31 +52,6 @@ fn engine_build(image: &Path) -> Result<String, String> {
         .and_then(|s| s.split(',').next())
         .map(str::to_string)
         .ok_or_else(|| format!("no build number in the engine's version {version:?}"))
-}
-
-/// The events of a server-sent-event stream: the JSON of each `data:` line before
-/// `data: [DONE]`, which must end it.
-fn events(body: &[u8]) -> Result<Vec<serde_json::Value>, String> {
-    let text = String::from_utf8_lossy(body);
-    let mut out = Vec::new();
-    let mut done = false;
-    for line in text.lines() {
-        let Some(data) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        if done {
-            return Err(format!("an event after [DONE]: {text}"));
-        }
-        if data == "[DONE]" {
-            done = true;
-            continue;
-        }
-        out.push(serde_json::from_str(data).map_err(|e| format!("event {data:?}: {e}"))?);
-    }
-    if !done {
-        return Err(format!("the stream did not end in data: [DONE]: {text}"));
-    }
-    Ok(out)
 }
 
 /// A POST through the front door whose answer must be 200 with a JSON body.
