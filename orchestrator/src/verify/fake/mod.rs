@@ -1,12 +1,22 @@
 //! A fake host for the checks' tests, named as such: tenants, files, receipts and timings
 //! held in memory, healthy by default, with [`Broken`] switches that give each check the
 //! deliberately broken host it must fail on (issue 16's list).
+//!
+//! `broken.rs` lists the switches, `gpu.rs` places and releases GPU slices as the daemon
+//! would, and `loads.rs` runs the in-guest test loads.
+
+mod broken;
+mod gpu;
+mod loads;
+
+pub use broken::Broken;
+use gpu::SliceItems;
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use tenantvm_agent_protocol::{LoadKind, LoadReport, LoadSpec, LoadState};
+use tenantvm_agent_protocol::{LoadKind, LoadReport, LoadSpec};
 
 use super::checks::gpu_departure::GpuSnapshot;
 use super::host::{Answered, Caller, CpuOverrun, Engine, GpuView, HostError, Overrun, VerifyHost};
@@ -18,100 +28,11 @@ use crate::receipt::{
     Assurance, DepartureStep, LogEntry, Receipt, StepRecord, StepResult, RECEIPT_VERSION,
 };
 
-/// What is broken on the fake host.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Broken {
-    /// Tenants run without a memory limit in their cgroup.
-    pub no_memory_limit: bool,
-    /// The memory limit is written but not enforced (the controller is not really there).
-    pub memory_not_enforced: bool,
-    /// The CPU quota is written but not enforced.
-    pub cpu_not_enforced: bool,
-    /// Tenants run without a CPU quota, and a busy neighbour slows the others down.
-    pub no_cpu_quota: bool,
-    /// Disks are plaintext: what a payload writes is readable on the host.
-    pub plaintext_disk: bool,
-    /// The crypto-shred step of departures is disabled (the test-only hook).
-    pub shred_disabled: bool,
-    /// All tenants are routed to one payload with one shared prefix cache.
-    pub shared_payload: bool,
-    /// A debug mode logs every prompt to the daemon's log.
-    pub logs_prompts: bool,
-    /// A tenant's token reads every tenant's logs and receipts.
-    pub cross_reads: bool,
-    /// Metrics are served unscoped: a tenant's token or key reads every tenant's series.
-    pub metrics_unscoped: bool,
-    /// Metrics answer with no series at all, not even the reader's own: scoping cannot be
-    /// judged from them.
-    pub metrics_empty: bool,
-    /// The plaintext scan is blind (reads nothing): what check 9's positive control is for.
-    pub blind_scan: bool,
-    /// A guest gets more memory than it was given (an in-guest overrun takes all it asks
-    /// for), and the host's memory pressure slows its neighbours.
-    pub guest_ram_unbounded: bool,
-    /// The guest agents refuse test loads (an old guest image).
-    pub guest_loads_refused: bool,
-    /// Every tenant's disk opens with every tenant's key (one key for all).
-    pub shared_disk_key: bool,
-    /// No disk opens even with its own key (what check 9's key control is for).
-    pub keys_open_nothing: bool,
-    /// A guest touching more than its RAM gets its VMM killed by its own cgroup (the VMM
-    /// overhead allowance is too small): the tenant fails, its neighbours do not notice.
-    pub vmm_killed_by_overrun: bool,
-    /// Receipts say nothing of the pushed models the shredded disk held.
-    pub receipt_silent_on_models: bool,
-    /// The GPU backend keeps a departed tenant's MIG instance (destroy-gpu-instance
-    /// skipped).
-    pub gpu_instance_left: bool,
-    /// A departed tenant's VF keeps its vGPU type (`current_vgpu_type` not cleared).
-    pub vf_type_left: bool,
-    /// A departed tenant's device stays bound to vfio-pci (no rebind to its host driver).
-    pub vfio_left_bound: bool,
-    /// The store keeps a departed tenant's GPU reservation.
-    pub reservation_left: bool,
-    /// The receipt's GPU scrub step is recorded as skipped although a slice was held.
-    pub gpu_scrub_skipped: bool,
-    /// The scrub does not verify: the slice is quarantined (the receipt says so, the daemon
-    /// lists it, its device stays bound): an honest outcome.
-    pub gpu_quarantined: bool,
-    /// The slice is quarantined but the receipt does not say so.
-    pub quarantine_unrecorded: bool,
-    /// The host's GPU view shows nothing, not even a running tenant's slice (what check
-    /// 10's GPU control is for).
-    pub gpu_view_blind: bool,
-    /// A guest allocates GPU memory past its slice (the slice does not bound it).
-    pub gpu_memory_unbounded: bool,
-    /// An MPS control daemon runs on the host.
-    pub gpu_mps: bool,
-    /// A tenant GPU's VF carries a time-sliced vGPU type.
-    pub gpu_time_sliced: bool,
-    /// The CPU quota's control (busy processes outside any cgroup) cannot run.
-    pub cpu_control_fails: bool,
-    /// The probe image has no CUDA driver.
-    pub no_cuda_in_guest: bool,
-    /// No GPU slice is free: GPU requests are refused (409).
-    pub gpu_full: bool,
-    /// Slices share the GPU's compute (time-slicing, MPS): a slice's compute load runs at
-    /// a quarter of its rate while another tenant's compute load runs.
-    pub gpu_compute_shared: bool,
-}
-
 #[derive(Debug)]
 struct FakeTenant {
     view: TenantView,
     token: String,
     disk: Option<Vec<u8>>,
-}
-
-/// What a slice put into the fake host's GPU state: its MIG instance, reservation, VF type
-/// and vfio binding (each `None` where it has none).
-#[derive(Debug, Default, Clone)]
-struct SliceItems {
-    instance: Option<String>,
-    reservation: String,
-    vf_type: Option<String>,
-    bound: String,
-    id: String,
 }
 
 #[derive(Debug, Default)]
@@ -233,130 +154,6 @@ impl FakeVerifyHost {
         if let Some(t) = self.st().tenants.get_mut(&name) {
             t.view.guest = Some(crate::domain::GuestKind::Plain);
         }
-    }
-
-    /// Places a GPU request as the daemon would: a MIG profile on the first GPU that has
-    /// it (its instance, a VF with a vGPU type, bound to vfio-pci), or a whole non-MIG GPU
-    /// no tenant holds (bound to vfio-pci).
-    fn place(
-        &self,
-        st: &mut State,
-        name: &str,
-        req: &crate::domain::spec::GpuRequest,
-    ) -> Result<GpuSlice, HostError> {
-        let n = st.slices.len() as u32;
-        let none_free = || HostError::Api {
-            status: 409,
-            message: "no GPU slice free for this request".into(),
-        };
-        let (gpu, label, items) = match &req.profile {
-            Some(profile) => {
-                let (g, p) = self
-                    .gpus
-                    .iter()
-                    .find_map(|g| g.model.profile(profile).ok().map(|p| (g, p)))
-                    .ok_or_else(none_free)?;
-                let label = format!("{}@{n}", p.name);
-                let vf = format!("{}.{}", &g.pci_address[..g.pci_address.len() - 2], n + 4);
-                let items = SliceItems {
-                    instance: Some(format!(
-                        "{} gi {} profile {} @{n}",
-                        g.pci_address,
-                        n + 1,
-                        p.id
-                    )),
-                    reservation: format!("{}/{label}", g.pci_address),
-                    vf_type: Some(format!("{vf} current_vgpu_type 557")),
-                    bound: vf,
-                    id: format!("{}/{label}", g.pci_address),
-                };
-                (g.pci_address.clone(), label, items)
-            }
-            None => {
-                let held: BTreeSet<&str> = st
-                    .tenants
-                    .values()
-                    .filter_map(|t| t.view.gpu.as_ref().map(|s| s.gpu.as_str()))
-                    .collect();
-                let g = self
-                    .gpus
-                    .iter()
-                    .find(|g| !g.model.has_mig() && !held.contains(g.pci_address.as_str()))
-                    .ok_or_else(none_free)?;
-                let items = SliceItems {
-                    instance: None,
-                    reservation: format!("{}/whole", g.pci_address),
-                    vf_type: None,
-                    bound: g.pci_address.clone(),
-                    id: format!("{}/whole", g.pci_address),
-                };
-                (g.pci_address.clone(), "whole".to_string(), items)
-            }
-        };
-        let gs = &mut st.gpu;
-        gs.instances.extend(items.instance.clone());
-        gs.reservations.insert(items.reservation.clone());
-        gs.vf_types.extend(items.vf_type.clone());
-        gs.vfio_bound.insert(items.bound.clone());
-        st.slices.insert(name.to_string(), items);
-        Ok(GpuSlice {
-            gpu,
-            slots: vec![n],
-            label,
-        })
-    }
-
-    /// A departure's GPU steps on the fake: each undone unless [`Broken`] says otherwise,
-    /// and recorded in the receipt.
-    fn release_slice(&self, st: &mut State, items: &SliceItems, steps: &mut Vec<StepRecord>) {
-        let b = self.broken;
-        let gs = &mut st.gpu;
-        if !b.gpu_instance_left {
-            if let Some(i) = &items.instance {
-                gs.instances.remove(i);
-            }
-        }
-        if !b.vf_type_left {
-            if let Some(t) = &items.vf_type {
-                gs.vf_types.remove(t);
-            }
-        }
-        if !b.reservation_left {
-            gs.reservations.remove(&items.reservation);
-        }
-        let quarantined = b.gpu_quarantined || b.quarantine_unrecorded;
-        if !b.vfio_left_bound && !quarantined {
-            gs.vfio_bound.remove(&items.bound);
-        }
-        if quarantined {
-            gs.quarantined.insert(items.id.clone());
-        }
-        steps.push(step(DepartureStep::DeviceReset, Assurance::Simulated));
-        let scrub = if b.gpu_scrub_skipped {
-            StepRecord::new(
-                DepartureStep::GpuScrub,
-                "fake",
-                StepResult::Skipped,
-                Assurance::NotApplicable,
-                "2026-01-01T00:00:00Z".into(),
-                "2026-01-01T00:00:01Z".into(),
-            )
-        } else if b.gpu_quarantined {
-            StepRecord::new(
-                DepartureStep::GpuScrub,
-                "fake",
-                StepResult::Failed,
-                Assurance::Unverified,
-                "2026-01-01T00:00:00Z".into(),
-                "2026-01-01T00:00:01Z".into(),
-            )
-            .with_evidence("quarantined", true)
-            .failed("fake: residue found after the scrub")
-        } else {
-            step(DepartureStep::GpuScrub, Assurance::Simulated)
-        };
-        steps.push(scrub);
-        steps.push(step(DepartureStep::GpuRelease, Assurance::Simulated));
     }
 
     /// A completion's answer after `ms`: one token per word, the first 90 % cached on a hit
@@ -865,135 +662,11 @@ impl VerifyHost for FakeVerifyHost {
     }
 
     fn guest_load(&self, name: &str, spec: LoadSpec) -> Result<(), HostError> {
-        let mut st = self.st();
-        if !st.tenants.contains_key(name) {
-            return Err(refused());
-        }
-        if self.broken.guest_loads_refused {
-            return Err(HostError::Api {
-                status: 502,
-                message: "the agent answered load with bad-request: unknown variant `load`".into(),
-            });
-        }
-        if self.broken.vmm_killed_by_overrun && spec.kind == LoadKind::Memory {
-            if let Some(t) = st.tenants.get_mut(name) {
-                t.view.state = LifecycleState::Failed;
-            }
-            return Ok(());
-        }
-        st.loads.insert(
-            (name.to_string(), spec.kind.as_str()),
-            (spec, Instant::now()),
-        );
-        Ok(())
+        self.start_load(name, spec)
     }
 
     fn guest_load_status(&self, name: &str, kind: LoadKind) -> Result<LoadReport, HostError> {
-        let st = self.st();
-        let t = st.tenants.get(name).ok_or_else(refused)?;
-        if t.view.state != LifecycleState::Running {
-            return Err(HostError::Api {
-                status: 409,
-                message: format!("Tenant {name:?} is not running"),
-            });
-        }
-        let guest = u64::from(t.view.spec.memory_mib);
-        let mut r = LoadReport {
-            spec: None,
-            state: LoadState::Idle,
-            elapsed_ms: 0,
-            progress: 0,
-            exit_code: None,
-            oom_kills: 0,
-            guest_mem_total_mib: guest - 8,
-            error: None,
-        };
-        let Some((spec, at)) = st.loads.get(&(name.to_string(), kind.as_str())) else {
-            return Ok(r);
-        };
-        r.spec = Some(*spec);
-        r.elapsed_ms = at.elapsed().as_millis() as u64;
-        let ran_out = at.elapsed() >= Duration::from_secs(u64::from(spec.seconds));
-        match kind {
-            LoadKind::Memory
-                if self.broken.guest_ram_unbounded || u64::from(spec.amount) < guest =>
-            {
-                r.state = LoadState::Finished;
-                r.exit_code = Some(0);
-                r.progress = u64::from(spec.amount);
-            }
-            LoadKind::GpuMemory if self.broken.no_cuda_in_guest => {
-                r.state = LoadState::Failed;
-                r.exit_code = Some(1);
-                r.error = Some("no CUDA driver in the guest: cannot load libcuda.so.1: libcuda.so.1: cannot open shared object file: No such file or directory".into());
-            }
-            LoadKind::GpuMemory => {
-                let slice_mib = t
-                    .view
-                    .gpu
-                    .as_ref()
-                    .and_then(|s| super::gpu_probe::slice_memory_mib(&self.gpus, s))
-                    .unwrap_or(0);
-                r.state = LoadState::Finished;
-                r.exit_code = Some(0);
-                // The driver's own context takes a little of the slice.
-                r.progress = if self.broken.gpu_memory_unbounded {
-                    u64::from(spec.amount)
-                } else {
-                    slice_mib.saturating_sub(400)
-                };
-            }
-            LoadKind::GpuCompute if self.broken.no_cuda_in_guest => {
-                r.state = LoadState::Failed;
-                r.exit_code = Some(1);
-                r.error = Some("no CUDA driver in the guest: cannot load libcuda.so.1: libcuda.so.1: cannot open shared object file: No such file or directory".into());
-            }
-            LoadKind::GpuCompute => {
-                let run = at
-                    .elapsed()
-                    .min(Duration::from_secs(u64::from(spec.seconds)));
-                // Another tenant's compute load running during this one's.
-                let start = *at;
-                let end = start + run;
-                let contended = st.loads.iter().any(|((n, k), (s, t))| {
-                    n != name
-                        && *k == LoadKind::GpuCompute.as_str()
-                        && *t < end
-                        && *t + Duration::from_secs(u64::from(s.seconds)) > start
-                });
-                // A slice's own rate: 1000 million multiply-adds per second per block
-                // batch, a quarter of it when its compute is shared with a busy neighbour.
-                let per_s: u64 = if self.broken.gpu_compute_shared && contended {
-                    250
-                } else {
-                    1000
-                };
-                r.elapsed_ms = run.as_millis() as u64;
-                r.progress = r.elapsed_ms * per_s / 1000 + 1;
-                r.state = if ran_out {
-                    LoadState::Finished
-                } else {
-                    LoadState::Running
-                };
-                r.exit_code = ran_out.then_some(0);
-            }
-            LoadKind::Memory => {
-                r.state = LoadState::Killed;
-                r.exit_code = Some(137);
-                r.progress = guest - 24;
-                r.oom_kills = 1;
-            }
-            _ => {
-                r.state = if ran_out {
-                    LoadState::Finished
-                } else {
-                    LoadState::Running
-                };
-                r.exit_code = ran_out.then_some(0);
-                r.progress = r.elapsed_ms / 10 + 1;
-            }
-        }
-        Ok(r)
+        self.load_status(name, kind)
     }
 
     fn disk_opens_with(&self, disk_of: &str, key_of: &str) -> Result<bool, HostError> {
