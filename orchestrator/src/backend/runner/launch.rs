@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::super::{BackendError, BackendKind, ExitReason, JailConfig, RunningVm, VmSpec};
 use super::{check_binary, Prepared, RuntimeConfig};
+use crate::backend::{BackendError, BackendKind, ExitReason, JailConfig, RunningVm, VmSpec};
 use crate::jail::process::{self, spawn_launcher, wait_nohang};
 use crate::jail::{reap_exited, ExitRecord, JailPlan};
 use crate::logs::{LogKind, LogPolicy, TenantLogs};

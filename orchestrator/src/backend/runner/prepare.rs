@@ -10,10 +10,10 @@ use tenantvm_vmm_api::{
     BlockConfig, RateLimitConfig, MAX_GUEST_CID, MAX_PASSTHROUGH_DEVICES, MIN_GUEST_CID,
 };
 
-use super::super::control::MAX_SOCKET_PATH;
-use super::super::vfio_nodes::VfioInterface;
-use super::super::{BackendError, JailConfig, VmSpec};
 use super::{RuntimeConfig, JAIL_SERIAL_LOG, JAIL_VM_DIR, RUN_DIR, STOPPED_BY_FILE};
+use crate::backend::control::MAX_SOCKET_PATH;
+use crate::backend::vfio_nodes::{self, VfioInterface};
+use crate::backend::{BackendError, JailConfig, VmSpec};
 use crate::jail::{CgroupHandle, JailPlan, JailRlimits};
 use crate::logs::{LogKind, LogPolicy, TenantLogs};
 
@@ -215,7 +215,7 @@ pub fn jail_disks(spec: &VmSpec) -> Vec<BlockConfig> {
 /// The jail plan every VMM needs: the program with its libraries, the guest files under
 /// /vm, /dev/null and /dev/urandom, the socket directory at /run, serial.log at
 /// /log/serial.log, and the passed-through devices' sysfs directories and VFIO nodes for
-/// `vfio` ([`vfio_nodes`](crate::backend::vfio_nodes)).
+/// `vfio` ([`vfio_nodes`]).
 pub fn base_plan(
     spec: &VmSpec,
     jail: &JailConfig,
@@ -258,7 +258,7 @@ pub fn base_plan(
     plan.device(Path::new("/dev/urandom"))?;
     plan.bind(&prepared.run_dir, Path::new("/run"), true)?;
     plan.bind(&prepared.serial_log, Path::new(JAIL_SERIAL_LOG), true)?;
-    for node in super::super::vfio_nodes::nodes(spec, vfio, Path::new("/")) {
+    for node in vfio_nodes::nodes(spec, vfio, Path::new("/")) {
         plan.device(&node).map_err(|e| {
             invalid(format!(
                 "{}: {e}; is the device bound to vfio-pci (or its vGPU type set) and the vfio modules loaded? `tenantvm host check` says",

@@ -9,18 +9,18 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use super::super::abi::{
+use super::{ioctl_err, VfioKernelError};
+use crate::pci::vfio::abi::{
     argsz, vfio_group_status, vfio_iommu_type1_dma_map, vfio_iommu_type1_dma_unmap,
     VFIO_TYPE1v2_IOMMU, VFIO_API_VERSION, VFIO_CHECK_EXTENSION, VFIO_DMA_MAP_FLAG_READ,
     VFIO_DMA_MAP_FLAG_WRITE, VFIO_GET_API_VERSION, VFIO_GROUP_FLAGS_VIABLE, VFIO_GROUP_GET_STATUS,
     VFIO_GROUP_SET_CONTAINER, VFIO_IOMMU_MAP_DMA, VFIO_IOMMU_UNMAP_DMA, VFIO_SET_IOMMU,
 };
-use super::{ioctl_err, VfioKernelError};
 
 /// A VFIO group file, kept open while a device of it is in use.
 #[derive(Debug)]
 pub struct VfioGroup {
-    pub(super) id: u32,
+    id: u32,
     pub(super) file: File,
     /// Whether the file went to the VM's KVM VFIO device (once per group).
     pub(super) kvm_added: AtomicBool,

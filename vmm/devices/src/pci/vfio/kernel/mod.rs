@@ -298,7 +298,7 @@ impl KernelVfioDevice {
             if !group.kvm_added.swap(true, Ordering::SeqCst) {
                 kvm.add(group.fd())
                     .map_err(|source| VfioKernelError::KvmFile {
-                        group: group.id,
+                        group: group.id(),
                         source,
                     })?;
             }
@@ -514,7 +514,7 @@ impl KernelVfioDevice {
                 // Each entry starts with its group id (the union's `group_id`).
                 if let Some(other) = (0..affected)
                     .map(|i| info[head_words + entry_words * i])
-                    .find(|&g| g != group.id)
+                    .find(|&g| g != group.id())
                 {
                     return Err(format!(
                         "a bus reset would also reset IOMMU group {other}, which this VM does \
